@@ -1,0 +1,438 @@
+"""Typed configuration: one dataclass per step, one top-level `Config`, YAML that mirrors it.
+
+    cfg = load("configs/quickstart.yaml", ["train.lr=3e-4", "run_dir=/tmp/x"])
+
+Every field has a default and a one-line doc (`doc(...)` below) that `drafter <cmd> --help` prints.
+Unknown keys and wrong types raise `ConfigError` naming the dotted key, the file and the line.
+Derived values (layer ids, drafter shape) are computed once by the step that needs them and
+recorded in its manifest, never configured twice.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from . import DrafterError
+
+
+class ConfigError(DrafterError, ValueError):
+    """A bad config: the message names the file, line and dotted key."""
+
+
+def doc(default: Any, help: str, **kw) -> Any:
+    """A dataclass field with a default and the one-line doc shown by --help."""
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda d=default: _copy(d), metadata={"help": help}, **kw)
+    if callable(default) and isinstance(default, type):
+        return field(default_factory=default, metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+def _copy(x):
+    import copy
+    return copy.deepcopy(x)
+
+
+# --------------------------------------------------------------------------------------------- target
+@dataclass
+class TargetConfig:
+    model: str = doc("builtin:smollm2-135m-instruct",
+                     "HF model id, local HF folder, .gguf file, or builtin:smollm2-135m-instruct")
+    revision: str | None = doc(None, "HF hub revision (branch, tag or commit) for a model id")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = doc(
+        "auto", "target weights dtype; auto = bfloat16 on GPU, float32 on CPU")
+    device: str = doc("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    trust_remote_code: bool = doc(False, "allow the model repo's own Python code (off: security)")
+    chat_template: str | None = doc(None, "path to a Jinja chat template overriding the tokenizer's")
+
+
+# -------------------------------------------------------------------------------------------- prepare
+@dataclass
+class SourceConfig:
+    path: str = doc("", "JSON/JSONL(.gz)/Parquet file, HF dataset name or folder, or builtin:NAME")
+    format: Literal["auto", "sharegpt", "openai", "alpaca", "prompt"] = doc(
+        "auto", "record format; auto detects it from the fields of the first records")
+    split: str = doc("train", "split of a HF dataset")
+    subset: str | None = doc(None, "config name of a HF dataset")
+    max_samples: int | None = doc(None, "keep at most this many records from this source")
+
+
+@dataclass
+class PrepareConfig:
+    sources: list[SourceConfig] = doc(
+        [SourceConfig(path="builtin:quickstart-prompts")], "where the conversations come from")
+    shuffle: bool = doc(True, "shuffle records (seeded) before max_samples, dedup and the split")
+    seed: int = doc(0, "seed of the shuffle and of the train/validation split")
+    dedup: bool = doc(True, "drop exact duplicates of the normalised first user turn")
+    val_fraction: float = doc(0.05, "share of conversations held out for validation")
+    max_bad_fraction: float = doc(0.01, "fail when more than this share of records is malformed")
+    require_assistant: bool = doc(False, "reject conversations without an assistant turn "
+                                  "(needed when generate.enabled is false)")
+
+
+# ------------------------------------------------------------------------------------------- generate
+@dataclass
+class ServerConfig:
+    engine: Literal["transformers", "vllm", "sglang", "external", "local"] = doc(
+        "transformers", "generation server: started by drafter, an external URL, or in-process")
+    urls: list[str] = doc([], "OpenAI-compatible base URLs for engine=external (load-balanced)")
+    host: str = doc("127.0.0.1", "bind address of a server drafter starts")
+    port: int = doc(0, "port of a server drafter starts; 0 picks a free one")
+    command: str | None = doc(None, "command template overriding the engine's default "
+                              "({model}, {host}, {port} are filled in)")
+    extra_args: list[str] = doc([], "extra arguments appended to the server command")
+    startup_timeout: float = doc(900.0, "seconds to wait for the server to become healthy")
+    api_key_env: str = doc("OPENAI_API_KEY", "environment variable holding the API key, if any")
+
+
+@dataclass
+class GenerateConfig:
+    enabled: bool = doc(True, "regenerate answers with the target; false trains on the data's own")
+    server: ServerConfig = doc(ServerConfig(), "the generation server")
+    concurrency: int = doc(16, "requests in flight per server")
+    temperature: float = doc(0.0, "sampling temperature")
+    top_p: float = doc(1.0, "nucleus sampling threshold")
+    max_tokens: int = doc(512, "max new tokens per answer")
+    seed: int = doc(0, "sampling seed sent with each request")
+    max_retries: int = doc(5, "retries with exponential backoff before a request is an error")
+    request_timeout: float = doc(600.0, "seconds before one request times out")
+    drop_truncated: bool = doc(False, "drop answers cut by max_tokens (finish_reason=length)")
+    batch_size: int = doc(64, "sequences per batch for engine=local")
+
+
+# ------------------------------------------------------------------------------------------- tokenize
+@dataclass
+class TokenizeConfig:
+    max_length: int = doc(2048, "max tokens per conversation")
+    overflow: Literal["truncate", "drop"] = doc("truncate", "what to do past max_length")
+    enable_thinking: bool | None = doc(None, "passed to chat templates that take it (Qwen3)")
+
+
+# ---------------------------------------------------------------------------------------------- vocab
+@dataclass
+class VocabConfig:
+    draft_vocab_size: int = doc(32000, "draft vocab size (capped at the target vocab size)")
+
+
+# -------------------------------------------------------------------------------------------- extract
+@dataclass
+class ExtractConfig:
+    layer_ids: list[int] | None = doc(None, "aux layer ids, HS[k] convention; default "
+                                      "[2, N//2, N-3]")
+    aux_dtype: Literal["bf16", "fp8"] = doc("bf16", "storage of aux states: bf16, or fp8-e4m3 "
+                                            "with a per-token scale")
+    teacher: Literal["hidden", "topk"] = doc("hidden", "teacher signal: final hidden state, or "
+                                             "top-k log-probs within the draft vocab")
+    topk: int = doc(64, "k for teacher=topk")
+    batch_tokens: int = doc(16384, "tokens per prefill batch (sorted by length)")
+    shard_tokens: int = doc(262144, "tokens per shard file")
+    tp: bool = doc(False, "tensor-parallel target (transformers tp_plan) under torchrun")
+    preflight: Literal["refuse", "warn", "off"] = doc(
+        "refuse", "when GPU memory is held by other processes: refuse, warn, or skip the check")
+
+
+# ---------------------------------------------------------------------------------------------- train
+@dataclass
+class TrainConfig:
+    online: bool = doc(False, "run the target beside the drafter; store no hidden states")
+    ttt_steps: int = doc(7, "training-time-test unroll length")
+    ttt_decay: float = doc(0.8, "loss weight decay per TTT step (weight 0.8**i)")
+    intermediate_size: int | None = doc(None, "drafter MLP size; default: the target's")
+    norm_before_residual: bool = doc(False, "norm h before the residual (SGLang supports only false)")
+    fc_norm: bool = doc(False, "EAGLE-3.1: RMSNorm each aux state before fc")
+    norm_output: bool = doc(False, "EAGLE-3.1: feed back the post-norm state in TTT")
+    attention: Literal["auto", "sdpa", "flex"] = doc(
+        "auto", "TTT attention: sdpa (exact, CPU/GPU) or flex (fast GPU); auto picks")
+    lr: float = doc(1e-4, "peak learning rate (AdamW)")
+    min_lr_ratio: float = doc(0.0, "final lr as a share of the peak (cosine)")
+    warmup_ratio: float = doc(0.015, "share of steps spent in linear warmup")
+    weight_decay: float = doc(0.0, "AdamW weight decay")
+    grad_clip: float = doc(0.5, "max grad norm")
+    epochs: int = doc(1, "passes over the training data")
+    max_steps: int | None = doc(None, "stop after this many optimizer steps")
+    batch_tokens: int = doc(8192, "tokens per micro-batch per rank (packed)")
+    max_length: int = doc(2048, "max tokens per packed sequence")
+    grad_accum: int = doc(1, "micro-batches per optimizer step")
+    dtype: Literal["auto", "bfloat16", "float32"] = doc(
+        "auto", "autocast dtype; auto = bfloat16 on GPU, float32 on CPU")
+    fsdp: bool = doc(False, "shard the drafter with FSDP2 under torchrun instead of DDP")
+    seed: int = doc(0, "seed of init, data order and dropout")
+    log_every: int = doc(10, "optimizer steps between log lines")
+    eval_every: int = doc(200, "optimizer steps between validation passes (0: only at the end)")
+    save_every: int = doc(500, "optimizer steps between checkpoints")
+    keep_checkpoints: int = doc(2, "checkpoints kept (the best one is always kept)")
+    resume: str = doc("auto", "auto (latest checkpoint), a checkpoint path, or off")
+    tensorboard: bool = doc(False, "also write TensorBoard events")
+
+
+# --------------------------------------------------------------------------------------------- export
+@dataclass
+class ExportConfig:
+    checkpoint: str = doc("last", "last, best (validation simulated tau), or a checkpoint path")
+    max_position_embeddings: int | None = doc(None, "serving context; default: the target's")
+    speculative_tokens: int = doc(3, "K written into the speculators config")
+
+
+# ------------------------------------------------------------------------------------------- evaluate
+@dataclass
+class EvalDatasetConfig:
+    name: str = doc("", "name used in the report")
+    path: str = doc("", "JSONL(.gz) file or builtin:humaneval")
+    max_prompts: int | None = doc(None, "use the first N prompts")
+
+
+@dataclass
+class EvaluateConfig:
+    datasets: list[EvalDatasetConfig] = doc(
+        [EvalDatasetConfig(name="humaneval", path="builtin:humaneval", max_prompts=10)],
+        "evaluation prompt sets")
+    drafter: str = doc("export", "export (this run's native/), a checkpoint dir, or a native dir")
+    baseline: str | None = doc(None, "another drafter dir shown side by side")
+    max_new_tokens: int = doc(128, "new tokens per prompt")
+    methods: list[str] = doc(["chain"], "chain and/or tree")
+    k: int = doc(5, "chain: tokens drafted per step")
+    tree_depth: int = doc(6, "tree: drafting depth")
+    tree_topk: int = doc(8, "tree: children per node")
+    tree_tokens: int = doc(48, "tree: total draft tokens verified per step")
+    temperatures: list[float] = doc([0.0], "sampling temperatures (0 = greedy, lossless-checked)")
+    seed: int = doc(0, "sampling seed")
+    batch_size: int = doc(1, "prompts decoded together")
+    cuda_graphs: bool = doc(True, "capture decode steps in CUDA graphs on GPU")
+
+
+# ----------------------------------------------------------------------------------------- top level
+@dataclass
+class Config:
+    run_dir: str = doc("runs/quickstart", "the run directory: one folder per step")
+    target: TargetConfig = doc(TargetConfig(), "the target model")
+    prepare: PrepareConfig = doc(PrepareConfig(), "prepare step")
+    generate: GenerateConfig = doc(GenerateConfig(), "generate step")
+    tokenize: TokenizeConfig = doc(TokenizeConfig(), "tokenize step")
+    vocab: VocabConfig = doc(VocabConfig(), "vocab step")
+    extract: ExtractConfig = doc(ExtractConfig(), "extract step")
+    train: TrainConfig = doc(TrainConfig(), "train step")
+    export: ExportConfig = doc(ExportConfig(), "export step")
+    evaluate: EvaluateConfig = doc(EvaluateConfig(), "evaluate step")
+
+
+# ----------------------------------------------------------------------------------- load and check
+class _Where:
+    """Maps dotted keys to 'file:line' from the YAML node marks."""
+
+    def __init__(self, file: str | None, node: yaml.Node | None):
+        self.file = file or "<overrides>"
+        self.lines: dict[str, int] = {}
+        if node is not None:
+            self._walk(node, "")
+
+    def _walk(self, node, prefix):
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = f"{prefix}{k.value}"
+                self.lines[key] = k.start_mark.line + 1
+                self._walk(v, key + ".")
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                key = f"{prefix.rstrip('.')}[{i}]"
+                self.lines[key] = v.start_mark.line + 1
+                self._walk(v, key + ".")
+
+    def __call__(self, key: str) -> str:
+        line = self.lines.get(key)
+        return f"{self.file}:{line}" if line else self.file
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str, where: _Where) -> Any:
+    """Check `value` against the annotation `tp`; return it converted (dicts -> dataclasses)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key, where)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0] if len(errors) == 1 else ConfigError(
+            f"{where(key)}: {key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where(key)}: {key}: must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where(key)}: {key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where(key)}: {key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if dataclasses.is_dataclass(value):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where(key)}: {key}: expected a mapping, got {value!r}")
+        return _build(tp, value, key, where)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where(key)}: {key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where(key)}: {key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where(key)}: {key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where(key)}: {key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where(key)}: {key}: unsupported type {tp}")
+
+
+def _build(cls, data: dict, prefix: str, where: _Where):
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            close = difflib.get_close_matches(str(k), names, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            section = f"section '{prefix}'" if prefix else "the top level"
+            raise ConfigError(f"{where(key)}: unknown key '{key}' in {section}{hint}")
+        kwargs[k] = _coerce(v, hints[k], key, where)
+    return cls(**kwargs)
+
+
+def to_dict(obj) -> Any:
+    """Plain dict/list/scalar view of a config (or any part of it)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [to_dict(x) for x in obj]
+    return obj
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'train.lr=3e-4' -> (['train', 'lr'], 0.0003). Values are parsed as YAML scalars/lists."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}': expected key=value, e.g. train.lr=3e-4")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override '{text}': empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{text}': value is not valid YAML: {e}") from None
+    # YAML reads 3e-4 as a string (no dot): read such numbers as floats.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value.lower() for c in ".e") else value
+        except ValueError:
+            pass
+    return key.split("."), value
+
+
+def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read a YAML config (or the defaults when path is None), apply dotted overrides, validate."""
+    data: dict = {}
+    where = _Where(None, None)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        text = path.read_text()
+        try:
+            node = yaml.compose(text)
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        where = _Where(str(path), node)
+    cfg = _build(Config, data, "", where)
+    for text in overrides:
+        keys, value = parse_override(text)
+        nested: Any = value
+        for k in reversed(keys):
+            nested = {k: nested}
+        merged = _merge(to_dict(cfg), nested)
+        # Validate against the file's line table first, then name the override itself.
+        try:
+            cfg = _build(Config, merged, "", _Where(f"override '{text}'", None))
+        except ConfigError as e:
+            raise ConfigError(str(e)) from None
+    return cfg
+
+
+def section(cfg: Config, name: str) -> Any:
+    return getattr(cfg, name)
+
+
+def dump(cfg: Config) -> str:
+    """The resolved config as YAML (what `drafter config` prints and each run stores)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None, width=100)
+
+
+def fingerprint(obj) -> str:
+    """Stable short hash of any config part."""
+    import hashlib
+    blob = json.dumps(to_dict(obj), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def help_lines(cls=Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) for every field: the body of `--help`."""
+    rows = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if dataclasses.is_dataclass(tp):
+            rows.append((key, "", f.metadata.get("help", "")))
+            rows.extend(help_lines(tp, key + "."))
+            continue
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if item is not None and dataclasses.is_dataclass(item):
+            rows.append((key, "[...]", f.metadata.get("help", "")))
+            rows.extend(help_lines(item, key + "[]."))
+            continue
+        rows.append((key, json.dumps(to_dict(default)), f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,297 @@
+"""The run directory: the only code that knows paths. Also manifests and atomic writes.
+
+    runs/NAME/
+      config.yaml                 the resolved config of the last invocation
+      prepare/conversations.jsonl canonical {id, source, split, messages}; rejects.jsonl
+      generate/conversations.jsonl regenerated answers (same schema); errors.jsonl; server.log
+      tokenize/{train,val}.parquet id, input_ids, loss_mask, num_tokens
+      vocab/vocab.safetensors     d2t [Vd] int64, t2d [V] bool, counts [V] int64; vocab.json
+      extract/{train,val}/        shard_NNNNN.safetensors + index.json
+      train/                      step_NNNNNN/ checkpoints, metrics.jsonl, tb/
+      export/{native,speculators}/
+      evaluate/                   metrics.json, report.md, *.png
+    each step folder ends with manifest.json (written by pipeline.py) and, after a crash,
+    failed.json; started.json records the fingerprint a partial folder belongs to.
+
+Steps ask this module for paths (`Run(cfg).tokens("train")`) and never build them themselves.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import DrafterError
+
+STEPS = ["prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate"]
+
+# Which steps' outputs each step reads (their manifests' hashes go into its fingerprint).
+INPUTS: dict[str, list[str]] = {
+    "prepare": [],
+    "generate": ["prepare"],
+    "tokenize": ["prepare", "generate"],
+    "vocab": ["tokenize"],
+    "extract": ["tokenize", "vocab"],
+    "train": ["tokenize", "vocab", "extract"],
+    "export": ["train"],
+    "evaluate": ["export"],
+}
+
+# Which config sections each step's result depends on (hashed into its fingerprint).
+SECTIONS: dict[str, list[str]] = {
+    "prepare": ["prepare"],
+    "generate": ["target", "generate"],
+    "tokenize": ["target", "tokenize"],
+    "vocab": ["vocab"],
+    "extract": ["target", "extract", "train.online"],
+    "train": ["target", "train"],
+    "export": ["export"],
+    "evaluate": ["target", "evaluate"],
+}
+
+
+class MissingInput(DrafterError, FileNotFoundError):
+    """An input of a step is absent; the message names the step that produces it."""
+
+
+class Run:
+    """Paths of one run directory."""
+
+    def __init__(self, run_dir: str | Path):
+        self.root = Path(run_dir)
+
+    @classmethod
+    def of(cls, cfg) -> "Run":
+        return cls(cfg.run_dir)
+
+    # -- generic
+    def step_dir(self, step: str) -> Path:
+        assert step in STEPS, step
+        return self.root / step
+
+    def manifest(self, step: str) -> Path:
+        return self.step_dir(step) / "manifest.json"
+
+    def failed(self, step: str) -> Path:
+        return self.step_dir(step) / "failed.json"
+
+    def started(self, step: str) -> Path:
+        return self.step_dir(step) / "started.json"
+
+    def config_snapshot(self) -> Path:
+        return self.root / "config.yaml"
+
+    def require(self, path: Path, step: str) -> Path:
+        """Return `path`, or raise MissingInput naming the step that makes it."""
+        if not path.exists():
+            raise MissingInput(f"{path} not found: run `drafter {step} CONFIG` first "
+                               f"(or `drafter run CONFIG`)")
+        return path
+
+    # -- prepare
+    def conversations(self, step: str = "prepare") -> Path:
+        """prepare/conversations.jsonl or generate/conversations.jsonl."""
+        assert step in ("prepare", "generate")
+        return self.step_dir(step) / "conversations.jsonl"
+
+    def rejects(self) -> Path:
+        return self.step_dir("prepare") / "rejects.jsonl"
+
+    # -- generate
+    def generate_errors(self) -> Path:
+        return self.step_dir("generate") / "errors.jsonl"
+
+    def server_log(self) -> Path:
+        return self.step_dir("generate") / "server.log"
+
+    # -- tokenize
+    def tokens(self, split: str) -> Path:
+        assert split in ("train", "val")
+        return self.step_dir("tokenize") / f"{split}.parquet"
+
+    # -- vocab
+    def vocab(self) -> Path:
+        return self.step_dir("vocab") / "vocab.safetensors"
+
+    def vocab_info(self) -> Path:
+        return self.step_dir("vocab") / "vocab.json"
+
+    # -- extract
+    def shards(self, split: str) -> Path:
+        assert split in ("train", "val")
+        return self.step_dir("extract") / split
+
+    def shard(self, split: str, i: int) -> Path:
+        return self.shards(split) / f"shard_{i:05d}.safetensors"
+
+    def shard_index(self, split: str) -> Path:
+        return self.shards(split) / "index.json"
+
+    # -- train
+    def checkpoint(self, step: int) -> Path:
+        return self.step_dir("train") / f"step_{step:06d}"
+
+    def checkpoints(self) -> list[Path]:
+        d = self.step_dir("train")
+        return sorted(p for p in d.glob("step_[0-9]*") if (p / "COMPLETE").exists()) \
+            if d.exists() else []
+
+    def train_metrics(self) -> Path:
+        return self.step_dir("train") / "metrics.jsonl"
+
+    def tensorboard(self) -> Path:
+        return self.step_dir("train") / "tb"
+
+    # -- export
+    def export(self, fmt: str) -> Path:
+        assert fmt in ("native", "speculators")
+        return self.step_dir("export") / fmt
+
+    # -- evaluate
+    def eval_metrics(self) -> Path:
+        return self.step_dir("evaluate") / "metrics.json"
+
+    def eval_report(self) -> Path:
+        return self.step_dir("evaluate") / "report.md"
+
+    def eval_plot(self, name: str) -> Path:
+        return self.step_dir("evaluate") / f"{name}.png"
+
+
+def cache_dir() -> Path:
+    """Where materialised targets live: $DRAFTER_CACHE, default ~/.cache/drafter."""
+    return Path(os.environ.get("DRAFTER_CACHE") or Path.home() / ".cache" / "drafter")
+
+
+# ----------------------------------------------------------------------------------- atomic writes
+def _fsync_dir(d: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "w", **kw) -> Iterator[Any]:
+    """Write to a temp file beside `path`, fsync, then rename over it. A crash leaves either the
+    old file or the new one, never a partial one. Temp names start with '.tmp-'."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        with open(tmp, mode, **kw) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write(path: str | Path, data: str | bytes) -> None:
+    with atomic_open(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+
+
+def atomic_json(path: str | Path, obj: Any) -> None:
+    atomic_write(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Build a directory under a temp name, then rename it into place (replacing an old one)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}.", dir=path.parent))
+    try:
+        yield tmp
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+        if path.exists():
+            old = path.with_name(f".old-{path.name}.{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def safe_save_file(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
+    """safetensors.save_file, atomically."""
+    from safetensors.torch import save
+
+    atomic_write(path, save(tensors, metadata=metadata))
+
+
+def read_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+# ------------------------------------------------------------------------------ append-only JSONL
+def read_jsonl(path: str | Path, repair: bool = False) -> list[dict]:
+    """Records of a JSONL file written by `JsonlAppender`. A torn last line (a kill mid-write) is
+    ignored, and cut off the file when `repair` is true, so that appending can resume."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out, good_bytes = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break  # torn tail
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+            good_bytes += len(line)
+    if repair and good_bytes != path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good_bytes)
+            os.fsync(f.fileno())
+    return out
+
+
+class JsonlAppender:
+    """Append records one line at a time, flushed and fsynced, so that a kill loses at most the
+    line being written (which `read_jsonl(repair=True)` then cuts off)."""
+
+    def __init__(self, path: str | Path, fsync: bool = True):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(self.path, "ab")
+        self.fsync = fsync
+
+    def write(self, record: dict) -> None:
+        self.f.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
+        self.f.flush()
+        if self.fsync:
+            os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0

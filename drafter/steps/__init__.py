@@ -1,0 +1,1 @@
+"""One module per pipeline step, each with a main(cfg) -> {"counts": {...}, ...}."""

@@ -1,0 +1,37 @@
+"""Shared fixtures: the embedded SmolLM2 target materialised once per test session into a
+session cache dir (never ~/.cache), and tiny random configs of real architectures."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory):
+    """Every test uses one throwaway cache (materialised targets), unless DRAFTER_CACHE is set
+    by the caller to reuse a warm one."""
+    if not os.environ.get("DRAFTER_TEST_KEEP_CACHE"):
+        os.environ["DRAFTER_CACHE"] = str(tmp_path_factory.mktemp("drafter-cache"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    yield
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(_cache_dir) -> Path:
+    """The builtin target as an HF folder (materialised once per session)."""
+    from drafter.target import resolve
+
+    return Path(resolve("builtin:smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.exists():
+        pytest.skip(f"{SHARED_DATA} not present")
+    return SHARED_DATA

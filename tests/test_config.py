@@ -1,0 +1,106 @@
+"""Config: YAML sections, dotted overrides, unknown keys and wrong types named with file:line."""
+import pytest
+
+from drafter import config as C
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_nested_sections(tmp_path):
+    p = write(tmp_path, "run_dir: /tmp/x\ntrain:\n  lr: 0.001\ngenerate:\n  server:\n"
+                        "    engine: external\n    urls: [http://a:1/v1]\n")
+    cfg = C.load(p)
+    assert cfg.run_dir == "/tmp/x"
+    assert cfg.train.lr == 0.001
+    assert cfg.train.ttt_steps == 7  # default kept
+    assert cfg.generate.server.engine == "external"
+    assert cfg.generate.server.urls == ["http://a:1/v1"]
+
+
+def test_overrides(tmp_path):
+    p = write(tmp_path, "train:\n  lr: 0.001\n")
+    cfg = C.load(p, ["train.lr=3e-4", "run_dir=/tmp/y", "evaluate.temperatures=[0, 1]",
+                     "extract.layer_ids=[1,2,3]", "train.max_steps=null"])
+    assert cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.run_dir == "/tmp/y"
+    assert cfg.evaluate.temperatures == [0.0, 1.0]
+    assert cfg.extract.layer_ids == [1, 2, 3]
+    assert cfg.train.max_steps is None
+
+
+def test_list_of_sections(tmp_path):
+    p = write(tmp_path, "prepare:\n  sources:\n    - path: a.jsonl\n      max_samples: 5\n"
+                        "    - path: b.json\n      format: alpaca\n")
+    cfg = C.load(p)
+    assert [s.path for s in cfg.prepare.sources] == ["a.jsonl", "b.json"]
+    assert cfg.prepare.sources[0].max_samples == 5
+    assert cfg.prepare.sources[1].format == "alpaca"
+
+
+def test_unknown_key_names_key_file_and_line(tmp_path):
+    p = write(tmp_path, "train:\n  lr: 0.1\n  lrr: 0.2\n")
+    with pytest.raises(C.ConfigError) as e:
+        C.load(p)
+    msg = str(e.value)
+    assert "train.lrr" in msg and f"{p}:3" in msg and "did you mean 'lr'" in msg
+
+
+def test_unknown_key_in_list_item(tmp_path):
+    p = write(tmp_path, "prepare:\n  sources:\n    - path: a.jsonl\n      fromat: alpaca\n")
+    with pytest.raises(C.ConfigError, match=r"prepare\.sources\[0\]\.fromat"):
+        C.load(p)
+
+
+def test_bad_type_names_key_and_file(tmp_path):
+    p = write(tmp_path, "train:\n  ttt_steps: seven\n")
+    with pytest.raises(C.ConfigError) as e:
+        C.load(p)
+    assert "train.ttt_steps" in str(e.value) and f"{p}:2" in str(e.value)
+    assert "integer" in str(e.value)
+
+
+def test_bad_literal(tmp_path):
+    p = write(tmp_path, "extract:\n  aux_dtype: fp4\n")
+    with pytest.raises(C.ConfigError, match=r"extract\.aux_dtype.*one of"):
+        C.load(p)
+
+
+def test_bad_override_type_and_key():
+    with pytest.raises(C.ConfigError, match=r"override 'train\.lr=fast'.*train\.lr"):
+        C.load(None, ["train.lr=fast"])
+    with pytest.raises(C.ConfigError, match=r"unknown key 'tran'"):
+        C.load(None, ["tran.lr=1"])
+    with pytest.raises(C.ConfigError, match="key=value"):
+        C.load(None, ["train.lr"])
+
+
+def test_bool_is_not_int():
+    with pytest.raises(C.ConfigError, match="integer"):
+        C.load(None, ["train.epochs=true"])
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(C.ConfigError, match="not found"):
+        C.load(tmp_path / "nope.yaml")
+
+
+def test_dump_roundtrip(tmp_path):
+    cfg = C.load(None, ["train.lr=0.002", "prepare.seed=3"])
+    p = write(tmp_path, C.dump(cfg))
+    assert C.load(p) == cfg
+
+
+def test_every_field_has_help():
+    for key, _, help in C.help_lines():
+        assert help, f"{key} has no doc"
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    for p in sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")):
+        C.load(p)
