@@ -291,3 +291,38 @@ def param_count(model: nn.Module, trainable_only: bool = True) -> int:
 
 def attention_scale(cfg: DrafterConfig) -> float:
     return 1.0 / math.sqrt(cfg.head_dim)
+
+
+# ------------------------------------------------------------------------------- save and load
+CONFIG_FILE = "drafter_config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def save_drafter(model: Drafter, directory, dtype=None) -> None:
+    """Our own layout (checkpoints): model.safetensors with the engines' tensor names plus
+    drafter_config.json (DrafterConfig). Writes atomically; `directory` must exist."""
+    import json
+    from pathlib import Path
+
+    from .rundir import atomic_write, safe_save_file
+
+    d = Path(directory)
+    sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+          .detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    safe_save_file(sd, d / WEIGHTS_FILE)
+    atomic_write(d / CONFIG_FILE, json.dumps(model.cfg.to_dict(), indent=2) + "\n")
+
+
+def load_drafter(directory, device="cpu", dtype=torch.float32) -> Drafter:
+    """Inverse of save_drafter."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    cfg = DrafterConfig.from_dict(json.loads((d / CONFIG_FILE).read_text()))
+    model = Drafter(cfg)
+    sd = load_file(str(d / WEIGHTS_FILE))
+    model.load_state_dict(sd, strict=True)
+    return model.to(device=device, dtype=dtype)
