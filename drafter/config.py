@@ -133,10 +133,16 @@ class ExtractConfig:
                                              "top-k log-probs within the draft vocab")
     topk: int = doc(64, "k for teacher=topk")
     batch_tokens: int = doc(16384, "tokens per prefill batch (sorted by length)")
-    shard_tokens: int = doc(262144, "tokens per shard file")
+    shard_tokens: int = doc(65536, "tokens per shard file (a shard is held in memory while it "
+                            "is written: Ht=7168 bf16+hidden is 3.8 GB)")
+    packing: Literal["auto", "padded", "packed"] = doc(
+        "auto", "padded (right-padded, no mask), packed (one row, restarting positions), or auto "
+        "(packed only under flash attention)")
     tp: bool = doc(False, "tensor-parallel target (transformers tp_plan) under torchrun")
     preflight: Literal["refuse", "warn", "off"] = doc(
         "refuse", "when GPU memory is held by other processes: refuse, warn, or skip the check")
+    self_check: bool = doc(True, "before the run, compare the hooks with a plain forward's "
+                           "output_hidden_states and logits on one sample")
 
 
 # ---------------------------------------------------------------------------------------------- train

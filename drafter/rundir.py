@@ -7,6 +7,7 @@
       tokenize/{train,val}.parquet id, input_ids, loss_mask, num_tokens
       vocab/vocab.safetensors     d2t [Vd] int64, t2d [V] bool, counts [V] int64; vocab.json
       extract/{train,val}/        shard_NNNNN.safetensors + index.json
+      extract/head.safetensors    lm_head rows of the draft vocab [Vd, Ht] (store.py)
       train/                      step_NNNNNN/ checkpoints, metrics.jsonl, tb/
       export/{native,speculators}/
       evaluate/                   metrics.json, report.md, *.png
@@ -130,6 +131,9 @@ class Run:
 
     def shard_index(self, split: str) -> Path:
         return self.shards(split) / "index.json"
+
+    def extract_head(self) -> Path:
+        return self.step_dir("extract") / "head.safetensors"
 
     # -- train
     def checkpoint(self, step: int) -> Path:

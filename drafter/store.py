@@ -1,0 +1,419 @@
+"""Hidden-state shards: encode, write (atomically, with sha256), index, verify, read.
+
+Shapes: T tokens of a shard, S samples of a shard, L aux layers, Ht target hidden, k top-k.
+
+    extract/{train,val}/shard_NNNNN.safetensors   one shard (names from rundir.Run)
+        input_ids         [T] int32
+        loss_mask         [T] uint8
+        in_vocab          [T] bool      the target's argmax is in the draft vocab
+        offsets           [S+1] int64   sample s = tokens offsets[s]:offsets[s+1]
+        aux               [T, L, Ht] bf16, or float8_e4m3fn with
+        aux_scale         [T, L] float32  (aux = fp8 * scale; scale = amax / 448 per token and layer)
+        teacher_hidden    [T, Ht] bf16                      (teacher=hidden)
+        teacher_topk_ids  [T, k] int16 (int32 if Vd > 32768) (teacher=topk: draft-vocab ids)
+        teacher_topk_logp [T, k] float16                    (their log-probs over the draft vocab)
+      metadata: format, version, info (JSON: layer ids, Ht, N, dtype, options), ids (JSON list of
+      sample ids), content_sha256 (sha256 of the tensors' bytes: a shard verifies itself even
+      before the index exists, e.g. after a kill)
+    extract/{train,val}/index.json   info + per shard: file, sha256 (of the file), bytes, ids,
+                                     lengths; totals and bytes_per_token
+    extract/head.safetensors         weight [Vd, Ht]: the target's lm_head rows of the draft vocab
+                                     (teacher_logprobs needs it for teacher=hidden)
+
+`Reader(run, split)` gives training the per-sample dicts of docs/internals.md whatever the options
+(fp8 dequantised to bf16, ids int64, log-probs float32); `teacher_logprobs(sample, head)` turns
+either teacher form into dense log-probs over the draft vocab. `bytes_per_token` is the storage
+formula (`drafter plan` uses it too); the reference EAGLE-3 layout stores 8*Ht + 16 bytes.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import queue
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from . import DrafterError
+from .capture import Head
+from .rundir import atomic_write, read_json
+
+log = logging.getLogger("drafter")
+
+FORMAT = "drafter-hidden-states"
+VERSION = 1
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class ShardError(DrafterError):
+    """A shard or index is missing, corrupt, or from another format version."""
+
+
+# --------------------------------------------------------------------------------- the formula
+def topk_id_bytes(draft_vocab_size: int) -> int:
+    return 2 if draft_vocab_size <= 32768 else 4
+
+
+def bytes_per_token(hidden_size: int, n_aux: int = 3, aux_dtype: str = "bf16",
+                    teacher: str = "hidden", topk: int = 64, draft_vocab_size: int = 32000) -> int:
+    """Shard bytes per token (per-sample offsets and headers excluded: < 0.1% at 100 tokens).
+
+    6 (input_ids int32, loss_mask, in_vocab) + aux (L*Ht*2 for bf16; L*Ht + 4L for fp8 with a
+    float32 scale per token and layer) + teacher (Ht*2 for hidden; k*(2 or 4 + 2) for top-k)."""
+    b = 4 + 1 + 1
+    b += n_aux * hidden_size * 2 if aux_dtype == "bf16" else n_aux * hidden_size + 4 * n_aux
+    if teacher == "hidden":
+        b += hidden_size * 2
+    else:
+        k = min(topk, draft_vocab_size)
+        b += k * (topk_id_bytes(draft_vocab_size) + 2)
+    return b
+
+
+def reference_bytes_per_token(hidden_size: int) -> int:
+    """The reference layout: 3 bf16 aux states + a bf16 final hidden + 16 bytes of ids/masks."""
+    return 8 * hidden_size + 16
+
+
+# -------------------------------------------------------------------------------- fp8 encoding
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., Ht] -> (q [..., Ht] float8_e4m3fn, scale [...] float32), x ≈ q * scale."""
+    amax = x.abs().amax(-1).float()                                         # [...]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x.float() / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (q.float() * scale[..., None].float()).to(torch.bfloat16)        # [..., Ht]
+
+
+def encode(flat: dict, loss_mask: torch.Tensor, aux_dtype: str, draft_vocab_size: int) -> dict:
+    """Capture output (capture.Capture.run) -> the shard tensors, on flat's device."""
+    t = {"input_ids": flat["input_ids"].to(torch.int32),
+         "loss_mask": loss_mask.to(flat["input_ids"].device, torch.uint8),
+         "in_vocab": flat["in_vocab"].bool(),
+         "offsets": flat["offsets"].long()}
+    if aux_dtype == "fp8":
+        t["aux"], t["aux_scale"] = quantize_fp8(flat["aux"])
+    elif aux_dtype == "bf16":
+        t["aux"] = flat["aux"].to(torch.bfloat16)
+    else:
+        raise ShardError(f"extract.aux_dtype: must be bf16 or fp8, got {aux_dtype!r}")
+    if "teacher_hidden" in flat:
+        t["teacher_hidden"] = flat["teacher_hidden"].to(torch.bfloat16)
+    else:
+        id_dtype = torch.int16 if topk_id_bytes(draft_vocab_size) == 2 else torch.int32
+        t["teacher_topk_ids"] = flat["teacher_topk_ids"].to(id_dtype)
+        t["teacher_topk_logp"] = flat["teacher_topk_logp"].to(torch.float16)
+    return t
+
+
+def concat(parts: Sequence[dict]) -> dict:
+    """Concatenate encoded batches into one shard (offsets rebased)."""
+    out = {}
+    for k in parts[0]:
+        if k == "offsets":
+            base, offs = 0, [parts[0]["offsets"][:1]]
+            for p in parts:
+                offs.append(p["offsets"][1:] + base)
+                base += int(p["offsets"][-1])
+            out[k] = torch.cat(offs)
+        else:
+            out[k] = torch.cat([p[k] for p in parts])
+    return out
+
+
+def decode(t: dict) -> dict:
+    """Stored tensors (a shard or a slice of it) -> the contract's dtypes."""
+    out = {"input_ids": t["input_ids"].long(), "loss_mask": t["loss_mask"].long(),
+           "in_vocab": t["in_vocab"].bool()}
+    out["aux"] = dequantize_fp8(t["aux"], t["aux_scale"]) if "aux_scale" in t \
+        else t["aux"].to(torch.bfloat16)
+    if "teacher_hidden" in t:
+        out["teacher_hidden"] = t["teacher_hidden"].to(torch.bfloat16)
+    else:
+        out["teacher_topk_ids"] = t["teacher_topk_ids"].long()
+        out["teacher_topk_logp"] = t["teacher_topk_logp"].float()
+    return out
+
+
+# ------------------------------------------------------------------------------- shard files
+def content_sha256(tensors: dict) -> str:
+    """sha256 over name, dtype, shape and raw bytes of each tensor, in name order."""
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k].detach().contiguous().cpu()
+        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def write_shard(path: Path, tensors: dict, info: dict, ids: list[str]) -> dict:
+    """Serialise, hash and write one shard atomically (temp name, fsync, rename).
+    Returns its index entry."""
+    from safetensors.torch import save
+
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    meta = {"format": FORMAT, "version": str(VERSION), "info": json.dumps(info, sort_keys=True),
+            "ids": json.dumps(ids), "content_sha256": content_sha256(tensors)}
+    blob = save(tensors, metadata=meta)
+    atomic_write(path, blob)
+    offsets = tensors["offsets"].tolist()
+    return {"file": Path(path).name, "sha256": hashlib.sha256(blob).hexdigest(),
+            "bytes": len(blob), "num_samples": len(ids), "num_tokens": offsets[-1],
+            "ids": ids, "lengths": [b - a for a, b in zip(offsets[:-1], offsets[1:])]}
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_shard(path: Path, ids: list[str] | None = None, sha256: str | None = None
+                ) -> dict | None:
+    """The index entry of a good shard, or None when it is missing or corrupt. With `sha256`
+    (from the index) the file hash decides; without it the shard verifies its own content hash.
+    `ids`: the sample ids the shard must hold (the plan of this run)."""
+    from safetensors.torch import load
+
+    path = Path(path)
+    if not path.is_file():
+        return None
+    blob = path.read_bytes()
+    digest = hashlib.sha256(blob).hexdigest()
+    if sha256 is not None and digest != sha256:
+        return None
+    try:
+        tensors = load(blob)
+    except Exception:
+        return None
+    try:
+        meta = _metadata(blob)
+        if meta.get("format") != FORMAT or meta.get("content_sha256") != content_sha256(tensors):
+            return None
+        got_ids = json.loads(meta["ids"])
+    except Exception:
+        return None
+    if ids is not None and got_ids != list(ids):
+        return None
+    offsets = tensors["offsets"].tolist()
+    return {"file": path.name, "sha256": digest, "bytes": len(blob), "num_samples": len(got_ids),
+            "num_tokens": offsets[-1], "ids": got_ids,
+            "lengths": [b - a for a, b in zip(offsets[:-1], offsets[1:])]}
+
+
+def _metadata(blob: bytes) -> dict:
+    n = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8:8 + n]).get("__metadata__", {})
+
+
+class ShardWriter:
+    """Writes shards on a background thread, so that the target's next forward overlaps
+    serialising, hashing and disk. At most `depth` shards wait in memory; an error in the
+    thread is raised by the next `submit` or by `close`."""
+
+    def __init__(self, info: dict, depth: int = 1):
+        self.info = info
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.entries: dict[Path, dict] = {}
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name="shard-writer", daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while True:
+            job = self.q.get()
+            if job is None:
+                return
+            path, tensors, ids = job
+            try:
+                if self.error is None:
+                    self.entries[path] = write_shard(path, tensors, self.info, ids)
+            except BaseException as e:  # re-raised in the caller's thread
+                self.error = e
+
+    def _raise(self):
+        if self.error is not None:
+            raise self.error
+
+    def submit(self, path: Path, tensors: dict, ids: list[str]) -> None:
+        self._raise()
+        self.q.put((Path(path), tensors, ids))
+
+    def close(self) -> dict[Path, dict]:
+        self.q.put(None)
+        self.thread.join()
+        self._raise()
+        return self.entries
+
+
+# ---------------------------------------------------------------------------------- the index
+def write_index(path: Path, info: dict, entries: list[dict], head_sha256: str | None) -> dict:
+    n_tok = sum(e["num_tokens"] for e in entries)
+    n_bytes = sum(e["bytes"] for e in entries)
+    index = {"format": FORMAT, "version": VERSION, "info": info,
+             "num_samples": sum(e["num_samples"] for e in entries), "num_tokens": n_tok,
+             "bytes": n_bytes, "bytes_per_token": round(n_bytes / n_tok, 2) if n_tok else None,
+             "head_sha256": head_sha256, "shards": entries}
+    atomic_write(path, json.dumps(index, indent=1) + "\n")
+    return index
+
+
+def read_index(path: Path) -> dict:
+    try:
+        index = read_json(path)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ShardError(f"{path}: unreadable index ({e}): rerun `drafter extract CONFIG`") \
+            from None
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise ShardError(f"{path}: format {index.get('format')} v{index.get('version')}, this "
+                         f"drafter reads {FORMAT} v{VERSION}: rerun `drafter extract --force`")
+    return index
+
+
+def save_head(path: Path, head: Head, info: dict) -> str:
+    """Write the draft-vocab lm_head rows; returns the file's sha256."""
+    from safetensors.torch import save
+
+    blob = save({"weight": head.weight.detach().contiguous().cpu()},
+                metadata={"format": FORMAT, "logit_scale": str(head.scale),
+                          "logit_softcap": str(head.softcap), "info": json.dumps(info)})
+    atomic_write(path, blob)
+    return hashlib.sha256(blob).hexdigest()
+
+
+def load_head(path: Path) -> Head:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        w = f.get_tensor("weight")
+    cap = meta.get("logit_softcap", "None")
+    return Head(w, float(meta.get("logit_scale", 1.0)), None if cap == "None" else float(cap))
+
+
+# -------------------------------------------------------------------------------- the reader
+class Reader:
+    """The samples of one split, as the per-sample dicts of docs/internals.md.
+
+        r = Reader(run, "train")
+        len(r), r.lengths[i], r.ids[i], r[i] -> {"input_ids", "loss_mask", "aux", "in_vocab",
+                                                 "teacher_hidden" | "teacher_topk_*"}
+        r.info   layer_ids, num_layers, hidden_size, teacher, topk, aux_dtype, ...
+        r.head() -> capture.Head (lm_head rows of the draft vocab)
+
+    Reads only the rows of one sample (safetensors slices over mmap). Safe to pass to DataLoader
+    workers: open files are not pickled."""
+
+    MAX_OPEN = 32
+
+    def __init__(self, run, split: str, verify: bool = False):
+        self.run, self.split = run, split
+        path = run.require(run.shard_index(split), "extract")
+        self.index = read_index(path)
+        self.info = self.index["info"]
+        self.paths = [run.shard(split, i) for i in range(len(self.index["shards"]))]
+        for p, e in zip(self.paths, self.index["shards"]):
+            if p.name != e["file"]:
+                raise ShardError(f"{path}: shard {e['file']} is out of order")
+        self.lengths: list[int] = []
+        self.ids: list[str] = []
+        self._where: list[tuple[int, int, int]] = []     # (shard, first token, end token)
+        for s, e in enumerate(self.index["shards"]):
+            a = 0
+            for n, sid in zip(e["lengths"], e["ids"]):
+                self._where.append((s, a, a + n))
+                self.lengths.append(n)
+                self.ids.append(sid)
+                a += n
+        self._open: collections.OrderedDict = collections.OrderedDict()
+        self._head: Head | None = None
+        if verify:
+            bad = self.verify()
+            if bad:
+                raise ShardError(f"corrupt shards (sha256 mismatch): {', '.join(map(str, bad))}; "
+                                 f"rerun `drafter extract CONFIG` after deleting "
+                                 f"{run.manifest('extract')} to redo them")
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.index["num_tokens"]
+
+    def verify(self) -> list[Path]:
+        """Shards (and the head) whose sha256 does not match the index."""
+        bad = [p for p, e in zip(self.paths, self.index["shards"])
+               if not p.is_file() or file_sha256(p) != e["sha256"]]
+        head = self.run.extract_head()
+        if self.index.get("head_sha256") and (not head.is_file()
+                                              or file_sha256(head) != self.index["head_sha256"]):
+            bad.append(head)
+        return bad
+
+    def _file(self, s: int):
+        from safetensors import safe_open
+
+        f = self._open.get(s)
+        if f is None:
+            if not self.paths[s].is_file():
+                raise ShardError(f"{self.paths[s]} missing: rerun `drafter extract CONFIG`")
+            f = safe_open(str(self.paths[s]), "pt")
+            self._open[s] = f
+            if len(self._open) > self.MAX_OPEN:
+                self._open.popitem(last=False)
+        else:
+            self._open.move_to_end(s)
+        return f
+
+    def __getitem__(self, i: int) -> dict:
+        s, a, b = self._where[i]
+        f = self._file(s)
+        raw = {k: f.get_slice(k)[a:b] for k in f.keys() if k != "offsets"}
+        return decode(raw)
+
+    def head(self) -> Head:
+        if self._head is None:
+            self._head = load_head(self.run.require(self.run.extract_head(), "extract"))
+        return self._head
+
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["_open"] = collections.OrderedDict()
+        return d
+
+
+# ------------------------------------------------------------------------- the teacher, dense
+def teacher_logprobs(sample: dict, head: Head | torch.Tensor | int) -> torch.Tensor:
+    """Dense teacher log-probs over the draft vocab, [..., T, Vd] float32, from either form.
+
+    teacher=hidden: log_softmax(head.logits(teacher_hidden)), head = the draft-vocab lm_head rows
+    [Vd, Ht] (a capture.Head, or a plain tensor: no scale or softcap).
+    teacher=topk: the k stored log-probs at their ids; the rest of the mass (1 - Σ exp) spread
+    evenly over the other Vd - k ids (floored at the smallest normal float, never -inf), so that
+    the k most likely tokens keep the target's exact probabilities. `head` gives Vd (an int works).
+    Works on one sample [T, ...] or a batch [B, T, ...]."""
+    if "teacher_hidden" in sample:
+        if isinstance(head, int):
+            raise ShardError("teacher_logprobs: teacher=hidden needs the lm_head rows, not Vd")
+        h = head if isinstance(head, Head) else Head(head)
+        return torch.log_softmax(h.logits(sample["teacher_hidden"]), -1)
+    vd = head if isinstance(head, int) else (head.weight if isinstance(head, Head)
+                                             else head).shape[0]
+    ids, logp = sample["teacher_topk_ids"], sample["teacher_topk_logp"].float()   # [..., T, k]
+    k = ids.shape[-1]
+    rest = (1.0 - logp.exp().sum(-1)).clamp_min(0.0)                              # [..., T]
+    tiny = torch.finfo(torch.float32).tiny
+    tail = torch.log(rest.clamp_min(tiny) / max(vd - k, 1))                       # [..., T]
+    out = tail[..., None].expand(*tail.shape, vd).clone()                          # [..., T, Vd]
+    return out.scatter_(-1, ids.long(), logp)
