@@ -63,6 +63,7 @@ class SourceConfig:
     split: str = doc("train", "split of a HF dataset")
     subset: str | None = doc(None, "config name of a HF dataset")
     max_samples: int | None = doc(None, "keep at most this many records from this source")
+    name: str | None = doc(None, "name in record ids and counts; default: the file stem")
 
 
 @dataclass
@@ -122,6 +123,10 @@ class VocabConfig:
     draft_vocab_size: int = doc(32000, "draft vocab size (capped at the target vocab size)")
 
 
+    template_kwargs: dict[str, Any] = doc(
+        {}, "more variables for the chat template, e.g. {thinking: true} (DeepSeek-V3.1)")
+    batch_size: int = doc(256, "conversations rendered and tokenized per batch")
+    workers: int = doc(0, "processes rendering and tokenizing; 0 = auto (up to 8), 1 = in-process")
 # -------------------------------------------------------------------------------------------- extract
 @dataclass
 class ExtractConfig:
