@@ -115,6 +115,10 @@ class TokenizeConfig:
     max_length: int = doc(2048, "max tokens per conversation")
     overflow: Literal["truncate", "drop"] = doc("truncate", "what to do past max_length")
     enable_thinking: bool | None = doc(None, "passed to chat templates that take it (Qwen3)")
+    template_kwargs: dict[str, Any] = doc(
+        {}, "more variables for the chat template, e.g. {thinking: true} (DeepSeek-V3.1)")
+    batch_size: int = doc(256, "conversations rendered and tokenized per batch")
+    workers: int = doc(0, "processes rendering and tokenizing; 0 = auto (up to 8), 1 = in-process")
 
 
 # ---------------------------------------------------------------------------------------------- vocab
@@ -123,10 +127,6 @@ class VocabConfig:
     draft_vocab_size: int = doc(32000, "draft vocab size (capped at the target vocab size)")
 
 
-    template_kwargs: dict[str, Any] = doc(
-        {}, "more variables for the chat template, e.g. {thinking: true} (DeepSeek-V3.1)")
-    batch_size: int = doc(256, "conversations rendered and tokenized per batch")
-    workers: int = doc(0, "processes rendering and tokenizing; 0 = auto (up to 8), 1 = in-process")
 # -------------------------------------------------------------------------------------------- extract
 @dataclass
 class ExtractConfig:
