@@ -202,6 +202,10 @@ class EvalDatasetConfig:
 
 @dataclass
 class EvaluateConfig:
+    dtype: Literal["bfloat16", "float16", "float32"] = doc(
+        "bfloat16", "dtype of the exported weights (d2t stays int64, t2d bool)")
+    embed_tokens: bool = doc(True, "ship embed_tokens [V, H] (required when H != Ht); false "
+                             "saves V*H weights and engines share the target's")
     datasets: list[EvalDatasetConfig] = doc(
         [EvalDatasetConfig(name="humaneval", path="builtin:humaneval", max_prompts=10)],
         "evaluation prompt sets")

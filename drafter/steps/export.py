@@ -1,5 +1,122 @@
-"""The export step (see ../shared/docs/DESIGN.md). Not implemented yet."""
+"""The export step: the chosen training checkpoint as the directories the serving engines load.
+
+Reads   train/step_NNNNNN/ (model.safetensors + drafter_config.json, state.json, COMPLETE)
+        the target's config.json (layer count, hidden and vocab size, context, architectures)
+Writes  export/native/       LlamaForCausalLMEagle3, midlayer.*  (SGLang, vLLM, llama.cpp)
+        export/speculators/  Eagle3Speculator, layers.0.*        (`vllm serve DIR`)
+        each with config.json, model.safetensors, README.md (serving commands, layer ids in
+        each engine's meaning) and drafter.json; each dir is built under a temp name and
+        renamed into place, then linted with `drafter check` (a failed check fails the step).
+Command drafter export CONFIG [export.checkpoint=best] [--force]
+
+Layouts, names and id conventions live in drafter/engines.py (contract: ENGINES.md).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from .. import DrafterError
+from .. import engines as E
+from ..check import format_report, run_checks
+from ..model import load_drafter, param_count
+from ..rundir import MissingInput, Run, atomic_dir, dir_bytes, read_json
+
+log = logging.getLogger("drafter")
+
+
+class ExportError(DrafterError):
+    pass
+
+
+def choose_checkpoint(run: Run, which: str) -> tuple[Path, dict]:
+    """'last', 'best' (highest state.json val.sim_tau) or a checkpoint path -> (dir, state)."""
+    if which not in ("last", "best"):
+        p = Path(which).expanduser()
+        for f in ("model.safetensors", "drafter_config.json"):
+            if not (p / f).is_file():
+                raise ExportError(f"export.checkpoint: {p / f} not found")
+        state = read_json(p / "state.json") if (p / "state.json").exists() else {}
+        return p, state
+    ckpts = run.checkpoints()
+    if not ckpts:
+        raise MissingInput(f"no complete checkpoint in {run.step_dir('train')}: run "
+                           "`drafter train CONFIG` first (or `drafter run CONFIG`)")
+    states = [read_json(p / "state.json") if (p / "state.json").exists() else {} for p in ckpts]
+    if which == "last":
+        return ckpts[-1], states[-1]
+    scored = []
+    for i, s in enumerate(states):
+        tau = (s.get("val") or {}).get("sim_tau") if isinstance(s.get("val"), dict) else None
+        if isinstance(tau, (int, float)) and not math.isnan(tau):
+            scored.append((tau, i))
+    if not scored:
+        raise ExportError(f"export.checkpoint=best: none of the {len(ckpts)} checkpoints in "
+                          f"{run.step_dir('train')} has val.sim_tau in state.json (set "
+                          "train.eval_every, or use export.checkpoint=last)")
+    _, i = max(scored)  # ties: the later checkpoint
+    return ckpts[i], states[i]
+
+
+def _check_fits(c, t: E.TargetInfo) -> None:
+    problems = []
+    if c.target_hidden_size != t.hidden_size:
+        problems.append(f"target_hidden_size {c.target_hidden_size} != {t.hidden_size}")
+    if c.vocab_size != t.vocab_size:
+        problems.append(f"vocab_size {c.vocab_size} != {t.vocab_size}")
+    bad = [k for k in c.aux_layer_ids if not 0 <= k < t.num_hidden_layers]
+    if bad:
+        problems.append(f"aux layer ids {bad} outside [0, {t.num_hidden_layers})")
+    if problems:
+        raise ExportError(f"the checkpoint does not fit target {t.name_or_path}: "
+                          + "; ".join(problems))
 
 
 def main(cfg) -> dict:
-    raise NotImplementedError("drafter export: not implemented yet")
+    run = Run.of(cfg)
+    ec = cfg.export
+    ckpt, state = choose_checkpoint(run, ec.checkpoint)
+    model = load_drafter(ckpt)
+    target = E.target_info(cfg.target.model, cfg.target)
+    _check_fits(model.cfg, target)
+    mpe = ec.max_position_embeddings or target.max_position_embeddings \
+        or model.cfg.max_position_embeddings
+    meta = {"checkpoint": str(ckpt.resolve()), "step": state.get("step"),
+            "val": state.get("val"),
+            "max_position_embeddings_source": ("export.max_position_embeddings"
+                                               if ec.max_position_embeddings else "target")}
+    dtype = E.DTYPES[ec.dtype]
+    template = str(Path(cfg.target.chat_template).resolve()) if cfg.target.chat_template else None
+    log.info("export: %s (step %s, val sim_tau %s) for %s", ckpt.name, state.get("step"),
+             (state.get("val") or {}).get("sim_tau"), target.name_or_path)
+    counts, checks = {}, {}
+    for fmt in E.FORMATS:
+        final = run.export(fmt)
+        with atomic_dir(final) as tmp:
+            E.write_dir(model, tmp, fmt, target=target, dtype=dtype, max_position_embeddings=mpe,
+                        speculative_tokens=ec.speculative_tokens, embed_tokens=ec.embed_tokens,
+                        chat_template=template, final_dir=final, meta=meta)
+            report = run_checks(tmp, target, serving_context=mpe)
+            if not report.ok:
+                # The temp dir is removed: a drafter that fails its own lint is never shipped.
+                raise ExportError(f"the {fmt} export fails `drafter check`:\n"
+                                  + format_report(report))
+        for c in report.checks:
+            if c.status != "pass":
+                log.warning("export %s: %s %s: %s", fmt, c.status, c.name, c.reason)
+        counts[f"{fmt}_bytes"] = dir_bytes(final)
+        checks[fmt] = report.counts
+        log.info("export: wrote %s (%.1f MiB)", final, counts[f"{fmt}_bytes"] / 2**20)
+    c = model.cfg
+    return {
+        "counts": {"params": param_count(model, trainable_only=False),
+                   "trainable_params": param_count(model), **counts},
+        "checkpoint": str(ckpt), "step": state.get("step"),
+        "sim_tau": (state.get("val") or {}).get("sim_tau"),
+        "target": target.name_or_path, "dtype": ec.dtype, "max_position_embeddings": mpe,
+        "aux_layer_ids": {"hs": E.from_hs(c.aux_layer_ids, "hs"),
+                          "layer_output": E.from_hs(c.aux_layer_ids, "layer_output")},
+        "checks": checks,
+    }
+

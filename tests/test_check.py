@@ -1,0 +1,397 @@
+"""`drafter check`: every check passes on a good export (native and speculators, with the target
+given as a folder, a config.json or only through the dir's own hints), and every check fires on a
+deliberately broken copy of it. The exit code is non-zero on any fail (real CLI subprocess)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from drafter import engines as E
+from drafter.check import FAIL, PASS, WARN, format_report, run_checks
+from test_engines import make_drafter, tiny_target  # noqa: F401 (a fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def good(tiny_target, tmp_path_factory) -> dict[str, Path]:
+    """Good bf16 exports of one drafter, as `drafter export` writes them."""
+    root = tmp_path_factory.mktemp("good")
+    m = make_drafter(tiny_target, seed=11)
+    t = E.target_info(str(tiny_target))
+    out = {}
+    for fmt in E.FORMATS:
+        d = root / fmt
+        d.mkdir()
+        E.write_dir(m, d, fmt, target=t, dtype=torch.bfloat16, final_dir=d)
+        out[fmt] = d
+    return out
+
+
+def copy(good: dict, fmt: str, tmp_path: Path) -> Path:
+    d = tmp_path / fmt
+    shutil.copytree(good[fmt], d)
+    return d
+
+
+def edit_config(d: Path, fn) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    fn(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def edit_tensors(d: Path, fn) -> None:
+    sd = load_file(str(d / "model.safetensors"))
+    fn(sd)
+    save_file(sd, str(d / "model.safetensors"))
+
+
+def body(cfg: dict) -> dict:
+    """The Llama fields: the config itself (native) or transformer_layer_config."""
+    return cfg.get("transformer_layer_config", cfg)
+
+
+def target_config(tiny_target: Path, tmp_path: Path, **changes) -> str:
+    """A copy of the target's config.json with some fields changed, as a --target path."""
+    cfg = json.loads((tiny_target / "config.json").read_text())
+    cfg.update(changes)
+    p = tmp_path / "target_config" / "config.json"
+    p.parent.mkdir(exist_ok=True)
+    p.write_text(json.dumps(cfg))
+    return str(p)
+
+
+# ------------------------------------------------------------------------------- the good ones
+@pytest.mark.parametrize("fmt", E.FORMATS)
+def test_good_export_passes_every_check(good, tiny_target, fmt, tmp_path):
+    for target in (str(tiny_target), str(tiny_target / "config.json"), None):
+        r = run_checks(good[fmt], target)
+        assert r.format == fmt
+        assert [c for c in r.checks if c.status != PASS] == [], format_report(r)
+        assert r.target["num_hidden_layers"] == 8
+    names = {c.name for c in r.checks}
+    assert {"d2t", "t2d", "lm_head", "tie_word_embeddings", "rope", "max_position_embeddings",
+            "hidden_size", "vocab_size", "tensor_names", "dtype", "aux_ids.vllm",
+            "aux_ids.llama_cpp", *E.NORM_FLAGS} <= names
+    assert ("aux_ids.sglang" in names) == (fmt == E.NATIVE)
+    assert ("speculators_config" in names) == (fmt == E.SPECULATORS)
+    # a published copy (no drafter.json): the target's layer count makes the ids checkable
+    d = copy(good, fmt, tmp_path)
+    (d / "drafter.json").unlink()
+    r = run_checks(d, str(tiny_target))
+    assert r.ok and r.counts[WARN] == 0, format_report(r)
+
+
+def test_without_any_target_only_warns(good, tmp_path):
+    d = copy(good, E.NATIVE, tmp_path)
+    (d / "drafter.json").unlink()
+    r = run_checks(d)
+    assert r.ok
+    assert r.status("target") == WARN
+    assert {r.status(f"aux_ids.{e}") for e in ("vllm", "sglang", "llama_cpp")} == {WARN}
+
+
+def test_speculators_verifier_folder_is_a_hint(good, tiny_target, tmp_path):
+    d = copy(good, E.SPECULATORS, tmp_path)
+    (d / "drafter.json").unlink()
+    r = run_checks(d)
+    assert r.target_source == "speculators verifier" and r.ok, format_report(r)
+    assert r.status("aux_ids.vllm") == PASS
+
+
+# -------------------------------------------------------------------------- broken copies
+def _drop_meta(d):
+    (d / "drafter.json").unlink()
+
+
+def _ids(top=None, nested=None, drop_meta=True):
+    """Set (or remove, with []) the top-level and eagle_config ids."""
+    def f(d):
+        def g(cfg):
+            for key, val in (("top", top), ("nested", nested)):
+                if val is None:
+                    continue
+                if key == "top":
+                    cfg.pop("eagle_aux_hidden_state_layer_ids", None)
+                    if val:
+                        cfg["eagle_aux_hidden_state_layer_ids"] = val
+                else:
+                    cfg.setdefault("eagle_config", {}).pop("eagle_aux_hidden_state_layer_ids", None)
+                    if val:
+                        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = val
+        edit_config(d, g)
+        if drop_meta:
+            _drop_meta(d)
+    return f
+
+
+def _cfg(fn):
+    return lambda d: edit_config(d, fn)
+
+
+def _tensors(fn):
+    return lambda d: edit_tensors(d, fn)
+
+
+def _set(key, value, where="body"):
+    def g(cfg):
+        (body(cfg) if where == "body" else cfg)[key] = value
+    return _cfg(g)
+
+
+def _del(key, where="body"):
+    def g(cfg):
+        (body(cfg) if where == "body" else cfg).pop(key, None)
+    return _cfg(g)
+
+
+def _d2t(fn):
+    def g(sd):
+        sd["d2t"] = fn(sd["d2t"].clone(), sd)
+    return _tensors(g)
+
+
+def _targets(sd):
+    return torch.arange(sd["d2t"].numel()) + sd["d2t"]
+
+
+def _unsorted(d2t, sd):
+    t = _targets(sd).flip(0)                               # same tokens, descending
+    return t - torch.arange(t.numel())
+
+
+def _dup(d2t, sd):
+    t = _targets(sd)
+    t[5] = t[4]
+    return t - torch.arange(t.numel())
+
+
+def _out_of_range(d2t, sd):
+    d2t[-1] += 49152
+    return d2t
+
+
+def _t2d_disagrees(sd):
+    t2d = sd["t2d"].clone()
+    on = int(torch.nonzero(t2d)[0])
+    off = int(torch.nonzero(~t2d)[0])
+    t2d[on], t2d[off] = False, True
+    sd["t2d"] = t2d
+
+
+def _rename(old, new):
+    def g(sd):
+        for k in [k for k in sd if k.startswith(old)]:
+            sd[new + k[len(old):]] = sd.pop(k)
+    return _tensors(g)
+
+
+def _rope(theta=None, params_theta=None, scaling=None):
+    def g(cfg):
+        b = body(cfg)
+        if theta is not None:
+            b["rope_theta"] = theta
+        if params_theta is not None:
+            b["rope_parameters"]["rope_theta"] = params_theta
+        if scaling is not None:
+            b["rope_scaling"] = scaling
+            b["rope_parameters"] = {**scaling, "rope_theta": b["rope_theta"]}
+    return _cfg(g)
+
+
+def _no_rope(cfg):
+    for k in ("rope_theta", "rope_parameters", "rope_scaling"):
+        body(cfg).pop(k, None)
+
+
+def _add_fc_norm(sd):
+    for i in range(3):
+        sd[f"fc_norm.{i}.weight"] = torch.ones(64, dtype=torch.bfloat16)
+
+
+def _spec(key, value):
+    def g(cfg):
+        if key == "verifier":
+            cfg["speculators_config"]["verifier"].pop("name_or_path")
+        else:
+            cfg["speculators_config"][key] = value
+    return _cfg(g)
+
+
+def _pickle(d):
+    sd = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    torch.save(sd, d / "pytorch_model.bin")
+
+
+N, S = E.NATIVE, E.SPECULATORS
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 256}
+BROKEN = [
+    # (id, format, mutation, check that must fire, its status)
+    # --- aux layer ids, per engine
+    ("ids_specforge_top_level", N, _ids(top=[1, 3, 4], nested=[]), "aux_ids.vllm", FAIL),
+    ("ids_specforge_speculators", S, _ids(top=[1, 3, 4]), "aux_ids.vllm", FAIL),
+    ("ids_not_trained", N, _ids(top=[3, 4, 5], drop_meta=False), "aux_ids.vllm", FAIL),
+    ("ids_eagle_config_only_hs", N, _ids(top=[], nested=[2, 4, 5]), "aux_ids.sglang", FAIL),
+    ("ids_eagle_config_only_specforge", N, _ids(top=[], nested=[1, 3, 4]), "aux_ids.vllm", FAIL),
+    ("ids_sglang_missing", N, _ids(top=[3, 4, 6], nested=[]), "aux_ids.sglang", FAIL),
+    ("ids_out_of_range", N, _ids(top=[2, 4, 9], nested=[1, 3, 8]), "aux_ids.vllm", FAIL),
+    # --- d2t / t2d
+    ("d2t_missing", N, _tensors(lambda sd: sd.pop("d2t")), "d2t", FAIL),
+    ("d2t_absolute", N, _d2t(lambda d2t, sd: _targets(sd)), "d2t", FAIL),
+    ("d2t_unsorted", N, _d2t(_unsorted), "d2t", FAIL),
+    ("d2t_duplicated", S, _d2t(_dup), "d2t", FAIL),
+    ("d2t_out_of_range", N, _d2t(_out_of_range), "d2t", FAIL),
+    ("d2t_float", N, _d2t(lambda d2t, sd: d2t.float()), "d2t", FAIL),
+    ("d2t_int32", N, _d2t(lambda d2t, sd: d2t.int()), "d2t", WARN),
+    ("t2d_missing", N, _tensors(lambda sd: sd.pop("t2d")), "t2d", WARN),
+    ("t2d_disagrees", N, _tensors(_t2d_disagrees), "t2d", FAIL),
+    # --- heads and embeddings
+    ("lm_head_missing", N, _tensors(lambda sd: sd.pop("lm_head.weight")), "lm_head", FAIL),
+    ("tied_embeddings", N, _set("tie_word_embeddings", True), "tie_word_embeddings", FAIL),
+    ("tied_embeddings_speculators", S, _set("tie_word_embeddings", True), "tie_word_embeddings",
+     FAIL),
+    ("tie_not_written", N, _del("tie_word_embeddings"), "tie_word_embeddings", WARN),
+    # --- RoPE and context
+    ("rope_missing", N, _cfg(_no_rope), "rope", FAIL),
+    ("rope_missing_speculators", S, _cfg(_no_rope), "rope", FAIL),
+    ("rope_theta_not_targets", N, _rope(theta=500000.0, params_theta=500000.0), "rope", FAIL),
+    ("rope_spellings_disagree", N, _rope(theta=500000.0), "rope", FAIL),
+    ("rope_scaling_not_targets", S, _rope(scaling=LLAMA3), "rope", FAIL),
+    ("max_pos_missing", N, _del("max_position_embeddings"), "max_position_embeddings", FAIL),
+    ("max_pos_too_small", S, _set("max_position_embeddings", 512), "max_position_embeddings",
+     FAIL),
+    # --- norm flags: missing, inconsistent with the tensors, unsupported by an engine
+    ("nbr_missing_speculators", S, _del("norm_before_residual", "top"), "norm_before_residual",
+     FAIL),
+    ("nbr_missing_native", N, _del("norm_before_residual"), "norm_before_residual", WARN),
+    ("nbr_true_native_sglang", N, _set("norm_before_residual", True), "norm_before_residual",
+     WARN),
+    ("fc_norm_tensors_flag_off", N, _tensors(_add_fc_norm), "fc_norm", FAIL),
+    ("fc_norm_flag_no_tensors", S, _set("fc_norm", True, "top"), "fc_norm", FAIL),
+    ("fc_norm_missing", N, _del("fc_norm"), "fc_norm", WARN),
+    ("norm_before_fc_tensor_flag_off", N,
+     _tensors(lambda sd: sd.__setitem__("input_norm.weight", torch.ones(192))), "norm_before_fc",
+     FAIL),
+    ("norm_before_fc_missing", S, _del("norm_before_fc", "top"), "norm_before_fc", WARN),
+    ("norm_output_missing", N, _del("norm_output"), "norm_output", WARN),
+    ("norm_output_true", S, _set("norm_output", True, "top"), "norm_output", WARN),
+    # --- tensor names, shapes, dtypes
+    ("tensor_unknown", N, _tensors(lambda sd: sd.__setitem__("midlayer.extra.weight",
+                                                             torch.zeros(2))),
+     "tensor_names", FAIL),
+    ("tensor_missing", S, _tensors(lambda sd: sd.pop("layers.0.mlp.down_proj.weight")),
+     "tensor_names", FAIL),
+    ("native_with_layers0_names", N, _rename("midlayer.", "layers.0."), "tensor_names", FAIL),
+    ("speculators_with_midlayer_names", S, _rename("layers.0.", "midlayer."), "tensor_names",
+     WARN),
+    ("shape_mismatch", N, _set("intermediate_size", 64), "tensor_shapes", FAIL),
+    ("dtype_mixed", N, _tensors(lambda sd: sd.__setitem__("norm.weight", sd["norm.weight"].half())),
+     "dtype", WARN),
+    ("dtype_not_as_declared", S, _set("torch_dtype", "float16"), "dtype", WARN),
+    ("dtype_not_written", N, _del("torch_dtype"), "dtype", WARN),
+    # --- config and format
+    ("two_layers", N, _set("num_hidden_layers", 2), "config_fields", FAIL),
+    ("draft_vocab_size_missing", S, _del("draft_vocab_size", "top"), "config_fields", FAIL),
+    ("speculators_model_type_llama", S, _set("model_type", "llama", "top"), "format", FAIL),
+    ("native_vllm_arch_name", N, _set("architectures", ["Eagle3LlamaForCausalLM"]), "format",
+     WARN),
+    ("native_no_model_type", N, _del("model_type"), "format", FAIL),
+    ("not_eagle3", N, _set("architectures", ["LlamaForCausalLM"]), "format", FAIL),
+    ("no_config", N, lambda d: (d / "config.json").unlink(), "format", FAIL),
+    ("pickle_weights", N, _pickle, "weights_file", FAIL),
+    ("speculators_no_verifier", S, _spec("verifier", None), "speculators_config", FAIL),
+    ("speculators_wrong_algorithm", S, _spec("algorithm", "eagle"), "speculators_config", FAIL),
+]
+
+
+@pytest.mark.parametrize("case", BROKEN, ids=[b[0] for b in BROKEN])
+def test_every_check_fires_on_a_broken_copy(good, tiny_target, tmp_path, case):
+    _, fmt, mutate, name, status = case
+    d = copy(good, fmt, tmp_path)
+    mutate(d)
+    r = run_checks(d, str(tiny_target))
+    assert r.status(name) == status, format_report(r)
+    assert r.ok == (status != FAIL and r.counts[FAIL] == 0)
+
+
+def test_target_mismatches_fire(good, tiny_target, tmp_path):
+    """Hidden size, vocab size and layer count compared with the target given by --target."""
+    r = run_checks(good[N], target_config(tiny_target, tmp_path, hidden_size=128))
+    assert r.status("hidden_size") == FAIL and r.status("target") == FAIL
+    r = run_checks(good[S], target_config(tiny_target, tmp_path, vocab_size=50000))
+    assert r.status("vocab_size") == FAIL
+    d = copy(good, N, tmp_path)
+    _drop_meta(d)
+    r = run_checks(d, target_config(tiny_target, tmp_path, num_hidden_layers=12))
+    assert r.status("aux_ids.vllm") == WARN and r.status("aux_ids.llama_cpp") == WARN
+    r = run_checks(d, target_config(tiny_target, tmp_path, rope_theta=100000.0,
+                                    rope_parameters={"rope_type": "default",
+                                                     "rope_theta": 100000.0}))
+    assert r.status("rope") == FAIL
+
+
+def test_embed_tokens_required_when_hidden_sizes_differ(tiny_target, tmp_path):
+    m = make_drafter(tiny_target, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=8, intermediate_size=80)
+    t = E.target_info(str(tiny_target))
+    d = tmp_path / "n"
+    d.mkdir()
+    E.write_dir(m, d, N, target=t)
+    assert run_checks(d, t).ok
+    edit_tensors(d, lambda sd: sd.pop("embed_tokens.weight"))
+    r = run_checks(d, t)
+    assert r.status("embed_tokens") == FAIL
+    edit_config(d, lambda cfg: cfg.pop("target_hidden_size"))   # engines then build fc as 3*H
+    assert run_checks(d, t).status("hidden_size") == FAIL
+
+
+def test_custom_ids_warn_for_llama_cpp_and_new_sglang(tiny_target, tmp_path):
+    m = make_drafter(tiny_target, aux_layer_ids=[3, 4, 6])
+    t = E.target_info(str(tiny_target))
+    d = tmp_path / "n"
+    d.mkdir()
+    E.write_dir(m, d, N, target=t)
+    r = run_checks(d, t)
+    assert r.ok
+    assert r.status("aux_ids.vllm") == PASS
+    assert r.status("aux_ids.sglang") == WARN          # 2026 SGLang: +1 only when first id is 1
+    assert r.status("aux_ids.llama_cpp") == WARN       # the converter recomputes the default
+
+
+def test_builtin_target_spec(good, smollm2_dir):
+    """--target accepts builtin:NAME; the name reported is the materialised folder."""
+    r = run_checks(good[N], "builtin:smollm2-135m-instruct")
+    assert r.target["name_or_path"] == str(smollm2_dir)
+    assert r.target["num_hidden_layers"] == 30
+    assert r.status("hidden_size") == FAIL             # a drafter for a 64-wide target
+    assert r.status("target") == FAIL                  # drafter.json names another target
+
+
+# ----------------------------------------------------------------------------------------- CLI
+def _cli(*args):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "drafter.cli", "check", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_exit_codes_and_json(good, tiny_target, tmp_path):
+    p = _cli(str(good[N]), "--target", str(tiny_target), "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["ok"] and out["format"] == N and out["counts"]["fail"] == 0
+    assert all(set(c) == {"name", "status", "reason"} for c in out["checks"])
+    d = copy(good, S, tmp_path)
+    edit_tensors(d, lambda sd: sd.pop("d2t"))
+    p = _cli(str(d))
+    assert p.returncode == 1
+    assert "FAIL  d2t" in p.stdout and "vLLM maps draft id i to target id i" in p.stdout

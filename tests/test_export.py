@@ -1,0 +1,178 @@
+"""The export step on checkpoints written exactly as the train contract says (docs/internals.md:
+train/step_NNNNNN/ with model.safetensors + drafter_config.json, state.json, COMPLETE last):
+checkpoint choice, both engine dirs written atomically and linted, the round trip to the trained
+logits, the target's identity in speculators_config, and nothing shipped when the lint fails."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafter import config as C
+from drafter import engines as E
+from drafter import pipeline
+from drafter.check import PASS, WARN, run_checks
+from drafter.model import load_drafter, save_drafter
+from drafter.rundir import MissingInput, Run, atomic_json
+from drafter.steps import export
+from test_engines import draft_logits, make_drafter, tiny_target  # noqa: F401 (a fixture)
+
+
+def checkpoint(run: Run, step: int, model, sim_tau: float | None, complete: bool = True) -> Path:
+    d = run.checkpoint(step)
+    d.mkdir(parents=True)
+    save_drafter(model, d)
+    atomic_json(d / "state.json", {"step": step, "val": None if sim_tau is None else
+                                   {"sim_tau": sim_tau, "acc": [0.5, 0.3]}})
+    if complete:
+        (d / "COMPLETE").write_text("ok\n")
+    return d
+
+
+def make_run(tmp_path: Path, target: Path | str, *overrides: str,
+             taus=((10, 1.8), (20, 1.6)), model_for=None):
+    """A run dir whose train/ holds checkpoints (step, val.sim_tau), plus an incomplete later
+    one with the best score (it must never be picked)."""
+    cfg = C.load(None, [f"run_dir={tmp_path / 'run'}", f"target.model={target}", *overrides])
+    run = Run.of(cfg)
+    model_for = model_for or (lambda step: make_drafter(Path(target), seed=step))
+    for step, tau in taus:
+        checkpoint(run, step, model_for(step), tau)
+    checkpoint(run, 30, model_for(30), 9.9, complete=False)
+    return cfg, run
+
+
+def test_export_writes_both_engine_dirs(tiny_target, tmp_path):
+    cfg, run = make_run(tmp_path, tiny_target, "export.dtype=float32",
+                        "export.speculative_tokens=4")
+    out = export.main(cfg)
+    assert out["step"] == 20 and out["sim_tau"] == 1.6          # checkpoint: last
+    assert out["checks"] == {"native": {"pass": 23, "warn": 0, "fail": 0},
+                             "speculators": {"pass": 23, "warn": 0, "fail": 0}}
+    assert out["aux_layer_ids"] == {"hs": [2, 4, 5], "layer_output": [1, 3, 4]}
+    assert out["counts"]["native_bytes"] > 0 and out["counts"]["speculators_bytes"] > 0
+    exp = run.step_dir("export")
+    assert sorted(p.name for p in exp.iterdir()) == ["native", "speculators"]   # no temp dirs
+    trained = load_drafter(run.checkpoint(20))
+    for fmt in E.FORMATS:
+        d = run.export(fmt)
+        assert sorted(p.name for p in d.iterdir()) == ["README.md", "config.json", "drafter.json",
+                                                       "model.safetensors"]
+        meta = json.loads((d / "drafter.json").read_text())
+        assert meta["step"] == 20 and meta["checkpoint"] == str(run.checkpoint(20).resolve())
+        assert str(d.resolve()) in (d / "README.md").read_text()   # the final path, not the temp
+        assert run_checks(d, str(tiny_target)).ok
+        loaded = E.load_drafter_dir(d)
+        for a, b in zip(draft_logits(trained), draft_logits(loaded)):
+            assert torch.equal(a, b)                               # float32: bit-identical
+    spec = json.loads((run.export("speculators") / "config.json").read_text())
+    assert spec["speculators_config"]["verifier"] == {"name_or_path": str(tiny_target),
+                                                      "architectures": ["LlamaForCausalLM"]}
+    assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+
+
+def test_bf16_export_round_trips_to_the_trained_model_in_bf16(tiny_target, tmp_path):
+    cfg, run = make_run(tmp_path, tiny_target, "export.checkpoint=best")
+    out = export.main(cfg)
+    assert out["step"] == 10 and out["dtype"] == "bfloat16"     # best complete val.sim_tau
+    trained = load_drafter(run.checkpoint(10)).to(torch.bfloat16)
+    for fmt in E.FORMATS:
+        loaded = E.load_drafter_dir(run.export(fmt))
+        assert next(loaded.parameters()).dtype == torch.bfloat16
+        for a, b in zip(draft_logits(trained), draft_logits(loaded)):
+            assert torch.equal(a, b)
+
+
+def test_checkpoint_choice(tiny_target, tmp_path):
+    cfg, run = make_run(tmp_path, tiny_target)
+    assert export.choose_checkpoint(run, "last")[0] == run.checkpoint(20)
+    assert export.choose_checkpoint(run, "best")[0] == run.checkpoint(10)
+    p, state = export.choose_checkpoint(run, str(run.checkpoint(30)))    # an explicit path
+    assert p == run.checkpoint(30) and state["val"]["sim_tau"] == 9.9
+    with pytest.raises(export.ExportError, match="not found"):
+        export.choose_checkpoint(run, str(tmp_path / "nope"))
+    _, run2 = make_run(tmp_path / "b", tiny_target, taus=((5, None), (6, None)))
+    with pytest.raises(export.ExportError, match="val.sim_tau"):
+        export.choose_checkpoint(run2, "best")
+    with pytest.raises(MissingInput, match="drafter train"):
+        export.choose_checkpoint(Run(tmp_path / "empty"), "last")
+
+
+def test_serving_context_override(tiny_target, tmp_path):
+    cfg, run = make_run(tmp_path, tiny_target, "export.max_position_embeddings=512")
+    export.main(cfg)
+    d = run.export("native")
+    assert json.loads((d / "config.json").read_text())["max_position_embeddings"] == 512
+    # below the target's 1024, chosen on purpose: a warning, not a failure
+    r = run_checks(d, str(tiny_target))
+    assert r.status("max_position_embeddings") == WARN and r.ok
+    cfg, run = make_run(tmp_path / "b", tiny_target)
+    export.main(cfg)
+    spec = json.loads((run.export("speculators") / "config.json").read_text())
+    assert spec["transformer_layer_config"]["max_position_embeddings"] == 1024   # the target's
+
+
+def test_export_refuses_a_checkpoint_for_another_target(tiny_target, tmp_path):
+    from tiny import make_tiny
+
+    other = make_tiny("llama", tmp_path / "other", num_hidden_layers=8, hidden_size=96)
+    cfg, run = make_run(tmp_path, other, model_for=lambda s: make_drafter(tiny_target, seed=s))
+    with pytest.raises(export.ExportError, match="does not fit"):
+        export.main(cfg)
+    assert not run.step_dir("export").exists() or not any(run.step_dir("export").iterdir())
+
+
+def test_failed_lint_ships_nothing_and_keeps_the_old_export(tiny_target, tmp_path):
+    cfg, run = make_run(tmp_path, tiny_target)
+    export.main(cfg)
+    before = (run.export("native") / "model.safetensors").read_bytes()
+    # a newer checkpoint whose RoPE is not the target's: `drafter check` fails it
+    checkpoint(run, 40, make_drafter(tiny_target, seed=40, rope_theta=500000.0), 2.0)
+    with pytest.raises(export.ExportError, match="rope"):
+        export.main(cfg)
+    assert (run.export("native") / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in run.step_dir("export").iterdir()) == ["native", "speculators"]
+
+
+def test_export_through_the_pipeline(tiny_target, tmp_path):
+    cfg, run = make_run(tmp_path, tiny_target)
+    atomic_json(run.manifest("train"), {"step": "train", "counts": {}, "fingerprint": {}})
+    m = pipeline.run_step(cfg, "export")
+    assert m["counts"]["params"] > 0 and m["step"] == 20
+    assert json.loads(run.manifest("export").read_text())["checks"]["native"]["fail"] == 0
+    again = pipeline.run_step(cfg, "export")                  # up to date: skipped
+    assert again["started"] == m["started"]
+
+
+def test_builtin_target_names_the_materialised_folder(smollm2_dir, tmp_path):
+    """builtin: targets are written as the resolved HF folder (engines cannot load the spec),
+    with the target's architectures; without embed_tokens the loader takes the target's."""
+    from safetensors.torch import load_file
+
+    embed = load_file(str(next(smollm2_dir.glob("*.safetensors"))))["model.embed_tokens.weight"]
+
+    def model_for(step):
+        m = make_drafter(smollm2_dir, seed=step, draft_vocab=256, intermediate_size=64)
+        m.set_embeddings(embed)
+        return m
+
+    cfg, run = make_run(tmp_path, "builtin:smollm2-135m-instruct", "export.embed_tokens=false",
+                        taus=((1, 1.5),), model_for=model_for)
+    export.main(cfg)
+    spec = json.loads((run.export("speculators") / "config.json").read_text())
+    assert spec["speculators_config"]["verifier"] == {"name_or_path": str(smollm2_dir),
+                                                      "architectures": ["LlamaForCausalLM"]}
+    nat = run.export("native")
+    cfgn = json.loads((nat / "config.json").read_text())
+    assert cfgn["rope_theta"] == 100000.0 and cfgn["max_position_embeddings"] == 8192
+    assert cfgn["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert cfgn["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    r = run_checks(nat, "builtin:smollm2-135m-instruct")
+    assert r.ok and r.status("embed_tokens") == PASS and r.status("rope") == PASS
+    assert r.status("aux_ids.sglang") == PASS and r.status("target") == PASS
+    loaded = E.load_drafter_dir(nat, target=E.target_info(str(smollm2_dir)))
+    trained = load_drafter(run.checkpoint(1)).to(torch.bfloat16)
+    for a, b in zip(draft_logits(trained), draft_logits(loaded)):
+        assert torch.equal(a, b)
