@@ -190,6 +190,10 @@ class ExportConfig:
     checkpoint: str = doc("last", "last, best (validation simulated tau), or a checkpoint path")
     max_position_embeddings: int | None = doc(None, "serving context; default: the target's")
     speculative_tokens: int = doc(3, "K written into the speculators config")
+    dtype: Literal["bfloat16", "float16", "float32"] = doc(
+        "bfloat16", "dtype of the exported weights (d2t stays int64, t2d bool)")
+    embed_tokens: bool = doc(True, "ship embed_tokens [V, H] (required when H != Ht); false "
+                             "saves V*H weights and engines share the target's")
 
 
 # ------------------------------------------------------------------------------------------- evaluate
@@ -202,10 +206,6 @@ class EvalDatasetConfig:
 
 @dataclass
 class EvaluateConfig:
-    dtype: Literal["bfloat16", "float16", "float32"] = doc(
-        "bfloat16", "dtype of the exported weights (d2t stays int64, t2d bool)")
-    embed_tokens: bool = doc(True, "ship embed_tokens [V, H] (required when H != Ht); false "
-                             "saves V*H weights and engines share the target's")
     datasets: list[EvalDatasetConfig] = doc(
         [EvalDatasetConfig(name="humaneval", path="builtin:humaneval", max_prompts=10)],
         "evaluation prompt sets")
