@@ -157,10 +157,13 @@ def _iter_json_file(p: Path) -> Iterator[tuple[str, int, Any]]:
 def _lines(head: str, f) -> Iterator[str]:
     """Lines of `head` + the rest of `f`, read in chunks (never the whole file at once)."""
     buf = head
-    for chunk in iter(lambda: f.read(1 << 20), ""):
-        buf += chunk
+    while True:
         *lines, buf = buf.split("\n")
         yield from lines
+        chunk = f.read(1 << 20)
+        if not chunk:
+            break
+        buf += chunk
     if buf:
         yield buf
 
@@ -445,14 +448,15 @@ def to_messages(obj: Any, fmt: str) -> tuple[list[dict], list | None]:
     return msgs, tools
 
 
-def _finish(msgs: list[dict], require_assistant: bool, stats: Counter) -> list[dict]:
+def _finish(msgs: list[dict], require_assistant: bool, stats: dict) -> list[dict]:
     """Check the conversation as a whole: a user turn; answers when they are required."""
     if require_assistant and any(m.get("_empty") for m in msgs):
         i = next(i for i, m in enumerate(msgs) if m.get("_empty"))
         raise _Bad("empty_content", f"message {i} (assistant): empty content")
     if any(m.get("_empty") for m in msgs):
         # Without required answers an empty one is just an unanswered turn: generate answers it.
-        stats["dropped_empty_answers"] += sum(1 for m in msgs if m.get("_empty"))
+        stats["dropped_empty_answers"] = stats.get("dropped_empty_answers", 0) + \
+            sum(1 for m in msgs if m.get("_empty"))
         msgs = [m for m in msgs if not m.get("_empty")]
     first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
     if first_user is None:
@@ -461,7 +465,7 @@ def _finish(msgs: list[dict], require_assistant: bool, stats: Counter) -> list[d
     if lead:
         # Answers before any question (scraped ShareGPT often starts with the bot): no prompt
         # produced them, so generate could not redo them and training would learn noise.
-        stats["dropped_leading_assistant"] += len(lead)
+        stats["dropped_leading_assistant"] = stats.get("dropped_leading_assistant", 0) + len(lead)
         msgs = [m for i, m in enumerate(msgs) if i not in set(lead)]
     if require_assistant and not any(m["role"] == "assistant" for m in msgs):
         raise _Bad("no_assistant_turn", "no assistant turn (prepare.require_assistant is true: "
@@ -481,7 +485,7 @@ def _meta(obj: Any) -> dict:
 
 
 # ------------------------------------------------------------------------------------ the readers
-def read_source(src, require_assistant: bool = False, stats: Counter | None = None,
+def read_source(src, require_assistant: bool = False, stats: dict | None = None,
                 name: str | None = None) -> Iterator[dict | Reject]:
     """Every record of one source, in order: a canonical record or a `Reject`.
 
@@ -490,7 +494,7 @@ def read_source(src, require_assistant: bool = False, stats: Counter | None = No
     receives the format used (stats["format"]) and message-level notes (dropped_empty_answers,
     dropped_leading_assistant)."""
     name = name or source_name(src)
-    stats = Counter() if stats is None else stats
+    stats = {} if stats is None else stats
     raw = iter_raw(src)
     fmt = src.format
     head: list = []

@@ -180,6 +180,8 @@ class Renderer:
 
     def encode(self, items: list[tuple[str, list[tuple[int, int]]]]) -> list[tuple[list, list]]:
         """[(text, spans)] -> [(input_ids, loss_mask)], one tokenizer call per batch."""
+        if not items:
+            return []
         if self.mode == "offsets":
             enc = self.tok([t for t, _ in items], add_special_tokens=False,
                            return_offsets_mapping=True)
@@ -298,13 +300,16 @@ def make_renderer(cfg) -> Renderer:
     return Renderer(tok, tc.enable_thinking, tc.template_kwargs, tuple(stop))
 
 
-# Worker processes (spawned: each loads the tokenizer itself, no forked Rust thread pools).
+# Worker processes. Forked where the OS can (they inherit the loaded renderer: no second start-up
+# of transformers); spawned elsewhere, where each builds its own. Tokenize touches no GPU, so a
+# fork is safe; each worker encodes single-threaded, the pool is the parallelism.
 _W: dict = {}
 
 
 def _init_worker(cfg) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _W["r"] = make_renderer(cfg)
+    if "r" not in _W:
+        _W["r"] = make_renderer(cfg)
     _W["cfg"] = cfg
 
 
@@ -324,8 +329,8 @@ def main(cfg) -> dict:
              renderer.ends, "rendered" if renderer.renders_reasoning else "not rendered",
              renderer.mode)
     workers = tc.workers or min(8, os.cpu_count() or 1)
-    if os.path.getsize(src) < (8 << 20):
-        workers = 1  # a pool costs seconds to start: not worth it for small files
+    if tc.workers == 0 and os.path.getsize(src) < (8 << 20):
+        workers = 1  # auto: a pool costs seconds to start, not worth it for a small file
     counts, skipped = Counter(), []
     with contextlib.ExitStack() as stack:
         writers = {}
@@ -338,8 +343,12 @@ def main(cfg) -> dict:
                                        desc="tokenize", mininterval=1.0))
         chunks = ((c, str(src)) for c in _chunks(src, tc.batch_size, bar))
         if workers > 1:
-            pool = stack.enter_context(mp.get_context("spawn").Pool(
+            fork = "fork" in mp.get_all_start_methods()
+            if fork:
+                _W["r"] = renderer
+            pool = stack.enter_context(mp.get_context("fork" if fork else "spawn").Pool(
                 workers, initializer=_init_worker, initargs=(cfg,)))
+            stack.callback(_W.clear)
             results = pool.imap(_work, chunks)
         else:
             results = (process(renderer, c, f, tc.max_length, tc.overflow) for c, f in chunks)
