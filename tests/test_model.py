@@ -1,0 +1,358 @@
+"""The drafter model and its training-time test (TTT): shapes, the TTT unroll against the drafter
+drafting step by step with its KV cache (what inference does), the exact SDPA path against the
+fast path (FlexAttention part emulated where CPU flex has no backward, and the real CPU flex
+forward), the fused loss against the plain one (dense and top-k teachers), save/load."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from drafter import store
+from drafter.model import TTT, Drafter, DrafterConfig, dense_mask, doc_causal, flex_part0, \
+    head_loss, load_drafter, merge_diagonal, save_drafter
+from drafter.steps.train import align, collate
+
+V, VD, HT = 96, 40, 24
+
+
+def tiny_config(**kw) -> DrafterConfig:
+    base = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, vocab_size=V, draft_vocab_size=VD,
+                target_hidden_size=HT, aux_layer_ids=[1, 2, 3], max_position_embeddings=256)
+    return DrafterConfig(**{**base, **kw})
+
+
+def make_drafter(seed=0, **kw) -> Drafter:
+    torch.manual_seed(seed)
+    d = Drafter(tiny_config(**kw))
+    # non-trivial norms so that a wrong norm placement shows
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return d
+
+
+def make_sample(n: int, g: torch.Generator, prompt: int = 0, teacher: str = "hidden") -> dict:
+    """A per-sample dict exactly as docs/internals.md specifies (random values)."""
+    s = {"input_ids": torch.randint(0, V, (n,), generator=g),
+         "loss_mask": (torch.arange(n) >= prompt).long(),
+         "aux": torch.randn(n, 3, HT, generator=g).to(torch.bfloat16),
+         "in_vocab": torch.ones(n, dtype=torch.bool)}
+    if teacher == "hidden":
+        s["teacher_hidden"] = torch.randn(n, HT, generator=g).to(torch.bfloat16)
+    else:
+        lp = (3 * torch.randn(n, VD, generator=g)).log_softmax(-1)
+        v, i = lp.topk(8, -1)
+        s["teacher_topk_ids"], s["teacher_topk_logp"] = i, v.half().float()
+    return s
+
+
+def batch_of(rows, T, K=3, decay=0.8, teacher="hidden", head=None):
+    """Packed rows -> the TTT's inputs, through train's own collate and align."""
+    b = collate(rows, len(rows), T)
+    b.update(align(b["seq_id"], b["loss_mask"], b["in_vocab"], K, decay))
+    B = len(rows)
+    if teacher == "hidden":
+        b["teacher"] = {"logp": store.teacher_logprobs(
+            {"teacher_hidden": b["teacher_hidden"].reshape(B * T, -1)}, head)}
+    else:
+        b["teacher"] = {"ids": b["teacher_topk_ids"].reshape(B * T, -1),
+                        "logp": b["teacher_topk_logp"].reshape(B * T, -1)}
+    return b
+
+
+def run_ttt(ttt, drafter, b, part0=None):
+    emb = drafter.embed_tokens(b["input_ids"])
+    return ttt(b["aux"], emb, b["position_ids"], b["seq_id"], b["src"], b["rows"], b["trows"],
+               b["weights"], b["teacher"], part0=part0)
+
+
+def emulated_flex(seq_id):
+    """What flex_part0 computes, in plain PyTorch: attention over the step-0 keys under the same
+    mask_mod (doc_causal), returning the output and the log-sum-exp (CPU flex has no backward)."""
+    mask = dense_mask(seq_id)                                            # [B, 1, T, T]
+
+    def part0(q, k, v):
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        s = s.masked_fill(~mask, float("-inf"))
+        return s.softmax(-1) @ v, s.logsumexp(-1)
+    return part0
+
+
+@pytest.fixture
+def head():
+    return torch.randn(VD, HT, generator=torch.Generator().manual_seed(5)) * 0.3
+
+
+def packed_rows(teacher="hidden"):
+    """Two rows of 24 tokens: row 0 packs samples of 9 and 11 tokens (4 pad), row 1 one of 24."""
+    g = torch.Generator().manual_seed(1)
+    return [[make_sample(9, g, 2, teacher), make_sample(11, g, 3, teacher)],
+            [make_sample(24, g, 5, teacher)]]
+
+
+@pytest.fixture
+def packed():
+    return packed_rows()
+
+
+# ---------------------------------------------------------------------------------- shapes
+def test_shapes_and_names():
+    d = make_drafter(fc_norm=True)
+    sd = d.state_dict()
+    assert sd["fc.weight"].shape == (32, 3 * HT)
+    assert sd["fc_norm.weight"].shape == (3, HT)
+    assert sd["midlayer.self_attn.q_proj.weight"].shape == (4 * 8, 64)       # input is 2H
+    assert sd["midlayer.self_attn.k_proj.weight"].shape == (2 * 8, 64)
+    assert sd["lm_head.weight"].shape == (VD, 32)
+    assert sd["d2t"].dtype == torch.long and sd["d2t"].shape == (VD,)
+    assert sd["t2d"].dtype == torch.bool and sd["t2d"].shape == (V,)
+    assert not d.embed_tokens.weight.requires_grad
+    ttt = TTT(d)
+    names = {n for n, _ in ttt.named_parameters()}
+    assert "embed_tokens.weight" not in names and "lm_head.weight" in names
+    aux = torch.randn(2, 7, 3, HT)
+    h = d.fuse(aux)
+    assert h.shape == (2, 7, 32)
+    pos = torch.arange(7).expand(2, 7)
+    h_out, logits, (k, v) = d(torch.randint(0, V, (2, 7)), h, pos)
+    assert h_out.shape == (2, 7, 32) and logits.shape == (2, 7, VD) and k.shape == (2, 2, 7, 8)
+
+
+def test_from_target_shapes_the_drafter_like_the_target():
+    from transformers import LlamaConfig
+
+    tc = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, num_hidden_layers=32,
+                     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                      "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192})
+    c = DrafterConfig.from_target(tc, 32000, [2, 16, 29])
+    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim, c.vocab_size, c.draft_vocab_size) == (4096, 14336, 32, 8, 128, 128256,
+                                                              32000)
+    assert c.rope_theta == 500000.0 and c.rope_scaling["rope_type"] == "llama3"
+
+
+# --------------------------------------------------------------- TTT against step-by-step drafting
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_ttt_equals_drafting_step_by_step(packed, head, norm_output):
+    """Every (step i, position t) of the TTT unroll equals the drafter drafting i tokens after
+    position t with its KV cache: prefill the sample up to t, then feed back its own output with
+    the true next tokens, one token at a time (the naive reference; nothing shared with the
+    unroll but the layer)."""
+    torch.manual_seed(0)
+    d = make_drafter(norm_output=norm_output)
+    K, T = 4, 24
+    b = batch_of(packed, T, K=K, head=head)
+    ttt = TTT(d, attention="sdpa")
+    with torch.no_grad():
+        out = run_ttt(ttt, d, b)
+    # the reference: for each sample and position u, prefill up to u, then draft K-1 more
+    ref = {}
+    B = len(packed)
+    for bb, row in enumerate(packed):
+        o = 0
+        for sample in row:
+            ids, aux, n = sample["input_ids"], sample["aux"].float(), len(sample["input_ids"])
+            for u in range(n - 2):
+                with torch.no_grad():
+                    h_out, logits, kv = d(ids[None, 1:u + 2], d.fuse(aux[None, :u + 1]),
+                                          torch.arange(u + 1)[None])
+                    last, z = h_out[:, -1:], logits[0, -1]
+                    for i in range(K):
+                        if u + 2 + i >= n:
+                            break
+                        if i:
+                            last, lg, kv = d(ids[None, u + 1 + i:u + 2 + i], d.feedback(last),
+                                             torch.tensor([[u + i]]), past_kv=kv)
+                            z = lg[0, -1]
+                        p = store.teacher_logprobs(
+                            {"teacher_hidden": sample["teacher_hidden"][u + 1 + i]}, head).exp()
+                        ref[i * B * T + bb * T + o + u] = -(p * z.log_softmax(-1)).sum().item()
+            o += n
+    checked = 0
+    for r, got in zip(b["rows"].tolist(), out["ce"].tolist()):
+        assert abs(ref[r] - got) < 1e-4 * max(1.0, abs(got)), divmod(r, T)
+        checked += 1
+    # every position whose predicted token is a loss token inside its sample, at every step
+    lm = sum(int(s["loss_mask"][2 + i:].sum()) for row in packed for s in row for i in range(K))
+    assert checked == lm > 50
+
+
+# ---------------------------------------------------------------- exact path == fast path
+@pytest.mark.parametrize("teacher", ["hidden", "topk"])
+def test_sdpa_and_fast_path_same_loss_and_grads(head, teacher):
+    """The exact path (all keys, dense mask, materialised logits) and the fast path (step-0
+    attention by the flex part + diagonal merged by log-sum-exp, fused chunked loss, top-k teacher
+    never densified) give the same loss, per-row metrics and gradients."""
+    K, T = 4, 24
+    packed = packed_rows(teacher)
+    b = batch_of(packed, T, K=K, teacher=teacher, head=head)
+    dense = b["teacher"] if teacher == "hidden" else {"logp": store.teacher_logprobs(
+        {"teacher_topk_ids": b["teacher"]["ids"], "teacher_topk_logp": b["teacher"]["logp"]},
+        VD)}
+    res = {}
+    for path in ("sdpa", "flex"):
+        d = make_drafter(fc_norm=True)
+        ttt = TTT(d, attention=path, loss_chunk=7)  # several chunks, a ragged last one
+        bt = dict(b, teacher=dense if path == "sdpa" else b["teacher"])
+        out = run_ttt(ttt, d, bt, part0=emulated_flex(b["seq_id"]) if path == "flex" else None)
+        out["loss"].backward()
+        res[path] = out, {n: p.grad for n, p in ttt.named_parameters()}
+    (a, ga), (f, gf) = res["sdpa"], res["flex"]
+    assert torch.allclose(a["loss"], f["loss"], rtol=1e-5)
+    for key in ("ce", "accept"):
+        assert torch.allclose(a[key], f[key], atol=1e-4), key
+    assert torch.equal(a["correct"], f["correct"])
+    assert ga.keys() == gf.keys() and len(ga) == 14
+    for n in ga:
+        assert torch.allclose(ga[n], gf[n], rtol=1e-4, atol=1e-6 * ga[n].abs().max()), n
+
+
+def test_flex_forward_on_cpu_matches_emulation(packed, head):
+    """The real FlexAttention forward (uncompiled, CPU: forward only) with the block mask built
+    from doc_causal gives what the emulation used for gradients gives."""
+    T = 24
+    b = batch_of(packed, T, K=3, head=head)
+    d = make_drafter()
+    ttt = TTT(d, attention="flex")
+    with torch.no_grad():
+        real = run_ttt(ttt, d, b, part0=flex_part0(b["seq_id"], compiled=False))
+        emu = run_ttt(ttt, d, b, part0=emulated_flex(b["seq_id"]))
+    assert torch.allclose(real["ce"], emu["ce"], atol=1e-5)
+    assert torch.allclose(real["loss"], emu["loss"], rtol=1e-6)
+
+
+def test_merge_diagonal_is_attention_over_all_keys():
+    torch.manual_seed(0)
+    B, nh, nkv, T, hd = 2, 4, 2, 5, 8
+    q = torch.randn(B, nh, T, hd)
+    ks = [torch.randn(B, nkv, T, hd) for _ in range(3)]
+    vs = [torch.randn(B, nkv, T, hd) for _ in range(3)]
+    seq = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 0, 0]])
+    o0, lse0 = emulated_flex(seq)(q, ks[0], vs[0])
+    got = merge_diagonal(q, o0, lse0, ks[1:], vs[1:], 1 / math.sqrt(hd))
+    # reference: for every query, softmax over [its sample's earlier step-0 keys, k1[t], k2[t]]
+    g = nh // nkv
+    for bb in range(B):
+        for h in range(nh):
+            for t in range(T):
+                keys = [ks[0][bb, h // g, s] for s in range(t + 1) if seq[bb, s] == seq[bb, t]]
+                vals = [vs[0][bb, h // g, s] for s in range(t + 1) if seq[bb, s] == seq[bb, t]]
+                keys += [ks[1][bb, h // g, t], ks[2][bb, h // g, t]]
+                vals += [vs[1][bb, h // g, t], vs[2][bb, h // g, t]]
+                w = (torch.stack(keys) @ q[bb, h, t] / math.sqrt(hd)).softmax(0)
+                assert torch.allclose(got[bb, h, t], w @ torch.stack(vals), atol=1e-5)
+
+
+def test_mask_mod_is_causal_within_samples():
+    seq = torch.tensor([[0, 0, 1, 1, 1, -1]])
+    m = dense_mask(seq)[0, 0]
+    assert m[1, 0] and not m[0, 1]                # causal
+    assert not m[2, 1] and m[4, 2]                # not across samples
+    assert m[5, 5] and not m[5, 4]                # padding attends to itself only here
+    assert doc_causal(seq)(0, 0, torch.tensor(3), torch.tensor(2))
+
+
+# ------------------------------------------------------------------------------ the loss
+@pytest.mark.parametrize("teacher", ["dense", "topk"])
+def test_fused_loss_equals_plain_loss(teacher):
+    """The fused chunked loss (gradients formed in the forward) equals autograd through
+    materialised logits, with the teacher exactly as store.teacher_logprobs densifies it."""
+    g = torch.Generator().manual_seed(0)
+    N, H, M = 37, 16, 20
+    hn = torch.randn(N, H, generator=g, requires_grad=True)
+    w_head = torch.randn(VD, H, generator=g, requires_grad=True)
+    full = (3 * torch.randn(M, VD, generator=g)).log_softmax(-1)
+    v, i = full.topk(8, -1)
+    topk = {"teacher_topk_ids": i, "teacher_topk_logp": v.half().float()}
+    dense = {"logp": full if teacher == "dense" else store.teacher_logprobs(topk, VD)}
+    t = dense if teacher == "dense" else {"ids": i, "logp": topk["teacher_topk_logp"]}
+    trows, w = torch.randint(0, M, (N,), generator=g), torch.rand(N, generator=g)
+    ref = head_loss(hn, w_head, dense, trows, w, fused=False)
+    gref = torch.autograd.grad(ref[0] * 2.5, [hn, w_head])
+    got = head_loss(hn, w_head, t, trows, w, fused=True, chunk=8)
+    ggot = torch.autograd.grad(got[0] * 2.5, [hn, w_head])
+    assert torch.allclose(ref[0], got[0], rtol=1e-6)
+    for a, b in zip(ref[1:], got[1:]):
+        assert torch.allclose(a, b, atol=1e-5)
+    for a, b in zip(gref, ggot):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # the no-grad (validation) branch gives the same numbers
+        nog = head_loss(hn, w_head, t, trows, w, fused=True, chunk=8)
+    assert torch.allclose(nog[0], got[0]) and torch.equal(nog[2], got[2])
+
+
+def test_loss_is_zero_gradient_at_the_teacher():
+    """A drafter whose logits equal the teacher's log-probs sits at the minimum (grad 0), and
+    its accept = 1 and acc = 1: the loss and the metrics mean what they say."""
+    g = torch.Generator().manual_seed(0)
+    H = VD  # identity head: logits = hn
+    tl = (2 * torch.randn(6, VD, generator=g)).log_softmax(-1)
+    hn = tl.clone().requires_grad_(True)
+    loss, ce, correct, accept = head_loss(hn, torch.eye(H), {"logp": tl}, torch.arange(6),
+                                          torch.ones(6), fused=True)
+    (gr,) = torch.autograd.grad(loss, [hn])
+    assert gr.abs().max() < 1e-6
+    assert torch.allclose(ce, -(tl.exp() * tl).sum(-1), atol=1e-5)   # = teacher entropy
+    assert correct.all() and torch.allclose(accept, torch.ones(6), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- compiled path
+@pytest.mark.slow  # inductor compiles for about a minute on a small CPU
+def test_compiled_pieces_match_eager(head):
+    """torch.compile of the layer pieces, the LSE merge and the loss chunk (the GPU fast path)
+    gives the eager numbers and gradients (inductor on CPU; flex itself stays eager here)."""
+    T = 24
+    b = batch_of(packed_rows("topk"), T, K=3, teacher="topk", head=head)
+    outs = {}
+    for comp in (False, True):
+        d = make_drafter()
+        ttt = TTT(d, attention="flex", compile=comp)
+        out = run_ttt(ttt, d, b, part0=emulated_flex(b["seq_id"]))
+        out["loss"].backward()
+        outs[comp] = out["loss"].detach(), [p.grad for p in ttt.parameters()]
+    assert torch.allclose(outs[False][0], outs[True][0], rtol=1e-5)
+    for a, c in zip(outs[False][1], outs[True][1]):
+        assert torch.allclose(a, c, rtol=1e-4, atol=1e-6 * a.abs().max())
+
+
+# -------------------------------------------------------------------------------- save/load
+def test_save_load_round_trip(tmp_path):
+    d = make_drafter(fc_norm=True, norm_output=True)
+    d.set_vocab(torch.arange(VD) * 0 + 3, torch.zeros(V, dtype=torch.bool))
+    save_drafter(d, tmp_path)
+    e = load_drafter(tmp_path)
+    assert e.cfg == d.cfg
+    for (n, a), (m, b) in zip(d.state_dict().items(), e.state_dict().items()):
+        assert n == m and torch.equal(a.to(b.dtype), b), n
+    assert e.to_target_ids(torch.tensor([0, 5])).tolist() == [3, 8]
+
+
+@pytest.mark.gpu
+def test_gpu_flex_compiled_equals_sdpa(packed, head):
+    """On a GPU: the real compiled FlexAttention path (with its log-sum-exp backward) against
+    the exact path, in float32."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    T = 24
+    b = batch_of(packed, T, K=4, head=head)
+    b = {k: (v.cuda() if torch.is_tensor(v) else {kk: vv.cuda() for kk, vv in v.items()})
+         for k, v in b.items()}
+    res = {}
+    for path in ("sdpa", "flex"):
+        d = make_drafter().cuda()
+        ttt = TTT(d, attention=path, compile=path == "flex")
+        out = run_ttt(ttt, d, b)
+        out["loss"].backward()
+        res[path] = out["loss"].detach(), [p.grad for p in ttt.parameters()]
+    assert torch.allclose(res["sdpa"][0], res["flex"][0], rtol=1e-4)
+    for a, c in zip(res["sdpa"][1], res["flex"][1]):
+        assert torch.allclose(a, c, rtol=1e-3, atol=1e-5 * a.abs().max())
