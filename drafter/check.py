@@ -165,13 +165,15 @@ def c_format(x: _Ctx) -> list[Check]:
 
 
 def c_weights_file(x: _Ctx) -> list[Check]:
+    names = ", ".join(p.name for p in x.ed.weight_files)
+    if x.ed.pickled:
+        return [Check("weights_file", WARN, f"{names}: pickle, read here with torch.load("
+                      "weights_only=True); engines load it, but prefer safetensors")]
     if x.ed.weight_files:
-        return [Check("weights_file", PASS, ", ".join(p.name for p in x.ed.weight_files))]
-    pickles = [p.name for p in x.ed.path.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
-    if pickles:
-        return [Check("weights_file", FAIL, f"pickle weights {_fmt_list(pickles)}: safetensors "
-                      "only (drafter never unpickles)")]
-    return [Check("weights_file", FAIL, "no model.safetensors")]
+        return [Check("weights_file", PASS, names)]
+    other = [p.name for p in x.ed.path.iterdir() if p.suffix in (".pt", ".pth", ".ckpt", ".bin")]
+    return [Check("weights_file", FAIL, f"no model.safetensors or pytorch_model.bin"
+                  + (f" ({_fmt_list(other)} are not names the engines load)" if other else ""))]
 
 
 def c_config_fields(x: _Ctx) -> list[Check]:

@@ -484,16 +484,42 @@ class EngineDir:
     weight_files: list[Path] = field(default_factory=list)
     meta: dict | None = None          # drafter.json, when present
 
+    @property
+    def pickled(self) -> bool:
+        """Weights in pytorch_model*.bin (read with torch.load(weights_only=True) only)."""
+        return any(f.suffix == ".bin" for f in self.weight_files)
+
     def load(self, names=None) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
 
         out = {}
         for f in self.weight_files:
+            if f.suffix == ".bin":
+                sd = _load_pickle(f)
+                out.update({n: v for n, v in sd.items() if names is None or n in names})
+                continue
             with safe_open(str(f), "pt") as h:
                 for n in h.keys():
                     if names is None or n in names:
                         out[n] = h.get_tensor(n)
         return out
+
+
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+                       torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
+                       torch.bool: "BOOL"}
+
+
+def _load_pickle(f: Path) -> dict[str, torch.Tensor]:
+    """Published drafters (EAGLE's own releases) ship pytorch_model.bin: read it with
+    weights_only=True (tensors only, no code runs), memory-mapped."""
+    try:
+        sd = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - refused or corrupt: reported by the caller
+        raise EngineDirError(f"{f}: not loadable with torch.load(weights_only=True): {e}") from None
+    if not isinstance(sd, dict):
+        raise EngineDirError(f"{f}: holds a {type(sd).__name__}, not a state dict")
+    return sd
 
 
 def detect_format(config: dict) -> str | None:
@@ -534,13 +560,20 @@ def read_dir(path) -> EngineDir:
                 **(config.get("transformer_layer_config") or {}),
                 **{k: config[k] for k in EAGLE_KEYS if k in config}}
     ed = EngineDir(path=path, fmt=fmt, config=config, flat=flat)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        ed.weight_files = [path / f for f in files]
-    elif (path / WEIGHTS_FILE).is_file():
-        ed.weight_files = [path / WEIGHTS_FILE]
+    for index, single in (("model.safetensors.index.json", WEIGHTS_FILE),
+                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        if (path / index).is_file():
+            files = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
+            ed.weight_files = [path / f for f in files]
+        elif (path / single).is_file():
+            ed.weight_files = [path / single]
+        if ed.weight_files:
+            break
     for f in ed.weight_files:
+        if f.suffix == ".bin":
+            for n, v in _load_pickle(f).items():
+                ed.tensors[n] = (tuple(v.shape), _SAFETENSORS_DTYPES.get(v.dtype, str(v.dtype)))
+            continue
         try:
             with safe_open(str(f), "pt") as h:
                 for n in h.keys():

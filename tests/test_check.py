@@ -308,7 +308,9 @@ BROKEN = [
     ("native_no_model_type", N, _del("model_type"), "format", FAIL),
     ("not_eagle3", N, _set("architectures", ["LlamaForCausalLM"]), "format", FAIL),
     ("no_config", N, lambda d: (d / "config.json").unlink(), "format", FAIL),
-    ("pickle_weights", N, _pickle, "weights_file", FAIL),
+    ("pickle_weights", N, _pickle, "weights_file", WARN),
+    ("no_weights", S, lambda d: (d / "model.safetensors").rename(d / "weights.pt"),
+     "weights_file", FAIL),
     ("speculators_no_verifier", S, _spec("verifier", None), "speculators_config", FAIL),
     ("speculators_wrong_algorithm", S, _spec("algorithm", "eagle"), "speculators_config", FAIL),
 ]

@@ -271,6 +271,31 @@ def test_loader_reads_published_layouts(tiny_target, tmp_path):
     assert E.load_drafter_dir(s).cfg.norm_before_residual is True
 
 
+def test_loader_reads_sharded_and_pickled_weights(tiny_target, tmp_path):
+    """Published dirs come as sharded safetensors or as EAGLE's own pytorch_model.bin (read
+    with torch.load(weights_only=True)); both load to the same logits."""
+    trained = make_drafter(tiny_target, seed=7)
+    t = E.target_info(str(tiny_target))
+    d = write(trained, tmp_path, E.NATIVE, t, dtype=torch.float32)
+    sd = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    names = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": names[:7],
+              "model-00002-of-00002.safetensors": names[7:]}
+    for f, ns in shards.items():
+        save_file({n: sd[n] for n in ns}, str(d / f))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}))
+    ref = draft_logits(trained)
+    assert all(torch.equal(a, b) for a, b in zip(ref, draft_logits(E.load_drafter_dir(d))))
+    for f in shards:
+        (d / f).unlink()
+    (d / "model.safetensors.index.json").unlink()
+    torch.save(sd, d / "pytorch_model.bin")
+    assert E.read_dir(d).pickled
+    assert all(torch.equal(a, b) for a, b in zip(ref, draft_logits(E.load_drafter_dir(d))))
+
+
 def test_loader_refuses_unknown_tensors_and_unsupported_norm(tiny_target, tmp_path):
     m = make_drafter(tiny_target)
     t = E.target_info(str(tiny_target))
