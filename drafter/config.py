@@ -118,7 +118,7 @@ class TokenizeConfig:
     template_kwargs: dict[str, Any] = doc(
         {}, "more variables for the chat template, e.g. {thinking: true} (DeepSeek-V3.1)")
     batch_size: int = doc(256, "conversations rendered and tokenized per batch")
-    workers: int = doc(0, "processes rendering and tokenizing; 0 = auto (up to 8), 1 = in-process")
+    workers: int = doc(0, "processes rendering and tokenizing; 0 = auto (up to 32), 1 = in-process")
 
 
 # ---------------------------------------------------------------------------------------------- vocab

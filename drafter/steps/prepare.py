@@ -3,7 +3,7 @@
 Reads   prepare.sources: JSON/JSONL(.gz)/Parquet files, folders, HF datasets, builtin:NAME
         (drafter/sources.py reads them and detects each one's format)
 Writes  prepare/conversations.jsonl  {id, source, split: train|val, messages, meta?, tools?}
-        prepare/rejects.jsonl        one line per malformed record: source, file, line, reason, detail
+        prepare/rejects.jsonl        per malformed record: source, file, line, reason, detail
 Command drafter prepare CONFIG
 
 Order: read every source (malformed records -> rejects) -> seeded shuffle -> exact dedup on the
@@ -22,6 +22,7 @@ import json
 import logging
 import tempfile
 import unicodedata
+from array import array
 from collections import Counter
 
 import numpy as np
@@ -74,7 +75,8 @@ def main(cfg) -> dict:
     formats: dict[str, str | None] = {}
     per_source: dict[str, Counter] = {n: Counter() for n in names}
     # Staged records: one JSON line each, cut in two where "split" goes in at the end.
-    offsets, lengths, cuts, src_of, keys = [], [], [], [], []
+    offsets, lengths, cuts, src_of, keys = (array("q"), array("q"), array("l"), array("l"),
+                                            array("Q"))
     run.step_dir("prepare").mkdir(parents=True, exist_ok=True)
     staging = tempfile.TemporaryFile(dir=run.step_dir("prepare"), prefix=".staging-")
     pos = 0
@@ -162,10 +164,12 @@ def main(cfg) -> dict:
              "%d duplicates, %d over max_samples", counts["kept"], counts.get("train", 0),
              counts.get("val", 0), counts["read"], counts.get("rejected", 0),
              counts.get("duplicates", 0), counts.get("over_max_samples", 0))
-    return {"counts": counts,
-            "sources": {n: {"path": s.path, "format": formats.get(n), **dict(sorted(per_source[n].items(),
-                                                          key=lambda kv: _count_order(kv[0])))}
-                        for n, s in zip(names, pc.sources)}}
+    sources = {}
+    for n, s in zip(names, pc.sources):
+        c = per_source[n]
+        sources[n] = {"path": s.path, "format": formats.get(n),
+                      **{k: c[k] for k in sorted(c, key=_count_order)}}
+    return {"counts": counts, "sources": sources}
 
 
 _ORDER = ["read", "kept", "train", "val", "rejected", "duplicates", "over_max_samples"]

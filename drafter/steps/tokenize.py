@@ -34,7 +34,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Iterator
 
@@ -46,7 +46,8 @@ from ..tokens import TokenWriter
 
 log = logging.getLogger("drafter")
 
-PROBE_U, PROBE_A, PROBE_R = "drafter probe question", "drafter probe answer", "drafter probe thought"
+PROBE_U, PROBE_A = "drafter probe question", "drafter probe answer"
+PROBE_R = "drafter probe thought"
 MAX_EXAMPLES = 20  # skipped conversations listed in the manifest
 
 
@@ -76,8 +77,9 @@ def _common_prefix(a: str, b: str) -> int:
 class Renderer:
     """Renders conversations with a tokenizer's chat template and finds the assistant spans."""
 
-    def __init__(self, tok, enable_thinking: bool | None = None, template_kwargs: dict | None = None,
-                 stop_ids: tuple[int, ...] = (), mode: str = "auto"):
+    def __init__(self, tok, enable_thinking: bool | None = None,
+                 template_kwargs: dict | None = None, stop_ids: tuple[int, ...] = (),
+                 mode: str = "auto"):
         if not getattr(tok, "chat_template", None):
             raise TemplateError("the target's tokenizer has no chat template: set "
                                 "target.chat_template to a Jinja file")
@@ -203,7 +205,8 @@ class Renderer:
                 flags.append(1 if a in starts else 0)
                 owner.append(n)
         out = [([], []) for _ in items]
-        for ids, flag, n in zip(self.tok(segs, add_special_tokens=False)["input_ids"], flags, owner):
+        enc = self.tok(segs, add_special_tokens=False)["input_ids"]
+        for ids, flag, n in zip(enc, flags, owner):
             out[n][0].extend(ids)
             out[n][1].extend([flag] * len(ids))
         return out
@@ -297,7 +300,12 @@ def make_renderer(cfg) -> Renderer:
         eos = GenerationConfig.from_pretrained(target.resolve(cfg.target.model)).eos_token_id
         stop += eos if isinstance(eos, list) else [eos]
     tc = cfg.tokenize
-    return Renderer(tok, tc.enable_thinking, tc.template_kwargs, tuple(stop))
+    # Render with the variables the answers were generated under (generate's, when it ran), so
+    # that e.g. enable_thinking agrees; tokenize's own settings win.
+    kw = dict(getattr(cfg.generate, "chat_template_kwargs", None) or {}) \
+        if cfg.generate.enabled else {}
+    kw.update(tc.template_kwargs)
+    return Renderer(tok, tc.enable_thinking, kw, tuple(stop))
 
 
 # Worker processes. Forked where the OS can (they inherit the loaded renderer: no second start-up
@@ -319,6 +327,19 @@ def _work(args):
     return process(_W["r"], lines, file, tc.max_length, tc.overflow)
 
 
+def _ordered(pool, tasks, window: int):
+    """Results of _work in task order with at most `window` chunks in flight (Pool.imap would
+    read the whole input into its queue)."""
+    pending: deque = deque()
+    tasks = iter(tasks)
+    for task in tasks:
+        pending.append(pool.apply_async(_work, (task,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
 def main(cfg) -> dict:
     tc = cfg.tokenize
     run = Run.of(cfg)
@@ -328,7 +349,7 @@ def main(cfg) -> dict:
     log.info("tokenize: %s -> end-of-turn %s, reasoning %s, %s encoding", src,
              renderer.ends, "rendered" if renderer.renders_reasoning else "not rendered",
              renderer.mode)
-    workers = tc.workers or min(8, os.cpu_count() or 1)
+    workers = tc.workers or min(32, os.cpu_count() or 1)
     if tc.workers == 0 and os.path.getsize(src) < (8 << 20):
         workers = 1  # auto: a pool costs seconds to start, not worth it for a small file
     counts, skipped = Counter(), []
@@ -349,7 +370,7 @@ def main(cfg) -> dict:
             pool = stack.enter_context(mp.get_context("fork" if fork else "spawn").Pool(
                 workers, initializer=_init_worker, initargs=(cfg,)))
             stack.callback(_W.clear)
-            results = pool.imap(_work, chunks)
+            results = _ordered(pool, chunks, 2 * workers)
         else:
             results = (process(renderer, c, f, tc.max_length, tc.overflow) for c, f in chunks)
         for rows, c, sk in results:
@@ -371,11 +392,13 @@ def main(cfg) -> dict:
             raise DrafterError(f"tokenize: no usable training conversation in {src} "
                                f"({dict(counts)}).{hint} First skipped: {skipped[:3]}")
     if usable < counts["conversations"]:
-        log.warning("tokenize: skipped %d of %d conversations: %s", counts["conversations"] - usable,
-                    counts["conversations"], {k: v for k, v in counts.items() if k.startswith("skipped_")})
+        log.warning("tokenize: skipped %d of %d conversations: %s",
+                    counts["conversations"] - usable, counts["conversations"],
+                    {k: v for k, v in counts.items() if k.startswith("skipped_")})
     if counts["reasoning_not_rendered"]:
         log.warning("tokenize: %d conversations carry reasoning_content that the chat template "
-                    "does not render: their reasoning is not trained on", counts["reasoning_not_rendered"])
+                    "does not render: their reasoning is not trained on",
+                    counts["reasoning_not_rendered"])
     order = ["conversations", "train", "val", "tokens", "masked_tokens", "truncated"]
     counts = {k: counts[k] for k in order} | {k: v for k, v in sorted(counts.items())
                                               if k not in order}

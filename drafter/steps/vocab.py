@@ -46,8 +46,8 @@ def count_tokens(path, vocab_size: int) -> np.ndarray:
     return counts
 
 
-def build_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                       dict]:
+def build_vocab(counts: torch.Tensor,
+                draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """counts [V] int64 -> (d2t [Vd] int64, t2d [V] bool, info). Vd = min(draft_vocab_size, V)."""
     V = counts.numel()
     vd = min(draft_vocab_size, V)
