@@ -5,7 +5,7 @@
     drafter status RUN_DIR [--json]                 each step's state
     drafter config CONFIG [key=value ...]           the resolved config
     drafter serve CONFIG                            the generation server on its own
-    drafter plan CONFIG                             tokens, disk, memory, time, before any load
+    drafter plan CONFIG [--json]                    tokens, disk, memory, time, before any load
     drafter doctor [CONFIG]                         the machine: versions, GPUs, disk, engines
     drafter check DIR [--target M] [--json]         lint an EAGLE-3 checkpoint directory
     drafter report RUN_DIR                          print the evaluation report
@@ -97,7 +97,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    return _dispatch("drafter.plan", "main", _load(args))
+    return _dispatch("drafter.plan", "main", _load(args), args.json)
 
 
 def cmd_doctor(args) -> int:
@@ -152,8 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(sp)
     sp.set_defaults(fn=cmd_serve)
 
-    sp = sub.add_parser("plan", help="estimate tokens, disk, memory and time before any load")
+    sp = sub.add_parser("plan", help="estimate tokens, disk, memory and time before any load",
+                        epilog=_config_epilog(), formatter_class=fmt)
     with_config(sp)
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(fn=cmd_plan)
 
     sp = sub.add_parser("doctor", help="check the machine: versions, GPUs, disk, engines")

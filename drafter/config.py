@@ -223,6 +223,40 @@ class EvaluateConfig:
     cuda_graphs: bool = doc(True, "capture decode steps in CUDA graphs on GPU")
 
 
+# ----------------------------------------------------------------------------------------------- plan
+@dataclass
+class PlanConfig:
+    """`drafter plan`: figures used when the run directory holds no measurement yet. Measured
+    values (token files, earlier manifests' tokens/s) always win over these (docs/operations.md)."""
+    samples: int | None = doc(None, "conversations expected when no prepare/tokenize output "
+                              "exists yet; default: counted from the sources")
+    tokens_per_sample: int | None = doc(None, "tokens per conversation (prompt + answer) when "
+                                        "no tokenize output exists; default: estimated")
+    answer_tokens_per_sample: int | None = doc(None, "tokens generate writes per conversation; "
+                                               "default: generate.max_tokens (an upper bound)")
+    gpus: int | None = doc(None, "GPUs the run uses (extract/train ranks, server tensor "
+                           "parallel); default: the visible ones, else 1")
+    gpu_memory_gib: float | None = doc(None, "memory per GPU in GiB; default: the smallest "
+                                       "visible GPU's (H100: 79.6, H200: 139.8)")
+    gpu_tflops: float = doc(989.0, "dense bf16 TFLOP/s per GPU for time estimates "
+                            "(H100/H200 SXM: 989)")
+    gpu_hbm_tbps: float = doc(4.8, "GPU memory bandwidth in TB/s for decode estimates "
+                              "(H100: 3.35, H200: 4.8)")
+    mfu: float = doc(0.3, "share of gpu_tflops reached by prefill (extract) and training")
+    hbm_efficiency: float = doc(0.5, "share of gpu_hbm_tbps reached by decoding")
+    load_gbps: float = doc(2.0, "GB/s at which target weights are read from disk (load time)")
+    generate_tokens_per_s: float | None = doc(None, "generated tokens/s of the whole server; "
+                                              "default: measured, else a bandwidth estimate")
+    tokenize_tokens_per_s: float | None = doc(None, "tokens/s of tokenize (all workers); "
+                                              "default: measured, else 20000 per worker")
+    extract_tokens_per_s: float | None = doc(None, "extract tokens/s per GPU; default: "
+                                             "measured, else a FLOP estimate")
+    train_tokens_per_s: float | None = doc(None, "train tokens/s per GPU; default: measured, "
+                                           "else a FLOP estimate")
+    evaluate_tokens_per_s: float | None = doc(None, "evaluate decoded tokens/s; default: "
+                                              "measured, else a bandwidth estimate")
+
+
 # ----------------------------------------------------------------------------------------- top level
 @dataclass
 class Config:
@@ -236,6 +270,7 @@ class Config:
     train: TrainConfig = doc(TrainConfig(), "train step")
     export: ExportConfig = doc(ExportConfig(), "export step")
     evaluate: EvaluateConfig = doc(EvaluateConfig(), "evaluate step")
+    plan: PlanConfig = doc(PlanConfig(), "drafter plan: estimates used before any data exists")
 
 
 # ----------------------------------------------------------------------------------- load and check

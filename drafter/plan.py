@@ -1,0 +1,630 @@
+"""`drafter plan CONFIG`: tokens, disk bytes, GPU memory and time of every step, before any load.
+
+Reads   the target's config.json (an HF folder or id, through target.load_config), or a GGUF
+        file's metadata without its tensors (a .gguf or builtin target is never materialised);
+        the run directory when it has something: tokenize/{train,val}.parquet (measured tokens),
+        generate/ or prepare/conversations.jsonl (measured samples), earlier manifests (measured
+        tokens/s); else the sources themselves (records and characters) and the `plan` section.
+Writes  nothing.
+Command drafter plan CONFIG [key=value ...] [--json]
+
+Every figure names where it comes from: `measured` (this run directory), `config` (the `plan`
+section) or `estimated` (the formulas below, documented in docs/operations.md):
+
+- parameters: the model built on the meta device (capture.param_count); MoE active parameters =
+  total - routed experts * (1 - k/E).
+- disk: store.bytes_per_token for each storage option times the tokens extract stores (train +
+  val); the reference layout's 8*Ht+16 for comparison.
+- GPU memory per rank: capture.estimate_gpu_bytes for the target steps; for train, the drafter's
+  weights + grads + AdamW (16 bytes per trainable parameter, / GPUs under FSDP) + activations.
+- time: tokens / tokens-per-second. Prefill and training: mfu * gpu_tflops over 2 (prefill) or
+  6 * ttt_steps (training) FLOPs per parameter and token. Decoding is bandwidth bound: a step of
+  batch B reads the dense weights and the share 1-(1-k/E)^B of the experts it touches.
+  Weight loading: bytes / load_gbps.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+
+from . import DrafterError, capture, store, target
+from .rundir import STEPS, Run, cache_dir, read_json
+
+log = logging.getLogger("drafter")
+
+GiB = 1 << 30
+# ~4 characters per token for English text with BPE vocabularies of 32k-160k ids (OpenAI's rule
+# of thumb; SmolLM2 measures 4.3 on the shared gsm8k answers). Used only before tokenize ran.
+CHARS_PER_TOKEN = 4.0
+# tokenize throughput per worker when nothing is measured (chat template + fast tokenizer).
+TOKENIZE_TOKENS_PER_S_PER_WORKER = 20_000
+# Free space kept in reserve below which a disk warning fires.
+DISK_MARGIN = 0.05
+# Usable share of a GPU's memory (the CUDA context, NCCL buffers and the allocator take the rest).
+GPU_USABLE = 0.95
+
+
+class PlanError(DrafterError):
+    pass
+
+
+# ---------------------------------------------------------------------------------- the target
+def target_config(tcfg):
+    """(config, description, gguf file size or None) from config.json or GGUF metadata only."""
+    from transformers import AutoConfig
+
+    spec = tcfg.model
+    gguf = None
+    if spec.startswith("builtin:"):
+        gguf = target.builtin_file(spec.split(":", 1)[1])
+    elif Path(os.path.expanduser(spec)).suffix == ".gguf":
+        gguf = Path(os.path.expanduser(spec))
+        if not gguf.is_file():
+            raise PlanError(f"target.model: GGUF file not found: {gguf}")
+    if gguf is not None:
+        # transformers reads the GGUF header (load_gguf_checkpoint(return_tensors=False)): no
+        # tensor is read or dequantised.
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                            trust_remote_code=tcfg.trust_remote_code)
+        return config, f"{gguf} (GGUF metadata)", gguf.stat().st_size
+    config = target.load_config(tcfg)
+    where = target.resolve(spec)
+    return config, f"{where} (config.json)", None
+
+
+def _moe(tc) -> tuple[int, int]:
+    """(experts, experts per token) of a MoE config, (0, 0) for a dense one."""
+    e = next((getattr(tc, k) for k in ("n_routed_experts", "num_experts", "num_local_experts")
+              if getattr(tc, k, None)), 0)
+    k = next((getattr(tc, k) for k in ("num_experts_per_tok", "num_experts_per_token",
+                                       "moe_topk") if getattr(tc, k, None)), 0)
+    return int(e or 0), int(k or 0)
+
+
+def param_counts(config) -> dict:
+    """total (capture.param_count), routed-expert, embedding and per-token active parameters."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .capture import param_count
+
+    total = param_count(config)
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(config)
+    routed = sum(p.numel() for n, p in m.named_parameters()
+                 if ".experts." in f".{n}" and "shared_expert" not in n)
+    emb = m.get_input_embeddings().weight.numel()
+    tied = m.get_output_embeddings() is not None and \
+        m.get_output_embeddings().weight is m.get_input_embeddings().weight
+    e, k = _moe(target.text_config(config))
+    active = total - (routed - routed * k // e if e else 0)
+    # FLOPs per token touch every active weight but the input embedding (a lookup)
+    return {"total": total, "routed_experts": routed, "experts": e, "experts_per_token": k,
+            "active": active, "embedding": emb, "flop_params": active - (0 if tied else emb)}
+
+
+def describe_target(config) -> dict:
+    tc = target.text_config(config)
+    e, k = _moe(tc)
+    return {"architecture": (getattr(config, "architectures", None) or [type(config).__name__])[0],
+            "model_type": getattr(config, "model_type", ""),
+            "num_layers": tc.num_hidden_layers, "hidden_size": tc.hidden_size,
+            "vocab_size": tc.vocab_size, "experts": e, "experts_per_token": k,
+            "mla": bool(getattr(tc, "kv_lora_rank", None))}
+
+
+def dtype_bytes(cfg, on_gpu: bool) -> tuple[str, int]:
+    """The dtype the target loads at on the run's machine (target.pick_dtype's rule: auto =
+    bfloat16 on GPU, float32 on CPU)."""
+    name = cfg.target.dtype
+    if name == "auto":
+        name = "bfloat16" if on_gpu and cfg.target.device != "cpu" else "float32"
+    return name, {"bfloat16": 2, "float16": 2, "float32": 4}[name]
+
+
+# ------------------------------------------------------------------------------------ the data
+def _conversation_stats(records) -> dict:
+    """samples per split, characters of prompts (system/user/tool) and answers, user turns."""
+    n = val = turns = prompt_chars = answer_chars = 0
+    for r in records:
+        n += 1
+        val += r.get("split") == "val"
+        for m in r.get("messages", []):
+            text = len(m.get("content") or "") + len(m.get("reasoning_content") or "")
+            if m.get("role") == "assistant":
+                answer_chars += text
+            else:
+                prompt_chars += text
+                turns += m.get("role") == "user"
+    return {"samples": n, "val": val, "user_turns": turns, "prompt_chars": prompt_chars,
+            "answer_chars": answer_chars}
+
+
+def _iter_jsonl(path: Path):
+    with open(path, "rb") as f:
+        for line in f:
+            if line.endswith(b"\n"):
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    return
+
+
+def _read_sources(cfg) -> dict | None:
+    """Record counts and characters of the configured sources (local and builtin only: a hub
+    dataset would be a download)."""
+    from .sources import Reject, read_source
+
+    total = None
+    for src in cfg.prepare.sources:
+        local = src.path.startswith("builtin:") or Path(os.path.expanduser(src.path)).exists()
+        if not local:
+            return None
+        recs = []
+        for item in read_source(src):
+            if isinstance(item, Reject):
+                continue
+            recs.append(item)
+            if src.max_samples is not None and len(recs) >= src.max_samples:
+                break
+        st = _conversation_stats(recs)
+        total = st if total is None else {k: total[k] + st[k] for k in total}
+    return total
+
+
+def data_counts(cfg, run: Run) -> dict:
+    """Samples and tokens per split: measured from tokenize output when it exists, else from
+    the conversations (run dir, then sources) and the plan section."""
+    if run.tokens("train").exists():
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        out = {"source": f"measured ({run.step_dir('tokenize')})"}
+        for split in ("train", "val"):
+            p = run.tokens(split)
+            if not p.exists():
+                out[split] = {"samples": 0, "tokens": 0, "masked_tokens": 0}
+                continue
+            t = pq.read_table(str(p), columns=["num_tokens", "loss_mask"])
+            out[split] = {"samples": t.num_rows,
+                          "tokens": int(pc.sum(t.column("num_tokens")).as_py() or 0),
+                          "masked_tokens": int(pc.sum(pc.list_flatten(
+                              t.column("loss_mask"))).as_py() or 0)}
+        return _totals(out)
+
+    p, g = cfg.plan, cfg.generate
+    st, where = None, None
+    for step in ("generate", "prepare"):
+        path = run.conversations(step)
+        if path.exists():
+            st, where = _conversation_stats(_iter_jsonl(path)), f"measured ({path})"
+            break
+    if p.samples is not None:
+        n, val = p.samples, round(p.samples * cfg.prepare.val_fraction)
+        samples_src = "config (plan.samples)"
+    elif st is not None:
+        n, val, samples_src = st["samples"], st["val"], where
+    else:
+        st = _read_sources(cfg)
+        if st is None or not st["samples"]:
+            raise PlanError("plan: no prepare output in the run directory and the sources are "
+                            "not local files: set plan.samples (and plan.tokens_per_sample)")
+        n, val = st["samples"], round(st["samples"] * cfg.prepare.val_fraction)
+        samples_src = "measured (sources, before dedup)"
+
+    turns = st["user_turns"] / max(st["samples"], 1) if st else 1.0
+    if p.answer_tokens_per_sample is not None:
+        answer, answer_src = float(p.answer_tokens_per_sample), "config (plan.answer_tokens_per_sample)"
+    elif st is not None and (not g.enabled or where and "generate" in where):
+        answer, answer_src = st["answer_chars"] / CHARS_PER_TOKEN / max(st["samples"], 1), \
+            f"estimated ({CHARS_PER_TOKEN:g} chars/token)"
+    else:
+        answer, answer_src = g.max_tokens * max(turns, 1.0), \
+            "estimated (generate.max_tokens per user turn: an upper bound)"
+    if p.tokens_per_sample is not None:
+        per, tok_src = float(p.tokens_per_sample), "config (plan.tokens_per_sample)"
+    elif st is not None:
+        prompt = st["prompt_chars"] / CHARS_PER_TOKEN / max(st["samples"], 1)
+        per = min(float(cfg.tokenize.max_length), prompt + answer)
+        tok_src = f"estimated (prompt chars / {CHARS_PER_TOKEN:g} + answer tokens)"
+    else:
+        per, tok_src = float(cfg.tokenize.max_length), "estimated (tokenize.max_length)"
+    answer = min(answer, per)
+    out = {"source": f"samples: {samples_src}; tokens: {tok_src}; answers: {answer_src}",
+           "generated_tokens": round(n * answer) if g.enabled else 0}
+    for split, k in (("train", n - val), ("val", val)):
+        out[split] = {"samples": k, "tokens": round(k * per), "masked_tokens": round(k * answer)}
+    return _totals(out)
+
+
+def _totals(out: dict) -> dict:
+    for key in ("samples", "tokens", "masked_tokens"):
+        out[key] = out["train"][key] + out["val"][key]
+    out.setdefault("generated_tokens", out["masked_tokens"])
+    return out
+
+
+# ------------------------------------------------------------------------------- measurements
+def measured_throughputs(run: Run) -> dict:
+    """tokens/s recorded by earlier manifests in this run dir: {step: (tokens/s, world size)}."""
+    out = {}
+    for step in STEPS:
+        p = run.manifest(step)
+        if not p.exists():
+            continue
+        try:
+            m = read_json(p)
+        except (OSError, json.JSONDecodeError):
+            continue
+        tps = None
+        if step == "generate":
+            tps = (m.get("throughput") or {}).get("completion_tokens_per_s")
+        elif step == "tokenize" and m.get("seconds"):
+            tps = (m.get("counts") or {}).get("tokens", 0) / m["seconds"]
+        else:
+            tps = m.get("tokens_per_s")
+        if tps:
+            out[step] = (float(tps), int(m.get("world_size") or 1))
+    return out
+
+
+# ---------------------------------------------------------------------------------- estimates
+def drafter_shape(cfg, config) -> dict:
+    """Trainable and frozen parameters of the drafter this config trains (meta device)."""
+    import torch
+
+    from .capture import resolve_layer_ids
+    from .model import Drafter, DrafterConfig
+
+    ids = resolve_layer_ids(cfg.extract.layer_ids, target.num_layers(config))
+    dc = DrafterConfig.from_target(config, cfg.vocab.draft_vocab_size, ids,
+                                   intermediate_size=cfg.train.intermediate_size,
+                                   fc_norm=cfg.train.fc_norm)
+    with torch.device("meta"):
+        d = Drafter(dc)
+    total = sum(p.numel() for p in d.parameters())
+    trainable = sum(p.numel() for p in d.parameters() if p.requires_grad)
+    return {"trainable": trainable, "total": total, "hidden_size": dc.hidden_size,
+            "intermediate_size": dc.intermediate_size, "draft_vocab_size": dc.draft_vocab_size,
+            "layer_ids": ids}
+
+
+def train_gpu_bytes(cfg, dshape: dict, gpus: int, ht: int) -> dict:
+    """One rank of train: fp32 weights + grads + AdamW moments of the trainable parameters
+    (16 bytes each, sharded over ranks under FSDP), the frozen embedding (fp32), and
+    activations kept for backward over ttt_steps: per token and step ~ (10 H + 3 I) bf16 values
+    (norms, attention q/k/v/o, MLP), the aux input 3 Ht, one [tokens, Vd] fp32 teacher; +25%."""
+    tc = cfg.train
+    shard = gpus if (tc.fsdp and gpus > 1) else 1
+    states = dshape["trainable"] * 16 // shard
+    frozen = (dshape["total"] - dshape["trainable"]) * 4
+    H, I = dshape["hidden_size"], dshape["intermediate_size"]
+    act = tc.batch_tokens * (tc.ttt_steps * (10 * H + 3 * I) + 3 * ht) * 2
+    teacher = tc.batch_tokens * dshape["draft_vocab_size"] * 4
+    total = int((states + frozen + act + teacher) * 1.25)
+    return {"states": states, "frozen": frozen, "activations": act, "teacher": teacher,
+            "total": total}
+
+
+def decode_tokens_per_s(p, batch: int, params: dict, nbytes: int, gpus: int) -> float:
+    """Bandwidth-bound decoding: one step of `batch` sequences reads the dense weights and the
+    experts that its tokens route to (share 1-(1-k/E)^batch), spread over `gpus`."""
+    routed = params["routed_experts"]
+    dense = params["total"] - routed
+    e, k = params["experts"], params["experts_per_token"]
+    touched = 1 - (1 - k / e) ** batch if e else 1.0
+    step_bytes = (dense + routed * touched) * nbytes / gpus
+    step_s = step_bytes / (p.gpu_hbm_tbps * 1e12 * p.hbm_efficiency)
+    return batch / step_s
+
+
+def _pick(configured, measured: tuple | None, estimate, per_gpu: bool, gpus: int):
+    """(tokens/s for the whole run, source): config > measured (scaled per GPU) > estimate."""
+    if configured is not None:
+        return configured * (gpus if per_gpu else 1), "config"
+    if measured is not None:
+        tps, world = measured
+        return (tps / world * gpus if per_gpu else tps), "measured"
+    if estimate is None:
+        return None, "unknown"
+    return estimate * (gpus if per_gpu else 1), "estimated"
+
+
+def _free_bytes(path: Path) -> tuple[Path, int]:
+    """Free bytes on the file system that holds `path` (its first existing ancestor)."""
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return p, shutil.disk_usage(p).free
+
+
+def _gpu_env(p) -> tuple[int, float | None, str]:
+    from . import gpu
+
+    devs = gpu.devices()
+    n = p.gpus or (len(gpu.visible_indices(devs)) if devs else None) or 1
+    if p.gpu_memory_gib is not None:
+        return n, p.gpu_memory_gib * GiB, "config (plan.gpu_memory_gib)"
+    if devs:
+        return n, float(min(g.total for g in devs)), "measured (NVML)"
+    return n, None, "unknown (no GPU here: set plan.gpu_memory_gib)"
+
+
+# ------------------------------------------------------------------------------------ the plan
+def storage(cfg, f: dict) -> dict:
+    """Bytes per token and in total of every storage option over what extract stores."""
+    ec, ht, tokens = cfg.extract, f["ht"], f["data"]["tokens"]
+    options = []
+    for aux in ("bf16", "fp8"):
+        for teacher in ("hidden", "topk"):
+            bpt = store.bytes_per_token(ht, f["n_aux"], aux, teacher, ec.topk, f["vd"])
+            options.append({"aux_dtype": aux, "teacher": teacher, "bytes_per_token": bpt,
+                            "bytes": bpt * tokens, "chosen": not cfg.train.online
+                            and (aux, teacher) == (ec.aux_dtype, ec.teacher)})
+    ref = store.reference_bytes_per_token(ht)
+    return {"tokens": tokens, "hidden_size": ht, "n_aux": f["n_aux"], "topk": ec.topk,
+            "draft_vocab_size": f["vd"], "options": options,
+            "reference": {"bytes_per_token": ref, "bytes": ref * tokens},
+            "online": cfg.train.online}
+
+
+def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
+    """Bytes each step leaves in the run dir, and the target's weights in a cache; warns when
+    the file systems have less free space."""
+    run, ds = Run.of(cfg), f["drafter"]
+    ckpt = ds["total"] * 4 + ds["trainable"] * 8  # fp32 weights + AdamW moments
+    out = {
+        # JSONL conversations (prepare + generate, ~CHARS_PER_TOKEN bytes a token each) and the
+        # token file (int32 id + int8 mask)
+        "data": int(st["tokens"] * (2 * CHARS_PER_TOKEN + 5)),
+        "extract": next((o["bytes"] for o in st["options"] if o["chosen"]), 0),
+        # kept checkpoints + the best one + the one being written
+        "train": ckpt * (cfg.train.keep_checkpoints + 2),
+        "export": 2 * ds["total"] * 2,  # native + speculators, bf16
+    }
+    out["total"] = sum(out.values())
+    run_fs, run_free = _free_bytes(run.root)
+    spec, cache_path, cache_need = cfg.target.model, None, 0
+    if spec.startswith("builtin:") or f["gguf_bytes"] is not None:
+        cache_path, cache_need = cache_dir() / "models", f["params"]["total"] * 2  # bf16 folder
+    elif not Path(os.path.expanduser(spec)).is_dir():  # an HF id: downloaded into the hub cache
+        hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
+        cache_path = Path(os.environ.get("HF_HUB_CACHE") or f"{hf_home}/hub").expanduser()
+        stored = str(getattr(f["config"], "torch_dtype", None) or "bfloat16")
+        cache_need = f["params"]["total"] * (4 if "32" in stored else 2)
+    cache_fs, cache_free = _free_bytes(cache_path) if cache_path else (None, None)
+    same_fs = cache_fs is not None and os.stat(cache_fs).st_dev == os.stat(run_fs).st_dev
+    need = out["total"] + (cache_need if same_fs else 0)
+    if need > run_free * (1 - DISK_MARGIN):
+        big = max(("extract", "train", "data"), key=lambda k: out[k])
+        hint = (" Smaller storage: extract.aux_dtype=fp8, extract.teacher=topk, or none at all "
+                "with train.online=true." if big == "extract" else "")
+        warnings.append(f"disk: {run.root} needs ~{_size(need)} ({big} {_size(out[big])}), "
+                        f"{_size(run_free)} free on {run_fs}.{hint}")
+    if cache_need and not same_fs and cache_need > cache_free * (1 - DISK_MARGIN):
+        warnings.append(f"disk: the target's weights need ~{_size(cache_need)} in {cache_path}, "
+                        f"{_size(cache_free)} free on {cache_fs}")
+    return {**out, "run_dir_free": run_free, "run_dir_fs": str(run_fs),
+            "cache_path": str(cache_path) if cache_path else None, "cache_need": cache_need,
+            "cache_free": cache_free}
+
+
+def gpu_memory(cfg, f: dict, warnings: list[str]) -> dict:
+    """Bytes per GPU of each step that uses one; warns when above the GPUs' memory."""
+    gpus, weights, total = f["gpus"], f["weights"], f["params"]["total"]
+    tp = gpus if cfg.extract.tp else 1  # extract, online train and evaluate shard alike
+    ext = capture.estimate_gpu_bytes(f["config"], f["nbytes"], cfg.extract.batch_tokens,
+                                     f["n_aux"], tp=tp, params=total)
+    ev = capture.estimate_gpu_bytes(f["config"], f["nbytes"], cfg.evaluate.max_new_tokens + 2048,
+                                    f["n_aux"], tp=tp, params=total)
+    tr = train_gpu_bytes(cfg, f["drafter"], gpus, f["ht"])
+    online = cfg.train.online
+    gen_tp = f["gen_tp"]
+    mem = {
+        "generate": {"total": weights // gen_tp if gen_tp else 0, "tp": gen_tp,
+                     "note": "weights; the engine fills the rest with KV cache" if gen_tp
+                     else "external server"},
+        "extract": {**ext, "tp": tp} if not online else {"total": 0, "tp": 0, "note": "online"},
+        "train": {**tr, "target": ext["total"] if online else 0, "tp": tp if online else 1,
+                  "total": tr["total"] + (ext["total"] if online else 0)},
+        "evaluate": {**ev, "tp": tp, "total": ev["total"] + f["drafter"]["total"] * 2},
+    }
+    have = f["gpu_memory"]
+    if have is None:
+        return mem
+    usable = have * GPU_USABLE
+    n_need = math.ceil(weights * 1.25 / usable)
+    for step, m in mem.items():
+        if m["total"] <= usable:
+            continue
+        if weights / max(m.get("tp") or 1, 1) > usable / 2:
+            how = ("generate.server.extra_args, e.g. --tensor-parallel-size" if step == "generate"
+                   else "extract.tp=true under torchrun")
+            fix = (f" The weights alone need >= {n_need} GPUs of this size: shard the target "
+                   f"over more GPUs ({how}; {gpus} planned), or use a smaller dtype or a "
+                   f"quantised checkpoint.")
+        else:
+            fix = " Lower extract.batch_tokens or train.batch_tokens."
+        warnings.append(f"GPU memory: {step} needs ~{_size(m['total'])} per GPU, "
+                        f"{_size(have)} per GPU.{fix}")
+    return mem
+
+
+def times(cfg, f: dict) -> list[dict]:
+    """Tokens, tokens/s (config > measured > estimated) and seconds of each long step, plus the
+    target's load time where the step loads it."""
+    p, tc, data, gpus = cfg.plan, cfg.train, f["data"], f["gpus"]
+    params, online, gen_tp = f["params"], cfg.train.online, f["gen_tp"]
+    configured = {"generate": p.generate_tokens_per_s, "tokenize": p.tokenize_tokens_per_s,
+                  "extract": p.extract_tokens_per_s, "train": p.train_tokens_per_s,
+                  "evaluate": p.evaluate_tokens_per_s}
+    flops = p.mfu * p.gpu_tflops * 1e12
+    estimate = {
+        "generate": decode_tokens_per_s(p, cfg.generate.concurrency, params, f["nbytes"], gen_tp)
+        if gen_tp else None,
+        "tokenize": TOKENIZE_TOKENS_PER_S_PER_WORKER * (cfg.tokenize.workers
+                                                        or min(8, os.cpu_count() or 1)),
+        "extract": flops / (2 * params["flop_params"]),
+        "train": flops / (6 * tc.ttt_steps * f["drafter"]["trainable"]
+                          + (2 * params["flop_params"] if online else 0)),
+        "evaluate": decode_tokens_per_s(p, cfg.evaluate.batch_size, params, f["nbytes"],
+                                        gpus if cfg.extract.tp else 1),
+    }
+    per_gpu = {"extract", "train"}  # the others: one server / one process
+    n_train = data["train"]["tokens"] * tc.epochs
+    if tc.max_steps is not None:
+        n_train = min(n_train, tc.max_steps * tc.batch_tokens * tc.grad_accum * gpus)
+    prompts = sum(d.max_prompts or 80 for d in cfg.evaluate.datasets)
+    work = {
+        "generate": data["generated_tokens"] if cfg.generate.enabled else 0,
+        "tokenize": data["tokens"],
+        "extract": 0 if online else data["tokens"],
+        "train": n_train,
+        # every prompt decoded by the target alone and with each method, at each temperature
+        "evaluate": prompts * cfg.evaluate.max_new_tokens * len(cfg.evaluate.temperatures)
+        * (len(cfg.evaluate.methods) + 1),
+    }
+    load_s = f["weights"] / (p.load_gbps * 1e9)
+    loads = {"generate": bool(gen_tp), "extract": not online, "train": online, "evaluate": True}
+    out = []
+    for step in configured:
+        tps, src = _pick(configured[step], f["measured"].get(step), estimate[step],
+                         step in per_gpu, gpus)
+        n = work[step]
+        secs = 0.0 if not n else (n / tps if tps else None)
+        load = load_s if loads.get(step) and n else 0.0
+        out.append({"step": step, "tokens": n, "tokens_per_s": tps, "source": src,
+                    "seconds": secs, "load_seconds": load,
+                    "total_seconds": None if secs is None else secs + load})
+    return out
+
+
+def make_plan(cfg) -> dict:
+    """The whole plan as a JSON-able dict (what `--json` prints)."""
+    run = Run.of(cfg)
+    config, where, gguf_bytes = target_config(cfg.target)
+    info = describe_target(config)
+    params = param_counts(config)
+    gpus, gpu_mem, gpu_mem_src = _gpu_env(cfg.plan)
+    # a machine with GPUs, or a plan for one (plan.gpus / plan.gpu_memory_gib set)
+    on_gpu = gpu_mem is not None or cfg.plan.gpus is not None
+    dname, nbytes = dtype_bytes(cfg, on_gpu)
+    engine = cfg.generate.server.engine
+    f = {"config": config, "params": params, "nbytes": nbytes, "gguf_bytes": gguf_bytes,
+         "weights": params["total"] * nbytes, "ht": info["hidden_size"],
+         "n_aux": len(cfg.extract.layer_ids) if cfg.extract.layer_ids else 3,
+         "vd": min(cfg.vocab.draft_vocab_size, info["vocab_size"]),
+         "data": data_counts(cfg, run), "drafter": drafter_shape(cfg, config),
+         "gpus": gpus, "gpu_memory": gpu_mem, "measured": measured_throughputs(run),
+         # vLLM / SGLang shard the target over the GPUs (--tensor-parallel-size in extra_args);
+         # transformers serve and local decoding use one device; an external server none here
+         "gen_tp": {"vllm": gpus, "sglang": gpus, "transformers": 1, "local": 1}.get(engine, 0)}
+    warnings: list[str] = []
+    st = storage(cfg, f)
+    dk = disk(cfg, f, st, warnings)
+    mem = gpu_memory(cfg, f, warnings)
+    tm = times(cfg, f)
+    return {
+        "run_dir": str(run.root),
+        "target": {**info, "source": where, "params": params["total"],
+                   "active_params": params["active"],
+                   "routed_expert_params": params["routed_experts"],
+                   "dtype": dname, "weights_bytes": f["weights"], "gguf_bytes": gguf_bytes},
+        "data": f["data"], "storage": st, "disk": dk, "drafter": f["drafter"],
+        "gpus": {"count": gpus, "memory": gpu_mem, "memory_source": gpu_mem_src},
+        "gpu_memory": mem, "time": tm,
+        "total_seconds": sum(t["total_seconds"] for t in tm if t["total_seconds"] is not None),
+        "warnings": warnings,
+    }
+
+
+# ---------------------------------------------------------------------------------- rendering
+def _size(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _dur(s: float | None) -> str:
+    if s is None:
+        return "?"
+    if s < 90:
+        return f"{s:.0f}s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
+def render(plan: dict) -> str:
+    t, d, s = plan["target"], plan["data"], plan["storage"]
+    moe = f", MoE {t['experts']} experts ({t['experts_per_token']} per token)" if t["experts"] else ""
+    lines = [
+        f"drafter plan for {plan['run_dir']} (nothing loaded)",
+        f"target   {t['source']}",
+        f"         {t['architecture']}: {t['num_layers']} layers, hidden {t['hidden_size']:,}, "
+        f"vocab {t['vocab_size']:,}{moe}{', MLA' if t['mla'] else ''}",
+        f"         {t['params']:,} parameters ({t['params'] / 1e9:,.1f} B; "
+        f"{t['active_params'] / 1e9:,.1f} B active per token); "
+        f"weights at {t['dtype']}: {_size(t['weights_bytes'])}",
+        f"data     {d['samples']:,} samples (train {d['train']['samples']:,}, val "
+        f"{d['val']['samples']:,}), {d['tokens']:,} tokens, {d['masked_tokens']:,} "
+        f"assistant tokens",
+        f"         {d['source']}",
+        f"storage  extract stores {s['tokens']:,} tokens (Ht {s['hidden_size']}, {s['n_aux']} "
+        f"aux layers, draft vocab {s['draft_vocab_size']:,}, top-k {s['topk']})",
+    ]
+    for o in s["options"]:
+        mark = "*" if o["chosen"] else " "
+        lines.append(f"       {mark} aux {o['aux_dtype']:<4} teacher {o['teacher']:<6} "
+                     f"{o['bytes_per_token']:>9,} B/token {_size(o['bytes']):>10}  "
+                     f"({o['bytes_per_token'] / s['reference']['bytes_per_token']:.2f}x reference)")
+    r = s["reference"]
+    lines.append(f"         reference 8*Ht+16     {r['bytes_per_token']:>9,} B/token "
+                 f"{_size(r['bytes']):>10}")
+    lines.append(f"       {'*' if s['online'] else ' '} train.online=true     "
+                 f"{0:>9,} B/token {_size(0):>10}  (the target runs beside the drafter)")
+    k = plan["disk"]
+    lines.append(f"disk     run dir {_size(k['total'])}: data {_size(k['data'])}, extract "
+                 f"{_size(k['extract'])}, train checkpoints {_size(k['train'])}, export "
+                 f"{_size(k['export'])}; {_size(k['run_dir_free'])} free on {k['run_dir_fs']}")
+    if k["cache_path"]:
+        lines.append(f"         target weights in {k['cache_path']}: {_size(k['cache_need'])}, "
+                     f"{_size(k['cache_free'])} free")
+    g = plan["gpus"]
+    lines.append(f"GPU      {g['count']} GPU(s) of {_size(g['memory'])} "
+                 f"[{g['memory_source']}]; per GPU:")
+    for step, m in plan["gpu_memory"].items():
+        tp = f" (tp {m['tp']})" if m.get("tp", 1) > 1 else ""
+        note = f"  {m['note']}" if m.get("note") else ""
+        lines.append(f"         {step:<9}{_size(m['total']):>10}{tp}{note}")
+    lines.append("time     step         tokens     tokens/s   source     compute + load")
+    for r in plan["time"]:
+        tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "?"
+        load = f" + {_dur(r['load_seconds'])} load" if r["load_seconds"] >= 1 else ""
+        lines.append(f"         {r['step']:<9}{r['tokens']:>13,} {tps:>12}   {r['source']:<10} "
+                     f"{_dur(r['seconds'])}{load}")
+    lines.append(f"         total ~{_dur(plan['total_seconds'])} (steps with a known time)")
+    if plan["warnings"]:
+        lines.append("warnings")
+        lines += [f"  ! {w}" for w in plan["warnings"]]
+    else:
+        lines.append("no warnings: disk and GPU memory suffice")
+    return "\n".join(lines)
+
+
+def main(cfg, as_json: bool = False) -> int:
+    plan = make_plan(cfg)
+    if as_json:
+        print(json.dumps(plan, indent=2, default=str))
+    else:
+        print(render(plan))
+    return 0
