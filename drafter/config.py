@@ -162,6 +162,7 @@ class TrainConfig:
     norm_output: bool = doc(False, "EAGLE-3.1: feed back the post-norm state in TTT")
     attention: Literal["auto", "sdpa", "flex"] = doc(
         "auto", "TTT attention: sdpa (exact, CPU/GPU) or flex (fast GPU); auto picks")
+    compile: bool = doc(True, "torch.compile the fast path's layer and loss pieces (GPU only)")
     lr: float = doc(1e-4, "peak learning rate (AdamW)")
     min_lr_ratio: float = doc(0.0, "final lr as a share of the peak (cosine)")
     warmup_ratio: float = doc(0.015, "share of steps spent in linear warmup")
@@ -177,7 +178,10 @@ class TrainConfig:
     fsdp: bool = doc(False, "shard the drafter with FSDP2 under torchrun instead of DDP")
     seed: int = doc(0, "seed of init, data order and dropout")
     log_every: int = doc(10, "optimizer steps between log lines")
-    eval_every: int = doc(200, "optimizer steps between validation passes (0: only at the end)")
+    eval_every: int = doc(200, "optimizer steps between validation passes (0: only at "
+                          "checkpoints and the end)")
+    eval_batches: int | None = doc(None, "cap on validation micro-batches per pass "
+                                   "(None: the whole split)")
     save_every: int = doc(500, "optimizer steps between checkpoints")
     keep_checkpoints: int = doc(2, "checkpoints kept (the best one is always kept)")
     resume: str = doc("auto", "auto (latest checkpoint), a checkpoint path, or off")
