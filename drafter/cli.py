@@ -6,7 +6,7 @@
     drafter config CONFIG [key=value ...]           the resolved config
     drafter serve CONFIG                            the generation server on its own
     drafter plan CONFIG [--json]                    tokens, disk, memory, time, before any load
-    drafter doctor [CONFIG]                         the machine: versions, GPUs, disk, engines
+    drafter doctor [CONFIG] [--json]                the machine: versions, GPUs, disk, engines
     drafter check DIR [--target M] [--json]         lint an EAGLE-3 checkpoint directory
     drafter report RUN_DIR                          print the evaluation report
 """
@@ -17,6 +17,7 @@ import importlib
 import json
 import logging
 import sys
+from pathlib import Path
 
 from . import DrafterError
 from . import config as C
@@ -101,8 +102,10 @@ def cmd_plan(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    cfg = C.load(args.config, args.overrides) if args.config else C.load(None, args.overrides)
-    return _dispatch("drafter.doctor", "main", cfg)
+    config, overrides = args.config, list(args.overrides)
+    if config and "=" in config and not Path(config).exists():  # `drafter doctor key=value`
+        config, overrides = None, [config, *overrides]
+    return _dispatch("drafter.doctor", "main", C.load(config, overrides), args.json)
 
 
 def cmd_check(args) -> int:
@@ -161,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("doctor", help="check the machine: versions, GPUs, disk, engines")
     sp.add_argument("config", nargs="?", help="optional config (for the run and cache dirs)")
     sp.add_argument("overrides", nargs="*")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(fn=cmd_doctor)
 
     sp = sub.add_parser("check", help="lint an EAGLE-3 checkpoint dir for acceptance killers")
