@@ -86,6 +86,11 @@ KIMI = """
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{%- endif %}"""
 
+# GLM-4.5 style: nothing after an answer; the model stops by writing the next header, one of its
+# stop tokens (generation_config.json eos_token_id lists <|user|> and <|observation|>).
+GLM = ("[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"
+       "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
 # ChatML with {% generation %} blocks: transformers' own assistant mask, to cross-check ours.
 CHATML_GEN = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
@@ -95,7 +100,8 @@ CHATML_GEN = (
 
 SPECIAL = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<｜User｜>", "<｜Assistant｜>",
            "<｜end▁of▁sentence｜>", "<|im_system|>", "<|im_user|>", "<|im_assistant|>",
-           "<|im_middle|>"]
+           "<|im_middle|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+           "<|observation|>"]
 ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]  # added, not special (as in Qwen3)
 
 CONV = [
@@ -116,6 +122,19 @@ def tok(smollm2_dir):
     t.add_tokens(ADDED)
     t.original_template = t.chat_template
     return t
+
+
+def text(tok, ids):
+    """Decoded text with added tokens written as themselves (decoders of some tokenizer builds
+    rewrite them: transformers 5.17's GGUF conversion turns '▁' into a space)."""
+    out, run = [], []
+    for i in ids:
+        if i in tok.added_tokens_decoder:
+            out += [tok.decode(run), tok.added_tokens_decoder[i].content]
+            run = []
+        else:
+            run.append(i)
+    return "".join(out + [tok.decode(run)])
 
 
 def renderer(tok, template, **kw):
@@ -146,7 +165,7 @@ def check(tok, r, messages, expected_runs, eot, prefix_is_prompt=True):
     got = runs(mask)
 
     def dec(x):
-        return tok.decode(x, skip_special_tokens=False)
+        return text(tok, x)
 
     assert [dec(ids[a:b]) for a, b in got] == [e + eot for e in expected_runs]
     eot_id = tok.convert_tokens_to_ids(eot)
@@ -188,10 +207,10 @@ def test_qwen3_no_thinking(tok):
     ids, mask = check(tok, r, msgs, ["It is 4.", "It is 6."], "<|im_end|>", prefix_is_prompt=False)
     # the empty think block of the last turn is the template's (generation prompt), not the model's
     (a0, _), (a1, _) = runs(mask)
-    assert tok.decode(ids[:a1]) == r.render(msgs[:4], generation_prompt=True)
+    assert text(tok, ids[:a1]) == r.render(msgs[:4], generation_prompt=True)
     assert r.render(msgs[:4], generation_prompt=True).endswith("assistant\n<think>\n\n</think>\n\n")
     # first turn: the history has no think block, so the answer starts right after the header
-    assert tok.decode(ids[:a0]).endswith("What is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert text(tok, ids[:a0]).endswith("What is 2+2?<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_qwen3_tool_calls(tok):
@@ -205,7 +224,7 @@ def test_qwen3_tool_calls(tok):
     ids, mask = check(tok, r, msgs, ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}'
                                      '\n</tool_call>', "The sum is 4."], "<|im_end|>",
                       prefix_is_prompt=False)
-    assert "<tool_response>\n4" in tok.decode([i for i, m in zip(ids, mask) if not m])
+    assert "<tool_response>\n4" in text(tok, [i for i, m in zip(ids, mask) if not m])
 
 
 def test_deepseek_thinking(tok):
@@ -217,13 +236,27 @@ def test_deepseek_thinking(tok):
           "<｜end▁of▁sentence｜>", prefix_is_prompt=False)
     ids, mask = encode(r, CONV)
     a, _ = runs(mask)[-1]
-    assert tok.decode(ids[:a]) == r.render(CONV[:4], generation_prompt=True)
+    assert text(tok, ids[:a]) == r.render(CONV[:4], generation_prompt=True)
 
 
 def test_kimi_reasoning(tok):
     r = renderer(tok, KIMI)
     check(tok, r, CONV, ["<think></think>It is 4.",
                          "<think>Three plus three is six.</think>It is 6."], "<|im_end|>")
+
+
+def test_glm_header_as_stop_token(tok):
+    tok.chat_template = GLM
+    names = ("<|endoftext|>", "<|user|>", "<|observation|>")
+    stops = tuple(tok.convert_tokens_to_ids(t) for t in names)
+    r = T.Renderer(tok, stop_ids=stops)
+    assert r.open_end and r.ends == ["<|user|>"]
+    ids, mask = encode(r, CONV)
+    dec = [text(tok, ids[a:b]) for a, b in runs(mask)]
+    # the first answer ends with the <|user|> the model wrote to stop; the last runs to the end
+    assert dec == ["It is 4.<|user|>", "It is 6."]
+    a, _ = runs(mask)[1]
+    assert text(tok, ids[:a]) == r.render(CONV[:4], generation_prompt=True)
 
 
 def test_generation_blocks_agree(tok):
@@ -247,7 +280,7 @@ def test_offsets_mode_masks_the_same_text(tok, template):
     off = encode(renderer(tok, template, mode="offsets", **kw), CONV)
 
     def dec(x):
-        return tok.decode(x, skip_special_tokens=False)
+        return text(tok, x)
 
     assert dec(seg[0]) == dec(off[0])
     assert [dec(seg[0][a:b]) for a, b in runs(seg[1])] == \

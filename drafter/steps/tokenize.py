@@ -99,32 +99,55 @@ class Renderer:
         return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                             add_generation_prompt=generation_prompt, **self.kw)
 
-    def _probe_end(self, stop_ids) -> list[str]:
+    def _after_probe(self, messages: list[dict]) -> tuple[str, list[int]]:
+        """The text a template renders after the probe answer's content, and its token ids."""
         try:
-            text = self.render([{"role": "user", "content": PROBE_U},
-                                {"role": "assistant", "content": PROBE_A}])
+            text = self.render(messages)
         except Exception as e:
-            raise TemplateError(f"the chat template fails on [user, assistant]: "
+            raise TemplateError(f"the chat template fails on {[m['role'] for m in messages]}: "
                                 f"{type(e).__name__}: {e}") from None
-        k = text.rfind(PROBE_A)
+        k = text.find(PROBE_A)
         if k < 0:
             raise TemplateError("the chat template does not render the assistant's content")
         after = text[k + len(PROBE_A):]
-        ids = self.tok(after, add_special_tokens=False)["input_ids"]
-        cand = ([ids[0]] if ids and ids[0] in self.special_ids else []) + \
-            [i for i in stop_ids if i is not None]
+        return after, self.tok(after, add_special_tokens=False)["input_ids"]
+
+    def _probe_end(self, stop_ids) -> list[str]:
+        """The end-of-turn strings: the special token a template puts right after an answer,
+        and the stop tokens (eos) found there."""
+        u, a = {"role": "user", "content": PROBE_U}, {"role": "assistant", "content": PROBE_A}
+        stop_ids = [i for i in stop_ids if i is not None]
+        after, ids = self._after_probe([u, a])
+        cand = ([ids[0]] if ids and ids[0] in self.special_ids else []) + stop_ids
         ends = []
         for i in cand:
-            s = self.tok.decode([i], skip_special_tokens=False)
-            if s and s in after and s not in ends:
+            s = self._text(i, after)
+            if s and s not in ends:
                 ends.append(s)
+        self.open_end = False
         if not ends:
-            raise TemplateError(
-                f"the chat template puts no end-of-turn token after the assistant's content "
-                f"(it renders {after!r} there), so the end of an answer cannot be found. Use a "
-                f"template that ends assistant turns with the model's stop token "
-                f"(target.chat_template)")
+            # Templates like GLM's put nothing after an answer: the model stops by emitting the
+            # next turn's header, which is one of its stop tokens. The last answer of a
+            # conversation then runs to the end of the text.
+            after2, ids2 = self._after_probe([u, a, u])
+            if ids2 and ids2[0] in stop_ids and self._text(ids2[0], after2):
+                ends, self.open_end = [self._text(ids2[0], after2)], True
+            else:
+                raise TemplateError(
+                    f"the chat template puts no end-of-turn token after the assistant's content "
+                    f"(it renders {after!r} there, {after2[:40]!r} before a next turn), so the "
+                    f"end of an answer cannot be found. Use a template that ends assistant turns "
+                    f"with the model's stop token (target.chat_template)")
         return ends
+
+    def _text(self, i: int, where: str) -> str | None:
+        """How token i is written in a rendered template (`where`), if it is there: the token's
+        own string for added tokens, else its decoded text."""
+        for s in (self.tok.convert_ids_to_tokens(i),
+                  self.tok.decode([i], skip_special_tokens=False)):
+            if isinstance(s, str) and s and s in where:
+                return s
+        return None
 
     def _pick_mode(self) -> str:
         """segments when encoding pieces and concatenating gives back the text, else offsets."""
@@ -134,7 +157,11 @@ class Renderer:
         cuts = sorted({0, len(text), *[c for s in spans for c in s]})
         segs = [text[a:b] for a, b in zip(cuts, cuts[1:])]
         ids = [i for seg in self.tok(segs, add_special_tokens=False)["input_ids"] for i in seg]
-        if self.tok.decode(ids, skip_special_tokens=False) == text:
+        whole = self.tok(text, add_special_tokens=False)["input_ids"]
+        # Compared through the same decoder, so that only what the cuts changed can differ
+        # (a SentencePiece dummy prefix adds a space at every cut).
+        if self.tok.decode(ids, skip_special_tokens=False) == \
+                self.tok.decode(whole, skip_special_tokens=False):
             return "segments"
         if getattr(self.tok, "is_fast", False):
             return "offsets"
@@ -166,11 +193,15 @@ class Renderer:
                             f"message {i}: the generation prompt disagrees with the rendered "
                             f"history before the previous answer ends")
             found = [(p, s) for s in self.ends if (p := full.find(s, start)) >= 0]
-            if not found:
+            if found:
+                p, s = min(found)
+                end = p + len(s)
+            elif self.open_end:
+                end = len(full)
+            else:
                 raise _Skip("no_end_of_turn", f"message {i}: no end-of-turn token after it")
-            p, s = min(found)
-            out.append((start, p + len(s)))
-            prev = p + len(s)
+            out.append((start, end))
+            prev = end
         return full, out
 
     def _token_floor(self, prompt: str, pos: int) -> int:
@@ -227,7 +258,9 @@ def _usable(rec: dict, counts: Counter) -> list[dict]:
         raise _Skip("no_assistant", "no assistant answer")
     if last < len(msgs) - 1:
         counts["trailing_turns_dropped"] += len(msgs) - 1 - last
-    return [{k: v for k, v in m.items() if v is not None} for m in msgs[:last + 1]]
+    # None fields confuse templates (`m.content.strip()`): content None -> "", others left out
+    return [{k: ("" if v is None else v) for k, v in m.items() if v is not None or k == "content"}
+            for m in msgs[:last + 1]]
 
 
 def process(renderer: Renderer, lines: list[tuple[int, bytes]], file: str, max_length: int,
