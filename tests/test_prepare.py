@@ -40,6 +40,8 @@ def test_whole_training_pool(tmp_path, shared_data):
     c = m["counts"]
     invariant(c)
     assert c["read"] == c["kept"] == sum(README_TRAIN.values())
+    # gsm8k and arena-hard are questions only (2 codealpaca answers are empty: questions too)
+    assert c["without_answers"] == 7473 + 750 + 2
     assert {f: m["sources"][f.split(".")[0]]["read"] for f in README_TRAIN} == README_TRAIN
     assert m["sources"]["sharegpt_dummy_conversation"]["format"] == "sharegpt"
     recs = conversations(cfg)

@@ -77,6 +77,7 @@ def main(cfg) -> dict:
     # Staged records: one JSON line each, cut in two where "split" goes in at the end.
     offsets, lengths, cuts, src_of, keys = (array("q"), array("q"), array("l"), array("l"),
                                             array("Q"))
+    answered = array("b")  # the record has an assistant answer
     run.step_dir("prepare").mkdir(parents=True, exist_ok=True)
     staging = tempfile.TemporaryFile(dir=run.step_dir("prepare"), prefix=".staging-")
     pos = 0
@@ -106,6 +107,7 @@ def main(cfg) -> dict:
                 cuts.append(len(head))
                 src_of.append(si)
                 keys.append(dedup_key(item["messages"]))
+                answered.append(any(m["role"] == "assistant" for m in item["messages"]))
                 pos += len(line)
             bar.close()
             formats[name] = notes.pop("format", None)
@@ -152,7 +154,9 @@ def main(cfg) -> dict:
                 line = staging.read(lengths[j])
                 split = b', "split": "val"' if val[k] else b', "split": "train"'
                 out.write(line[:cuts[j]] + split + line[cuts[j]:])
-                per_source[names[src_of[j]]]["val" if val[k] else "train"] += 1
+                c = per_source[names[src_of[j]]]
+                c["val" if val[k] else "train"] += 1
+                c["without_answers"] += not answered[j]
 
     for name, c in per_source.items():
         c["kept"] = kept_per_src[name]
@@ -160,6 +164,11 @@ def main(cfg) -> dict:
     counts = {k: counts[k] for k in sorted(counts, key=_count_order)}
     assert counts["read"] == counts["kept"] + counts.get("rejected", 0) + \
         counts.get("duplicates", 0) + counts.get("over_max_samples", 0), counts
+    if counts.get("without_answers") and not cfg.generate.enabled:
+        log.warning("prepare: %d of %d conversations have no assistant answer and "
+                    "generate.enabled is false: tokenize will skip them (enable generate, or set "
+                    "prepare.require_assistant to reject them here)", counts["without_answers"],
+                    counts["kept"])
     log.info("prepare: %d conversations (%d train, %d val) from %d records; %d malformed, "
              "%d duplicates, %d over max_samples", counts["kept"], counts.get("train", 0),
              counts.get("val", 0), counts["read"], counts.get("rejected", 0),
@@ -172,7 +181,8 @@ def main(cfg) -> dict:
     return {"counts": counts, "sources": sources}
 
 
-_ORDER = ["read", "kept", "train", "val", "rejected", "duplicates", "over_max_samples"]
+_ORDER = ["read", "kept", "train", "val", "rejected", "duplicates", "over_max_samples",
+          "without_answers"]
 
 
 def _count_order(k: str):
