@@ -92,6 +92,10 @@ class ServerConfig:
     extra_args: list[str] = doc([], "extra arguments appended to the server command")
     startup_timeout: float = doc(900.0, "seconds to wait for the server to become healthy")
     api_key_env: str = doc("OPENAI_API_KEY", "environment variable holding the API key, if any")
+    model_name: str | None = doc(None, "model name sent in requests; default: the started "
+                                 "model, else the first of GET /v1/models")
+    max_restarts: int = doc(3, "restarts of a server drafter started, when it dies mid-run")
+    stop_timeout: float = doc(30.0, "seconds between SIGTERM and SIGKILL when stopping a server")
 
 
 @dataclass
@@ -104,8 +108,12 @@ class GenerateConfig:
     max_tokens: int = doc(512, "max new tokens per answer")
     seed: int = doc(0, "sampling seed sent with each request")
     max_retries: int = doc(5, "retries with exponential backoff before a request is an error")
+    retry_backoff: float = doc(1.0, "first retry delay in seconds; doubles each retry (max 60)")
     request_timeout: float = doc(600.0, "seconds before one request times out")
     drop_truncated: bool = doc(False, "drop answers cut by max_tokens (finish_reason=length)")
+    chat_template_kwargs: dict[str, Any] = doc(
+        {}, "sent with each request, e.g. {enable_thinking: true}; keep it equal to what "
+        "tokenize renders with")
     batch_size: int = doc(64, "sequences per batch for engine=local")
 
 

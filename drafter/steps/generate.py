@@ -1,5 +1,579 @@
-"""The generate step (see ../shared/docs/DESIGN.md). Not implemented yet."""
+"""The generate step: re-answer every user turn with the target itself.
+
+Reads   prepare/conversations.jsonl    canonical conversations (docs/internals.md)
+Writes  generate/conversations.jsonl   same schema; every assistant turn is the target's answer
+        generate/errors.jsonl          conversations that failed: {"id", "kind", "reason", "turn"}
+        generate/server.log            the output of the server drafter started
+Command drafter generate CONFIG [key=value ...]     (one process; the server batches requests)
+
+Drafters accept far more tokens when trained on what the target writes, so each conversation
+keeps only its system and user turns, and each user turn (a run of consecutive user turns counts
+as one) is answered in order with the regenerated history before it. Reasoning is stored in
+`reasoning_content` (from the `reasoning_content` or `reasoning` fields of the answer, or split
+off inline `<think>...</think>`), never inline, so that tokenize renders it through the chat
+template as the model produced it. `meta` records finish_reason and token usage per turn.
+
+Engines: a server drafter starts (transformers, vllm, sglang: drafter/serve.py), external URLs
+(load-balanced), or `local` (in-process batched decoding through drafter.decode.LocalGenerator).
+
+Resume: finished conversations are appended to conversations.jsonl as they complete (one line
+each, flushed), keyed by id. A rerun skips finished ids and ids whose error is permanent (HTTP
+4xx, an answer dropped as truncated, a conversation without a user turn), and retries ids whose
+error is transient (connection errors, 5xx and timeouts that outlasted the retries). A kill at any
+moment loses at most the conversations in flight; a torn last line is cut off on restart. At the
+end the file is rewritten in input order (atomically) and the step fails if transient errors are
+left, so that `drafter generate CONFIG` again retries them. ok + errors + skipped == input.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+from .. import DrafterError
+from ..rundir import JsonlAppender, Run, atomic_open, read_jsonl
+
+log = logging.getLogger("drafter")
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+FSYNC_EVERY = 2.0  # seconds between fsyncs of the output; flushes happen on every line
 
 
+class GenerateError(DrafterError):
+    pass
+
+
+class _Permanent(Exception):
+    """A failure that a retry will not fix (HTTP 4xx, truncated answer dropped, bad record)."""
+
+
+class _Transient(Exception):
+    """A failure that outlasted the retries but may pass later (server down, 5xx, timeouts)."""
+
+
+# ------------------------------------------------------------------------------------ the answers
+def split_reasoning(content: str | None, reasoning: str | None = None) -> tuple[str, str]:
+    """(content, reasoning) of an answer. A separate reasoning field wins; otherwise inline
+    <think>...</think> is split off the way Qwen3 / DeepSeek-R1 chat templates parse it (the
+    generation prompt may already hold <think>, so the answer can start inside the reasoning)."""
+    content = content or ""
+    if reasoning:
+        return content, reasoning
+    if THINK_CLOSE in content:
+        head, _, tail = content.partition(THINK_CLOSE)
+        return tail.lstrip("\n"), head.rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n")
+    if content.lstrip().startswith(THINK_OPEN):  # cut inside the reasoning (finish_reason=length)
+        return "", content.lstrip()[len(THINK_OPEN):].lstrip("\n")
+    return content, ""
+
+
+def request_seed(seed: int, conv_id: str, turn: int) -> int:
+    """A per-request seed, stable across resumes, different per conversation and turn (one seed
+    for all requests would correlate the sampling of every conversation on vLLM/SGLang)."""
+    return zlib.crc32(f"{seed}:{conv_id}:{turn}".encode()) & 0x7FFFFFFF
+
+
+class _Conversation:
+    """One conversation being regenerated: the system/user turns, the answers so far."""
+
+    def __init__(self, rec: dict):
+        self.rec = rec
+        self.id = rec["id"]
+        msgs = rec.get("messages")
+        if not isinstance(msgs, list):
+            raise _Permanent("record has no messages list")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
+            raise _Permanent("a message is not an object with a role")
+        self.kept: list[dict] = []
+        self.points: list[int] = []  # indices in `kept` of the user turns to answer, in order
+        for i, m in enumerate(msgs):
+            if m["role"] not in ("system", "user"):
+                continue
+            self.kept.append({"role": m["role"], "content": m.get("content") or ""})
+            # A user turn is answered where the original has an answer (or nothing) after it;
+            # consecutive user turns get one answer, as in the original.
+            after = msgs[i + 1]["role"] if i + 1 < len(msgs) else None
+            if m["role"] == "user" and after in (None, "assistant", "tool"):
+                self.points.append(len(self.kept) - 1)
+        self.tools = rec.get("tools") or None  # offered to the model, as tokenize renders them
+        self.history: list[dict] = []
+        self.consumed = 0
+        self.turns: list[dict] = []
+
+    @property
+    def turn(self) -> int:
+        return len(self.turns)
+
+    @property
+    def done(self) -> bool:
+        return self.turn == len(self.points)
+
+    def next_messages(self) -> list[dict]:
+        """The messages to send for the next answer (the regenerated history + the next turns)."""
+        end = self.points[self.turn] + 1
+        self.history.extend(self.kept[self.consumed:end])
+        self.consumed = end
+        # The server sees role and content only: earlier reasoning is not sent back (chat
+        # templates drop it from past turns anyway).
+        return [{"role": m["role"], "content": m["content"]} for m in self.history]
+
+    def add(self, content: str, reasoning: str, finish_reason: str | None, usage: dict,
+            tool_calls: list | None = None) -> None:
+        msg = {"role": "assistant", "content": content}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        self.history.append(msg)
+        self.turns.append({"finish_reason": finish_reason,
+                           "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+                           "completion_tokens": int(usage.get("completion_tokens") or 0)})
+
+    def record(self, model: str) -> dict:
+        out = {k: v for k, v in self.rec.items() if k not in ("messages", "meta")}
+        out["messages"] = self.history + self.kept[self.consumed:]
+        meta = dict(self.rec.get("meta") or {})
+        reasons = [t["finish_reason"] for t in self.turns]
+        meta.update({
+            "finish_reason": "length" if "length" in reasons else reasons[-1],
+            "usage": {"prompt_tokens": sum(t["prompt_tokens"] for t in self.turns),
+                      "completion_tokens": sum(t["completion_tokens"] for t in self.turns)},
+            "turns": self.turns,
+            "generated_by": model,
+        })
+        out["meta"] = meta
+        return out
+
+
+# --------------------------------------------------------------------------------------- the sink
+class _Sink:
+    """Appends results as they complete; counts; the progress bar."""
+
+    def __init__(self, run: Run, total: int, model: str):
+        from tqdm import tqdm
+
+        self.model = model
+        # Flushed on every line (a kill -9 loses nothing written); fsynced every FSYNC_EVERY s
+        # (an fsync per answer would stall the event loop on slow disks).
+        self.out = JsonlAppender(run.conversations("generate"), fsync=False)
+        self.err = JsonlAppender(run.generate_errors(), fsync=True)
+        self.bar = tqdm(total=total, desc="generate", unit="conv", dynamic_ncols=True,
+                        mininterval=1.0, smoothing=0.05, file=sys.stderr)
+        self.t0 = self.last_sync = time.time()
+        self.seconds = 0.0
+        self.ok = 0
+        self.failed = {"permanent": 0, "transient": 0}
+        self.completion_tokens = 0
+
+    def add_ok(self, conv: _Conversation) -> None:
+        self.out.write(conv.record(self.model))
+        if time.time() - self.last_sync > FSYNC_EVERY:
+            os.fsync(self.out.f.fileno())
+            self.last_sync = time.time()
+        self.ok += 1
+        self.completion_tokens += sum(t["completion_tokens"] for t in conv.turns)
+        self._tick()
+
+    def add_error(self, conv_id: str, kind: str, reason: str, turn: int) -> None:
+        self.err.write({"id": conv_id, "kind": kind, "reason": reason[:2000], "turn": turn,
+                        "time": round(time.time(), 3)})
+        self.failed[kind] += 1
+        self._tick()
+
+    def _tick(self) -> None:
+        dt = max(time.time() - self.t0, 1e-6)
+        self.bar.set_postfix_str(f"ok={self.ok} failed={sum(self.failed.values())} "
+                                 f"tok/s={self.completion_tokens / dt:.0f}", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.seconds = time.time() - self.t0
+        self.bar.close()
+        os.fsync(self.out.f.fileno())
+        self.out.close()
+        self.err.close()
+
+
+# ------------------------------------------------------------------------------ HTTP generation
+class _Client:
+    """Async OpenAI-compatible chat client over a serve.Pool: least-loaded endpoint, retries with
+    exponential backoff on connection errors, 5xx, 408/429 and timeouts; other 4xx are permanent."""
+
+    def __init__(self, g, pool):
+        import httpx
+
+        self.g, self.pool, self.httpx = g, pool, httpx
+        n = max(1, g.concurrency * len(pool.endpoints))
+        self.http = httpx.AsyncClient(
+            headers=pool.headers, trust_env=pool.engine == "external",
+            timeout=httpx.Timeout(g.request_timeout, connect=min(30.0, g.request_timeout)),
+            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+
+    def body(self, messages: list[dict], seed: int, tools: list | None = None) -> dict:
+        g = self.g
+        body = {"model": self.pool.model, "messages": messages, "max_tokens": g.max_tokens,
+                "temperature": g.temperature, "top_p": g.top_p, "seed": seed, "stream": False}
+        if tools:
+            body["tools"] = tools
+        if g.chat_template_kwargs:
+            body["chat_template_kwargs"] = g.chat_template_kwargs
+        return body
+
+    async def chat(self, messages: list[dict], seed: int, tools: list | None = None) -> dict:
+        """-> {"content", "reasoning", "finish_reason", "usage", "tool_calls"}"""
+        body = self.body(messages, seed, tools)
+        avoid = None
+        for attempt in range(self.g.max_retries + 1):
+            ep = self.pool.pick(avoid)
+            generation = ep.server.generation if ep.server else 0
+            ep.inflight += 1
+            try:
+                r = await self.http.post(ep.chat_url, json=body)
+            except self.httpx.TransportError as e:  # connect/read errors and timeouts
+                err = f"{type(e).__name__}: {e}".rstrip(": ")
+            else:
+                if r.status_code == 200:
+                    try:
+                        return _parse(r.json())
+                    except (ValueError, KeyError, IndexError, TypeError) as e:
+                        err = f"bad response ({type(e).__name__}: {e}): {r.text[:300]}"
+                elif r.status_code >= 500 or r.status_code in (408, 429):
+                    err = f"HTTP {r.status_code}: {r.text[:300]}"
+                else:
+                    raise _Permanent(f"HTTP {r.status_code} from {ep.url}: {r.text[:1000]}")
+            finally:
+                ep.inflight -= 1
+            # A server drafter started that died is restarted (once, by whoever notices first).
+            if self.pool.recover(ep, generation):
+                continue
+            avoid = ep
+            if attempt == self.g.max_retries:
+                raise _Transient(f"{err} (after {self.g.max_retries} retries, last at {ep.url})")
+            delay = min(60.0, self.g.retry_backoff * 2 ** attempt)
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+def _parse(resp: dict) -> dict:
+    choice = resp["choices"][0]
+    msg = choice["message"]
+    content, reasoning = split_reasoning(msg.get("content"),
+                                         msg.get("reasoning_content") or msg.get("reasoning"))
+    return {"content": content, "reasoning": reasoning, "finish_reason": choice.get("finish_reason"),
+            "usage": resp.get("usage") or {}, "tool_calls": msg.get("tool_calls")}
+
+
+async def _answer(conv: _Conversation, client: _Client, g, sink: _Sink) -> None:
+    try:
+        if not conv.points:
+            raise _Permanent("no user turn to answer")
+        while not conv.done:
+            out = await client.chat(conv.next_messages(), request_seed(g.seed, conv.id, conv.turn),
+                                    conv.tools)
+            if out["finish_reason"] == "length" and g.drop_truncated:
+                raise _Permanent(f"truncated: the answer reached generate.max_tokens="
+                                 f"{g.max_tokens} (generate.drop_truncated is true)")
+            conv.add(out["content"], out["reasoning"], out["finish_reason"], out["usage"],
+                     out["tool_calls"])
+    except _Permanent as e:
+        sink.add_error(conv.id, "permanent", str(e), conv.turn)
+    except _Transient as e:
+        sink.add_error(conv.id, "transient", str(e), conv.turn)
+    else:
+        sink.add_ok(conv)
+
+
+async def _run_http(g, pool, records: Iterator[dict], sink: _Sink) -> None:
+    client = _Client(g, pool)
+    n_workers = max(1, g.concurrency * len(pool.endpoints))
+    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * n_workers)
+
+    async def producer():
+        for rec in records:
+            await queue.put(rec)
+        for _ in range(n_workers):
+            await queue.put(None)
+
+    async def worker():
+        while (rec := await queue.get()) is not None:
+            try:
+                conv = _Conversation(rec)
+            except _Permanent as e:
+                sink.add_error(rec["id"], "permanent", str(e), 0)
+                continue
+            await _answer(conv, client, g, sink)
+
+    tasks = [asyncio.create_task(producer())] + [asyncio.create_task(worker())
+                                                 for _ in range(n_workers)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.close()
+
+
+# ----------------------------------------------------------------------------- local generation
+def _local_generator_class():
+    try:
+        from .. import decode
+    except ModuleNotFoundError as e:
+        if e.name != "drafter.decode":
+            raise
+        decode = None
+    cls = getattr(decode, "LocalGenerator", None)
+    if cls is None:
+        raise GenerateError("generate.server.engine=local needs drafter.decode.LocalGenerator "
+                            "(in-process batched decoding), which this version of drafter lacks: "
+                            "use engine transformers, vllm or sglang")
+    return cls
+
+
+def _run_local(cfg, records: Iterator[dict], sink: _Sink) -> None:
+    """engine=local: render with the target tokenizer, decode the next turn of a pool of
+    conversations in one call (LocalGenerator sorts it by length into batches of batch_size),
+    write the finished ones, refill the pool, repeat; <think> is split off the decoded text."""
+    from ..target import load_tokenizer
+
+    g = cfg.generate
+    gen_cls = _local_generator_class()
+    tok = load_tokenizer(cfg.target)
+    gen = gen_cls(cfg.target, g.batch_size)
+    # A few batches per call lets the generator group prompts of similar length; a kill loses
+    # at most this pool.
+    pool_size = 4 * g.batch_size
+    active: list[_Conversation] = []
+    it = iter(records)
+    exhausted, call = False, 0
+    while True:
+        while not exhausted and len(active) < pool_size:
+            rec = next(it, None)
+            if rec is None:
+                exhausted = True
+                break
+            try:
+                conv = _Conversation(rec)
+                if not conv.points:
+                    raise _Permanent("no user turn to answer")
+            except _Permanent as e:
+                sink.add_error(rec["id"], "permanent", str(e), 0)
+                continue
+            active.append(conv)
+        if not active:
+            break
+        prompts = []
+        for conv in active:
+            text = tok.apply_chat_template(conv.next_messages(), tools=conv.tools,
+                                           add_generation_prompt=True, tokenize=False,
+                                           **g.chat_template_kwargs)
+            prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+        outs = gen.generate(prompts, max_new_tokens=g.max_tokens, temperature=g.temperature,
+                            top_p=g.top_p, seed=g.seed + call)
+        call += 1
+        still = []
+        for conv, prompt, (ids, finish_reason) in zip(active, prompts, outs):
+            ids = [int(i) for i in ids]
+            if finish_reason == "length" and g.drop_truncated:
+                sink.add_error(conv.id, "permanent", f"truncated: the answer reached "
+                               f"generate.max_tokens={g.max_tokens}", conv.turn)
+                continue
+            content, reasoning = split_reasoning(tok.decode(ids, skip_special_tokens=True))
+            conv.add(content, reasoning, finish_reason,
+                     {"prompt_tokens": len(prompt), "completion_tokens": len(ids)})
+            if conv.done:
+                sink.add_ok(conv)
+            else:
+                still.append(conv)
+        active = still
+
+
+# ------------------------------------------------------------------------------------ the files
+def _input_ids(src: Path) -> list[str]:
+    """The ids of the input in order; errors name file and line."""
+    ids, seen = [], {}
+    with open(src, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rid = json.loads(line)["id"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise GenerateError(f"{src}:{n}: not a conversation record with an 'id' "
+                                    f"(rerun `drafter prepare CONFIG --force`)") from None
+            if rid in seen:
+                raise GenerateError(f"{src}:{n}: id {rid!r} already used at line {seen[rid]}")
+            seen[rid] = n
+            ids.append(rid)
+    return ids
+
+
+def _iter_records(src: Path, wanted: set[str]) -> Iterator[dict]:
+    with open(src, "rb") as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                if rec["id"] in wanted:
+                    yield rec
+
+
+def _scan_output(path: Path, repair: bool) -> list[tuple[str, int, int, dict]]:
+    """(id, offset, length, meta) per complete line of the output, in file order. Like
+    rundir.read_jsonl(repair=True), a torn last line (a kill mid-write) is cut off, but records
+    are not all kept in memory (the output can hold many GB of answers)."""
+    out, good = [], 0
+    if not path.exists():
+        return out
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            out.append((rec.get("id"), good, len(line), rec.get("meta") or {}))
+            good += len(line)
+    if repair and good != path.stat().st_size:
+        log.info("generate: cutting a torn last line off %s (interrupted write)", path)
+        with open(path, "r+b") as f:
+            f.truncate(good)
+            os.fsync(f.fileno())
+    return out
+
+
+def _errors(path: Path) -> dict[str, dict]:
+    """Last error per id (a retried id may have several lines)."""
+    return {e["id"]: e for e in read_jsonl(path, repair=True) if "id" in e}
+
+
+def _finalise(run: Run, ids: list[str]) -> dict:
+    """Rewrite the output in input order without duplicates (atomically, only when needed),
+    compact errors.jsonl to the ids still failed, and sum the stats of the whole output."""
+    out_path, err_path = run.conversations("generate"), run.generate_errors()
+    rows = _scan_output(out_path, repair=True)
+    order = {rid: i for i, rid in enumerate(ids)}
+    first: dict[str, tuple[int, int, dict]] = {}
+    for rid, off, n, meta in rows:
+        if rid in order and rid not in first:
+            first[rid] = (off, n, meta)
+    kept = sorted(first, key=order.__getitem__)
+    if [r[0] for r in rows] != kept:
+        with open(out_path, "rb") as src, atomic_open(out_path, "wb") as dst:
+            for rid in kept:
+                off, n, _ = first[rid]
+                src.seek(off)
+                dst.write(src.read(n))
+    errors = {k: v for k, v in _errors(err_path).items() if k in order and k not in first}
+    if err_path.exists():
+        with atomic_open(err_path, "w") as f:
+            for e in sorted(errors.values(), key=lambda e: order[e["id"]]):
+                f.write(json.dumps(e, ensure_ascii=False) + "\n")
+    stats = {"prompt_tokens": 0, "completion_tokens": 0, "turns": 0, "truncated": 0}
+    for off, n, meta in first.values():
+        usage = meta.get("usage") or {}
+        stats["prompt_tokens"] += int(usage.get("prompt_tokens") or 0)
+        stats["completion_tokens"] += int(usage.get("completion_tokens") or 0)
+        stats["turns"] += len(meta.get("turns") or [])
+        stats["truncated"] += meta.get("finish_reason") == "length"
+    return {"ok": len(first), "errors": errors, "stats": stats}
+
+
+def _count_lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+# ------------------------------------------------------------------------------------------- main
 def main(cfg) -> dict:
-    raise NotImplementedError("drafter generate: not implemented yet")
+    run = Run.of(cfg)
+    g = cfg.generate
+    src = run.require(run.conversations("prepare"), "prepare")
+    if not g.enabled:
+        # tokenize reads prepare's conversations then; nothing is regenerated.
+        n = _count_lines(src)
+        log.info("generate: disabled (generate.enabled=false); %d conversations keep their "
+                 "own answers", n)
+        return {"counts": {"input": n, "ok": 0, "errors": 0, "skipped": n}, "enabled": False}
+
+    ids = _input_ids(src)
+    done = {r[0] for r in _scan_output(run.conversations("generate"), repair=True)}
+    old_errors = _errors(run.generate_errors())
+    final = {k for k, e in old_errors.items() if e.get("kind") == "permanent" and k not in done}
+    pending = set(ids) - done - final
+    retried = len(pending & set(old_errors))
+    log.info("generate: %d conversations: %d done, %d failed for good, %d to generate%s",
+             len(ids), len(done & set(ids)), len(final), len(pending),
+             f" ({retried} retried after transient errors)" if retried else "")
+
+    server: dict = {"engine": g.server.engine}
+    generated = 0
+    completion_tokens = 0
+    if pending:
+        records = _iter_records(src, pending)
+        if g.server.engine == "local":
+            sink = _Sink(run, len(pending), model=cfg.target.model)
+            try:
+                _run_local(cfg, records, sink)
+            finally:
+                sink.close()
+        else:
+            from .. import serve
+
+            with serve.servers(cfg, run.server_log()) as pool:
+                server.update(urls=pool.urls, model=pool.model)
+                sink = _Sink(run, len(pending), model=pool.model)
+                try:
+                    asyncio.run(_run_http(g, pool, records, sink))
+                finally:
+                    sink.close()
+                    server["restarts"] = sum(e.restarts for e in pool.endpoints)
+        generated, completion_tokens = sink.ok, sink.completion_tokens
+        # Throughput counts from the first request (server start-up is in the manifest's total).
+        seconds = sink.seconds
+    else:
+        seconds = 0.0
+
+    fin = _finalise(run, ids)
+    errors = fin["errors"]
+    kinds = {"permanent": 0, "transient": 0}
+    for e in errors.values():
+        kinds["transient" if e.get("kind") == "transient" else "permanent"] += 1
+    counts = {"input": len(ids), "ok": fin["ok"], "errors": len(errors), "skipped": 0,
+              "generated": generated, "resumed": fin["ok"] - generated, "retried": retried,
+              "truncated": fin["stats"]["truncated"], "turns": fin["stats"]["turns"]}
+    if counts["ok"] + counts["errors"] + counts["skipped"] != counts["input"]:
+        raise GenerateError(f"generate: ok {counts['ok']} + errors {counts['errors']} != input "
+                            f"{counts['input']} (a bug: please report it with {run.root})")
+    log.info("generate: %d ok, %d errors (%d permanent, %d transient), %d answers truncated; "
+             "%d completion tokens in %.1fs (%.0f tok/s)", counts["ok"], counts["errors"],
+             kinds["permanent"], kinds["transient"], counts["truncated"], completion_tokens,
+             seconds, completion_tokens / max(seconds, 1e-9))
+    if kinds["transient"]:
+        raise GenerateError(
+            f"generate: {kinds['transient']} conversations failed after "
+            f"{g.max_retries} retries (server trouble; reasons in {run.generate_errors()}, server "
+            f"output in {run.server_log()}). Rerun `drafter generate CONFIG` to retry only them.")
+    return {
+        "counts": counts,
+        "tokens": {"prompt": fin["stats"]["prompt_tokens"],
+                   "completion": fin["stats"]["completion_tokens"]},
+        "throughput": {"seconds": round(seconds, 3), "conversations": generated,
+                       "completion_tokens": completion_tokens,
+                       "completion_tokens_per_s": round(completion_tokens / max(seconds, 1e-9), 1)},
+        "errors_by_kind": kinds,
+        "server": server,
+        "sampling": {"temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_tokens,
+                     "seed": g.seed},
+        "enabled": True,
+    }

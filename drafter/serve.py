@@ -1,0 +1,558 @@
+"""Generation servers: start, health, stop (transformers, vLLM, SGLang) or external URLs.
+
+    with serve.servers(cfg, log_path) as pool:   # started and healthy, or an error with the log
+        pool.endpoints[0].url, pool.model        # OpenAI-compatible root URL, model name to send
+    # stopped here: on success, on errors and on Ctrl-C
+
+    drafter serve CONFIG                          # the same server on its own, until Ctrl-C
+
+`generate.server.engine` picks the server:
+
+- `transformers` (default): `transformers serve <materialised target folder> --continuous-batching`
+  on 127.0.0.1 and a free port (needs `transformers[serving]`).
+- `vllm`, `sglang`: started from the command templates in TEMPLATES when the engine is installed.
+- `external`: `generate.server.urls`, one or more, load-balanced by the client; nothing started.
+
+A started server runs in its own process group (its own session) with its output in the log file.
+Stopping sends SIGTERM to the whole group, waits `stop_timeout`, then SIGKILL, and waits until no
+process of the group is left, so engine workers (vLLM spawns several) never outlive the step. The
+server also gets SIGTERM from the kernel if drafter itself dies (PR_SET_PDEATHSIG, Linux), so
+even `kill -9` of drafter leaves no orphan holding GPU memory. A server that never answers
+`GET /health` with 200 within `startup_timeout`, or exits while starting, raises ServerError
+with the last lines of its log.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import shlex
+import shutil
+import signal
+import socket
+import string
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import DrafterError
+
+log = logging.getLogger("drafter")
+
+# Default command per engine. Placeholders: {model} (folder or HF id), {host}, {port}, {dtype},
+# {device}, {seed}, {python} (this interpreter). `generate.server.command` replaces the template;
+# `generate.server.extra_args` is appended in both cases (e.g. ["--tensor-parallel-size", "8"]).
+TEMPLATES = {
+    # `python -m transformers.cli.transformers` is the `transformers` console script, without
+    # relying on PATH. Same flags in 5.17 (GPU image) and 5.24 (read in transformers/cli/serve.py).
+    "transformers": "{python} -m transformers.cli.transformers serve {model} --host {host} "
+                    "--port {port} --device {device} --dtype {dtype} --continuous-batching "
+                    "--log-level info",
+    "vllm": "vllm serve {model} --host {host} --port {port} --dtype {dtype} --seed {seed}",
+    "sglang": "{python} -m sglang.launch_server --model-path {model} --host {host} --port {port} "
+              "--dtype {dtype} --random-seed {seed}",
+}
+
+# How many log lines an error shows.
+TAIL_LINES = 40
+# KV-cache page size of transformers' continuous batching (ContinuousBatchingConfig, 5.17-5.24).
+_CB_PAGE_TOKENS = 256
+
+
+class ServerError(DrafterError):
+    """A server that cannot start, never becomes healthy, or died and cannot be restarted."""
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group is left (zombies included, until reaped)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _die_with(parent: int):
+    """preexec_fn of the supervisor: SIGTERM it when the process that started it dies."""
+    def preexec():
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(Exception):
+                PR_SET_PDEATHSIG = 1
+                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # drafter died before the line above took effect
+            os._exit(1)
+    return preexec
+
+
+# The server runs under this supervisor, which leads the server's process group. PDEATHSIG only
+# reaches the process drafter forked, not the engine workers below it, so the supervisor turns
+# its own SIGTERM (from drafter's stop, or from the kernel when drafter dies, even by SIGKILL)
+# into SIGTERM to the whole group, waits the grace period, then SIGKILLs the group. When the
+# server exits on its own, the supervisor exits with its code after SIGTERMing what is left.
+# argv: GRACE_SECONDS -- SERVER_ARGV...
+SUPERVISOR = r"""
+import os, signal, subprocess, sys, time
+grace, argv, child = float(sys.argv[1]), sys.argv[3:], None
+def running(pid):  # waitpid, not child.poll(): the main thread may hold Popen's wait lock
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == 0
+    except ChildProcessError:
+        return False
+def down(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.killpg(0, signal.SIGTERM)
+    end = time.time() + grace
+    while child is not None and running(child.pid) and time.time() < end:
+        time.sleep(0.1)
+    os.killpg(0, signal.SIGKILL)
+signal.signal(signal.SIGTERM, down)
+signal.signal(signal.SIGINT, down)
+child = subprocess.Popen(argv)
+code = child.wait()
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+os.killpg(0, signal.SIGTERM)
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
+def root_url(url: str) -> str:
+    """'http://h:p/v1/' -> 'http://h:p' (clients add /v1/chat/completions themselves)."""
+    url = url.strip().rstrip("/")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    if not url.startswith(("http://", "https://")):
+        raise ServerError(f"generate.server.urls: '{url}' is not an http(s) URL")
+    return url
+
+
+def api_headers(scfg) -> dict[str, str]:
+    """The Authorization header from the environment variable named in the config (never logged)."""
+    key = os.environ.get(scfg.api_key_env or "", "")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def read_tail(path: Path, n: int = TAIL_LINES) -> str:
+    """The last n lines of the current server's log (after the last drafter header)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    lines = text.replace("\r", "\n").splitlines()
+    starts = [i for i, x in enumerate(lines) if x.startswith("==== drafter:") and " starting " in x]
+    lines = lines[starts[-1]:] if starts else lines
+    return "\n".join(lines[-n:]) if lines else "(empty log)"
+
+
+# ------------------------------------------------------------------------------------ the command
+def _target_args(cfg) -> dict[str, str]:
+    """{model}, {dtype}, {device} for the templates, from the target section, plus 'on_cpu'."""
+    from .target import TargetError, pick_device, pick_dtype, resolve
+
+    t = cfg.target
+    model = resolve(t.model)
+    if t.chat_template:
+        if not Path(model).is_dir():
+            raise TargetError("target.chat_template needs a local target folder when drafter "
+                              "starts the server (an HF id cannot be overlaid)")
+        model = _with_chat_template(model, Path(t.chat_template))
+    device = pick_device(t)
+    # auto: bfloat16 on GPU, float32 on CPU (bf16 matmuls are several times slower on CPU).
+    dtype = str(pick_dtype(t, device)).replace("torch.", "")
+    return {"model": model, "dtype": dtype, "device": "auto" if t.device == "auto" else t.device,
+            "on_cpu": "1" if device == "cpu" else ""}
+
+
+def _with_chat_template(model: str, template: Path) -> str:
+    """A folder that mirrors `model` (symlinks) with `template` as its chat template, so that the
+    server renders exactly what tokenize renders. Built once per (model, template) in the cache."""
+    import hashlib
+    import json
+
+    from .rundir import atomic_dir, cache_dir
+
+    src = Path(model)
+    if not template.is_file():
+        raise ServerError(f"target.chat_template: file not found: {template}")
+    text = template.read_text()
+    key = hashlib.sha256(f"{src.resolve()}|{text}".encode()).hexdigest()[:16]
+    out = cache_dir() / "overlays" / f"{src.name}-{key}"
+    if (out / "chat_template.jinja").exists():
+        return str(out)
+    with atomic_dir(out) as tmp:
+        for p in src.iterdir():
+            if p.name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
+                continue
+            (tmp / p.name).symlink_to(p.resolve())
+        tc = src / "tokenizer_config.json"
+        if tc.exists():
+            conf = json.loads(tc.read_text())
+            conf.pop("chat_template", None)
+            (tmp / "tokenizer_config.json").write_text(json.dumps(conf, indent=2))
+        (tmp / "chat_template.jinja").write_text(text)
+    return str(out)
+
+
+def build_command(cfg, port: int) -> list[str]:
+    """The argv of the server drafter starts for `cfg.generate.server` on `port`."""
+    s = cfg.generate.server
+    engine = s.engine
+    if s.command is None and engine not in TEMPLATES:
+        raise ServerError(f"generate.server.engine={engine}: drafter starts no server for it")
+    if s.command is None and engine == "vllm" and shutil.which("vllm") is None:
+        raise ServerError("generate.server.engine=vllm but `vllm` is not installed here: "
+                          "pip install vllm, or use engine: transformers, or engine: external "
+                          "with generate.server.urls")
+    if s.command is None and engine == "sglang":
+        import importlib.util
+
+        if importlib.util.find_spec("sglang") is None:
+            raise ServerError("generate.server.engine=sglang but `sglang` is not installed here: "
+                              "pip install 'sglang[all]', or use engine: transformers, or engine: "
+                              "external with generate.server.urls")
+    template = s.command or TEMPLATES[engine]
+    fields = {"host": s.host, "port": str(port), "seed": str(cfg.generate.seed),
+              "python": sys.executable, "model": "", "dtype": "", "device": "", "on_cpu": ""}
+    # Resolving the target may materialise it: only when the command names it.
+    try:
+        used = {name for _, name, _, _ in string.Formatter().parse(template) if name}
+    except ValueError:
+        used = set()  # unbalanced braces: the format below reports it
+    if s.command is None or used & {"model", "dtype", "device"}:
+        fields.update(_target_args(cfg))
+    try:
+        argv = [tok.format(**fields) for tok in shlex.split(template)]
+    except (KeyError, IndexError, ValueError) as e:
+        raise ServerError(f"generate.server.command: bad template {template!r} ({e}); "
+                          f"placeholders: {', '.join('{' + k + '}' for k in fields)}") from None
+    extra = list(s.extra_args)
+    t = cfg.target
+    if s.command is None:
+        if t.trust_remote_code:
+            argv.append("--trust-remote-code")
+        if t.revision and engine in ("vllm", "sglang"):
+            argv += ["--revision", t.revision]
+        if engine == "transformers" and fields["on_cpu"]:
+            # On CPU, continuous batching sizes its KV cache from free host memory (5.5 GB for
+            # SmolLM2-135M measured here). Size it for the requests in flight instead.
+            if not any(a.startswith("--cb-num-blocks") for a in extra):
+                per_req = -(-(cfg.generate.max_tokens + 1024) // _CB_PAGE_TOKENS)
+                argv += ["--cb-num-blocks", str(max(16, cfg.generate.concurrency * per_req))]
+    return argv + extra
+
+
+def _server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_DISABLE_UPDATE_CHECK", "1")  # the transformers CLI phones PyPI otherwise
+    env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")  # log lines reach server.log as they happen
+    return env
+
+
+# ---------------------------------------------------------------------------------- managed server
+class ManagedServer:
+    """One server process (group) drafter started: start, wait for health, restart, stop."""
+
+    def __init__(self, argv_for_port, host: str, port: int, log_path: Path,
+                 startup_timeout: float, stop_timeout: float, name: str = "server"):
+        self.argv_for_port = argv_for_port  # port -> argv
+        self.host = host
+        self.port = port or free_port(host)
+        self.log_path = Path(log_path)
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.name = name
+        self.proc: subprocess.Popen | None = None
+        self.pgid: int | None = None
+        self.generation = 0  # bumped on every (re)start: clients tell a new server from the old
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, n: int = TAIL_LINES) -> str:
+        return read_tail(self.log_path, n)
+
+    def spawn(self) -> None:
+        argv = self.argv_for_port(self.port)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as logf:
+            logf.write(f"\n==== drafter: {time.strftime('%Y-%m-%d %H:%M:%S')} starting "
+                       f"{shlex.join(argv)}\n".encode())
+            logf.flush()
+            try:
+                # Popen from the calling thread: PDEATHSIG fires when *that thread* ends, so
+                # drafter starts servers from its main thread only.
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-c", SUPERVISOR, str(self.stop_timeout), "--", *argv],
+                    stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                    start_new_session=True, preexec_fn=_die_with(os.getpid()),
+                    env=_server_env())
+            except OSError as e:
+                raise ServerError(f"cannot start the {self.name}: {e}") from None
+            self.pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
+            logf.write(f"==== drafter: pid={self.proc.pid} pgid={self.pgid} url={self.url}\n"
+                       .encode())
+        self.generation += 1
+        log.info("%s: started pid %d, waiting for %s/health (log: %s)", self.name,
+                 self.proc.pid, self.url, self.log_path)
+
+    def wait_healthy(self) -> None:
+        """Block until GET /health is 200; ServerError (server stopped) on exit or timeout."""
+        import httpx
+
+        t0 = time.time()
+        last_note = t0
+        with httpx.Client(timeout=5.0, trust_env=False) as client:
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    self.stop()
+                    raise ServerError(
+                        f"the {self.name} exited with code {code} while starting "
+                        f"(log: {self.log_path}); last lines:\n{self.tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        log.info("%s: healthy at %s after %.1fs", self.name, self.url,
+                                 time.time() - t0)
+                        return
+                if time.time() - t0 > self.startup_timeout:
+                    self.stop()
+                    raise ServerError(
+                        f"the {self.name} did not become healthy within "
+                        f"{self.startup_timeout:.0f}s (generate.server.startup_timeout; "
+                        f"log: {self.log_path}); last lines:\n{self.tail()}")
+                if time.time() - last_note > 60:
+                    log.info("%s: still starting (%.0fs)", self.name, time.time() - t0)
+                    last_note = time.time()
+                time.sleep(0.25)
+
+    def start(self) -> None:
+        self.spawn()
+        try:
+            self.wait_healthy()
+        except ServerError as e:
+            # The chosen port was taken between free_port() and the bind: once more elsewhere.
+            if "address already in use" not in str(e).lower():
+                raise
+            self.port = free_port(self.host)
+            self.spawn()
+            self.wait_healthy()
+
+    def restart(self) -> None:
+        log.warning("%s: died (exit code %s); restarting. Last lines:\n%s", self.name,
+                    self.proc.poll() if self.proc else None, self.tail(10))
+        self.stop()
+        self.start()
+
+    def stop(self) -> None:
+        """SIGTERM to the group, wait, SIGKILL; return when no process of the group is left."""
+        if self.proc is None:
+            return
+        pgid, proc = self.pgid, self.proc
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:  # the supervisor itself SIGKILLs the group after stop_timeout
+            proc.wait(timeout=self.stop_timeout + 5)
+        except subprocess.TimeoutExpired:
+            log.warning("%s: no exit %.0fs after SIGTERM; sending SIGKILL", self.name,
+                        self.stop_timeout)
+        # Workers of the engine may outlive the leader; give them the rest of the grace period.
+        deadline = time.time() + self.stop_timeout
+        while group_alive(pgid) and time.time() < deadline and proc.poll() is not None:
+            time.sleep(0.1)
+        if group_alive(pgid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        deadline = time.time() + 10
+        while group_alive(pgid) and time.time() < deadline:
+            time.sleep(0.1)
+        if group_alive(pgid):
+            log.warning("%s: process group %d still has processes after SIGKILL (zombies not "
+                        "yet reaped?)", self.name, pgid)
+        else:
+            log.info("%s: stopped (pid %d)", self.name, proc.pid)
+        self.proc = None
+
+
+# ------------------------------------------------------------------------------------------- pool
+@dataclass
+class Endpoint:
+    """One OpenAI-compatible server the client sends requests to."""
+    url: str                                  # root URL, without /v1
+    server: ManagedServer | None = None       # None for external URLs
+    inflight: int = 0
+    restarts: int = 0
+
+    @property
+    def chat_url(self) -> str:
+        return f"{self.url}/v1/chat/completions"
+
+
+@dataclass
+class Pool:
+    """The endpoints of one generate run, the model name to send, and the request headers."""
+    engine: str
+    endpoints: list[Endpoint]
+    model: str = ""
+    headers: dict = field(default_factory=dict, repr=False)
+    max_restarts: int = 0
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.endpoints]
+
+    def pick(self, avoid: Endpoint | None = None) -> Endpoint:
+        """The endpoint with the fewest requests in flight (another one than `avoid` if any)."""
+        cands = [e for e in self.endpoints if e is not avoid] or self.endpoints
+        return min(cands, key=lambda e: e.inflight)
+
+    def recover(self, ep: Endpoint, generation: int) -> bool:
+        """After a failed request on `ep`: restart its server if drafter started it and it died.
+        Returns True when it restarted it. Raises ServerError when restarts are used up.
+        Blocking on purpose: with one started server nothing else can progress meanwhile."""
+        srv = ep.server
+        if srv is None or srv.alive() or srv.generation != generation:
+            return False
+        if ep.restarts >= self.max_restarts:
+            raise ServerError(
+                f"the server at {ep.url} died and generate.server.max_restarts="
+                f"{self.max_restarts} restarts are used up (log: {srv.log_path}); last lines:\n"
+                f"{srv.tail()}")
+        ep.restarts += 1
+        srv.restart()
+        ep.url = srv.url
+        return True
+
+    def stop(self) -> None:
+        for e in self.endpoints:
+            if e.server is not None:
+                e.server.stop()
+
+
+def _models(url: str, headers: dict, timeout: float = 10.0) -> list[str]:
+    import httpx
+
+    r = httpx.get(f"{url}/v1/models", headers=headers, timeout=timeout, trust_env=False)
+    r.raise_for_status()
+    return [m.get("id") for m in r.json().get("data", []) if m.get("id")]
+
+
+def _wait_external(url: str, headers: dict, timeout: float) -> list[str]:
+    import httpx
+
+    t0, err = time.time(), None
+    while time.time() - t0 < timeout:
+        try:
+            return _models(url, headers)
+        except (httpx.HTTPError, ValueError) as e:
+            err = e
+            time.sleep(1.0)
+    raise ServerError(f"the external server {url} did not answer GET /v1/models within "
+                      f"{timeout:.0f}s (generate.server.startup_timeout): {err}")
+
+
+def _pick_model(scfg, listed: list[str], started: str | None) -> str:
+    if scfg.model_name:
+        return scfg.model_name
+    if started and started in listed:
+        return started
+    if listed:
+        if len(listed) > 1:
+            log.warning("the server lists several models %s; using %s (set "
+                        "generate.server.model_name to choose)", listed, listed[0])
+        return listed[0]
+    if started:
+        return started
+    raise ServerError("the server lists no model in GET /v1/models: set "
+                      "generate.server.model_name")
+
+
+@contextlib.contextmanager
+def servers(cfg, log_path: Path):
+    """Start (or reach) the generation servers of `cfg.generate.server`; yield a healthy Pool;
+    stop every started server on exit, whatever the exit (return, error, Ctrl-C)."""
+    s = cfg.generate.server
+    headers = api_headers(s)
+    pool = Pool(engine=s.engine, endpoints=[], headers=headers, max_restarts=s.max_restarts)
+    try:
+        if s.engine == "external":
+            if not s.urls:
+                raise ServerError("generate.server.engine=external needs generate.server.urls "
+                                  "(e.g. [http://10.0.0.5:8000/v1])")
+            listed: list[str] = []
+            for u in s.urls:
+                ep = Endpoint(url=root_url(u))
+                listed = _wait_external(ep.url, headers, s.startup_timeout)
+                pool.endpoints.append(ep)
+            pool.model = _pick_model(s, listed, None)
+        elif s.engine == "local":
+            raise ServerError("generate.server.engine=local runs in-process: there is no server "
+                              "to start")
+        else:
+            model = _target_args(cfg)["model"] if s.command is None else None
+            srv = ManagedServer(lambda port: build_command(cfg, port), s.host, s.port,
+                                log_path, s.startup_timeout, s.stop_timeout,
+                                name=f"{s.engine} server")
+            pool.endpoints.append(Endpoint(url=srv.url, server=srv))
+            srv.start()
+            pool.endpoints[0].url = srv.url
+            try:
+                listed = _models(srv.url, headers)
+            except Exception as e:  # noqa: BLE001  (a server without /v1/models still works)
+                log.warning("GET %s/v1/models failed (%s)", srv.url, e)
+                listed = []
+            pool.model = _pick_model(s, listed, model)
+        log.info("generation server: %s, model %s", ", ".join(pool.urls), pool.model)
+        yield pool
+    finally:
+        pool.stop()
+
+
+# ----------------------------------------------------------------------------- drafter serve CONFIG
+def main(cfg) -> int:
+    """`drafter serve CONFIG`: start the generation server of the config, print its URL, keep it
+    up until Ctrl-C (or SIGTERM), then stop it. The log goes to the run's generate/server.log."""
+    from .rundir import Run
+
+    s = cfg.generate.server
+    if s.engine in ("external", "local"):
+        raise ServerError(f"generate.server.engine={s.engine}: drafter starts no server for it "
+                          f"(use engine transformers, vllm or sglang)")
+    log_path = Run.of(cfg).server_log()
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGTERM, on_term)
+    try:
+        with servers(cfg, log_path) as pool:
+            ep = pool.endpoints[0]
+            print(f"serving {pool.model}\n{ep.url}/v1\n(log: {log_path}; Ctrl-C stops it)",
+                  flush=True)
+            while True:
+                time.sleep(1.0)
+                if not ep.server.alive():
+                    raise ServerError(f"the server exited (code {ep.server.proc.poll()}); last "
+                                      f"lines of {log_path}:\n{ep.server.tail()}")
+    except KeyboardInterrupt:
+        print("stopped", flush=True)
+    return 0
