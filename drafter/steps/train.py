@@ -251,6 +251,7 @@ def device_batch(hb: dict, device, head, fused: bool) -> dict:
                  "teacher_topk_logp": d["teacher_topk_logp"].reshape(B * T, -1)},
                 head.weight.shape[0])}
     d["teacher"] = t
+    d["tokens_t"] = hb["tokens"]
     return d
 
 
@@ -518,7 +519,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     _check(tc)
     dev, cuda = dist.device, dist.device.type == "cuda"
     amp = torch.bfloat16 if (tc.dtype == "bfloat16" or (tc.dtype == "auto" and cuda)) else None
-    attention = tc.attention if tc.attention != "auto" else ("flex" if cuda else "sdpa")
+    attention = pick_attention(tc, dev)
     fused = attention == "flex"
     K, T = tc.ttt_steps, tc.max_length
     B = tc.batch_tokens // T
@@ -526,21 +527,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         torch.backends.cuda.matmul.allow_tf32 = True
     head = head.to(dev)
 
-    # model: the trainable modules on the device; embeddings stay on the CPU
-    ttt = TTT(drafter, attention=attention, compile=tc.compile and cuda).to(dev)
-    if dist.world > 1 and tc.fsdp:
-        # One unit: the one layer runs K times forward and backward, so its weights stay
-        # gathered for the whole step (ZeRO-2); gradients and AdamW state are sharded.
-        from torch.distributed.fsdp import fully_shard
-        model = fully_shard(ttt, reshard_after_forward=False)
-    elif dist.world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(ttt, device_ids=[dev.index] if cuda else None, broadcast_buffers=False)
-    else:
-        model = ttt
+    ttt, model, opt = setup_model(drafter, tc, dist, attention)
     params = [p for p in ttt.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay,
-                            fused=cuda and not tc.fsdp)
 
     # data plan
     rows = pack(train_src.lengths, T, tc.seed)
@@ -587,32 +575,10 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     first, t_start, tokens_total = step, time.perf_counter(), 0
     try:
         while step < total:
-            n0 = torch.zeros((), dtype=torch.float64, device=dev)
-            for a in range(tc.grad_accum):
-                hb = feed.next() if feed else make(next(it))
-                d = device_batch(hb, dev, head, fused)
-                d["tokens_t"] = hb["tokens"]
-                n0 += d["n_valid"][0]
-                last = a == tc.grad_accum - 1  # ranks sync gradients on the last one only
-                sync = contextlib.nullcontext()
-                if dist.world > 1 and tc.fsdp:
-                    model.set_requires_gradient_sync(last)
-                elif dist.world > 1 and not last:
-                    sync = model.no_sync()
-                with sync:
-                    with autocast:
-                        out = model(**model_inputs(d))
-                    out["loss"].backward()
-                meter.add(out, d)
-            # grads hold Σ over this rank's rows, averaged over ranks: make them Σ / N0
-            scale = dist.world / all_sum(n0, dist).clamp(min=1)
-            grads = [p.grad for p in params if p.grad is not None]
-            torch._foreach_mul_(grads, scale.to(grads[0].dtype) if not tc.fsdp
-                                else float(scale))
-            gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-            opt.step()
+            micro = (device_batch(feed.next() if feed else make(next(it)), dev, head, fused)
+                     for _ in range(tc.grad_accum))
+            gnorm = train_step(model, params, opt, micro, tc, dist, autocast, meter)
             sched.step()
-            opt.zero_grad(set_to_none=True)
             step += 1
 
             if step % tc.log_every == 0 or step == total:
@@ -680,6 +646,65 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     }
 
 
+def pick_attention(tc, device) -> str:
+    if tc.attention == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if tc.attention == "flex" and device.type != "cuda":
+        raise ConfigError("train.attention=flex needs a CUDA GPU (FlexAttention has no "
+                          "backward on the CPU): use sdpa or auto")
+    return tc.attention
+
+
+def setup_model(drafter: Drafter, tc, dist: Dist, attention: str):
+    """The trainable modules on the device (the embeddings stay on the CPU), wrapped for the
+    ranks (DDP, or FSDP2 with train.fsdp), and AdamW over them. -> (ttt, model, optimizer)."""
+    dev, cuda = dist.device, dist.device.type == "cuda"
+    ttt = TTT(drafter, attention=attention, compile=tc.compile and cuda).to(dev)
+    if dist.world > 1 and tc.fsdp:
+        # One unit: the one layer runs K times forward and backward, so its weights stay
+        # gathered for the whole step (ZeRO-2); gradients and AdamW state are sharded.
+        from torch.distributed.fsdp import fully_shard
+        model = fully_shard(ttt, reshard_after_forward=False)
+    elif dist.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(ttt, device_ids=[dev.index] if cuda else None, broadcast_buffers=False)
+    else:
+        model = ttt
+    params = [p for p in ttt.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay,
+                            fused=cuda and not (tc.fsdp and dist.world > 1))
+    return ttt, model, opt
+
+
+def train_step(model, params, opt, micro, tc, dist: Dist, autocast, meter=None):
+    """One optimizer step over `micro` (grad_accum device batches, made one at a time).
+    Returns the gradient norm before clipping (a device tensor: no host sync)."""
+    fsdp = tc.fsdp and dist.world > 1
+    n0 = torch.zeros((), dtype=torch.float64, device=dist.device)
+    for a, d in enumerate(micro):
+        n0 += d["n_valid"][0]
+        last = a == tc.grad_accum - 1  # ranks sync gradients on the last one only
+        sync = contextlib.nullcontext()
+        if fsdp:
+            model.set_requires_gradient_sync(last)
+        elif dist.world > 1 and not last:
+            sync = model.no_sync()
+        with sync:
+            with autocast:
+                out = model(**model_inputs(d))
+            out["loss"].backward()
+        if meter is not None:
+            meter.add(out, d)
+    # grads hold Σ over this rank's rows, averaged over ranks: make them Σ / N0
+    scale = dist.world / all_sum(n0, dist).clamp(min=1)
+    grads = [p.grad for p in params if p.grad is not None]
+    torch._foreach_mul_(grads, float(scale) if fsdp else scale.to(grads[0].dtype))
+    gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return gnorm
+
+
 @torch.no_grad()
 def evaluate(model, src: Source, dist: Dist, drafter, head, tc, B, T, fused, autocast) -> dict:
     """Metrics over the validation split (capped by train.eval_batches), spread over ranks;
@@ -691,7 +716,6 @@ def evaluate(model, src: Source, dist: Dist, drafter, head, tc, B, T, fused, aut
         i = j * dist.world + dist.rank  # past the end: a repeat whose numbers are dropped
         hb = host_batch(src, mbs[min(i, len(mbs) - 1)], B, T, tc, drafter.embed_tokens.weight)
         d = device_batch(hb, dist.device, head, fused)
-        d["tokens_t"] = hb["tokens"]
         with autocast:
             out = model(**model_inputs(d))
         if i < len(mbs):
