@@ -1,0 +1,993 @@
+"""Static-KV-cache decoding: plain decoding of the target, and speculative decoding with a drafter.
+
+    dec = Decoder(model, max_batch=8)                                  # any HF causal LM
+    plain = dec.generate(prompts, 128, stop_ids=[2])                   # list[Output]
+    spec = dec.generate(prompts, 128, stop_ids=[2], proposer=EagleDraft(drafter),
+                        tree=TreeSpec.chain(5))                        # or TreeSpec(6, 8, 48)
+    gen = LocalGenerator(cfg.target, batch_size=256)                   # generate step, engine=local
+    gen.generate([[1, 2, 3]], max_new_tokens=64, temperature=0.7, top_p=0.9, seed=0)
+
+Shapes: B rows, T new tokens of a forward, S attention span (static cache slots read), V target
+vocab, Vd draft vocab, A aux layers, Ht target hidden, H drafter hidden, D tree depth (chain: K),
+k children per node (chain: 1), N draft nodes verified per step, E expanded nodes (1 + (D-1)·k).
+
+The cache. Every row owns slots [0, Smax) of one static buffer per layer ([Bmax, heads, Smax, dim],
+`SlotCache`). Prompts are left-padded: row b's prompt sits in slots [start_b, Tp); slot s holds
+position s - start_b. Each forward writes its T tokens at per-row slots [B, T] and attends over the
+first S slots under a per-row boolean visibility mask, so rows advance independently (speculation
+accepts a different count per row) while every shape stays fixed: the step can be captured in a
+CUDA graph (one graph per (batch, span bucket)), which is what makes small-model decoding fast
+(launch overhead dominates otherwise: ../shared/docs/REFERENCES.md).
+
+One speculative step (greedy or sampling; the chain is the tree with k = 1):
+  1. draft: from the drafter's distribution after the last committed token (`root`), EAGLE-2's
+     dynamic tree: the root's top-k children; at each depth the k best frontier nodes (cumulative
+     log-prob) are scored by the drafter in one forward, each proposing k children; the N best of all
+     candidates form the tree (ancestor-closed since log-probs only fall along a path).
+  2. verify: one target forward over [pending token, N nodes] with the tree's ancestor mask.
+     Greedy: a node is accepted when its parent is and it equals the target's argmax at its parent.
+     Sampling: recursive rejection sampling (each child in turn accepted with min(1, p/q), else
+     p <- norm(max(p - q, 0)) and the child's q mass removed), which reduces to the standard
+     rejection sampling of Leviathan et al. for the chain; the bonus token comes from the last p.
+  3. commit: the accepted path's KV entries move to contiguous slots; the drafter re-reads the
+     accepted tokens with the target's true aux hidden states (`observe`), giving the next root.
+
+Sampling stays lossless with the tree because a child is sampled without replacement from q
+(Gumbel top-k) and ranked by the r-th largest log-prob of its parent (`build_tree`), not by its own:
+which nodes enter the tree then never depends on the identity of a node still to be verified.
+
+The drafter is an interface (`DraftModel`: observe/score), so that tests plug in oracle and
+always-wrong drafters; `EagleDraft` wraps drafter.model.Drafter with its own static cache.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import DrafterError
+
+log = logging.getLogger("drafter")
+
+
+class DecodeError(DrafterError):
+    """The target or the settings cannot be decoded here (architecture, sizes, memory)."""
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ------------------------------------------------------------------------------- the static cache
+def _slot_cache_class():
+    from transformers.cache_utils import Cache
+
+    class SlotCache(Cache):
+        """Static per-layer buffers [Bmax, heads, Smax, dim] written at per-row slots.
+
+        Before each forward the caller sets `slots` [B, T] (where each new token goes) and `span`
+        (how many leading slots attention reads). Buffers are allocated on the first write, from
+        the shapes the model hands in, so MLA latents (DeepSeek) and any head layout work."""
+
+        def __init__(self, max_batch: int, max_slots: int):
+            super().__init__(layers=[])
+            self.max_batch, self.max_slots = max_batch, max_slots
+            self.k: dict[int, Tensor] = {}
+            self.v: dict[int, Tensor] = {}
+            self.slots: Tensor | None = None
+            self.span = max_slots
+
+        def _buf(self, store: dict, i: int, x: Tensor) -> Tensor:
+            if i not in store:
+                store[i] = torch.zeros(self.max_batch, x.shape[1], self.max_slots, x.shape[3],
+                                       dtype=x.dtype, device=x.device)  # zeros: no NaN garbage
+            return store[i]
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            B, T = self.slots.shape
+            out = []
+            for store, x in ((self.k, key_states), (self.v, value_states)):
+                buf = self._buf(store, layer_idx, x)
+                idx = self.slots[:, None, :, None].expand(B, x.shape[1], T, x.shape[3])
+                buf[:B].scatter_(2, idx, x.to(buf.dtype))
+                out.append(buf[:B, :, : self.span])                   # [B, heads, S, dim]
+            return out[0], out[1]
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return 0  # positions are always given explicitly
+
+        def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+            """Move each row's entries at slots src [B, n] to slots dst [B, n] (all layers)."""
+            B, n = src.shape
+            for store in (self.k, self.v):
+                for buf in store.values():
+                    shape = (B, buf.shape[1], n, buf.shape[3])
+                    vals = buf[:B].gather(2, src[:, None, :, None].expand(shape))
+                    buf[:B].scatter_(2, dst[:, None, :, None].expand(shape), vals)
+
+        def nbytes(self) -> int:
+            return sum(b.numel() * b.element_size() for s in (self.k, self.v) for b in s.values())
+
+    return SlotCache
+
+
+def _additive(vis: Tensor, dtype: torch.dtype) -> Tensor:
+    """Boolean visibility [B, T, S] -> additive mask [B, 1, T, S] (0 or the dtype's min)."""
+    return torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill_(
+        ~vis, torch.finfo(dtype).min)[:, None]
+
+
+class StaticTarget:
+    """An HF causal LM run over a `SlotCache`, with forward pre-hooks capturing the aux hidden
+    states HS[k] (DESIGN.md: the residual stream entering layer k) of every token it processes."""
+
+    def __init__(self, model):
+        from .capture import decoder_layers
+        from .target import text_config
+
+        self.model = model
+        tc = text_config(model.config)
+        impl = str(getattr(model.config, "_attn_implementation", None) or "")
+        if impl not in ("sdpa", "eager"):
+            # flash kernels ignore a custom 4D mask; the tree needs one
+            model.set_attn_implementation("sdpa")
+        types = set(getattr(tc, "layer_types", None) or ["full_attention"])
+        if types - {"full_attention", "sliding_attention"}:
+            raise DecodeError(f"{type(model).__name__}: layer types {sorted(types)} are not "
+                              f"supported by the static-cache decoder (full and sliding attention "
+                              f"only)")
+        self.window = getattr(tc, "sliding_window", None) if "sliding_attention" in types else None
+        self.layers = decoder_layers(model)
+        self.final_norm = getattr(model.get_decoder(), "norm", None)
+        self.num_layers = len(self.layers)
+        emb = model.get_input_embeddings().weight
+        self.device, self.dtype = emb.device, emb.dtype
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x
+        self._keep_kw = "logits_to_keep" in params
+        self.cache = None
+        self.aux_ids: tuple[int, ...] = ()
+        self._aux: list[Tensor | None] = []
+        self._hooks: list = []
+
+    def allocate(self, max_batch: int, max_slots: int) -> None:
+        self.cache = _slot_cache_class()(max_batch, max_slots)
+
+    def set_aux(self, ids: Sequence[int] | None) -> None:
+        """Capture HS[k] for these layer ids on every forward (None: capture nothing)."""
+        ids = tuple(ids or ())
+        if ids == self.aux_ids:
+            return
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self.aux_ids, self._aux = [], ids, [None] * len(ids)
+        for j, k in enumerate(ids):
+            if not 0 <= k <= self.num_layers:
+                raise DecodeError(f"aux layer id {k} out of range: the target has "
+                                  f"{self.num_layers} layers (ids are HS[k], 0..{self.num_layers})")
+            mod = self.layers[k] if k < self.num_layers else self.final_norm
+
+            def hook(module, args, kwargs, j=j):
+                self._aux[j] = args[0] if args else kwargs["hidden_states"]
+
+            self._hooks.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+
+    def forward(self, ids: Tensor, pos: Tensor, slots: Tensor, vis: Tensor, start: Tensor,
+                logits_to_keep: int = 0) -> tuple[Tensor, Tensor | None]:
+        """ids, pos, slots [B, T]; vis [B, T, S] bool (True: query t sees slot s); start [B].
+        Returns logits [B, T or logits_to_keep, V] and aux [B, T, A, Ht] (None without ids)."""
+        mask = _additive(vis, self.dtype)                                  # [B, 1, T, S]
+        attn = mask
+        if self.window:  # sliding layers get their window on top (slot s = position s - start)
+            kpos = torch.arange(vis.shape[-1], device=vis.device)[None] - start[:, None]  # [B, S]
+            near = (pos[:, :, None] - kpos[:, None, :]) < self.window                   # [B, T, S]
+            attn = {"full_attention": mask, "sliding_attention": _additive(vis & near, self.dtype)}
+        self.cache.slots, self.cache.span = slots, vis.shape[-1]
+        kw = {self._cache_kw: self.cache}
+        if self._keep_kw:
+            kw["logits_to_keep"] = logits_to_keep
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=attn, use_cache=True, **kw)
+        logits = out.logits
+        if not self._keep_kw and logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        aux = torch.stack(self._aux, dim=2) if self.aux_ids else None      # [B, T, A, Ht]
+        return logits, aux
+
+
+# ------------------------------------------------------------------------------ drafting a tree
+@dataclass(frozen=True)
+class TreeSpec:
+    """Drafting shape: depth D, children per node k, nodes verified per step N. Chain K = (K, 1, K)."""
+    depth: int
+    topk: int
+    tokens: int
+
+    @classmethod
+    def chain(cls, k: int) -> "TreeSpec":
+        return cls(k, 1, k)
+
+    def __post_init__(self):
+        if self.depth < 1 or self.topk < 1 or self.tokens < 1:
+            raise DecodeError(f"tree: depth, topk and tokens must be >= 1, got {self}")
+
+    @property
+    def nodes(self) -> int:
+        """N: verified draft tokens per step (capped by the candidates the tree can hold)."""
+        return min(self.tokens, self.topk + (self.depth - 1) * self.topk ** 2)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    def label(self) -> str:
+        return f"chain K={self.depth}" if self.is_chain else \
+            f"tree depth={self.depth} topk={self.topk} tokens={self.nodes}"
+
+
+@dataclass
+class Draft:
+    """A drafted tree in node-array form: node n sits at index n+1; index 0 is the root (the
+    pending token). Siblings appear in the order they were drawn (what sampling verifies by)."""
+    tokens: Tensor        # [B, N] draft-vocab ids
+    parent: Tensor        # [B, N] array index of each node's parent (0 = root)
+    depth: Tensor         # [B, N] 1..D
+    valid: Tensor         # [B, N] bool: drawn with non-zero draft probability
+    dist: Tensor          # [B, N+1] row of `logq` its children were drawn from; -1 = leaf
+    logq: Tensor | None   # [B, E, Vd] draft log-probs of the expanded nodes (sampling only)
+
+
+def _gumbel_like(x: Tensor) -> Tensor:
+    u = torch.rand_like(x, dtype=torch.float32).clamp_(min=1e-20, max=1.0 - 1e-7)
+    return -torch.log(-torch.log(u))
+
+
+def build_tree(root_logits: Tensor, scorer, spec: TreeSpec, temperature: float) -> Draft:
+    """EAGLE-2's dynamic tree. root_logits [B, Vd]: the drafter after the last committed token.
+    `scorer(i, ids [B, k], parent [B, k]) -> logits [B, k, Vd]` runs the drafter on the frontier
+    at depth i (parent: index of each node's parent in the previous frontier).
+
+    A node's score is its parent's plus the r-th largest child log-prob of its parent, r its rank
+    in draw order (greedy: its own log-prob; sampling: independent of which token was drawn, so
+    that the tree's shape does not depend on tokens still to be verified: lossless sampling)."""
+    B, Vd = root_logits.shape
+    k, D, dev = spec.topk, spec.depth, root_logits.device
+    sample = temperature > 0
+    if k > Vd:
+        raise DecodeError(f"tree topk {k} exceeds the draft vocab ({Vd})")
+
+    def dist_of(logits):
+        return F.log_softmax(logits.float() / (temperature if sample else 1.0), dim=-1)
+
+    def children(logq):                                  # [..., Vd] -> ids, scores [..., k]
+        top = logq.topk(k, dim=-1)
+        if not sample:
+            return top.indices, top.values
+        return (logq + _gumbel_like(logq)).topk(k, dim=-1).indices, top.values
+
+    lq = dist_of(root_logits)                                                       # [B, Vd]
+    ids, sc = children(lq)                                                          # [B, k]
+    c_ids, c_sc, c_par = [ids], [sc], [torch.full_like(ids, -1)]
+    logqs = [lq[:, None]]
+    f_ids, f_sc, f_par = ids, sc, torch.zeros_like(ids)
+    f_cand = torch.arange(k, device=dev).expand(B, k)
+    fronts, offset = [], k
+    for i in range(1, D):
+        fronts.append(f_cand)
+        lq = dist_of(scorer(i, f_ids, f_par))                                       # [B, k, Vd]
+        cid, csc = children(lq)                                                     # [B, k, k]
+        tot = (f_sc[:, :, None] + csc).flatten(1)                                   # [B, k·k]
+        cid = cid.flatten(1)
+        c_ids.append(cid)
+        c_sc.append(tot)
+        c_par.append(f_cand[:, :, None].expand(B, k, k).flatten(1))
+        logqs.append(lq)
+        if i < D - 1:
+            top = tot.topk(k, dim=-1)
+            f_par = top.indices // k
+            f_ids, f_sc = cid.gather(1, top.indices), top.values
+            f_cand = offset + top.indices
+        offset += k * k
+    ids, sc, par = torch.cat(c_ids, 1), torch.cat(c_sc, 1), torch.cat(c_par, 1)     # [B, M]
+    M, N = ids.shape[1], spec.nodes
+    m = torch.arange(M, device=dev)  # no host->device copy: the step is graph-captured
+    depth = torch.where(m < k, 1, 2 + (m - k) // (k * k))                          # [M]
+    # A child scores strictly below its parent (the depth term breaks exact ties), so the N best
+    # candidates are ancestor-closed; float64 keeps the 1e-9 visible at any score magnitude.
+    key = sc.double() - 1e-9 * depth.double()
+    sel = key.topk(N, dim=-1).indices.sort(dim=-1).values                           # [B, N]
+    psel = par.gather(1, sel)
+    parent = torch.where(psel < 0, 0, torch.searchsorted(sel, psel.clamp(min=0)) + 1)
+    row = torch.full((B, M), -1, dtype=torch.long, device=dev)
+    for i, fc in enumerate(fronts):  # expansion i+1 drew frontier node r's children from row ...
+        row.scatter_(1, fc, (1 + i * k + torch.arange(k, device=dev)).expand(B, k))
+    dist = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), row.gather(1, sel)], 1)
+    return Draft(tokens=ids.gather(1, sel), parent=parent, depth=depth[sel],
+                 valid=torch.isfinite(sc.gather(1, sel)), dist=dist,
+                 logq=torch.cat(logqs, 1) if sample else None)
+
+
+def ancestors(parent_full: Tensor, depth: int) -> Tensor:
+    """parent_full [B, N+1] (root's parent = 0) -> anc [B, N+1, N+1]: anc[b, i, j] = j is i or
+    an ancestor of i."""
+    B, n = parent_full.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parent_full.device).expand(B, n, n)
+    anc, idx = eye, parent_full[:, :, None].expand(B, n, n)
+    for _ in range(depth):
+        anc = eye | anc.gather(1, idx)
+    return anc
+
+
+def _path(anc: Tensor, best: Tensor, depth_full: Tensor, D: int) -> Tensor:
+    """Node indices along the root -> best path, by depth: [B, D+1] (0 past the path's end)."""
+    B, n = depth_full.shape
+    on = anc.gather(1, best[:, None, None].expand(B, 1, n)).squeeze(1)              # [B, N+1]
+    col = torch.where(on, depth_full, D + 1)
+    path = torch.zeros(B, D + 2, dtype=torch.long, device=anc.device)
+    path.scatter_(1, col, torch.arange(n, device=anc.device).expand(B, n))
+    return path[:, : D + 1]
+
+
+def verify_greedy(tokens: Tensor, parent_full: Tensor, valid: Tensor, depth_full: Tensor,
+                  anc: Tensor, logits: Tensor, D: int) -> tuple[Tensor, Tensor, Tensor]:
+    """tokens [B, N] target ids; logits [B, N+1, V] of the verify forward (row 0: the root).
+    Returns path [B, D+1], accepted count [B], bonus token [B] (the target's argmax after the
+    last accepted node)."""
+    y = logits.argmax(-1)                                                           # [B, N+1]
+    match = (tokens == y.gather(1, parent_full[:, 1:])) & valid
+    base = torch.cat([torch.ones_like(match[:, :1]), match], 1)                     # [B, N+1]
+    acc = base
+    for _ in range(D):
+        acc = base & acc.gather(1, parent_full)
+    best = torch.where(acc, depth_full, -1).argmax(1)                               # [B]
+    n_acc = depth_full.gather(1, best[:, None]).squeeze(1)
+    return _path(anc, best, depth_full, D), n_acc, y.gather(1, best[:, None]).squeeze(1)
+
+
+def verify_sample(tokens: Tensor, parent_full: Tensor, valid: Tensor, depth_full: Tensor,
+                  anc: Tensor, logits: Tensor, q: Tensor, dist: Tensor, temperature: float,
+                  D: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Recursive rejection sampling over the tree. q [B, E, V]: draft probabilities (target vocab)
+    of the expanded nodes; dist [B, N+1]: each node's row of q. Same returns as verify_greedy."""
+    B, N = tokens.shape
+    dev = tokens.device
+    p_all = F.softmax(logits.float() / temperature, dim=-1)                         # [B, N+1, V]
+    par = parent_full[:, 1:]                                                        # [B, N]
+    earlier = torch.ones(N, N, dtype=torch.bool, device=dev).tril(-1)               # j' < j
+    rank = ((par[:, :, None] == par[:, None, :]) & earlier).sum(-1)                 # [B, N]
+    rows = torch.arange(B, device=dev)
+    cur = torch.zeros(B, dtype=torch.long, device=dev)
+    alive = torch.ones(B, dtype=torch.bool, device=dev)
+    p = p_all[:, 0]
+    q_now = q[rows, dist[:, 0].clamp(min=0)]
+    tiny = torch.finfo(torch.float32).tiny
+    for _ in range(D):
+        found = torch.zeros_like(alive)
+        nxt = cur
+        for r in range(k):
+            is_c = (par == cur[:, None]) & (rank == r) & valid                     # [B, N]
+            c = is_c.int().argmax(1)
+            tok = tokens.gather(1, c[:, None])                                      # [B, 1]
+            pt, qt = p.gather(1, tok).squeeze(1), q_now.gather(1, tok).squeeze(1)
+            live = is_c.any(1) & alive & ~found
+            ok = live & (torch.rand(B, device=dev) * qt < pt)    # accept w.p. min(1, p/q)
+            rej = live & ~ok
+            found, nxt = found | ok, torch.where(ok, c + 1, nxt)
+            res = (p - q_now).clamp(min=0)
+            s = res.sum(-1, keepdim=True)
+            p = torch.where(rej[:, None], torch.where(s > 0, res / s.clamp(min=tiny), p), p)
+            q2 = q_now.scatter(1, tok, 0.0)                     # without replacement
+            s2 = q2.sum(-1, keepdim=True)
+            q_now = torch.where(rej[:, None], q2 / s2.clamp(min=tiny), q_now)
+        alive = alive & found
+        cur = torch.where(alive, nxt, cur)
+        p = torch.where(alive[:, None], p_all[rows, cur], p)
+        q_now = torch.where(alive[:, None], q[rows, dist.gather(1, cur[:, None]).squeeze(1)
+                                               .clamp(min=0)], q_now)
+    bonus = (torch.log(p) + _gumbel_like(p)).argmax(-1)
+    n_acc = depth_full.gather(1, cur[:, None]).squeeze(1)
+    return _path(anc, cur, depth_full, D), n_acc, bonus
+
+
+def pick(logits: Tensor, temperature: float, top_p: float = 1.0) -> Tensor:
+    """Next token from logits [B, V]: argmax at temperature 0, else a nucleus sample (Gumbel-max,
+    no host sync, capturable)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    lg = logits.float() / temperature
+    if top_p < 1.0:
+        srt, idx = lg.sort(dim=-1, descending=True)
+        pr = F.softmax(srt, dim=-1)
+        drop = (pr.cumsum(-1) - pr) > top_p                    # keep the smallest nucleus
+        lg = torch.full_like(lg, -math.inf).scatter(-1, idx, srt.masked_fill(drop, -math.inf))
+    return (lg + _gumbel_like(lg)).argmax(-1)
+
+
+# ------------------------------------------------------------------------------- the drafters
+class DraftModel(Protocol):
+    """What speculative decoding asks of a drafter. Ids passed in are target ids; logits returned
+    are over the draft vocab (`to_target` maps draft ids to target ids). Positions are token
+    positions (slot - start); `vis` [B, T, S] says which cache slots each query sees."""
+    aux_layer_ids: Sequence[int] | None   # HS[k] the drafter needs from the target (None: none)
+    vocab_size: int                       # Vd
+
+    def allocate(self, max_batch: int, max_slots: int, device, dtype) -> None: ...
+
+    def to_target(self, draft_ids: Tensor) -> Tensor: ...
+
+    def observe(self, ids: Tensor, aux: Tensor | None, pos: Tensor, slots: Tensor, vis: Tensor,
+                last: Tensor | None) -> Tensor | None:
+        """Committed tokens: ids [B, T] are the *next* tokens of positions pos [B, T] (EAGLE-3:
+        position t reads aux[t] and token t+1); aux [B, T, A, Ht]. Returns the logits [B, Vd] at
+        index `last` [B] (the distribution of the token after the last committed one)."""
+
+    def score(self, depth: int, ids: Tensor, parent: Tensor, pos: Tensor, slots: Tensor,
+              vis: Tensor) -> Tensor:
+        """Frontier nodes at tree depth `depth`: ids [B, k] (target ids), parent [B, k] (index in
+        the previous frontier; depth 1: the root). Returns logits [B, k, Vd] of their children."""
+
+
+class EagleDraft:
+    """drafter.model.Drafter (EAGLE-3) behind `DraftModel`, with a static KV cache of its own.
+    Same arithmetic as Drafter.forward (tests/test_decode.py checks it)."""
+
+    def __init__(self, drafter):
+        self.dr = drafter.eval()
+        self.aux_layer_ids = list(drafter.cfg.aux_layer_ids)
+        self.vocab_size = drafter.cfg.draft_vocab_size
+        self.kc = self.vc = self.root_h = None
+        self._front_h = None
+
+    def allocate(self, max_batch, max_slots, device, dtype):
+        self.dr.to(device=device, dtype=dtype)
+        a = self.dr.midlayer.self_attn
+        self.kc = torch.zeros(max_batch, a.nkv, max_slots, a.hd, device=device, dtype=dtype)
+        self.vc = torch.zeros_like(self.kc)
+        self.root_h = torch.zeros(max_batch, self.dr.cfg.hidden_size, device=device, dtype=dtype)
+
+    def to_target(self, draft_ids):
+        return self.dr.to_target_ids(draft_ids)
+
+    def _forward(self, ids, h, pos, slots, vis):
+        """ids, pos, slots [B, T]; h [B, T, H]; vis [B, T, S] -> h_out [B, T, H]."""
+        dr, layer = self.dr, self.dr.midlayer
+        a = layer.self_attn
+        emb = dr.embed_tokens(ids).to(h.dtype)                                      # [B, T, H]
+        x, residual = layer.pre_attention(emb, h)                                   # [B, T, 2H]
+        cos, sin = dr.rotary(x, pos)
+        q, k, v = a.qkv(x, cos, sin)                           # [B, nh|nkv, T, hd]
+        B, T, S = vis.shape
+        idx = slots[:, None, :, None].expand(B, a.nkv, T, a.hd)
+        self.kc[:B].scatter_(2, idx, k)
+        self.vc[:B].scatter_(2, idx, v)
+        g = a.nh // a.nkv
+        kk = self.kc[:B, :, :S, None].expand(B, a.nkv, S, g, a.hd).transpose(2, 3) \
+            .reshape(B, a.nh, S, a.hd)                                              # [B, nh, S, hd]
+        vv = self.vc[:B, :, :S, None].expand(B, a.nkv, S, g, a.hd).transpose(2, 3) \
+            .reshape(B, a.nh, S, a.hd)
+        o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=_additive(vis, q.dtype))
+        return layer.post_attention(a.out(o), residual)                             # [B, T, H]
+
+    def observe(self, ids, aux, pos, slots, vis, last):
+        h_out = self._forward(ids, self.dr.fuse(aux), pos, slots, vis)
+        if last is None:
+            return None
+        B, _, H = h_out.shape
+        hl = h_out.gather(1, last[:, None, None].expand(B, 1, H)).squeeze(1)        # [B, H]
+        self.root_h[:B].copy_(self.dr.feedback(hl))
+        return self.dr.logits(hl)
+
+    def score(self, depth, ids, parent, pos, slots, vis):
+        B, k = ids.shape
+        H = self.root_h.shape[-1]
+        h = self.root_h[:B, None].expand(B, k, H) if depth == 1 else \
+            self._front_h.gather(1, parent[:, :, None].expand(B, k, H))
+        h_out = self._forward(ids, h, pos, slots, vis)
+        self._front_h = self.dr.feedback(h_out)          # within one step only
+        return self.dr.logits(h_out)
+
+
+# ------------------------------------------------------------------------------- CUDA graphs
+class _Graphs:
+    """One captured CUDA graph per key; eager on CPU or when capture fails (logged once).
+    A step mutates persistent state in place; warm-up runs it once and restores that state."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and torch.cuda.is_available()
+        self.graphs: dict = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+
+    def clear(self):
+        self.graphs.clear()
+
+    def run(self, key, fn, state: list[Tensor]) -> None:
+        if not self.enabled:
+            fn()
+            return
+        g = self.graphs.get(key)
+        if g is None:
+            t0 = time.perf_counter()
+            g = self._capture(fn, state)
+            self.capture_seconds += time.perf_counter() - t0
+            if g is None:
+                fn()
+                return
+            self.graphs[key] = g
+        g.replay()
+
+    def _capture(self, fn, state):
+        saved = [t.clone() for t in state]
+
+        def restore():
+            for t, v in zip(state, saved):
+                t.copy_(v)
+
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()  # warm-up: lazy inits (cuBLAS handles, ...) must not happen under capture
+            torch.cuda.current_stream().wait_stream(side)
+            restore()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                fn()
+            self.pool = g.pool()
+            torch.cuda.synchronize()
+            return g
+        except Exception as e:  # e.g. an op that syncs with the host (data-dependent MoE routing)
+            log.warning("CUDA graph capture failed (%s: %s); decoding without graphs",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self.enabled = False
+            torch.cuda.synchronize()
+            restore()
+            return None
+
+
+# ------------------------------------------------------------------------------- the decoder
+@dataclass
+class Output:
+    tokens: list[int]              # new tokens; the stop token is kept when it ended the text
+    finish: str                    # "stop" or "length"
+    steps: int                     # target forwards after the prefill
+    hist: list[int] | None = None  # speculative: steps by accepted draft tokens (0..D)
+    gaps: list[float] | None = None   # plain greedy: top-1 minus top-2 logit of each token
+    second: list[int] | None = None   # plain greedy: the runner-up token of each position
+
+
+class _State:
+    """Persistent per-batch tensors (updated in place: captured graphs read them)."""
+
+    def __init__(self, B: int, W: int, D: int, Vd: int, n_stop: int, dev):
+        z = dict(dtype=torch.long, device=dev)
+        self.B, self.W = B, W
+        self.start, self.L = torch.zeros(B, **z), torch.zeros(B, **z)
+        self.pending, self.n_out, self.steps = (torch.zeros(B, **z) for _ in range(3))
+        self.out, self.second = torch.zeros(B, W, **z), torch.zeros(B, W, **z)
+        self.gap = torch.zeros(B, W, dtype=torch.float32, device=dev)
+        self.finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.hist = torch.zeros(B, D + 1, **z)
+        self.max_new = torch.zeros((), **z)
+        self.stop = torch.full((n_stop,), -1, **z)
+        self.root = torch.zeros(B, max(Vd, 1), dtype=torch.float32, device=dev)
+
+    def tensors(self) -> list[Tensor]:
+        return [self.start, self.L, self.pending, self.n_out, self.steps, self.out, self.second,
+                self.gap, self.finished, self.hist, self.root]
+
+
+class Decoder:
+    """Batched static-cache decoding of one target, plain or speculative.
+
+    max_batch rows decode together; `span_bucket` rounds the attention span (one graph per
+    bucket); `prefill_tokens` bounds B x chunk of the (eager) prefill. `last` holds the timing of
+    the latest generate call: seconds (without graph capture), capture_seconds, prefill_seconds."""
+
+    def __init__(self, model, max_batch: int = 1, cuda_graphs: bool = True,
+                 span_bucket: int = 256, prefill_tokens: int = 16384):
+        self.target = StaticTarget(model)
+        self.max_batch = max_batch
+        self.graphs = _Graphs(cuda_graphs and self.target.device.type == "cuda")
+        self.span_bucket, self.prefill_tokens = span_bucket, prefill_tokens
+        self.cap = (0, 0)
+        self._states: dict = {}
+        self._allocated: dict[int, tuple] = {}
+        self.last: dict = {}
+
+    @property
+    def device(self):
+        return self.target.device
+
+    # -- capacity
+    def _ensure(self, B: int, S: int, proposer) -> None:
+        if B > self.cap[0] or S > self.cap[1]:
+            cap = (max(B, self.cap[0]), _round_up(max(S, self.cap[1]), self.span_bucket))
+            self._reset_graphs()
+            self.target.allocate(*cap)
+            self.cap, self._allocated = cap, {}
+        if proposer is not None and self._allocated.get(id(proposer)) != self.cap:
+            try:
+                proposer.allocate(*self.cap, self.device, self.target.dtype)
+            except torch.cuda.OutOfMemoryError as e:
+                raise DecodeError(f"drafter cache for {self.cap[0]} rows x {self.cap[1]} slots "
+                                  f"does not fit: lower the batch size ({e})") from None
+            self._allocated[id(proposer)] = self.cap
+            self._reset_graphs()
+
+    def _reset_graphs(self):
+        self.graphs.clear()
+
+    def _state(self, B, W, D, Vd, n_stop) -> _State:
+        key = (B, W, D, Vd, n_stop)
+        if key not in self._states:
+            self._states[key] = _State(B, W, D, Vd, n_stop, self.device)
+        return self._states[key]
+
+    # -- public
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 stop_ids: Sequence[int] = (), temperature: float = 0.0, top_p: float = 1.0,
+                 proposer: DraftModel | None = None, tree: TreeSpec | None = None,
+                 record_gaps: bool = False, progress=None) -> list[Output]:
+        """Decode each prompt (token ids) for up to max_new_tokens new tokens, stopping at a stop
+        id. Plain decoding without a proposer; speculative decoding with one (tree: chain K=3 by
+        default). `record_gaps` keeps the top-2 margins of plain greedy decoding (tie analysis)."""
+        if max_new_tokens < 1:
+            raise DecodeError("max_new_tokens must be >= 1")
+        if any(len(p) == 0 for p in prompts):
+            raise DecodeError("empty prompt: every prompt needs at least one token")
+        if proposer is not None and tree is None:
+            tree = TreeSpec.chain(3)
+        self.last = {"seconds": 0.0, "capture_seconds": 0.0, "prefill_seconds": 0.0,
+                     "iterations": 0}
+        cap0 = self.graphs.capture_seconds
+        outs: list[Output] = []
+        for b0 in range(0, len(prompts), self.max_batch):
+            batch = [list(map(int, p)) for p in prompts[b0:b0 + self.max_batch]]
+            t0 = time.perf_counter()
+            outs += self._batch(batch, max_new_tokens, list(stop_ids), temperature, top_p,
+                                proposer, tree, record_gaps)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.last["seconds"] += time.perf_counter() - t0
+            if progress is not None:
+                progress.update(len(batch))
+        self.last["capture_seconds"] = self.graphs.capture_seconds - cap0
+        self.last["seconds"] -= self.last["capture_seconds"]
+        return outs
+
+    # -- one batch
+    def _batch(self, prompts, max_new, stop_ids, T, top_p, proposer, tree, record_gaps):
+        B, Tp = len(prompts), max(len(p) for p in prompts)
+        dev = self.device
+        spec = proposer is not None
+        D, k = (tree.depth, tree.topk) if spec else (0, 1)
+        N = tree.nodes if spec else 0
+        extra = max(N + 1, (D - 1) * k, D + 1) if spec else 1
+        self._ensure(B, Tp + max_new + extra + D + 2, proposer)
+        self.target.set_aux(proposer.aux_layer_ids if spec else None)
+        Vd = proposer.vocab_size if spec else 0
+        st = self._state(B, _round_up(max_new + D + 2, 64), D, Vd, max(1, len(stop_ids)))
+        for t in st.tensors():
+            t.zero_()
+        st.max_new.fill_(max_new)
+        st.stop.fill_(-1)
+        if stop_ids:
+            st.stop.copy_(torch.tensor(stop_ids, device=dev))
+        t0 = time.perf_counter()
+        self._prefill(st, prompts, Tp, T, top_p, proposer, record_gaps)
+        self.last["prefill_seconds"] += time.perf_counter() - t0
+
+        key = ("spec" if spec else "plain", B, st.W, T, top_p, tree, id(proposer),
+               self.target.aux_ids, record_gaps)
+        if spec:
+            fn = lambda span: self._spec_step(st, span, proposer, tree, T)  # noqa: E731
+        else:
+            fn = lambda span: self._plain_step(st, span, T, top_p, record_gaps)  # noqa: E731
+        done, lmax = torch.stack([st.finished.all().long(), st.L.max()]).tolist()
+        for _ in range(max_new):
+            if done:
+                break
+            span = min(self.cap[1], _round_up(lmax + extra, self.span_bucket))
+            self.graphs.run(key + (span,), lambda: fn(span), st.tensors())
+            self.last["iterations"] += 1
+            done, lmax = torch.stack([st.finished.all().long(), st.L.max()]).tolist()
+        return self._collect(st, B, max_new, stop_ids, spec, record_gaps)
+
+    @torch.no_grad()
+    def time_forwards(self, proposer: DraftModel, tree: TreeSpec, batch: int = 1,
+                      context: int = 256, repeats: int | None = None) -> dict:
+        """Milliseconds of one target forward over 1 token (a plain step), over N+1 tokens (a
+        verification), and of one drafter forward over k frontier tokens (one drafting depth),
+        at `batch` rows with `context` tokens in the cache; graph-captured where decoding is."""
+        D, k, N = tree.depth, tree.topk, tree.nodes
+        extra = max(N + 1, (D - 1) * k, D + 1)
+        self._ensure(batch, context + extra + 2, proposer)
+        self.target.set_aux(proposer.aux_layer_ids)
+        dev, B = self.device, batch
+        span = min(self.cap[1], _round_up(context + extra, self.span_bucket))
+        s = torch.arange(span, device=dev)
+        start = torch.zeros(B, dtype=torch.long, device=dev)
+
+        def inputs(T):
+            slots = (context + torch.arange(T, device=dev)).expand(B, T)
+            return torch.zeros(B, T, dtype=torch.long, device=dev), slots, \
+                s[None, None] <= slots[..., None]
+
+        def target_fn(T):
+            ids, slots, vis = inputs(T)
+            return lambda: self.target.forward(ids, slots, slots, vis, start)
+
+        ids_d, slots_d, vis_d = inputs(k)
+        fns = {"target_ms": target_fn(1), "verify_ms": target_fn(N + 1),
+               "draft_ms": lambda: proposer.score(1, ids_d, torch.zeros_like(ids_d), slots_d,
+                                                  slots_d, vis_d)}
+        return {name: _time_ms(fn, self.graphs.enabled, repeats) for name, fn in fns.items()}
+
+    def _collect(self, st, B, max_new, stop_ids, spec, record_gaps) -> list[Output]:
+        n_out, out, steps = st.n_out.tolist(), st.out.tolist(), st.steps.tolist()
+        hist = st.hist.tolist() if spec else None
+        gaps = st.gap.tolist() if record_gaps else None
+        second = st.second.tolist() if record_gaps else None
+        stops = set(stop_ids)
+        res = []
+        for b in range(B):
+            toks = out[b][: min(n_out[b], max_new)]
+            cut = next((i for i, t in enumerate(toks) if t in stops), None)
+            finish = "stop" if cut is not None else "length"
+            toks = toks if cut is None else toks[: cut + 1]
+            n = len(toks)
+            res.append(Output(toks, finish, steps[b], hist[b] if spec else None,
+                              gaps[b][:n] if record_gaps else None,
+                              second[b][:n] if record_gaps else None))
+        return res
+
+    def _prefill(self, st, prompts, Tp, T, top_p, proposer, record_gaps):
+        """Left-padded chunks through the target (eager: the shapes vary); the first new token;
+        the drafter reads the prompt too (position t: aux[t] and token t+1)."""
+        B, dev, tgt = len(prompts), self.device, self.target
+        ids = torch.tensor([[0] * (Tp - len(p)) + p for p in prompts]).to(dev)       # [B, Tp]
+        start = torch.tensor([Tp - len(p) for p in prompts]).to(dev)
+        st.start.copy_(start)
+        st.L.fill_(Tp)
+        s = torch.arange(Tp, device=dev)
+        chunk = max(1, self.prefill_tokens // B)
+        last_aux = logits = None
+        for c0 in range(0, Tp, chunk):
+            c1 = min(Tp, c0 + chunk)
+            slots = torch.arange(c0, c1, device=dev).expand(B, -1)                   # [B, C]
+            pos = (slots - start[:, None]).clamp(min=0)
+            vis = ((s[None, None, :c1] >= start[:, None, None]) & (s[None, None, :c1] <= slots[..., None])) \
+                | (s[None, None, :c1] == slots[..., None])    # pad queries see their own slot
+            logits, aux = tgt.forward(ids[:, c0:c1], pos, slots, vis, start, logits_to_keep=1)
+            if proposer is not None:
+                e = min(c1, Tp - 1) - c0  # the last prompt position waits for the first new token
+                if e > 0:
+                    proposer.observe(ids[:, c0 + 1:c0 + 1 + e], None if aux is None else aux[:, :e],
+                                     pos[:, :e], slots[:, :e], vis[:, :e], None)
+                last_aux = None if aux is None else aux[:, -1:]
+        lg = logits[:, -1].float()                                                  # [B, V]
+        first = pick(lg, T, top_p)
+        if record_gaps:
+            top = lg.topk(2, dim=-1)
+            st.gap[:, 0], st.second[:, 0] = top.values[:, 0] - top.values[:, 1], top.indices[:, 1]
+        st.pending.copy_(first)
+        st.out[:, 0] = first
+        st.n_out.fill_(1)
+        st.finished.copy_((first[:, None] == st.stop).any(-1) | (st.max_new <= 1))
+        if proposer is not None:
+            slots = torch.full((B, 1), Tp - 1, device=dev)
+            vis = ((s >= start[:, None]) | (s == Tp - 1))[:, None, :]                # [B, 1, Tp]
+            root = proposer.observe(first[:, None], last_aux, slots - start[:, None], slots, vis,
+                                    torch.zeros(B, dtype=torch.long, device=dev))
+            st.root.copy_(root.float())
+
+    def _commit(self, st, emitted, n_acc, bonus, root=None):
+        """Shared tail of both steps: emitted [B, J] tokens of which n_acc + 1 are new."""
+        B, J = emitted.shape
+        active = ~st.finished
+        j = torch.arange(J, device=emitted.device)
+        new = j[None] <= n_acc[:, None]
+        stop = (emitted[..., None] == st.stop).any(-1) & new                       # [B, J]
+        has_stop = stop.any(1)
+        n_emit = torch.where(has_stop, stop.int().argmax(1), n_acc) + 1
+        col = st.n_out[:, None] + j
+        col = torch.where((j[None] < n_emit[:, None]) & active[:, None], col, st.W - 1)
+        st.out.scatter_(1, col, emitted)
+        st.hist.scatter_add_(1, n_acc.clamp(max=st.hist.shape[1] - 1)[:, None],
+                             active.long()[:, None])
+        st.steps.add_(active.long())
+        st.n_out.add_(n_emit * active)
+        st.L.add_((n_acc + 1) * active)
+        st.pending.copy_(torch.where(active, bonus, st.pending))
+        if root is not None:
+            st.root.copy_(torch.where(active[:, None], root.float(), st.root))
+        st.finished.copy_(st.finished | (active & (has_stop | (st.n_out >= st.max_new))))
+
+    def _plain_step(self, st, span, T, top_p, record_gaps):
+        dev = self.device
+        s = torch.arange(span, device=dev)
+        L, start = st.L, st.start
+        vis = ((s[None] >= start[:, None]) & (s[None] <= L[:, None]))[:, None]      # [B, 1, S]
+        logits, _ = self.target.forward(st.pending[:, None], (L - start)[:, None], L[:, None],
+                                        vis, start)
+        lg = logits[:, -1].float()
+        nxt = pick(lg, T, top_p)
+        if record_gaps:
+            top = lg.topk(2, dim=-1)
+            col = torch.where(st.finished, st.W - 1, st.n_out)[:, None]
+            st.gap.scatter_(1, col, (top.values[:, :1] - top.values[:, 1:]))
+            st.second.scatter_(1, col, top.indices[:, 1:])
+        self._commit(st, nxt[:, None], torch.zeros_like(nxt), nxt)
+
+    def _spec_step(self, st, span, P, tree: TreeSpec, T):
+        dev, tgt = self.device, self.target
+        B, D, k, N = st.B, tree.depth, tree.topk, tree.nodes
+        L, start = st.L, st.start
+        s = torch.arange(span, device=dev)
+        committed = (s[None] >= start[:, None]) & (s[None] < L[:, None])            # [B, S]
+        fvis = None
+
+        def scorer(i, ids, parent):  # frontier at depth i: slots L + (i-1)k + r, position L+i-1
+            nonlocal fvis
+            slots = L[:, None] + (i - 1) * k + torch.arange(k, device=dev)          # [B, k]
+            own = s[None, None] == slots[..., None]                                 # [B, k, S]
+            fvis = own if i == 1 else own | fvis.gather(1, parent[..., None].expand(B, k, span))
+            pos = (L - start)[:, None] + (i - 1)
+            return P.score(i, P.to_target(ids), parent, pos.expand(B, k), slots,
+                           committed[:, None] | fvis)
+
+        draft = build_tree(st.root, scorer, tree, T)
+        toks = P.to_target(draft.tokens)                                            # [B, N]
+        parent_full = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), draft.parent], 1)
+        depth_full = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), draft.depth], 1)
+        anc = ancestors(parent_full, D)                                             # [B, N+1, N+1]
+        ids = torch.cat([st.pending[:, None], toks], 1)                             # [B, N+1]
+        slots = L[:, None] + torch.arange(N + 1, device=dev)
+        rel = s[None] - L[:, None]                                                  # [B, S]
+        tree_vis = anc.gather(2, rel.clamp(0, N)[:, None].expand(B, N + 1, span)) \
+            & ((rel >= 0) & (rel <= N))[:, None]
+        logits, aux = tgt.forward(ids, (L - start)[:, None] + depth_full, slots,
+                                  committed[:, None] | tree_vis, start)
+        if T > 0:
+            Vd, V = draft.logq.shape[-1], logits.shape[-1]
+            t_ids = P.to_target(torch.arange(Vd, device=dev))
+            q = torch.zeros(B, draft.logq.shape[1], V, device=dev) \
+                .scatter_(2, t_ids.expand(B, draft.logq.shape[1], Vd), draft.logq.exp())
+            path, n_acc, bonus = verify_sample(toks, parent_full, draft.valid, depth_full, anc,
+                                               logits, q, draft.dist, T, D, k)
+        else:
+            path, n_acc, bonus = verify_greedy(toks, parent_full, draft.valid, depth_full, anc,
+                                               logits, D)
+        j = torch.arange(D + 1, device=dev)
+        if not tree.is_chain:  # a chain's accepted tokens already sit in slots L..L+n_acc
+            tgt.cache.copy_slots(L[:, None] + path, L[:, None] + j)
+        emitted = torch.cat([ids.gather(1, path)[:, 1:], bonus[:, None]], 1)        # [B, D+1]
+        emitted = emitted.scatter(1, n_acc[:, None], bonus[:, None])
+        # the drafter reads the committed tokens with the target's own aux states
+        slots_o = L[:, None] + j
+        vis_o = committed[:, None] | ((s[None, None] >= L[:, None, None])
+                                      & (s[None, None] <= slots_o[..., None]))
+        a = aux.gather(1, path[:, :, None, None].expand(B, D + 1, *aux.shape[2:])) \
+            if aux is not None else None
+        root = P.observe(emitted, a, slots_o - start[:, None], slots_o, vis_o, n_acc)
+        self._commit(st, emitted, n_acc, bonus, root)
+
+
+def _time_ms(fn, graphs: bool, repeats: int | None) -> float:
+    """Mean milliseconds of fn(): replayed from a CUDA graph when `graphs`."""
+    if torch.cuda.is_available() and graphs:
+        repeats = repeats or 50
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            run = g.replay
+        except Exception:  # noqa: BLE001  (timed eagerly instead)
+            torch.cuda.synchronize()
+            run = fn
+        run()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(repeats):
+            run()
+        t1.record()
+        torch.cuda.synchronize()
+        return t0.elapsed_time(t1) / repeats
+    repeats = repeats or (50 if torch.cuda.is_available() else 3)
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1000 / repeats
+
+
+def acceptance_stats(hist: Sequence[int]) -> dict:
+    """From hist[a] = speculative steps that accepted a draft tokens (a = 0..D): tau (tokens per
+    target forward, bonus counted), accepted, per-position acceptance unconditional (P[a >= i])
+    and conditional (P[a >= i | a >= i-1]), i = 1..D."""
+    steps = int(sum(hist))
+    D = len(hist) - 1
+    reached = [int(sum(hist[i:])) for i in range(D + 1)]                           # a >= i
+    accepted = int(sum(a * n for a, n in enumerate(hist)))
+    return {
+        "steps": steps,
+        "accepted": accepted,
+        "tau": (accepted + steps) / steps if steps else None,
+        "acceptance": [reached[i] / steps if steps else None for i in range(1, D + 1)],
+        "acceptance_conditional": [reached[i] / reached[i - 1] if reached[i - 1] else None
+                                   for i in range(1, D + 1)],
+    }
+
+
+# ----------------------------------------------------------------------- generate, engine=local
+def stop_ids_of(tokenizer, model=None) -> list[int]:
+    """End-of-text ids: the tokenizer's eos plus the generation config's eos ids."""
+    ids = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    for e in ([eos] if isinstance(eos, int) else list(eos or [])):
+        ids.add(int(e))
+    return sorted(ids)
+
+
+class LocalGenerator:
+    """In-process batched generation for `generate.server.engine: local`: static cache, CUDA
+    graphs, prompts sorted by length into batches of `batch_size`.
+
+        gen = LocalGenerator(cfg.target, batch_size=cfg.generate.batch_size)
+        for token_ids, finish_reason in gen.generate(prompts, 512, 0.0, 1.0, seed=0): ...
+
+    token_ids exclude the stop token (as OpenAI-compatible servers return text); finish_reason is
+    "stop" or "length"."""
+
+    def __init__(self, target_cfg, batch_size: int = 64, cuda_graphs: bool = True):
+        from .target import load_model, load_tokenizer
+
+        self.model = load_model(target_cfg)
+        self.tokenizer = load_tokenizer(target_cfg)
+        self.stop_ids = stop_ids_of(self.tokenizer, self.model)
+        self.batch_size = batch_size
+        self.decoder = Decoder(self.model, max_batch=batch_size, cuda_graphs=cuda_graphs)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0) -> list[tuple[list[int], str]]:
+        from tqdm import tqdm
+
+        torch.manual_seed(seed)
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        bar = tqdm(total=len(prompts), desc="generate (local)", unit="prompt",
+                   disable=len(prompts) <= self.batch_size)
+        try:
+            outs = self.decoder.generate([prompts[i] for i in order], max_new_tokens,
+                                         stop_ids=self.stop_ids, temperature=temperature,
+                                         top_p=top_p, progress=bar)
+        except torch.cuda.OutOfMemoryError as e:
+            raise DecodeError(f"generate (local): out of GPU memory at batch {self.batch_size}: "
+                              f"lower generate.batch_size ({e})") from None
+        finally:
+            bar.close()
+        res: list = [None] * len(prompts)
+        for i, o in zip(order, outs):
+            toks = o.tokens[:-1] if o.finish == "stop" else o.tokens
+            res[i] = (toks, o.finish)
+        return res

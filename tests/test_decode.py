@@ -1,0 +1,348 @@
+"""drafter.decode: static-cache plain decoding against HF, speculative decoding (lossless, oracle
+and always-wrong drafters), the EAGLE drafter's static path against Drafter.forward, and rejection
+sampling preserving the target distribution. CPU, float32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter.decode import (Decoder, EagleDraft, LocalGenerator, TreeSpec, acceptance_stats,
+                            ancestors, build_tree, verify_sample)
+from drafter.model import Drafter, DrafterConfig
+
+from tests.tiny import make_tiny
+
+MAX_NEW = 9  # 1 token from the prefill + 2 full chain steps of K=3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Decoding is many small ops: one intra-op thread avoids OpenMP spin-waits that make a
+    shared 2-core CI box 10x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class RefDrafter:
+    """A test drafter that reads the reference continuation `ref` [B, R] (prompt + plain greedy
+    output, by position). mode: oracle (proposes the target's own next token), wrong (never
+    proposes it: its logit is -inf), noisy (the right token ranks 2nd at positions divisible by
+    3, 1st elsewhere: partial acceptance, non-first siblings on trees)."""
+    aux_layer_ids = None
+
+    def __init__(self, ref: torch.Tensor, vocab_size: int, mode: str = "oracle"):
+        self.ref, self.vocab_size, self.mode = ref, vocab_size, mode
+
+    def allocate(self, *args):
+        pass
+
+    def to_target(self, ids):
+        return ids
+
+    def _logits(self, pos):  # logits for the token at position pos + 2
+        idx = (pos + 2).clamp(max=self.ref.shape[1] - 1)
+        right = self.ref.gather(1, idx.reshape(idx.shape[0], -1)).reshape(pos.shape)
+        lg = torch.zeros(*pos.shape, self.vocab_size)
+        if self.mode == "wrong":
+            return lg.scatter(-1, right[..., None], float("-inf"))
+        lg = lg.scatter(-1, right[..., None], 10.0)
+        if self.mode == "noisy":
+            decoy = (right + 1) % self.vocab_size
+            lg = lg.scatter(-1, decoy[..., None], torch.where(pos % 3 == 0, 11.0, 5.0)[..., None])
+        return lg
+
+    def observe(self, ids, aux, pos, slots, vis, last):
+        return None if last is None else self._logits(pos.gather(1, last[:, None]).squeeze(1))
+
+    def score(self, depth, ids, parent, pos, slots, vis):
+        return self._logits(pos)
+
+
+def _ref(prompts, outs, pad=16):
+    R = max(len(p) + len(o.tokens) for p, o in zip(prompts, outs)) + pad
+    ref = torch.zeros(len(prompts), R, dtype=torch.long)
+    for b, (p, o) in enumerate(zip(prompts, outs)):
+        ref[b, :len(p) + len(o.tokens)] = torch.tensor(p + o.tokens)
+    return ref
+
+
+def _tiny_drafter(target_config, Vd=1024, seed=0, **kw) -> Drafter:
+    """A random EAGLE-3 drafter for this target with a non-trivial d2t."""
+    torch.manual_seed(seed)
+    V = target_config.vocab_size
+    n = target_config.num_hidden_layers
+    cfg = DrafterConfig.from_target(target_config, Vd, [2, n // 2, n - 3], **kw)
+    dr = Drafter(cfg)
+    sel = torch.randperm(V)[:Vd].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[sel] = True
+    dr.set_vocab(sel - torch.arange(Vd), t2d)
+    return dr
+
+
+# ------------------------------------------------------------------------- pure tensor tests
+def test_acceptance_stats_on_a_hand_made_trace():
+    # 10 steps of a chain K=3 accepting: 0,1,3,3,2,0,3,1,2,3  -> hist [2, 2, 2, 4]
+    trace = [0, 1, 3, 3, 2, 0, 3, 1, 2, 3]
+    hist = [trace.count(a) for a in range(4)]
+    st = acceptance_stats(hist)
+    assert st["steps"] == 10 and st["accepted"] == sum(trace)
+    assert st["tau"] == pytest.approx((sum(trace) + 10) / 10)          # 2.8
+    assert st["acceptance"] == pytest.approx([0.8, 0.6, 0.4])          # P[a >= i]
+    assert st["acceptance_conditional"] == pytest.approx([0.8, 0.75, 4 / 6])
+    assert acceptance_stats([5, 0, 0])["acceptance_conditional"] == [0.0, None]
+
+
+def test_build_tree_is_eagle2_greedy_and_ancestor_closed():
+    torch.manual_seed(0)
+    B, Vd, k, D = 3, 20, 3, 4
+    tables = torch.randn(Vd, Vd) * 3   # the "drafter": logits of the next token given a token
+    root = torch.randn(B, Vd) * 3
+    calls = []
+
+    def scorer(i, ids, parent):
+        calls.append((i, ids.shape))
+        return tables[ids]
+
+    spec = TreeSpec(D, k, 10)
+    d = build_tree(root, scorer, spec, 0.0)
+    assert calls == [(1, (B, k)), (2, (B, k)), (3, (B, k))]
+    N = spec.nodes
+    assert d.tokens.shape == (B, N) and d.logq is None
+    lp0 = torch.log_softmax(root, -1)
+    for b in range(B):
+        par = d.parent[b].tolist()
+        for n in range(N):  # every node's parent precedes it and sits one level up
+            assert par[n] == 0 or (par[n] - 1 < n and d.depth[b, par[n] - 1] == d.depth[b, n] - 1)
+        # depth-1 nodes are the root's best children, best first
+        first = [n for n in range(N) if par[n] == 0]
+        top = lp0[b].topk(len(first)).indices.tolist()
+        assert d.tokens[b, first].tolist() == top
+    anc = ancestors(torch.cat([torch.zeros(B, 1, dtype=torch.long), d.parent], 1), D)
+    assert anc[:, 0].sum(-1).eq(1).all() and anc.diagonal(dim1=1, dim2=2).all()
+    chain = build_tree(root, scorer, TreeSpec.chain(3), 0.0)
+    assert chain.parent.tolist() == [[0, 1, 2]] * B and chain.depth.tolist() == [[1, 2, 3]] * B
+
+
+@pytest.mark.parametrize("spec", [TreeSpec.chain(3), TreeSpec(3, 3, 8)], ids=["chain", "tree"])
+def test_rejection_sampling_preserves_the_target_distribution(spec):
+    """Tiny vocab, a target p(x_t | x_{t-1}) and a different drafter q: the first two tokens
+    emitted by speculative sampling (two steps when the first step accepts nothing) follow
+    p(a | x0) p(b | a). Chi-square over the 25 cells; a 3% perturbation of p must be rejected."""
+    torch.manual_seed(0)
+    V, n = 5, 60_000
+    P = torch.distributions.Dirichlet(torch.ones(V)).sample((V,))
+    Q = torch.distributions.Dirichlet(torch.full((V,), 0.7)).sample((V,))
+    logP, logQ = P.log(), Q.log()
+
+    def step(x0):  # one speculative step from the token x0 [n]: emitted tokens [n, D+1], count
+        d = build_tree(logQ[x0], lambda i, ids, parent: logQ[ids], spec, 1.0)
+        pf = torch.cat([torch.zeros(n, 1, dtype=torch.long), d.parent], 1)
+        df = torch.cat([torch.zeros(n, 1, dtype=torch.long), d.depth], 1)
+        full = torch.cat([x0[:, None], d.tokens], 1)
+        path, n_acc, bonus = verify_sample(d.tokens, pf, d.valid, df, ancestors(pf, spec.depth),
+                                           logP[full], d.logq.exp(), d.dist, 1.0, spec.depth,
+                                           spec.topk)
+        em = torch.cat([full.gather(1, path)[:, 1:], bonus[:, None]], 1)
+        return em.scatter(1, n_acc[:, None], bonus[:, None]), n_acc
+
+    x0 = torch.zeros(n, dtype=torch.long)
+    em, n_acc = step(x0)
+    em2, _ = step(em[:, 0])
+    first, second = em[:, 0], torch.where(n_acc >= 1, em[:, 1], em2[:, 0])
+    obs = torch.bincount(first * V + second, minlength=V * V).double()
+    assert n_acc.float().mean() > 0.3  # the drafter gets tokens accepted: the test means something
+
+    def chi2(p):
+        exp = (p[0][:, None] * p).flatten().double() * n
+        return ((obs - exp) ** 2 / exp).sum().item()
+
+    assert chi2(P) < 51.2                             # 24 degrees of freedom, p = 0.001
+    assert chi2(0.97 * P + 0.03 / V) > 100            # the test has the power to see 3%
+
+
+def test_eagle_draft_static_cache_matches_drafter_forward():
+    """EagleDraft's static-cache forward gives Drafter.forward's states: a causal prefix, then a
+    tree step over a cache with an explicit mask."""
+    from transformers import LlamaConfig
+
+    tc = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    dr = _tiny_drafter(tc, Vd=100)
+    P = EagleDraft(dr)
+    P.allocate(2, 32, "cpu", torch.float32)
+    torch.manual_seed(1)
+    B, T, Ht = 2, 6, 32
+    aux = torch.randn(B, T, 3, Ht)
+    ids = torch.randint(0, 300, (B, T))
+    pos = torch.arange(T).expand(B, T)
+    h = dr.fuse(aux)
+    ref_h, ref_logits, kv = dr(ids, h, pos)                        # causal, no cache
+    S = 16
+    s = torch.arange(S)
+    vis = s[None, None] <= pos[..., None]
+    last = torch.tensor([T - 1, 2])
+    logits = P.observe(ids, aux, pos, pos, vis, last)
+    torch.testing.assert_close(logits, ref_logits[torch.arange(B), last])
+    # a tree step: 3 new tokens at positions 6, 7, 7 (node 1 -> nodes 2 and 3), over the cache
+    t_ids = torch.randint(0, 300, (B, 3))
+    t_h = torch.randn(B, 3, 32)
+    t_pos = torch.tensor([6, 7, 7]).expand(B, 3)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(3, T, dtype=torch.bool), tree], 1).expand(B, 1, 3, T + 3)
+    ref_out, _, _ = dr(t_ids, t_h, t_pos, past_kv=kv, attn_mask=mask)
+    slots = torch.tensor([T, T + 1, T + 2]).expand(B, 3)
+    t_vis = (s[None, None] < T) | torch.cat([torch.zeros(3, T, dtype=torch.bool), tree,
+                                             torch.zeros(3, S - T - 3, dtype=torch.bool)], 1)
+    out = P._forward(t_ids, t_h, t_pos, slots, t_vis.expand(B, 3, S))
+    torch.testing.assert_close(out, ref_out)
+
+
+# ---------------------------------------------------------------------------- the real target
+@pytest.fixture(scope="module")
+def smol(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    msgs = ["Write a python function that adds two numbers.", "What is 2+3?"]
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": m}],
+                                           add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"] for m in msgs]
+    dec = Decoder(model, max_batch=2)
+    plain = dec.generate(prompts, MAX_NEW, stop_ids=[tok.eos_token_id], record_gaps=True)
+    return {"model": model, "tok": tok, "prompts": prompts, "dec": dec, "plain": plain,
+            "ref": _ref(prompts, plain), "stop": [tok.eos_token_id]}
+
+
+def test_plain_decoding_matches_hf_generate(smol):
+    """Left-padded batch of two prompt lengths, static cache == transformers' own generate, also
+    with the prefill cut into chunks of 16 tokens."""
+    model, plain = smol["model"], smol["plain"]
+    assert [o.finish for o in plain] == ["length", "stop"]  # "2 + 3 = 5<|im_end|>" stops early
+    for p, o in zip(smol["prompts"], plain):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False)
+        assert o.tokens == ref[0, len(p):].tolist()
+        assert o.steps == len(o.tokens) - 1 and len(o.gaps) == len(o.tokens)
+        assert all(g >= 0 for g in o.gaps)
+    chunked = Decoder(model, max_batch=2, prefill_tokens=32)  # 16 tokens per row per chunk
+    outs = chunked.generate(smol["prompts"], MAX_NEW, stop_ids=smol["stop"])
+    assert [o.tokens for o in outs] == [o.tokens for o in plain]
+
+
+def _oracle_and_wrong(t, tree):
+    dec, V = t["dec"], t["model"].config.vocab_size
+    for mode, tau in (("oracle", tree.depth + 1), ("wrong", 1.0)):
+        outs = dec.generate(t["prompts"], MAX_NEW, stop_ids=t["stop"],
+                            proposer=RefDrafter(t["ref"], V, mode), tree=tree)
+        assert [o.tokens for o in outs] == [o.tokens for o in t["plain"]]
+        for o in outs:  # every single step: all D accepted (oracle) or none (wrong)
+            a = tree.depth if mode == "oracle" else 0
+            assert o.hist[a] == o.steps and sum(o.hist) == o.steps > 0
+            assert acceptance_stats(o.hist)["tau"] == tau
+
+
+def test_oracle_drafter_gives_k_plus_1_and_wrong_drafter_1(smol):
+    _oracle_and_wrong(smol, TreeSpec.chain(3))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny random Llama (SmolLM2's vocab) and its plain greedy continuations."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        make_tiny("llama", tmp_path_factory.mktemp("tiny")), dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,)).tolist() for n in (23, 9, 16)]
+    dec = Decoder(model, max_batch=3)
+    plain = dec.generate(prompts, 3 * MAX_NEW)
+    return {"model": model, "prompts": prompts, "dec": dec, "plain": plain, "stop": [],
+            "ref": _ref(prompts, plain)}
+
+
+def test_oracle_and_wrong_drafters_on_a_tree(tiny_llama):
+    t = dict(tiny_llama, plain=[type(o)(o.tokens[:MAX_NEW], "length", 0)
+                                for o in tiny_llama["plain"]])
+    _oracle_and_wrong(t, TreeSpec(3, 2, 5))
+
+
+def test_partial_acceptance_on_trees_is_lossless(tiny_llama):
+    """The right token is sometimes the drafter's 2nd choice: a chain rejects there, a tree
+    accepts a second sibling (its KV entries move to the committed slots)."""
+    t = tiny_llama
+    dec, V = t["dec"], t["model"].config.vocab_size
+    hists = {}
+    for tree in (TreeSpec.chain(3), TreeSpec(3, 2, 6)):
+        outs = dec.generate(t["prompts"], 3 * MAX_NEW, proposer=RefDrafter(t["ref"], V, "noisy"),
+                            tree=tree)
+        assert [o.tokens for o in outs] == [o.tokens for o in t["plain"]]
+        hists[tree.topk] = [sum(o.hist[a] for o in outs) for a in range(4)]
+    chain, tree = acceptance_stats(hists[1]), acceptance_stats(hists[2])
+    assert 1.0 < chain["tau"] < 4.0            # partial acceptance
+    assert tree["tau"] > chain["tau"]          # the second sibling was accepted
+    assert hists[2][3] > 0
+
+
+@pytest.mark.parametrize("tree", [TreeSpec.chain(3), TreeSpec(3, 3, 8)], ids=["chain", "tree"])
+def test_eagle_drafter_is_lossless_and_samples(smol, tree):
+    """A random EAGLE-3 drafter (real static-cache drafting path, aux hooks, d2t) on SmolLM2:
+    greedy output == plain greedy; sampling runs and respects the limits."""
+    dec, model = smol["dec"], smol["model"]
+    P = EagleDraft(_tiny_drafter(model.config, Vd=2048, intermediate_size=256))
+    outs = dec.generate(smol["prompts"], MAX_NEW, stop_ids=smol["stop"], proposer=P, tree=tree)
+    assert [o.tokens for o in outs] == [o.tokens for o in smol["plain"]]
+    assert all(sum(o.hist) == o.steps for o in outs)
+    torch.manual_seed(0)
+    outs = dec.generate(smol["prompts"], 6, stop_ids=smol["stop"], proposer=P, tree=tree,
+                        temperature=0.8)
+    for o in outs:
+        assert 1 <= len(o.tokens) <= 6 and o.finish in ("stop", "length")
+        assert (o.finish == "stop") == (o.tokens[-1] == smol["stop"][0])
+
+
+def test_local_generator(smollm2_dir, smol):
+    """engine=local: batches sorted by length, stop token stripped, finish reasons, and seeded
+    sampling reproducible."""
+    from drafter.config import TargetConfig
+
+    gen = LocalGenerator(TargetConfig(model=str(smollm2_dir), dtype="float32"), batch_size=1)
+    prompts = smol["prompts"]
+    res = gen.generate(prompts, MAX_NEW)
+    for (toks, finish), o in zip(res, smol["plain"]):
+        assert finish == o.finish
+        assert toks == (o.tokens[:-1] if o.finish == "stop" else o.tokens)
+    a = gen.generate(prompts[1:], 5, temperature=0.9, top_p=0.9, seed=3)
+    b = gen.generate(prompts[1:], 5, temperature=0.9, top_p=0.9, seed=3)
+    assert a == b and 1 <= len(a[0][0]) <= 5
+
+
+# ------------------------------------------------------------------- other architectures
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3", "gemma2"])
+def test_tiny_architectures_plain_and_speculative(arch, tmp_path):
+    """Static cache vs full recomputation for GQA (Qwen3), MLA + MoE (DeepSeek-V3) and sliding
+    windows (Gemma 2, window 32: the prompt plus the answer cross it); tree speculation with an
+    oracle drafter stays identical."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny(arch, tmp_path),
+                                                 dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,)).tolist() for n in (30, 17)]
+    n_new = 16
+    want = []
+    with torch.no_grad():  # no cache at all: the whole sequence every token
+        for p in prompts:
+            ids = torch.tensor([p])
+            for _ in range(n_new):
+                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+            want.append(ids[0, len(p):].tolist())
+    dec = Decoder(model, max_batch=2)
+    plain = dec.generate(prompts, n_new)
+    assert [o.tokens for o in plain] == want
+    spec = dec.generate(prompts, n_new, proposer=RefDrafter(_ref(prompts, plain),
+                                                            model.config.vocab_size, "noisy"),
+                        tree=TreeSpec(3, 2, 5))
+    assert [o.tokens for o in spec] == want
