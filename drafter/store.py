@@ -12,9 +12,10 @@ Shapes: T tokens of a shard, S samples of a shard, L aux layers, Ht target hidde
         teacher_hidden    [T, Ht] bf16                      (teacher=hidden)
         teacher_topk_ids  [T, k] int16 (int32 if Vd > 32768) (teacher=topk: draft-vocab ids)
         teacher_topk_logp [T, k] float16                    (their log-probs over the draft vocab)
-      metadata: format, version, info (JSON: layer ids, Ht, N, dtype, options), ids (JSON list of
-      sample ids), content_sha256 (sha256 of the tensors' bytes: a shard verifies itself even
-      before the index exists, e.g. after a kill)
+      metadata: one key "drafter" holding JSON {format, version, info (layer ids, Ht, N, dtype,
+      options), ids (the sample ids), content_sha256 (of the tensors' bytes: a shard verifies
+      itself even before the index exists, e.g. after a kill)}. One key, because safetensors
+      writes several in a per-process random order, and equal shards must be equal files.
     extract/{train,val}/index.json   info + per shard: file, sha256 (of the file), bytes, ids,
                                      lengths; totals and bytes_per_token
     extract/head.safetensors         weight [Vd, Ht]: the target's lm_head rows of the draft vocab
@@ -160,9 +161,9 @@ def write_shard(path: Path, tensors: dict, info: dict, ids: list[str]) -> dict:
     from safetensors.torch import save
 
     tensors = {k: v.contiguous() for k, v in tensors.items()}
-    meta = {"format": FORMAT, "version": str(VERSION), "info": json.dumps(info, sort_keys=True),
-            "ids": json.dumps(ids), "content_sha256": content_sha256(tensors)}
-    blob = save(tensors, metadata=meta)
+    meta = {"format": FORMAT, "version": VERSION, "info": info, "ids": list(ids),
+            "content_sha256": content_sha256(tensors)}
+    blob = save(tensors, metadata={"drafter": json.dumps(meta, sort_keys=True)})
     atomic_write(path, blob)
     offsets = tensors["offsets"].tolist()
     return {"file": Path(path).name, "sha256": hashlib.sha256(blob).hexdigest(),
@@ -178,11 +179,11 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def check_shard(path: Path, ids: list[str] | None = None, sha256: str | None = None
-                ) -> dict | None:
+def check_shard(path: Path, ids: list[str] | None = None, sha256: str | None = None,
+                info: dict | None = None) -> dict | None:
     """The index entry of a good shard, or None when it is missing or corrupt. With `sha256`
     (from the index) the file hash decides; without it the shard verifies its own content hash.
-    `ids`: the sample ids the shard must hold (the plan of this run)."""
+    `ids`: the sample ids the shard must hold (the plan of this run); `info`: its options."""
     from safetensors.torch import load
 
     path = Path(path)
@@ -194,16 +195,19 @@ def check_shard(path: Path, ids: list[str] | None = None, sha256: str | None = N
         return None
     try:
         tensors = load(blob)
-    except Exception:
-        return None
-    try:
         meta = _metadata(blob)
-        if meta.get("format") != FORMAT or meta.get("content_sha256") != content_sha256(tensors):
+        if meta.get("format") != FORMAT:
             return None
-        got_ids = json.loads(meta["ids"])
+        # the file hash from the index covers everything; without it, the content hash
+        if sha256 is None and meta.get("content_sha256") != content_sha256(tensors):
+            return None
+        got_ids = meta["ids"]
+        got_info = meta["info"]
     except Exception:
         return None
     if ids is not None and got_ids != list(ids):
+        return None
+    if info is not None and got_info != json.loads(json.dumps(info, sort_keys=True)):
         return None
     offsets = tensors["offsets"].tolist()
     return {"file": path.name, "sha256": digest, "bytes": len(blob), "num_samples": len(got_ids),
@@ -213,30 +217,66 @@ def check_shard(path: Path, ids: list[str] | None = None, sha256: str | None = N
 
 def _metadata(blob: bytes) -> dict:
     n = int.from_bytes(blob[:8], "little")
-    return json.loads(blob[8:8 + n]).get("__metadata__", {})
+    return json.loads(json.loads(blob[8:8 + n])["__metadata__"]["drafter"])
+
+
+_copy_streams: dict = {}
+
+
+def to_host(tensors: dict) -> tuple[dict, object]:
+    """Start copying device tensors to pinned host memory on a side stream, so that the next
+    forward runs while they travel. Returns (host tensors, event to wait on before reading them;
+    None for CPU tensors, which are returned as they are)."""
+    devs = {v.device for v in tensors.values()}
+    if all(d.type != "cuda" for d in devs):
+        return tensors, None
+    dev = next(iter(devs))
+    stream = _copy_streams.get(dev)
+    if stream is None:
+        stream = _copy_streams[dev] = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    out = {}
+    with torch.cuda.stream(stream):
+        for k, v in tensors.items():
+            h = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            h.copy_(v, non_blocking=True)
+            v.record_stream(stream)  # the allocator keeps v until the copy is done
+            out[k] = h
+        event = torch.cuda.Event()
+        event.record(stream)
+    return out, event
 
 
 class ShardWriter:
-    """Writes shards on a background thread, so that the target's next forward overlaps
-    serialising, hashing and disk. At most `depth` shards wait in memory; an error in the
-    thread is raised by the next `submit` or by `close`."""
+    """Writes shards on background threads, so that the target's next forwards overlap copying
+    to the host, concatenating, hashing (hashlib releases the GIL), the disk and fsync.
 
-    def __init__(self, info: dict, depth: int = 1):
+    submit(path, parts, ids): parts = [(encoded batch tensors, event or None)] from `to_host`.
+    At most `depth` shards wait beyond the `threads` being written; an error in a thread is
+    raised by the next `submit` or by `close`."""
+
+    def __init__(self, info: dict, threads: int = 2, depth: int = 2):
         self.info = info
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.entries: dict[Path, dict] = {}
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._loop, name="shard-writer", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._loop, name=f"shard-writer-{i}",
+                                         daemon=True) for i in range(threads)]
+        for t in self.threads:
+            t.start()
 
     def _loop(self):
         while True:
             job = self.q.get()
             if job is None:
                 return
-            path, tensors, ids = job
+            path, parts, ids = job
             try:
                 if self.error is None:
+                    for _, event in parts:
+                        if event is not None:
+                            event.synchronize()
+                    tensors = concat([t for t, _ in parts])
                     self.entries[path] = write_shard(path, tensors, self.info, ids)
             except BaseException as e:  # re-raised in the caller's thread
                 self.error = e
@@ -245,13 +285,15 @@ class ShardWriter:
         if self.error is not None:
             raise self.error
 
-    def submit(self, path: Path, tensors: dict, ids: list[str]) -> None:
+    def submit(self, path: Path, parts: list, ids: list[str]) -> None:
         self._raise()
-        self.q.put((Path(path), tensors, ids))
+        self.q.put((Path(path), parts, ids))
 
     def close(self) -> dict[Path, dict]:
-        self.q.put(None)
-        self.thread.join()
+        for _ in self.threads:
+            self.q.put(None)
+        for t in self.threads:
+            t.join()
         self._raise()
         return self.entries
 
@@ -285,8 +327,9 @@ def save_head(path: Path, head: Head, info: dict) -> str:
     from safetensors.torch import save
 
     blob = save({"weight": head.weight.detach().contiguous().cpu()},
-                metadata={"format": FORMAT, "logit_scale": str(head.scale),
-                          "logit_softcap": str(head.softcap), "info": json.dumps(info)})
+                metadata={"drafter": json.dumps({"format": FORMAT, "logit_scale": head.scale,
+                                                 "logit_softcap": head.softcap, "info": info},
+                                                sort_keys=True)})
     atomic_write(path, blob)
     return hashlib.sha256(blob).hexdigest()
 
@@ -297,8 +340,8 @@ def load_head(path: Path) -> Head:
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
         w = f.get_tensor("weight")
-    cap = meta.get("logit_softcap", "None")
-    return Head(w, float(meta.get("logit_scale", 1.0)), None if cap == "None" else float(cap))
+    meta = json.loads(meta["drafter"])
+    return Head(w, float(meta["logit_scale"]), meta["logit_softcap"])
 
 
 # -------------------------------------------------------------------------------- the reader

@@ -40,9 +40,9 @@ def write_split(run: Run, split: str, batches, aux_dtype: str, info: dict | None
     info = info or {"layer_ids": [1, 2, 3], "hidden_size": HT, "aux_dtype": aux_dtype}
     writer = store.ShardWriter(info)
     for i, parts in enumerate(batches):
-        tensors = store.concat([store.encode(f, m, aux_dtype, VD) for f, m in parts])
-        n = len(tensors["offsets"]) - 1
-        writer.submit(run.shard(split, i), tensors, [f"{split}:{i}:{j}" for j in range(n)])
+        enc = [store.to_host(store.encode(f, m, aux_dtype, VD)) for f, m in parts]
+        n = sum(len(t["offsets"]) - 1 for t, _ in enc)
+        writer.submit(run.shard(split, i), enc, [f"{split}:{i}:{j}" for j in range(n)])
     entries = writer.close()
     head = Head(torch.randn(VD, HT).to(torch.bfloat16), 1.0, None)
     sha = store.save_head(run.extract_head(), head, info)
@@ -53,12 +53,15 @@ def write_split(run: Run, split: str, batches, aux_dtype: str, info: dict | None
 @pytest.mark.parametrize("aux_dtype,teacher", OPTIONS)
 def test_reader_hands_back_the_contract(tmp_path, aux_dtype, teacher):
     run = Run(tmp_path)
-    lengths = [[7, 5], [3], [11, 2, 4]]
-    src = [[fake_capture(ls, teacher, seed=s)] for s, ls in enumerate(lengths)]
+    # shard 0 is written from two forwards (offsets rebased), shard 1 from one
+    lengths = [[[7, 5], [3]], [[11, 2, 4]]]
+    src = [[fake_capture(ls, teacher, seed=10 * i + j) for j, ls in enumerate(shard)]
+           for i, shard in enumerate(lengths)]
     index = write_split(run, "train", src, aux_dtype)
     r = store.Reader(run, "train", verify=True)
     assert len(r) == 6 and r.lengths == [7, 5, 3, 11, 2, 4] and r.num_tokens == 32
-    assert index["num_tokens"] == 32 and r.ids[3] == "train:2:0"
+    assert index["num_tokens"] == 32 and r.ids[3] == "train:1:0"
+    assert [e["lengths"] for e in index["shards"]] == [[7, 5, 3], [11, 2, 4]]
     i = 0
     for parts in src:
         for flat, mask in parts:
@@ -201,3 +204,18 @@ def test_head_file_roundtrip(tmp_path):
     store.save_head(run.extract_head(), head, {})
     back = store.load_head(run.extract_head())
     assert torch.equal(back.weight, head.weight) and back.scale == 0.25 and back.softcap == 30.0
+
+
+def test_equal_shards_are_equal_files_across_processes(tmp_path):
+    """safetensors writes metadata keys in a per-process random order; the shard format keeps
+    one key so that a rerun (resume, another rank) writes byte-identical files."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from pathlib import Path; from drafter import store; "
+            "t = {'offsets': torch.tensor([0, 3]), 'aux': torch.arange(12.).reshape(3, 4)}; "
+            "store.write_shard(Path(sys.argv[1]), t, {'a': 1, 'b': [2], 'c': 'x'}, ['s0'])")
+    paths = [tmp_path / f"{i}.safetensors" for i in range(2)]
+    for p in paths:
+        subprocess.run([sys.executable, "-c", code, str(p)], check=True, timeout=120)
+    assert len({store.file_sha256(p) for p in paths}) == 1

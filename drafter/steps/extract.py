@@ -1,5 +1,349 @@
-"""The extract step (see ../shared/docs/DESIGN.md). Not implemented yet."""
+"""The extract step: prefill-only target forwards -> aux hidden states + teacher, sharded on disk.
+
+Reads   tokenize/{train,val}.parquet   input_ids, loss_mask (drafter/tokens.py)
+        vocab/vocab.safetensors        d2t, t2d: the draft vocab (in_vocab, top-k ids)
+Writes  extract/{train,val}/shard_NNNNN.safetensors + index.json   (format: drafter/store.py)
+        extract/head.safetensors       the target's lm_head rows of the draft vocab
+Command drafter extract CONFIG [key=value ...]
+        torchrun --nproc-per-node 8 -m drafter.cli extract CONFIG                 data parallel
+        torchrun --nproc-per-node 8 -m drafter.cli extract CONFIG extract.tp=true  one target
+                                                                        sharded over the GPUs
+
+The plan is a pure function of the token files and the config, so ranks and reruns agree: samples
+sorted longest first, cut into shards of `extract.shard_tokens` tokens, each shard cut into
+forwards of `extract.batch_tokens` tokens (drafter/capture.py does the forward and the hooks).
+Data parallel: rank r of W writes the shards i with i % W == r; every shard is computed from the
+same forwards whatever W, so the shard files are the same. Tensor parallel: every rank runs every
+forward of one sharded target (transformers tp_plan="auto") and rank 0 writes.
+
+Before any weights load: the GPU preflight (drafter/gpu.py) compares free memory with the
+estimated need and refuses when other processes hold memory (extract.preflight). After loading,
+`Capture.self_check` compares the hooks with a plain forward on one real sample.
+
+Resume: a shard that exists and verifies (its sha256 in the index, else its own content hash;
+and the planned sample ids and options) is kept; a missing or corrupt one is (re)done; temp files
+of a killed write are removed. The index is written last. train.online=true: nothing is stored.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from .. import capture as C
+from .. import gpu, store, target, tokens
+from ..rundir import Run
+
+log = logging.getLogger("drafter")
+
+SPLITS = ("train", "val")
+
+
+@dataclass
+class Shard:
+    split: str
+    index: int
+    rows: list[int]                         # token-file rows, longest first
+    lengths: list[int]
+    batches: list[list[int]] = field(default_factory=list)   # positions in rows, per forward
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def plan_shards(split: str, lengths: list[int], shard_tokens: int, batch_tokens: int,
+                packed: bool) -> list[Shard]:
+    """Samples longest first, in shards of <= shard_tokens tokens (a longer sample alone), each
+    cut into forwards of <= batch_tokens tokens. Empty samples are skipped."""
+    order = [i for i in C.length_order(lengths) if lengths[i] > 0]
+    shards: list[Shard] = []
+    cur: list[int] = []
+    used = 0
+    for i in order:
+        if cur and used + lengths[i] > shard_tokens:
+            shards.append(Shard(split, len(shards), cur, [lengths[j] for j in cur]))
+            cur, used = [], 0
+        cur.append(i)
+        used += lengths[i]
+    if cur:
+        shards.append(Shard(split, len(shards), cur, [lengths[j] for j in cur]))
+    for s in shards:
+        s.batches = C.plan_batches(s.lengths, batch_tokens, packed)
+    return shards
+
+
+# ------------------------------------------------------------------------------ torchrun setup
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: str = "cpu"
+
+    @property
+    def on(self) -> bool:
+        return self.world > 1
+
+
+def setup_dist(cfg) -> Dist:
+    """Rank, world and device from torchrun's environment (the same code runs without it)."""
+    d = Dist(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+             int(os.environ.get("LOCAL_RANK", 0)))
+    device = target.pick_device(cfg.target)
+    d.device = f"cuda:{d.local_rank}" if device == "cuda" and d.on else device
+    return d
+
+
+def init_dist(d: Dist) -> None:
+    import torch.distributed as dist
+
+    if d.device.startswith("cuda:"):
+        torch.cuda.set_device(torch.device(d.device))  # before any collective touches cuda:0
+    if d.on and not dist.is_initialized():
+        dist.init_process_group("nccl" if d.device.startswith("cuda") else "gloo")
+
+
+def _gather(d: Dist, obj):
+    if not d.on:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * d.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _barrier(d: Dist) -> None:
+    if d.on:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+# ------------------------------------------------------------------------------------ the step
+def _info(cfg, tconf, d2t: torch.Tensor, device: str) -> dict:
+    """What the shards hold, from the config alone (the same as Capture.info() once loaded)."""
+    n = target.num_layers(tconf)
+    scale, softcap = C.logit_transform(tconf)
+    ec = cfg.extract
+    vd = d2t.numel()
+    dtype = target.pick_dtype(cfg.target, device)
+    return {"layer_ids": C.resolve_layer_ids(ec.layer_ids, n), "num_layers": n,
+            "hidden_size": target.hidden_size(tconf), "vocab_size": target.vocab_size(tconf),
+            "draft_vocab_size": vd, "teacher": ec.teacher,
+            "topk": min(ec.topk, vd) if ec.teacher == "topk" else None,
+            "target_dtype": str(dtype).replace("torch.", ""), "logit_scale": scale,
+            "logit_softcap": softcap, "aux_dtype": ec.aux_dtype, "target": cfg.target.model}
+
+
+def _read_table(path):
+    import pyarrow as pa
+
+    batches = list(tokens.iter_token_batches(path))
+    return pa.Table.from_batches(batches, schema=tokens.SCHEMA)
+
+
+def _clean_temp(run: Run, shards: list[Shard]) -> None:
+    """Remove the temp files a killed write of these shards left behind."""
+    for s in shards:
+        p = run.shard(s.split, s.index)
+        for tmp in p.parent.glob(f".tmp-{p.name}.*"):
+            tmp.unlink(missing_ok=True)
 
 
 def main(cfg) -> dict:
-    raise NotImplementedError("drafter extract: not implemented yet")
+    run = Run.of(cfg)
+    ec = cfg.extract
+    if cfg.train.online:
+        log.info("extract: train.online=true, the target runs beside the drafter: nothing stored")
+        return {"counts": {"online": 1, "samples": 0, "tokens": 0, "shards": 0, "bytes": 0},
+                "mode": "online"}
+    d = setup_dist(cfg)
+    tconf = target.load_config(cfg.target)
+    d2t, t2d, _ = tokens.load_vocab(run.require(run.vocab(), "vocab"))
+    run.require(run.tokens("train"), "tokenize")
+    info = _info(cfg, tconf, d2t, d.device)
+    if d.device.startswith("cuda"):  # before this process touches CUDA or loads any weights
+        dtype_bytes = torch.finfo(target.pick_dtype(cfg.target, d.device)).bits // 8
+        est = C.estimate_gpu_bytes(tconf, dtype_bytes, ec.batch_tokens, len(info["layer_ids"]),
+                                   tp=d.world if ec.tp else 1)
+        visible = gpu.visible_indices()
+        use = [visible[d.local_rank]] if d.local_rank < len(visible) else None
+        gpu.preflight(est["total"], use=use, policy=ec.preflight, what="drafter extract")
+    init_dist(d)
+    attn = str(getattr(tconf, "_attn_implementation", "") or "")
+    packed = ec.packing == "packed" or (ec.packing == "auto" and "flash" in attn)
+
+    # -- the plan, and what is already done (rank 0 decides under tp; each rank its own under dp)
+    tables, plans = {}, {}
+    for split in SPLITS:
+        path = run.tokens(split)
+        if not path.exists():
+            tables[split], plans[split] = None, []
+            continue
+        tables[split] = _read_table(path)
+        plans[split] = plan_shards(split, tables[split].column("num_tokens").to_pylist(),
+                                   ec.shard_tokens, ec.batch_tokens, packed)
+        run.shards(split).mkdir(parents=True, exist_ok=True)
+    every = [s for split in SPLITS for s in plans[split]]
+    mine = every if ec.tp else [s for s in every if s.index % d.world == d.rank]
+    writer_rank = not ec.tp or d.rank == 0
+    kept, redone, todo = {}, 0, []
+    if writer_rank:
+        _clean_temp(run, mine)
+        old = {}
+        for split in SPLITS:
+            p = run.shard_index(split)
+            if p.exists():
+                try:
+                    old.update({(split, e["file"]): e["sha256"]
+                                for e in store.read_index(p)["shards"]})
+                except store.ShardError:
+                    pass
+        for s in tqdm(mine, desc="extract: verify", unit=" shard", mininterval=1.0,
+                      disable=d.rank != 0 or not run.shard(mine[0].split, 0).exists()):
+            p = run.shard(s.split, s.index)
+            ids = tables[s.split].column("id").take(s.rows).to_pylist()
+            e = store.check_shard(p, ids, old.get((s.split, p.name)), info) \
+                if p.exists() else None
+            if e is not None:
+                kept[(s.split, s.index)] = e
+                continue
+            if p.exists():
+                log.warning("extract: %s is corrupt or from other options: redoing it", p)
+                p.unlink()
+                redone += 1
+            todo.append(s)
+    if ec.tp and d.on:
+        todo_keys = _gather(d, [(s.split, s.index) for s in todo])[0]
+        todo = [s for s in mine if (s.split, s.index) in set(map(tuple, todo_keys))]
+    # every rank loads when any rank has work: tp needs them all, and dp ranks meet at the end
+    need_model = any(_gather(d, bool(todo) or not run.extract_head().exists()))
+
+    # -- preflight, load, check
+    t_load = time.time()
+    written: dict = {}
+    seconds = 0.0
+    done_tokens = 0
+    check = None
+    if need_model:
+        kw = {"tp_plan": "auto"} if ec.tp else {}
+        model = target.load_model(cfg.target, device=d.device, **kw)
+        cap = C.Capture(model, info["layer_ids"], d2t, t2d, teacher=ec.teacher, topk=ec.topk,
+                        out_dtype=torch.bfloat16, packing=ec.packing,
+                        batch_tokens=ec.batch_tokens)
+        got = {k: v for k, v in cap.info().items() if k in info}
+        if got != {k: info[k] for k in got}:
+            raise C.CaptureError(f"extract: the loaded target differs from its config: {got}")
+        if ec.self_check and every:
+            first = every[0]
+            check = cap.self_check(tables[first.split].column("input_ids")[first.rows[0]]
+                                   .as_py())
+        head = cap.head  # a collective under tp: every rank
+        if d.rank == 0:
+            store.save_head(run.extract_head(), head, info)
+        log.info("extract: target loaded in %.0fs; layer ids %s (HS[k]) of %d, Ht %d, %s; "
+                 "%d shards to write, %d kept", time.time() - t_load, info["layer_ids"],
+                 info["num_layers"], info["hidden_size"], info["target_dtype"], len(todo),
+                 len(kept))
+        total = sum(s.tokens for s in todo)
+        writer = store.ShardWriter(info) if writer_rank else None
+        bar = tqdm(total=total, desc="extract", unit="tok", unit_scale=True, mininterval=1.0,
+                   disable=d.rank != 0, smoothing=0.1)
+        t0 = time.time()
+        try:
+            for s in todo:
+                _extract_shard(cap, tables[s.split], s, ec, writer, run, bar)
+                done_tokens += s.tokens
+            if writer is not None:
+                written = writer.close()
+        finally:
+            bar.close()
+        seconds = time.time() - t0
+        del model, cap
+
+    # -- the index: every rank's entries, written by rank 0
+    entries = dict(kept)
+    for p, e in written.items():
+        split = p.parent.name
+        entries[(split, int(p.stem.split("_")[1]))] = e
+    mine_stats = {"tokens": done_tokens if writer_rank else 0, "seconds": seconds,
+                  "written": len(written), "kept": len(kept), "redone": redone}
+    gathered = _gather(d, (entries, mine_stats))
+    all_entries: dict = {}
+    for ents, _ in gathered:
+        all_entries.update(ents)
+    head_sha = store.file_sha256(run.extract_head())
+    indexes = {}
+    for split in SPLITS:
+        ents = [all_entries[(split, s.index)] for s in plans[split]]
+        path = run.shard_index(split)
+        if d.rank == 0:
+            indexes[split] = store.write_index(path, info, ents, head_sha)
+        else:
+            indexes[split] = {"num_samples": sum(e["num_samples"] for e in ents),
+                              "num_tokens": sum(e["num_tokens"] for e in ents),
+                              "bytes": sum(e["bytes"] for e in ents), "shards": ents}
+    _barrier(d)
+    stats = {k: sum(g[1][k] for g in gathered) for k in ("tokens", "written", "kept", "redone")}
+    stats["seconds"] = max(g[1]["seconds"] for g in gathered)
+    return _result(info, indexes, stats, d, ec, check)
+
+
+def _extract_shard(cap: C.Capture, table, s: Shard, ec, writer, run: Run, bar) -> None:
+    """Forward the shard's batches, encode on the device, start the copies to the host, and
+    hand the shard to the writer threads."""
+    rows = table.take(s.rows)
+    flat_ids = torch.from_numpy(rows.column("input_ids").combine_chunks().flatten()
+                                .to_numpy().astype("int64"))                      # [T]
+    flat_mask = torch.from_numpy(rows.column("loss_mask").combine_chunks().flatten()
+                                 .to_numpy().astype("int64"))                     # [T]
+    off = [0]
+    for n in s.lengths:
+        off.append(off[-1] + n)
+    parts = []
+    for batch in s.batches:
+        a, b = off[batch[0]], off[batch[-1] + 1]
+        flat = cap.run([flat_ids[off[p]:off[p + 1]] for p in batch])
+        if writer is not None:
+            enc = store.encode(flat, flat_mask[a:b], ec.aux_dtype, cap.draft_vocab_size)
+            parts.append(store.to_host(enc))
+        bar.update(b - a)
+    if writer is not None:
+        writer.submit(run.shard(s.split, s.index), parts, rows.column("id").to_pylist())
+
+
+def _result(info, indexes, stats, d: Dist, ec, check) -> dict:
+    tokens_total = sum(ix["num_tokens"] for ix in indexes.values())
+    bytes_total = sum(ix["bytes"] for ix in indexes.values())
+    ht, n_aux = info["hidden_size"], len(info["layer_ids"])
+    formula = store.bytes_per_token(ht, n_aux, ec.aux_dtype, ec.teacher, ec.topk,
+                                    info["draft_vocab_size"])
+    ref = store.reference_bytes_per_token(ht)
+    bpt = bytes_total / tokens_total if tokens_total else 0.0
+    counts = {"samples": sum(ix["num_samples"] for ix in indexes.values()),
+              "tokens": tokens_total, "bytes": bytes_total,
+              "shards": sum(len(ix["shards"]) for ix in indexes.values()),
+              "shards_written": stats["written"], "shards_kept": stats["kept"],
+              "shards_redone": stats["redone"]}
+    for split, ix in indexes.items():
+        counts[f"{split}_samples"] = ix["num_samples"]
+        counts[f"{split}_tokens"] = ix["num_tokens"]
+    # tokens/s of this invocation's forwards + storage (model load excluded), all ranks together
+    tps = stats["tokens"] / stats["seconds"] if stats["seconds"] > 0 else None
+    out = {"counts": counts, "info": info, "tokens_per_s": round(tps, 1) if tps else None,
+           "bytes_per_token": round(bpt, 2), "formula_bytes_per_token": formula,
+           "reference_bytes_per_token": ref,
+           "ratio_to_reference": round(bpt / ref, 4) if bpt else None,
+           "world_size": d.world, "tp": ec.tp, "self_check": check}
+    if d.rank == 0:
+        log.info("extract: %d samples, %d tokens, %.1f MiB, %.0f bytes/token (%.2fx the "
+                 "reference 8*Ht+16 = %d)%s", counts["samples"], tokens_total,
+                 bytes_total / 2**20, bpt, bpt / ref, ref,
+                 f", {tps:,.0f} tokens/s" if tps else "")
+    return out

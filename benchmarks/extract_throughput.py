@@ -1,0 +1,226 @@
+"""Extraction throughput and storage size, per storage option, against a raw forward.
+
+    python benchmarks/extract_throughput.py                       # SmolLM2-135M on the GPU
+    python benchmarks/extract_throughput.py --model meta-llama/Llama-3.1-8B --tokens 2000000
+    python benchmarks/extract_throughput.py --tiny                # any machine, a minute on CPU
+
+For the same samples, cut into the same padded batches (extract's plan: longest first,
+`--batch-tokens` per forward), it times
+  raw forward     model(input_ids) of the causal LM in the target dtype: the decoder plus
+                  lm_head over the full vocab (what "a forward" costs anyone)
+  decoder only    the decoder without lm_head (a floor no extraction can beat)
+  each option     the extract step's own loop (drafter.steps.extract._extract_shard): hooks,
+                  chunked teacher, encoding on the device, copy to the host, and the background
+                  writer (serialise, sha256, atomic write, fsync) until the last shard is on disk
+and prints tokens/s, the ratio to the raw forward (goal >= 0.8), bytes/token from the files and
+the ratio to the reference layout 8*Ht+16 (goal <= 0.4 for fp8 + top-k), then the same formula at
+the hidden sizes of larger targets.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from drafter import capture as C  # noqa: E402
+from drafter import store, target, tokens  # noqa: E402
+from drafter.config import ExtractConfig, TargetConfig  # noqa: E402
+from drafter.rundir import Run  # noqa: E402
+from drafter.steps import extract  # noqa: E402
+
+OPTIONS = [("bf16", "hidden"), ("bf16", "topk"), ("fp8", "hidden"), ("fp8", "topk")]
+
+
+def tiny_model(out: Path) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=768,
+                      num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    return out
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def make_samples(n_tokens: int, min_len: int, max_len: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out, total = [], 0
+    while total < n_tokens:
+        n = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        out.append(torch.randint(0, vocab, (n,), generator=g))
+        total += n
+    return out
+
+
+def write_tokens(run: Run, samples) -> None:
+    path = run.tokens("train")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = tokens.TokenWriter(path)
+    for i, s in enumerate(samples):
+        w.write(f"bench:{i}", s.tolist(), [1] * len(s))
+    w.close()
+
+
+def time_raw(model, batches, device: str, decoder_only: bool) -> float:
+    """Seconds for the plain forwards of these padded batches (after one warm-up)."""
+    fn = model.get_decoder() if decoder_only else model
+    with torch.no_grad():
+        for i, b in enumerate([batches[0]] + batches):
+            if i == 1:
+                sync(device)
+                t0 = time.perf_counter()
+            out = fn(input_ids=b.to(device), use_cache=False)
+            del out
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random Llama, few tokens (CPU)")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens to extract (default 1M; "
+                    "tiny: 16k)")
+    ap.add_argument("--min-len", type=int, default=None)
+    ap.add_argument("--max-len", type=int, default=None)
+    ap.add_argument("--batch-tokens", type=int, default=None, help="default: extract's 16384")
+    ap.add_argument("--shard-tokens", type=int, default=None, help="default: extract's")
+    ap.add_argument("--topk", type=int, default=64)
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--dtype", default="auto", help="auto = bf16 on GPU, fp32 on CPU")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--options", default="all", help="comma list like fp8/topk,bf16/hidden")
+    ap.add_argument("--out", default=None, help="folder for the shards (default: a temp dir "
+                    "on the same disk as /tmp; use the run dir's disk to measure it)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    a = ap.parse_args()
+
+    ex = ExtractConfig()
+    n_tokens = a.tokens or (16384 if a.tiny else 1_000_000)
+    min_len = a.min_len or (64 if a.tiny else 256)
+    max_len = a.max_len or (512 if a.tiny else 2048)
+    batch_tokens = a.batch_tokens or (2048 if a.tiny else ex.batch_tokens)
+    shard_tokens = a.shard_tokens or (4096 if a.tiny else ex.shard_tokens)
+    options = OPTIONS if a.options == "all" else \
+        [tuple(o.split("/")) for o in a.options.split(",")]
+
+    work = Path(a.out or tempfile.mkdtemp(prefix="drafter-bench-"))
+    model_spec = str(tiny_model(work / "tiny-llama")) if a.tiny else a.model
+    tcfg = TargetConfig(model=model_spec, dtype=a.dtype, device=a.device)
+    device = target.pick_device(tcfg)
+    t0 = time.time()
+    model = target.load_model(tcfg, device=device)
+    load_s = time.time() - t0
+    conf = model.config
+    V, Ht, N = target.vocab_size(conf), target.hidden_size(conf), target.num_layers(conf)
+    vd = min(a.draft_vocab, V)
+    g = torch.Generator().manual_seed(1)
+    draft = torch.randperm(V, generator=g)[:vd].sort().values
+    d2t, t2d = draft - torch.arange(vd), torch.zeros(V, dtype=torch.bool)
+    t2d[draft] = True
+
+    samples = make_samples(n_tokens, min_len, max_len, V)
+    total = sum(len(s) for s in samples)
+    # the extract step's plan: shards longest first, padded forwards of <= batch_tokens
+    plans = extract.plan_shards("train", [len(s) for s in samples], shard_tokens, batch_tokens,
+                                packed=False)
+    order = [i for p in plans for i in p.rows]
+    padded = []
+    for p in plans:
+        for b in p.batches:
+            rows = [samples[p.rows[j]] for j in b]
+            x = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+            for k, r in enumerate(rows):
+                x[k, :len(r)] = r
+            padded.append(x)
+    padded_tokens = sum(x.numel() for x in padded)
+    print(f"model {model_spec}: N={N} Ht={Ht} V={V} {str(model.dtype).replace('torch.', '')} "
+          f"on {device} (loaded in {load_s:.0f}s); {len(samples)} samples, {total:,} tokens "
+          f"({padded_tokens / total - 1:.1%} padding), {len(padded)} forwards of <= "
+          f"{batch_tokens} tokens, {len(plans)} shards; Vd={vd} k={a.topk}", flush=True)
+
+    rows = []
+    raw_s = time_raw(model, padded, device, decoder_only=False)
+    rows.append(("raw forward (logits)", total / raw_s, None, None, None))
+    dec_s = time_raw(model, padded, device, decoder_only=True)
+    rows.append(("decoder only", total / dec_s, None, None, None))
+
+    run = Run(work / "run")
+    write_tokens(run, [samples[i] for i in range(len(samples))])
+    table = extract._read_table(run.tokens("train"))
+    results = {"model": model_spec, "device": device, "dtype": str(model.dtype), "Ht": Ht, "N": N,
+               "V": V, "Vd": vd, "topk": a.topk, "tokens": total, "batch_tokens": batch_tokens,
+               "shard_tokens": shard_tokens, "raw_tokens_per_s": total / raw_s,
+               "decoder_tokens_per_s": total / dec_s, "options": {}}
+    for aux_dtype, teacher in options:
+        ecfg = ExtractConfig(aux_dtype=aux_dtype, teacher=teacher, topk=a.topk,
+                             batch_tokens=batch_tokens, shard_tokens=shard_tokens)
+        cap = C.Capture(model, None, d2t, t2d, teacher=teacher, topk=a.topk,
+                        batch_tokens=batch_tokens)
+        info = {"bench": True, "aux_dtype": aux_dtype, "teacher": teacher}
+        for old in run.shards("train").glob("shard_*"):
+            old.unlink()
+        run.shards("train").mkdir(parents=True, exist_ok=True)
+        # warm-up forward outside the clock (kernels, allocator)
+        cap.run([samples[order[0]]])
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        writer = store.ShardWriter(info)
+
+        class Bar:
+            def update(self, n):
+                pass
+
+        sync(device)
+        t0 = time.perf_counter()
+        for p in plans:
+            extract._extract_shard(cap, table, p, ecfg, writer, run, Bar())
+        entries = writer.close()
+        secs = time.perf_counter() - t0
+        nbytes = sum(e["bytes"] for e in entries.values())
+        bpt = nbytes / total
+        formula = store.bytes_per_token(Ht, len(cap.layer_ids), aux_dtype, teacher, a.topk, vd)
+        ref = store.reference_bytes_per_token(Ht)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+        rows.append((f"{aux_dtype} + {teacher}", total / secs, bpt, bpt / ref, peak))
+        results["options"][f"{aux_dtype}/{teacher}"] = {
+            "tokens_per_s": total / secs, "vs_raw": raw_s / secs, "bytes_per_token": bpt,
+            "formula_bytes_per_token": formula, "vs_reference": bpt / ref,
+            "bytes": nbytes, "peak_gib": peak}
+        print(f"  {aux_dtype}+{teacher}: {total / secs:,.0f} tok/s, {bpt:.0f} B/tok", flush=True)
+
+    ref = store.reference_bytes_per_token(Ht)
+    print(f"\n| mode | tokens/s | vs raw forward | bytes/token | vs 8*Ht+16 = {ref} | peak GiB |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, tps, bpt, rr, peak in rows:
+        print(f"| {name} | {tps:,.0f} | {tps * raw_s / total:.2f} | "
+              f"{'' if bpt is None else f'{bpt:,.0f}'} | {'' if rr is None else f'{rr:.3f}'} | "
+              f"{'' if peak is None else f'{peak:.1f}'} |")
+    print(f"\nbytes/token by formula (store.bytes_per_token, k={a.topk}, Vd={vd}) / (8*Ht+16):")
+    sizes = sorted({Ht, 576, 4096, 7168})
+    print("| option | " + " | ".join(f"Ht={h}" for h in sizes) + " |")
+    print("|---|" + "---:|" * len(sizes))
+    for aux_dtype, teacher in OPTIONS:
+        cells = [f"{store.bytes_per_token(h, 3, aux_dtype, teacher, a.topk, vd):,} "
+                 f"({store.bytes_per_token(h, 3, aux_dtype, teacher, a.topk, vd) / (8 * h + 16):.3f})"
+                 for h in sizes]
+        print(f"| {aux_dtype} + {teacher} | " + " | ".join(cells) + " |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
