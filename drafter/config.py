@@ -233,6 +233,9 @@ class EvaluateConfig:
     seed: int = doc(0, "sampling seed")
     batch_size: int = doc(1, "prompts decoded together")
     cuda_graphs: bool = doc(True, "capture decode steps in CUDA graphs on GPU")
+    tie_tolerance: float | None = doc(
+        None, "lossless check: a greedy divergence where the plain run's top-2 logits differ by "
+        "at most this is a numerical tie, not a failure; default 0 in float32, 0.5 in 16-bit")
 
 
 # ----------------------------------------------------------------------------------------------- plan

@@ -22,8 +22,8 @@ CUDA graph (one graph per (batch, span bucket)), which is what makes small-model
 One speculative step (greedy or sampling; the chain is the tree with k = 1):
   1. draft: from the drafter's distribution after the last committed token (`root`), EAGLE-2's
      dynamic tree: the root's top-k children; at each depth the k best frontier nodes (cumulative
-     log-prob) are scored by the drafter in one forward, each proposing k children; the N best of all
-     candidates form the tree (ancestor-closed since log-probs only fall along a path).
+     log-prob) are scored by the drafter in one forward, each proposing k children; the N best of
+     all candidates form the tree (ancestor-closed since log-probs only fall along a path).
   2. verify: one target forward over [pending token, N nodes] with the tree's ancestor mask.
      Greedy: a node is accepted when its parent is and it equals the target's argmax at its parent.
      Sampling: recursive rejection sampling (each child in turn accepted with min(1, p/q), else
@@ -204,7 +204,8 @@ class StaticTarget:
 # ------------------------------------------------------------------------------ drafting a tree
 @dataclass(frozen=True)
 class TreeSpec:
-    """Drafting shape: depth D, children per node k, nodes verified per step N. Chain K = (K, 1, K)."""
+    """Drafting shape: depth D, children per node k, nodes verified per step N.
+    A chain of K is (K, 1, K)."""
     depth: int
     topk: int
     tokens: int
@@ -764,8 +765,9 @@ class Decoder:
             c1 = min(Tp, c0 + chunk)
             slots = torch.arange(c0, c1, device=dev).expand(B, -1)                   # [B, C]
             pos = (slots - start[:, None]).clamp(min=0)
-            vis = ((s[None, None, :c1] >= start[:, None, None]) & (s[None, None, :c1] <= slots[..., None])) \
-                | (s[None, None, :c1] == slots[..., None])    # pad queries see their own slot
+            sk = s[None, None, :c1]
+            vis = ((sk >= start[:, None, None]) & (sk <= slots[..., None])) \
+                | (sk == slots[..., None])                    # pad queries see their own slot
             logits, aux = tgt.forward(ids[:, c0:c1], pos, slots, vis, start, logits_to_keep=1)
             if proposer is not None:
                 e = min(c1, Tp - 1) - c0  # the last prompt position waits for the first new token
@@ -907,7 +909,7 @@ def _time_ms(fn, graphs: bool, repeats: int | None) -> float:
         t1.record()
         torch.cuda.synchronize()
         return t0.elapsed_time(t1) / repeats
-    repeats = repeats or (50 if torch.cuda.is_available() else 3)
+    repeats = repeats or (50 if torch.cuda.is_available() else 1)
     fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -1,5 +1,534 @@
-"""The evaluate step (see ../shared/docs/DESIGN.md). Not implemented yet."""
+"""The evaluate step: speculative decoding against the real target, with the acceptance length τ
+measured the way engines measure it, losslessness verified, and the speedup over plain decoding.
+
+Reads   the drafter (evaluate.drafter: `export` = this run's export/native/, or a checkpoint,
+        train, native or speculators dir), an optional baseline drafter, the prompt sets
+        (evaluate.datasets: MT-bench with both turns, HumanEval, GSM8K, any prompt file)
+Writes  evaluate/metrics.json, evaluate/report.md, evaluate/acceptance.png, evaluate/tau.png
+Command drafter evaluate CONFIG            (`drafter report RUN_DIR` prints the report)
+
+For each temperature, the target first decodes every prompt plainly (static cache, the same
+batches): the reference for the lossless check, the baseline for tokens/s, and the source of
+MT-bench's second turn (the model's own first answer goes back into the conversation). Then each
+drafter x method (chain K, tree depth/topk/tokens) decodes the same prompts speculatively.
+
+τ = tokens per target forward after the prefill, the bonus token counted (plain decoding: 1.0) =
+1 + accepted / verification steps, over the raw accepted counts (as vLLM and SGLang count them).
+Per-position acceptance i = 1..D: unconditional P[a >= i] and conditional P[a >= i | a >= i-1]
+over steps, a = accepted draft tokens of a step. c = one drafter forward (one drafting depth) /
+one verification forward, timed on their own (graph-replayed on GPU).
+
+Lossless check (temperature 0): each speculative output must equal the plain one token for token.
+In float32 (CPU) any difference fails the step. In 16-bit the verification forward (N+1 tokens)
+and the plain one (1 token) round differently, so a near-tie can flip the argmax: a divergence
+where the speculative token is the plain run's runner-up and the top-2 logits differ by at most
+`evaluate.tie_tolerance` is counted as a tie and reported, not failed. Anything else fails.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from .. import DrafterError
+from ..rundir import MissingInput, Run, atomic_json, atomic_write, read_json
+
+log = logging.getLogger("drafter")
 
 
+class EvaluateError(DrafterError):
+    pass
+
+
+# ------------------------------------------------------------------------------------ the inputs
+def _load_drafter(spec: str, what: str, run: Run, cfg, device, dtype):
+    """-> (Drafter, resolved path)."""
+    from ..engines import load_drafter_dir, target_info
+
+    if spec == "export":
+        path = run.require(run.export("native"), "export")
+    else:
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise EvaluateError(f"evaluate.{what}: {path} not found (expected `export`, a "
+                                f"checkpoint dir, a train dir, or a native/speculators dir)")
+    ckpts = sorted(p for p in path.glob("step_[0-9]*") if (p / "COMPLETE").exists())
+    if ckpts and not any((path / f).exists() for f in ("config.json", "drafter_config.json")):
+        path = ckpts[-1]  # a train dir: its latest complete checkpoint
+    try:
+        model = load_drafter_dir(path, device=device, dtype=dtype,
+                                 target=target_info(cfg.target.model, cfg.target))
+    except DrafterError:
+        raise
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        raise EvaluateError(f"evaluate.{what}: cannot load a drafter from {path}: {e}") from None
+    return model, path
+
+
+def _check_drafter(dr, model, what: str, path) -> None:
+    from ..target import hidden_size, num_layers, vocab_size
+
+    c, tc = dr.cfg, model.config
+    problems = []
+    if c.vocab_size != vocab_size(tc):
+        problems.append(f"vocab_size {c.vocab_size} != the target's {vocab_size(tc)}")
+    if c.target_hidden_size != hidden_size(tc):
+        problems.append(f"target_hidden_size {c.target_hidden_size} != the target's "
+                        f"{hidden_size(tc)}")
+    n = num_layers(tc)
+    if any(not 0 <= k <= n for k in c.aux_layer_ids):
+        problems.append(f"aux layer ids {c.aux_layer_ids} outside 0..{n}")
+    if problems:
+        raise EvaluateError(f"evaluate.{what} ({path}) was not trained for this target "
+                            f"({tc.name_or_path}): " + "; ".join(problems))
+
+
+def _datasets(ev) -> list[tuple[str, str, list[dict]]]:
+    """[(name, path, records)]: records hold only system/user turns (drafter.sources)."""
+    from ..sources import load_prompts
+
+    out, seen = [], set()
+    for i, ds in enumerate(ev.datasets):
+        if not ds.path:
+            raise EvaluateError(f"evaluate.datasets[{i}].path is empty")
+        name = ds.name or Path(ds.path.split(":", 1)[-1]).name.split(".")[0]
+        if name in seen or name == "overall":
+            raise EvaluateError(f"evaluate.datasets[{i}].name '{name}' is used twice (or is "
+                                f"reserved): give each dataset its own name")
+        seen.add(name)
+        recs = load_prompts(ds.path, ds.max_prompts)
+        out.append((name, ds.path, recs))
+    if not out:
+        raise EvaluateError("evaluate.datasets is empty")
+    return out
+
+
+def _methods(ev):
+    from ..decode import TreeSpec
+
+    out = []
+    for m in ev.methods:
+        if m == "chain":
+            out.append(("chain", TreeSpec.chain(ev.k)))
+        elif m == "tree":
+            out.append(("tree", TreeSpec(ev.tree_depth, ev.tree_topk, ev.tree_tokens)))
+        else:
+            raise EvaluateError(f"evaluate.methods: unknown method '{m}' (chain or tree)")
+    if not out:
+        raise EvaluateError("evaluate.methods is empty (chain and/or tree)")
+    return out
+
+
+# ----------------------------------------------------------------------------------- decoding
+class _Prompts:
+    """Token ids of each turn of each record; MT-bench's later turns are built from the plain
+    run's own answers (the conversation continues as the target wrote it)."""
+
+    def __init__(self, tok, records, max_len: int, max_new: int):
+        self.tok, self.records, self.max_len, self.max_new = tok, records, max_len, max_new
+        self.rounds: list[list[tuple[int, list[int]]]] = []   # round -> [(record, ids)]
+        self.truncated = 0
+
+    def n_turns(self, rec) -> int:
+        return sum(m["role"] == "user" for m in rec["messages"])
+
+    def build(self, r: int, answers: dict[int, list[str]]) -> list[tuple[int, list[int]]]:
+        out = []
+        for i, rec in enumerate(self.records):
+            if self.n_turns(rec) <= r:
+                continue
+            msgs, users = [], 0
+            for m in rec["messages"]:
+                if m["role"] == "user":
+                    if users == r + 1:
+                        break
+                    if users > 0:
+                        msgs.append({"role": "assistant", "content": answers[i][users - 1]})
+                    users += 1
+                msgs.append({"role": m["role"], "content": m["content"]})
+            text = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            if len(ids) + self.max_new > self.max_len:  # keep the end: the question and header
+                ids = ids[-(self.max_len - self.max_new):]
+                self.truncated += 1
+            out.append((i, ids))
+        return out
+
+
+def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tree=None):
+    """Decode every round (building later rounds from these answers when `rounds` is None).
+    Returns ([(record, round, Output)], seconds, iterations)."""
+    outs, seconds, iters = [], 0.0, 0
+    answers: dict[int, list[str]] = {}
+    r = 0
+    while True:
+        batch = rounds[r] if rounds is not None else prompts.build(r, answers)
+        if not batch:
+            break
+        if rounds is None:
+            prompts.rounds.append(batch)
+        res = dec.generate([ids for _, ids in batch], max_new, stop_ids=stop, temperature=T,
+                           proposer=proposer, tree=tree, record_gaps=proposer is None and T == 0)
+        seconds += dec.last["seconds"]
+        iters += dec.last["iterations"]
+        for (i, _), o in zip(batch, res):
+            outs.append((i, r, o))
+            text = prompts.tok.decode(o.tokens, skip_special_tokens=True)
+            answers.setdefault(i, []).append(text)
+        r += 1
+        if rounds is not None and r >= len(rounds):
+            break
+    return outs, seconds, iters
+
+
+def compare(plain, spec, tol: float) -> tuple[str, dict | None]:
+    """Lossless verdict for one prompt: identical, tie (see the module doc) or mismatch."""
+    a, b = plain.tokens, spec.tokens
+    if a == b:
+        return "identical", None
+    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    info = {"index": i, "plain": a[i] if i < len(a) else None,
+            "speculative": b[i] if i < len(b) else None,
+            "gap": plain.gaps[i] if plain.gaps and i < len(plain.gaps) else None}
+    if (i < len(a) and i < len(b) and plain.second and plain.second[i] == b[i]
+            and info["gap"] is not None and info["gap"] <= tol):
+        return "tie", info
+    return "mismatch", info
+
+
+# -------------------------------------------------------------------------------------- metrics
+def _speed(new: int, seconds: float, iterations: int) -> dict:
+    return {"new_tokens": new, "seconds": round(seconds, 4), "iterations": iterations,
+            "tokens_per_s": round(new / seconds, 2) if seconds > 0 else None,
+            "step_ms": _r(1000 * seconds / iterations) if iterations else None}
+
+
+def _accept(hist: list[int], tree) -> dict:
+    from ..decode import acceptance_stats
+
+    st = acceptance_stats(hist)
+    drafted = st["steps"] * tree.nodes
+    return {"tau": st["tau"], "steps": st["steps"], "drafted": drafted, "accepted": st["accepted"],
+            "accept_rate": st["accepted"] / drafted if drafted else None,
+            "acceptance": st["acceptance"],
+            "acceptance_conditional": st["acceptance_conditional"], "accept_hist": hist}
+
+
+def _summary(outs, seconds, iterations, tree=None, plain_outs=None, tol=0.0) -> dict:
+    m = {"prompts": len(outs), "records": len({i for i, _, _ in outs}),
+         **_speed(sum(len(o.tokens) for _, _, o in outs), seconds, iterations)}
+    if tree is not None:
+        m.update(_accept([sum(o.hist[a] for _, _, o in outs) for a in range(tree.depth + 1)],
+                         tree))
+    if plain_outs is not None:
+        verdicts = {"identical": 0, "tie": 0, "mismatch": 0}
+        details = []
+        ref = {(i, r): o for i, r, o in plain_outs}
+        for i, r, o in outs:
+            v, info = compare(ref[(i, r)], o, tol)
+            verdicts[v] += 1
+            if info is not None:
+                details.append({"record": i, "turn": r + 1, "verdict": v, **info})
+        m["lossless"] = {"compared": len(outs), **verdicts,
+                         "max_tie_gap": max((d["gap"] for d in details if d["verdict"] == "tie"),
+                                            default=None),
+                         "divergences": details[:20]}
+    return m
+
+
+def _with_speed(m: dict, plain: dict) -> dict:
+    m["plain_tokens_per_s"] = plain.get("tokens_per_s")
+    m["plain_step_ms"] = plain.get("step_ms")
+    if m.get("tokens_per_s") and plain.get("tokens_per_s"):
+        m["speedup"] = round(m["tokens_per_s"] / plain["tokens_per_s"], 3)
+    return m
+
+
+def _r(x, n=3):
+    return None if x is None else round(x, n)
+
+
+# ------------------------------------------------------------------------------------- the step
 def main(cfg) -> dict:
-    raise NotImplementedError("drafter evaluate: not implemented yet")
+    import torch
+
+    from ..decode import Decoder, EagleDraft, stop_ids_of
+    from ..target import load_model, load_tokenizer, pick_device, pick_dtype, text_config
+
+    ev, run = cfg.evaluate, Run.of(cfg)
+    if 0.0 not in [float(t) for t in ev.temperatures]:
+        raise EvaluateError("evaluate.temperatures must include 0 (the lossless check runs at "
+                            "temperature 0)")
+    if ev.max_new_tokens < 1 or ev.batch_size < 1:
+        raise EvaluateError("evaluate.max_new_tokens and evaluate.batch_size must be >= 1")
+    methods = _methods(ev)
+    device = pick_device(cfg.target)
+    dtype = pick_dtype(cfg.target, device)
+    tol = ev.tie_tolerance if ev.tie_tolerance is not None else \
+        (0.0 if dtype == torch.float32 else 0.5)
+    drafters = [("drafter", *_load_drafter(ev.drafter, "drafter", run, cfg, device, dtype))]
+    if ev.baseline:
+        drafters.append(("baseline", *_load_drafter(ev.baseline, "baseline", run, cfg, device,
+                                                     dtype)))
+    datasets = _datasets(ev)
+    log.info("evaluate: loading the target %s (%s, %s)", cfg.target.model, device, dtype)
+    model = load_model(cfg.target, device, dtype)
+    tok = load_tokenizer(cfg.target)
+    for what, dr, path in drafters:
+        _check_drafter(dr, model, what, path)
+    stop = stop_ids_of(tok, model)
+    max_len = int(getattr(text_config(model.config), "max_position_embeddings", 0) or 1 << 20)
+    dec = Decoder(model, max_batch=ev.batch_size, cuda_graphs=ev.cuda_graphs)
+    proposers = [(what, EagleDraft(dr), path) for what, dr, path in drafters]
+
+    runs, plain_all, ds_info, timings = [], {}, {}, {}
+    for T in [float(t) for t in ev.temperatures]:
+        torch.manual_seed(ev.seed)
+        plain, prompts = {}, {}
+        for name, path, recs in datasets:
+            prompts[name] = _Prompts(tok, recs, max_len, ev.max_new_tokens)
+            outs, secs, it = _decode(dec, prompts[name], None, ev.max_new_tokens, stop, T)
+            plain[name] = (outs, _summary(outs, secs, it))
+            ds_info[name] = {"path": path, "records": len(recs),
+                             "prompts": sum(len(r) for r in prompts[name].rounds),
+                             "truncated_prompts": prompts[name].truncated}
+            log.info("evaluate: plain T=%g %s: %d prompts, %.1f tokens/s", T, name, len(outs),
+                     plain[name][1]["tokens_per_s"] or 0)
+        ps = {n: s for n, (_, s) in plain.items()}
+        ps["overall"] = _overall(ps, None)
+        plain_all[str(T)] = ps
+        for what, prop, path in proposers:
+            for method, tree in methods:
+                key = (what, tree)
+                if key not in timings:
+                    t = dec.time_forwards(prop, tree, batch=min(ev.batch_size, 8))
+                    timings[key] = {k: _r(v) for k, v in t.items()}
+                    timings[key]["c"] = _r(t["draft_ms"] / t["verify_ms"], 4)
+                timing = timings[key]
+                per = {}
+                for name, _, _ in datasets:
+                    torch.manual_seed(ev.seed)
+                    outs, secs, it = _decode(dec, prompts[name], prompts[name].rounds,
+                                             ev.max_new_tokens, stop, T, prop, tree)
+                    m = _summary(outs, secs, it, tree, plain[name][0] if T == 0 else None, tol)
+                    per[name] = _with_speed(m, ps[name])
+                    log.info("evaluate: %s %s T=%g %s: tau %.3f, %.1f tokens/s (plain %.1f)",
+                             what, tree.label(), T, name, m["tau"] or 0, m["tokens_per_s"] or 0,
+                             plain[name][1]["tokens_per_s"] or 0)
+                per["overall"] = _with_speed(_overall(per, tree), ps["overall"])
+                runs.append({"name": f"{what}: {tree.label()}, T={T:g}", "drafter": what,
+                             "path": str(path), "method": method, "temperature": T,
+                             **_tree_settings(tree), "timing": timing, "datasets": per})
+
+    primary = runs[0]
+    settings = {
+        "target": cfg.target.model, "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "drafter": str(drafters[0][2]),
+        "baseline": str(drafters[1][2]) if len(drafters) > 1 else None,
+        "methods": [t.label() for _, t in methods],
+        "temperatures": [float(t) for t in ev.temperatures],
+        "max_new_tokens": ev.max_new_tokens, "batch_size": ev.batch_size,
+        "cuda_graphs": bool(ev.cuda_graphs and dec.graphs.enabled),
+        "tie_tolerance": tol, "seed": ev.seed,
+        "primary": {k: primary[k] for k in ("name", "drafter", "method", "temperature",
+                                            "depth", "topk", "tokens", "k")
+                    if k in primary},
+        "datasets": ds_info,
+    }
+    metrics = finish(run, settings, runs, plain_all)
+    return {"counts": {"prompts": sum(d["prompts"] for d in ds_info.values()), "runs": len(runs),
+                       "new_tokens": primary["datasets"]["overall"]["new_tokens"],
+                       "mismatches": metrics["mismatches"], "ties": metrics["ties"]},
+            "tau": {n: _r(d.get("tau"), 4) for n, d in primary["datasets"].items()},
+            "lossless": metrics["lossless"]}
+
+
+def finish(run: Run, settings: dict, runs: list[dict], plain: dict) -> dict:
+    """Write metrics.json, the plots and report.md; then fail (EvaluateError) if any greedy
+    speculative output differs from the plain one beyond a numerical tie."""
+    lossless_runs = [r for r in runs if r["temperature"] == 0]
+    verdicts = [(r, n, d) for r in lossless_runs for n, d in r["datasets"].items()
+                if n != "overall"]
+    mismatches = sum(d["lossless"]["mismatch"] for _, _, d in verdicts)
+    ties = sum(d["lossless"]["tie"] for _, _, d in verdicts)
+    metrics = {"lossless": mismatches == 0, "settings": settings,
+               "datasets": runs[0]["datasets"], "plain": plain, "runs": runs,
+               "ties": ties, "mismatches": mismatches}
+    atomic_json(run.eval_metrics(), metrics)
+    _plots(run, runs)
+    atomic_write(run.eval_report(), render_report(metrics))
+    log.info("evaluate: wrote %s", run.eval_report())
+    if mismatches:
+        first = next((dict(run=r["name"], dataset=n, **x) for r, n, d in verdicts
+                      for x in d["lossless"]["divergences"] if x["verdict"] == "mismatch"), {})
+        raise EvaluateError(
+            f"evaluate: speculative decoding is NOT lossless: {mismatches} prompt(s) differ from "
+            f"plain greedy decoding of the target (first: {first}); see {run.eval_report()}")
+    return metrics
+
+
+def _tree_settings(tree) -> dict:
+    if tree.is_chain:
+        return {"k": tree.depth}
+    return {"depth": tree.depth, "topk": tree.topk, "tokens": tree.nodes}
+
+
+def _overall(per: dict, tree) -> dict:
+    """Sums over datasets (τ from summed counts, not an average of τs)."""
+    items = [d for n, d in per.items() if n != "overall"]
+    m = {"prompts": sum(d["prompts"] for d in items),
+         **_speed(sum(d["new_tokens"] for d in items), sum(d["seconds"] for d in items),
+                  sum(d["iterations"] for d in items))}
+    if tree is not None:
+        m.update(_accept([sum(d["accept_hist"][a] for d in items) for a in range(tree.depth + 1)],
+                         tree))
+        if all("lossless" in d for d in items):
+            m["lossless"] = {k: sum(d["lossless"][k] for d in items)
+                             for k in ("compared", "identical", "tie", "mismatch")}
+    return m
+
+
+# -------------------------------------------------------------------------------- report, plots
+def _fmt(x, n=2):
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{n}f}"
+    return str(x)
+
+
+def render_report(m: dict) -> str:
+    s, runs = m["settings"], m["runs"]
+    names = [n for n in runs[0]["datasets"] if n != "overall"] + ["overall"]
+    L = ["# Evaluation report", ""]
+    L.append(f"- target: `{s['target']}` ({s['device']}, {s['dtype']}, CUDA graphs: "
+             f"{'on' if s['cuda_graphs'] else 'off'})")
+    L.append(f"- drafter: `{s['drafter']}`" + (f"; baseline: `{s['baseline']}`"
+                                               if s["baseline"] else ""))
+    L.append(f"- {s['max_new_tokens']} new tokens per prompt, batch {s['batch_size']}, "
+             f"temperatures {s['temperatures']}, seed {s['seed']}")
+    L.append("- datasets: " + ", ".join(f"{n} ({d['prompts']} prompts from {d['records']} "
+                                         f"records of `{d['path']}`)"
+                                         for n, d in s["datasets"].items()))
+    L.append("")
+    tie = f"; {m['ties']} numerical ties (top-2 logit gap <= {s['tie_tolerance']})" \
+        if m["ties"] else ""
+    if m["lossless"]:
+        L.append(f"**Lossless: PASS.** At temperature 0 every speculative output is "
+                 f"token-identical to plain greedy decoding of the target{tie}.")
+    else:
+        L.append(f"**Lossless: FAIL.** {m['mismatches']} speculative output(s) differ from plain "
+                 f"greedy decoding of the target{tie}. See the divergences in metrics.json.")
+    L += ["", "## Acceptance length τ", "",
+          "Tokens per target forward after the prefill, the bonus token counted (plain decoding "
+          "= 1.0).", "",
+          "| run | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for r in runs:
+        L.append(f"| {r['name']} | " + " | ".join(_fmt(r["datasets"][n].get("tau"))
+                                                  for n in names) + " |")
+    L += ["", "## Speed", "",
+          "Wall-clock tokens/s on this machine, plain decoding of the same prompts in the same "
+          "batches as the reference. c = one drafter forward / one verification forward.", "",
+          "| run | dataset | prompts | τ | tokens/s | plain tokens/s | speedup | step ms | "
+          "plain step ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        for n in names:
+            d = r["datasets"][n]
+            L.append(f"| {r['name']} | {n} | {d['prompts']} | {_fmt(d.get('tau'))} | "
+                     f"{_fmt(d.get('tokens_per_s'), 1)} | {_fmt(d.get('plain_tokens_per_s'), 1)} | "
+                     f"{_fmt(d.get('speedup'))}x | {_fmt(d.get('step_ms'))} | "
+                     f"{_fmt(d.get('plain_step_ms'))} |")
+    L += ["", "| run | target forward ms (1 token) | verify forward ms | drafter forward ms | c |",
+          "|---|---|---|---|---|"]
+    for r in runs:
+        t = r["timing"]
+        L.append(f"| {r['name']} | {_fmt(t['target_ms'])} | {_fmt(t['verify_ms'])} | "
+                 f"{_fmt(t['draft_ms'])} | {_fmt(t['c'], 3)} |")
+    L += ["", "## Per-position acceptance", "",
+          "Unconditional: share of steps whose draft position i was accepted. Conditional: the "
+          "same among steps whose positions 1..i-1 were all accepted.", ""]
+    for r in runs:
+        D = len(r["datasets"]["overall"]["acceptance"])
+        L += [f"**{r['name']}**", "", "| dataset | " + " | ".join(str(i) for i in range(1, D + 1))
+              + " |", "|---|" + "---|" * D]
+        for n in names:
+            d = r["datasets"][n]
+            L.append(f"| {n} | " + " | ".join(_fmt(x) for x in d["acceptance"]) + " |")
+            L.append(f"| {n} (cond.) | " + " | ".join(_fmt(x) for x in d["acceptance_conditional"])
+                     + " |")
+        L.append("")
+    L += ["## Counts", "", "| run | dataset | steps | drafted | accepted | accept rate | "
+          "new tokens | lossless (identical / ties / mismatches) |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        for n in names:
+            d = r["datasets"][n]
+            ll = d.get("lossless")
+            ll = f"{ll['identical']} / {ll['tie']} / {ll['mismatch']}" if ll \
+                else "not checked (T>0)"
+            L.append(f"| {r['name']} | {n} | {d['steps']} | {d['drafted']} | {d['accepted']} | "
+                     f"{_fmt(d['accept_rate'], 3)} | {d['new_tokens']} | {ll} |")
+    L += ["", "![per-position acceptance](acceptance.png)", "", "![tau per dataset](tau.png)", ""]
+    return "\n".join(L)
+
+
+def _plots(run: Run, runs: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..rundir import atomic_open
+
+    names = [n for n in runs[0]["datasets"] if n != "overall"] + ["overall"]
+    cols = min(3, len(runs))
+    rows = math.ceil(len(runs) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    for ax, r in zip(axes.flat, runs):
+        for j, n in enumerate(names):
+            d = r["datasets"][n]
+            x = list(range(1, len(d["acceptance"]) + 1))
+            ax.plot(x, [v if v is not None else math.nan for v in d["acceptance"]], "-o",
+                    color=f"C{j}", label=f"{n}", ms=3)
+            ax.plot(x, [v if v is not None else math.nan for v in d["acceptance_conditional"]],
+                    "--", color=f"C{j}", alpha=0.6)
+        ax.set_title(r["name"], fontsize=9)
+        ax.set_xlabel("draft position (solid: unconditional, dashed: conditional)", fontsize=8)
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(runs):]:
+        ax.axis("off")
+    fig.tight_layout()
+    with atomic_open(run.eval_plot("acceptance"), "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(names) * max(1, len(runs)) / 2), 3.6))
+    w = 0.8 / len(runs)
+    for j, r in enumerate(runs):
+        ax.bar([i + j * w for i in range(len(names))],
+               [r["datasets"][n].get("tau") or 0 for n in names], w, label=r["name"])
+    ax.set_xticks([i + w * (len(runs) - 1) / 2 for i in range(len(names))], names)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_ylabel("τ (tokens per target forward)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_open(run.eval_plot("tau"), "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
+
+
+def report(run_dir) -> int:
+    """`drafter report RUN_DIR`: print the evaluation report."""
+    run = Run(run_dir)
+    p = run.eval_report()
+    if not p.exists():
+        raise MissingInput(f"{p} not found: run `drafter evaluate CONFIG` first "
+                           f"(or `drafter run CONFIG`)")
+    print(p.read_text(), end="")
+    m = run.eval_metrics()
+    if m.exists() and not read_json(m).get("lossless", True):
+        return 1
+    return 0
+

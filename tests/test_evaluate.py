@@ -1,0 +1,192 @@
+"""The evaluate step end to end on SmolLM2 (metrics.json, report.md, plots, `drafter report`), the
+lossless verdicts, MT-bench's second turn, and the errors a user can act on. CPU, float32."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafter import config as C
+from drafter.decode import Output
+from drafter.model import Drafter, DrafterConfig, save_drafter
+from drafter.rundir import Run
+from drafter.steps import evaluate as E
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: decoding is many small ops (see tests/test_decode.py)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _drafter_dir(smollm2_dir, out: Path, seed: int) -> Path:
+    from transformers import AutoConfig
+
+    tc = AutoConfig.from_pretrained(smollm2_dir)
+    torch.manual_seed(seed)
+    dr = Drafter(DrafterConfig.from_target(tc, 1024, [2, 15, 27], intermediate_size=256))
+    out.mkdir(parents=True)
+    save_drafter(dr, out)
+    return out
+
+
+def _out(tokens, gaps=None, second=None):
+    return Output(tokens, "length", len(tokens) - 1, None, gaps, second)
+
+
+def test_lossless_verdicts():
+    plain = _out([5, 6, 7, 8], gaps=[3.0, 0.01, 2.0, 1.0], second=[9, 4, 9, 9])
+    assert E.compare(plain, _out([5, 6, 7, 8]), 0.0) == ("identical", None)
+    v, info = E.compare(plain, _out([5, 4, 1, 1]), 0.05)   # the runner-up, 0.01 apart: a tie
+    assert v == "tie" and info["index"] == 1 and info["gap"] == 0.01
+    assert E.compare(plain, _out([5, 4, 1, 1]), 0.0)[0] == "mismatch"   # float32: no tolerance
+    assert E.compare(plain, _out([5, 3, 1, 1]), 1.0)[0] == "mismatch"   # not the runner-up
+    v, info = E.compare(plain, _out([5, 6, 7, 8, 2]), 1.0)               # longer
+    assert v == "mismatch" and info["index"] == 4
+
+
+def test_second_mt_bench_turn_carries_the_model_answer(smollm2_dir, shared_data):
+    from drafter.sources import load_prompts
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    recs = load_prompts(str(shared_data / "eval" / "mt_bench_questions.jsonl"), 2)
+    p = E._Prompts(tok, recs, 8192, 16)
+    first = p.build(0, {})
+    assert [i for i, _ in first] == [0, 1]
+    answers = {0: ["ANSWER-ZERO"], 1: ["ANSWER-ONE"]}
+    second = p.build(1, answers)
+    text = tok.decode(second[0][1])
+    users = [m["content"] for m in recs[0]["messages"] if m["role"] == "user"]
+    i0, ia, i1 = text.index(users[0][:40]), text.index("ANSWER-ZERO"), text.index(users[1][:40])
+    assert i0 < ia < i1 and "ANSWER-ONE" not in text
+    assert text.rstrip().endswith("assistant")          # generation prompt last
+    assert p.build(2, answers) == []                     # MT-bench has two turns
+
+
+def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
+    """Two drafters (the second as baseline), chain and tree, three datasets: lossless, τ,
+    per-position acceptance, speed columns, plots, and `drafter report RUN_DIR`."""
+    main = _drafter_dir(smollm2_dir, tmp_path / "ckpt", 0)
+    base = _drafter_dir(smollm2_dir, tmp_path / "base", 1)
+    ev = shared_data / "eval"
+    cfg = C.load(None, [
+        f"run_dir={tmp_path / 'run'}", f"target.model={smollm2_dir}",
+        f"evaluate.drafter={main}", f"evaluate.baseline={base}",
+        "evaluate.max_new_tokens=5", "evaluate.methods=[chain, tree]", "evaluate.k=2",
+        "evaluate.tree_depth=2", "evaluate.tree_topk=2", "evaluate.tree_tokens=3",
+        "evaluate.batch_size=2",
+        "evaluate.datasets=[{name: mt_bench, path: %s, max_prompts: 1}, "
+        "{name: humaneval, path: 'builtin:humaneval', max_prompts: 1}, "
+        "{name: gsm8k, path: %s, max_prompts: 1}]" % (ev / "mt_bench_questions.jsonl",
+                                                       ev / "gsm8k_test.jsonl")])
+    res = E.main(cfg)
+    assert res["lossless"] is True and res["counts"]["mismatches"] == 0
+    assert res["counts"]["prompts"] == 4 and res["counts"]["runs"] == 4
+
+    run = Run.of(cfg)
+    m = json.loads(run.eval_metrics().read_text())
+    assert m["lossless"] is True
+    assert set(m["datasets"]) == {"mt_bench", "humaneval", "gsm8k", "overall"}
+    s = m["settings"]
+    assert s["primary"] == {"name": "drafter: chain K=2, T=0", "drafter": "drafter",
+                            "method": "chain", "temperature": 0.0, "k": 2}
+    assert s["datasets"]["mt_bench"]["prompts"] == 2     # both turns
+    assert s["baseline"] == str(base) and s["dtype"] == "float32"
+    for r in m["runs"]:
+        D = r.get("k") or r["depth"]
+        for name, d in r["datasets"].items():
+            assert d["tau"] >= 1.0 and len(d["acceptance"]) == len(d["acceptance_conditional"]) == D
+            assert sum(d["accept_hist"]) == d["steps"] > 0
+            assert d["tau"] == pytest.approx(1 + d["accepted"] / d["steps"])
+            assert d["drafted"] == d["steps"] * (r.get("k") or r["tokens"])
+            assert d["lossless"]["mismatch"] == 0 and d["lossless"]["compared"] == d["prompts"]
+            assert d["tokens_per_s"] > 0 and d["plain_tokens_per_s"] > 0 and d["speedup"] > 0
+        assert r["timing"]["verify_ms"] > 0 and 0 < r["timing"]["c"]
+        ov = r["datasets"]["overall"]
+        assert ov["prompts"] == 4
+        assert ov["steps"] == sum(d["steps"] for n, d in r["datasets"].items() if n != "overall")
+    assert [r["drafter"] for r in m["runs"]] == ["drafter", "drafter", "baseline", "baseline"]
+
+    report = run.eval_report().read_text()
+    assert "Lossless: PASS" in report and "| drafter: tree depth=2 topk=2 tokens=3, T=0 |" in report
+    assert "baseline: chain K=2, T=0" in report
+    for name in ("acceptance", "tau"):
+        assert run.eval_plot(name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    cli = subprocess.run([sys.executable, "-m", "drafter.cli", "report", str(run.root)],
+                         capture_output=True, text=True, cwd=REPO)
+    assert cli.returncode == 0 and cli.stdout == report
+
+
+def test_a_mismatch_is_reported_and_fails_the_step(tmp_path):
+    """finish() writes everything, then raises naming the first divergence; `drafter report`
+    then exits 1."""
+    ds = {"tau": 1.5, "prompts": 2, "steps": 4, "drafted": 8, "accepted": 2, "accept_rate": 0.25,
+          "new_tokens": 8, "acceptance": [0.5, 0.0], "acceptance_conditional": [0.5, 0.0],
+          "accept_hist": [2, 2, 0], "tokens_per_s": 3.0, "plain_tokens_per_s": 2.0,
+          "speedup": 1.5, "step_ms": 1.0, "plain_step_ms": 1.0,
+          "lossless": {"compared": 2, "identical": 1, "tie": 0, "mismatch": 1,
+                       "divergences": [{"record": 1, "turn": 1, "verdict": "mismatch",
+                                        "index": 3, "plain": 42, "speculative": 7,
+                                        "gap": 2.5}]}}
+    runs = [{"name": "drafter: chain K=2, T=0", "drafter": "drafter", "method": "chain",
+             "temperature": 0.0, "k": 2, "path": "x",
+             "timing": {"target_ms": 1.0, "verify_ms": 1.2, "draft_ms": 0.1, "c": 0.083},
+             "datasets": {"humaneval": ds, "overall": dict(ds, lossless={
+                 "compared": 2, "identical": 1, "tie": 0, "mismatch": 1})}}]
+    settings = {"target": "t", "device": "cpu", "dtype": "float32", "drafter": "x",
+                "baseline": None, "max_new_tokens": 4, "batch_size": 1, "temperatures": [0.0],
+                "seed": 0, "cuda_graphs": False, "tie_tolerance": 0.0,
+                "datasets": {"humaneval": {"path": "builtin:humaneval", "records": 2,
+                                           "prompts": 2}}}
+    run = Run(tmp_path / "run")
+    with pytest.raises(E.EvaluateError, match="NOT lossless: 1 prompt.*'plain': 42"):
+        E.finish(run, settings, runs, {})
+    m = json.loads(run.eval_metrics().read_text())
+    assert m["lossless"] is False and m["mismatches"] == 1
+    assert "Lossless: FAIL" in run.eval_report().read_text()
+    assert E.report(run.root) == 1
+
+
+def test_report_without_an_evaluation_names_the_step(tmp_path):
+    cli = subprocess.run([sys.executable, "-m", "drafter.cli", "report", str(tmp_path)],
+                         capture_output=True, text=True, cwd=REPO)
+    assert cli.returncode == 2 and "drafter evaluate" in cli.stderr
+
+
+def test_config_errors_name_the_key(smollm2_dir, tmp_path):
+    def cfg(*over):
+        return C.load(None, [f"run_dir={tmp_path / 'run'}", f"target.model={smollm2_dir}",
+                             *over])
+
+    with pytest.raises(E.EvaluateError, match="temperatures must include 0"):
+        E.main(cfg("evaluate.temperatures=[0.7]"))
+    with pytest.raises(E.EvaluateError, match="unknown method 'beam'"):
+        E.main(cfg("evaluate.methods=[beam]"))
+    with pytest.raises(E.EvaluateError, match="evaluate.drafter: .*nowhere not found"):
+        E.main(cfg(f"evaluate.drafter={tmp_path / 'nowhere'}"))
+    with pytest.raises(Exception, match="drafter export CONFIG"):   # MissingInput: run export
+        E.main(cfg())
+
+
+def test_a_drafter_for_another_target_is_refused(smollm2_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny import make_tiny
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny("llama", tmp_path))
+    d = _drafter_dir(smollm2_dir, tmp_path / "ckpt", 0)
+    from drafter.model import load_drafter
+
+    with pytest.raises(E.EvaluateError, match="target_hidden_size 576 != the target's 64"):
+        E._check_drafter(load_drafter(d), model, "drafter", d)
