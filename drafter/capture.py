@@ -434,7 +434,8 @@ def estimate_gpu_bytes(config, dtype_bytes: int, batch_tokens: int, n_aux: int =
                 * (getattr(tc, "num_experts_per_tok", None) or 1))
     act = batch_tokens * (4 * ht + 3 * inter) * dtype_bytes
     capture = batch_tokens * (n_aux + 1) * ht * dtype_bytes
-    logits = LOGITS_CHUNK_BYTES + LOGITS_CHUNK_BYTES // 2
+    # one fp32 chunk [c, V] and its model-dtype source
+    logits = min(LOGITS_CHUNK_BYTES, batch_tokens * vocab_size(config) * 4) * 3 // 2
     weights = params * dtype_bytes // tp
     total = int((weights + act + capture + logits) * 1.25) if weights else 0
     return {"weights": weights, "activations": act, "capture": capture, "logits": logits,

@@ -204,7 +204,7 @@ def preflight(need_bytes: int | dict[int, int], use: list[int] | None = None,
     if rep["busy"]:
         msg = (f"GPU memory is held by other processes, so {what} could run out of memory after "
                f"loading:\n  " + "\n  ".join(rep["busy"]) + "\ndrafter never kills a process it "
-               f"did not start: stop them yourself (or set extract.preflight=warn to go on).")
+               "did not start: stop them yourself (or set extract.preflight=warn to go on).")
         if policy == "refuse":
             raise GpuBusy(msg)
         log.warning(msg)

@@ -79,7 +79,7 @@ def base(tmp_path_factory, smollm2_dir, shared_data):
 
 
 def test_shards_index_and_manifest(base):
-    run, cfg = base["run"], base["cfg"]
+    run = base["run"]
     m = read_json(run.manifest("extract"))
     c = m["counts"]
     assert c["train_samples"] + c["val_samples"] == c["samples"] > 15

@@ -176,115 +176,47 @@ def main(cfg) -> dict:
         use = [visible[d.local_rank]] if d.local_rank < len(visible) else None
         gpu.preflight(est["total"], use=use, policy=ec.preflight, what="drafter extract")
     init_dist(d)
+
     attn = str(getattr(tconf, "_attn_implementation", "") or "")
     packed = ec.packing == "packed" or (ec.packing == "auto" and "flash" in attn)
-
-    # -- the plan, and what is already done (rank 0 decides under tp; each rank its own under dp)
     tables, plans = {}, {}
     for split in SPLITS:
         path = run.tokens(split)
-        if not path.exists():
-            tables[split], plans[split] = None, []
-            continue
-        tables[split] = _read_table(path)
+        tables[split] = _read_table(path) if path.exists() else None
         plans[split] = plan_shards(split, tables[split].column("num_tokens").to_pylist(),
-                                   ec.shard_tokens, ec.batch_tokens, packed)
+                                   ec.shard_tokens, ec.batch_tokens, packed) \
+            if tables[split] is not None else []
         run.shards(split).mkdir(parents=True, exist_ok=True)
     every = [s for split in SPLITS for s in plans[split]]
+    # dp: rank r writes shards i % W == r; tp: every rank runs every forward, rank 0 writes
     mine = every if ec.tp else [s for s in every if s.index % d.world == d.rank]
-    writer_rank = not ec.tp or d.rank == 0
-    kept, redone, todo = {}, 0, []
-    if writer_rank:
-        _clean_temp(run, mine)
-        old = {}
-        for split in SPLITS:
-            p = run.shard_index(split)
-            if p.exists():
-                try:
-                    old.update({(split, e["file"]): e["sha256"]
-                                for e in store.read_index(p)["shards"]})
-                except store.ShardError:
-                    pass
-        for s in tqdm(mine, desc="extract: verify", unit=" shard", mininterval=1.0,
-                      disable=d.rank != 0 or not run.shard(mine[0].split, 0).exists()):
-            p = run.shard(s.split, s.index)
-            ids = tables[s.split].column("id").take(s.rows).to_pylist()
-            e = store.check_shard(p, ids, old.get((s.split, p.name)), info) \
-                if p.exists() else None
-            if e is not None:
-                kept[(s.split, s.index)] = e
-                continue
-            if p.exists():
-                log.warning("extract: %s is corrupt or from other options: redoing it", p)
-                p.unlink()
-                redone += 1
-            todo.append(s)
+    writes = not ec.tp or d.rank == 0
+    kept, todo, redone = _done_shards(run, mine, tables, info, d) if writes else ({}, [], 0)
     if ec.tp and d.on:
-        todo_keys = _gather(d, [(s.split, s.index) for s in todo])[0]
-        todo = [s for s in mine if (s.split, s.index) in set(map(tuple, todo_keys))]
+        keys = {tuple(k) for k in _gather(d, [(s.split, s.index) for s in todo])[0]}
+        todo = [s for s in mine if (s.split, s.index) in keys]
     # every rank loads when any rank has work: tp needs them all, and dp ranks meet at the end
     need_model = any(_gather(d, bool(todo) or not run.extract_head().exists()))
-
-    # -- preflight, load, check
-    t_load = time.time()
-    written: dict = {}
-    seconds = 0.0
-    done_tokens = 0
-    check = None
+    written, tokens_done, seconds, check = {}, 0, 0.0, None
     if need_model:
-        kw = {"tp_plan": "auto"} if ec.tp else {}
-        model = target.load_model(cfg.target, device=d.device, **kw)
-        cap = C.Capture(model, info["layer_ids"], d2t, t2d, teacher=ec.teacher, topk=ec.topk,
-                        out_dtype=torch.bfloat16, packing=ec.packing,
-                        batch_tokens=ec.batch_tokens)
-        got = {k: v for k, v in cap.info().items() if k in info}
-        if got != {k: info[k] for k in got}:
-            raise C.CaptureError(f"extract: the loaded target differs from its config: {got}")
-        if ec.self_check and every:
-            first = every[0]
-            check = cap.self_check(tables[first.split].column("input_ids")[first.rows[0]]
-                                   .as_py())
-        head = cap.head  # a collective under tp: every rank
-        if d.rank == 0:
-            store.save_head(run.extract_head(), head, info)
-        log.info("extract: target loaded in %.0fs; layer ids %s (HS[k]) of %d, Ht %d, %s; "
-                 "%d shards to write, %d kept", time.time() - t_load, info["layer_ids"],
-                 info["num_layers"], info["hidden_size"], info["target_dtype"], len(todo),
-                 len(kept))
-        total = sum(s.tokens for s in todo)
-        writer = store.ShardWriter(info) if writer_rank else None
-        bar = tqdm(total=total, desc="extract", unit="tok", unit_scale=True, mininterval=1.0,
-                   disable=d.rank != 0, smoothing=0.1)
-        t0 = time.time()
-        try:
-            for s in todo:
-                _extract_shard(cap, tables[s.split], s, ec, writer, run, bar)
-                done_tokens += s.tokens
-            if writer is not None:
-                written = writer.close()
-        finally:
-            bar.close()
-        seconds = time.time() - t0
-        del model, cap
+        written, seconds, check = _extract(cfg, run, d, info, d2t, t2d, tables, every, todo,
+                                           writes, len(kept))
+        tokens_done = sum(s.tokens for s in todo) if writes else 0
 
-    # -- the index: every rank's entries, written by rank 0
+    # -- the index: every rank's entries, written by rank 0 after all shards are on disk
     entries = dict(kept)
     for p, e in written.items():
-        split = p.parent.name
-        entries[(split, int(p.stem.split("_")[1]))] = e
-    mine_stats = {"tokens": done_tokens if writer_rank else 0, "seconds": seconds,
-                  "written": len(written), "kept": len(kept), "redone": redone}
+        entries[(p.parent.name, int(p.stem.split("_")[1]))] = e
+    mine_stats = {"tokens": tokens_done, "seconds": seconds, "written": len(written),
+                  "kept": len(kept), "redone": redone}
     gathered = _gather(d, (entries, mine_stats))
-    all_entries: dict = {}
-    for ents, _ in gathered:
-        all_entries.update(ents)
-    head_sha = store.file_sha256(run.extract_head())
+    all_entries = {k: v for ents, _ in gathered for k, v in ents.items()}
+    head_sha = store.file_sha256(run.extract_head()) if d.rank == 0 else None
     indexes = {}
     for split in SPLITS:
         ents = [all_entries[(split, s.index)] for s in plans[split]]
-        path = run.shard_index(split)
         if d.rank == 0:
-            indexes[split] = store.write_index(path, info, ents, head_sha)
+            indexes[split] = store.write_index(run.shard_index(split), info, ents, head_sha)
         else:
             indexes[split] = {"num_samples": sum(e["num_samples"] for e in ents),
                               "num_tokens": sum(e["num_tokens"] for e in ents),
@@ -293,6 +225,77 @@ def main(cfg) -> dict:
     stats = {k: sum(g[1][k] for g in gathered) for k in ("tokens", "written", "kept", "redone")}
     stats["seconds"] = max(g[1]["seconds"] for g in gathered)
     return _result(info, indexes, stats, d, ec, check)
+
+
+def _done_shards(run: Run, mine: list[Shard], tables: dict, info: dict, d: Dist):
+    """(kept entries, shards to do, how many were corrupt) among this rank's shards: a shard is
+    kept when its file verifies (index sha256, else its content hash) and holds the planned
+    samples with these options; a corrupt or foreign one is deleted and redone."""
+    _clean_temp(run, mine)
+    old = {}
+    for split in SPLITS:
+        p = run.shard_index(split)
+        if p.exists():
+            try:
+                old.update({(split, e["file"]): e["sha256"]
+                            for e in store.read_index(p)["shards"]})
+            except store.ShardError:
+                pass
+    kept, todo, redone = {}, [], 0
+    present = [s for s in mine if run.shard(s.split, s.index).exists()]
+    for s in tqdm(mine, desc="extract: verify", unit=" shard", mininterval=1.0,
+                  disable=d.rank != 0 or not present):
+        p = run.shard(s.split, s.index)
+        if p.exists():
+            ids = tables[s.split].column("id").take(s.rows).to_pylist()
+            e = store.check_shard(p, ids, old.get((s.split, p.name)), info)
+            if e is not None:
+                kept[(s.split, s.index)] = e
+                continue
+            log.warning("extract: %s is corrupt or from other options: redoing it", p)
+            p.unlink()
+            redone += 1
+        todo.append(s)
+    return kept, todo, redone
+
+
+def _extract(cfg, run: Run, d: Dist, info: dict, d2t, t2d, tables, every: list[Shard],
+             todo: list[Shard], writes: bool, n_kept: int):
+    """Load the target, check the capture, write the head and the shards of `todo`.
+    Returns (written entries by path, seconds of the forward+storage loop, self-check)."""
+    ec = cfg.extract
+    t_load = time.time()
+    model = target.load_model(cfg.target, device=d.device, **({"tp_plan": "auto"} if ec.tp
+                                                                else {}))
+    cap = C.Capture(model, info["layer_ids"], d2t, t2d, teacher=ec.teacher, topk=ec.topk,
+                    out_dtype=torch.bfloat16, packing=ec.packing, batch_tokens=ec.batch_tokens)
+    got = {k: v for k, v in cap.info().items() if k in info}
+    if got != {k: info[k] for k in got}:
+        raise C.CaptureError(f"extract: the loaded target differs from its config: {got} "
+                             f"vs {info}")
+    check = None
+    if ec.self_check and every:  # the longest sample's first 64 tokens
+        first = every[0]
+        check = cap.self_check(tables[first.split].column("input_ids")[first.rows[0]].as_py())
+    head = cap.head  # a collective under tp: every rank
+    if d.rank == 0:
+        store.save_head(run.extract_head(), head, info)
+    log.info("extract: target loaded in %.0fs; layer ids %s (HS[k]) of %d, Ht %d, %s; %d "
+             "shards to write, %d kept", time.time() - t_load, info["layer_ids"],
+             info["num_layers"], info["hidden_size"], info["target_dtype"], len(todo), n_kept)
+    writer = store.ShardWriter(info) if writes else None
+    bar = tqdm(total=sum(s.tokens for s in todo), desc="extract", unit="tok", unit_scale=True,
+               mininterval=1.0, disable=d.rank != 0, smoothing=0.1)
+    t0 = time.time()
+    written: dict = {}
+    try:
+        for s in todo:
+            _extract_shard(cap, tables[s.split], s, ec, writer, run, bar)
+        if writer is not None:
+            written = writer.close()
+    finally:
+        bar.close()
+    return written, time.time() - t0, check
 
 
 def _extract_shard(cap: C.Capture, table, s: Shard, ec, writer, run: Run, bar) -> None:
