@@ -420,6 +420,10 @@ class DraftModel(Protocol):
 
     def allocate(self, max_batch: int, max_slots: int, device, dtype) -> None: ...
 
+    def state_tensors(self) -> list[Tensor]:
+        """Tensors carried from one step to the next (updated in place), restored after a
+        CUDA-graph warm-up. Optional: none by default."""
+
     def to_target(self, draft_ids: Tensor) -> Tensor: ...
 
     def observe(self, ids: Tensor, aux: Tensor | None, pos: Tensor, slots: Tensor, vis: Tensor,
@@ -451,6 +455,9 @@ class EagleDraft:
         self.kc = torch.zeros(max_batch, a.nkv, max_slots, a.hd, device=device, dtype=dtype)
         self.vc = torch.zeros_like(self.kc)
         self.root_h = torch.zeros(max_batch, self.dr.cfg.hidden_size, device=device, dtype=dtype)
+
+    def state_tensors(self):
+        return [self.root_h]
 
     def to_target(self, draft_ids):
         return self.dr.to_target_ids(draft_ids)
@@ -507,6 +514,7 @@ class _Graphs:
 
     def clear(self):
         self.graphs.clear()
+        self.pool = None
 
     def run(self, key, fn, state: list[Tensor]) -> None:
         if not self.enabled:
@@ -547,8 +555,10 @@ class _Graphs:
             log.warning("CUDA graph capture failed (%s: %s); decoding without graphs",
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             self.enabled = False
-            torch.cuda.synchronize()
-            restore()
+            try:
+                torch.cuda.synchronize()
+            finally:
+                restore()
             return None
 
 
@@ -599,8 +609,8 @@ class Decoder:
         self.span_bucket, self.prefill_tokens = span_bucket, prefill_tokens
         self.cap = (0, 0)
         self._states: dict = {}
-        self._allocated: dict[int, tuple] = {}
-        self.last: dict = {}
+        self._allocated: dict[int, tuple] = {}   # id -> (proposer, capacity): holds a reference,
+        self.last: dict = {}                      # so that an id (a graph key) is never reused
 
     @property
     def device(self):
@@ -613,13 +623,13 @@ class Decoder:
             self._reset_graphs()
             self.target.allocate(*cap)
             self.cap, self._allocated = cap, {}
-        if proposer is not None and self._allocated.get(id(proposer)) != self.cap:
+        if proposer is not None and self._allocated.get(id(proposer), (None, None))[1] != self.cap:
             try:
                 proposer.allocate(*self.cap, self.device, self.target.dtype)
             except torch.cuda.OutOfMemoryError as e:
                 raise DecodeError(f"drafter cache for {self.cap[0]} rows x {self.cap[1]} slots "
                                   f"does not fit: lower the batch size ({e})") from None
-            self._allocated[id(proposer)] = self.cap
+            self._allocated[id(proposer)] = (proposer, self.cap)
             self._reset_graphs()
 
     def _reset_graphs(self):
@@ -686,8 +696,9 @@ class Decoder:
         self._prefill(st, prompts, Tp, T, top_p, proposer, record_gaps)
         self.last["prefill_seconds"] += time.perf_counter() - t0
 
-        key = ("spec" if spec else "plain", B, st.W, T, top_p, tree, id(proposer),
+        key = ("spec" if spec else "plain", id(st), T, top_p, tree, id(proposer),
                self.target.aux_ids, record_gaps)
+        state = st.tensors() + (list(getattr(proposer, "state_tensors", list)()) if spec else [])
         if spec:
             fn = lambda span: self._spec_step(st, span, proposer, tree, T)  # noqa: E731
         else:
@@ -697,7 +708,7 @@ class Decoder:
             if done:
                 break
             span = min(self.cap[1], _round_up(lmax + extra, self.span_bucket))
-            self.graphs.run(key + (span,), lambda: fn(span), st.tensors())
+            self.graphs.run(key + (span,), lambda: fn(span), state)
             self.last["iterations"] += 1
             done, lmax = torch.stack([st.finished.all().long(), st.L.max()]).tolist()
         return self._collect(st, B, max_new, stop_ids, spec, record_gaps)

@@ -28,14 +28,20 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def _drafter_dir(smollm2_dir, out: Path, seed: int) -> Path:
+def _drafter_dir(smollm2_dir, out: Path, seed: int, native: bool = False) -> Path:
+    """A random drafter for SmolLM2: a checkpoint dir (save_drafter), or an exported native dir."""
     from transformers import AutoConfig
+
+    from drafter import engines
 
     tc = AutoConfig.from_pretrained(smollm2_dir)
     torch.manual_seed(seed)
     dr = Drafter(DrafterConfig.from_target(tc, 1024, [2, 15, 27], intermediate_size=256))
     out.mkdir(parents=True)
-    save_drafter(dr, out)
+    if native:
+        engines.write_dir(dr, out, engines.NATIVE, target=engines.target_info(str(smollm2_dir)))
+    else:
+        save_drafter(dr, out)
     return out
 
 
@@ -74,10 +80,10 @@ def test_second_mt_bench_turn_carries_the_model_answer(smollm2_dir, shared_data)
 
 
 def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
-    """Two drafters (the second as baseline), chain and tree, three datasets: lossless, τ,
-    per-position acceptance, speed columns, plots, and `drafter report RUN_DIR`."""
+    """Two drafters (a checkpoint; an exported native dir as the baseline), chain and tree, three
+    datasets: lossless, τ, per-position acceptance, speed columns, plots, `drafter report`."""
     main = _drafter_dir(smollm2_dir, tmp_path / "ckpt", 0)
-    base = _drafter_dir(smollm2_dir, tmp_path / "base", 1)
+    base = _drafter_dir(smollm2_dir, tmp_path / "native", 1, native=True)
     ev = shared_data / "eval"
     cfg = C.load(None, [
         f"run_dir={tmp_path / 'run'}", f"target.model={smollm2_dir}",
