@@ -192,7 +192,8 @@ class TrainConfig:
                                    "(None: the whole split)")
     save_every: int = doc(500, "optimizer steps between checkpoints")
     keep_checkpoints: int = doc(2, "checkpoints kept (the best one is always kept)")
-    resume: str = doc("auto", "auto (latest checkpoint), a checkpoint path, or off")
+    resume: str | bool = doc("auto", "auto (latest checkpoint), a checkpoint path, or off "
+                             "(YAML reads a bare off as false: both mean off)")
     tensorboard: bool = doc(False, "also write TensorBoard events")
 
 

@@ -17,6 +17,17 @@ from drafter.steps.train import align, collate
 V, VD, HT = 96, 40, 24
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny shapes gain nothing from intra-op threads, and on a busy 2-core machine OpenMP
+    threads spinning against each other make them 10x slower; one thread is also one fixed
+    order of float reductions."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny_config(**kw) -> DrafterConfig:
     base = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, vocab_size=V, draft_vocab_size=VD,

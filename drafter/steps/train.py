@@ -420,9 +420,9 @@ def load_checkpoint(path: Path, d: Dist, ttt, opt, sched, fsdp: bool) -> dict:
 
 
 def resume_from(run: Run, tc) -> Path | None:
-    if tc.resume == "off":
+    if tc.resume in ("off", False):
         return None
-    if tc.resume == "auto":
+    if tc.resume in ("auto", True):
         done = run.checkpoints()
         return done[-1] if done else None
     p = Path(tc.resume)
@@ -549,6 +549,9 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         step = load_checkpoint(ckpt, dist, ttt, opt, sched, tc.fsdp)["step"]
         log.info("train: resumed from %s (step %d)", ckpt, step)
     if dist.main:  # the metrics of steps after the checkpoint are redone
+        for pattern in (".tmp-step_*", ".old-step_*"):  # what a save killed midway leaves
+            for junk in run.step_dir("train").glob(pattern):
+                shutil.rmtree(junk, ignore_errors=True)
         kept = [r for r in read_jsonl(metrics_path, repair=True) if r.get("step", 0) <= step]
         atomic_json_lines(metrics_path, kept)
         metrics = JsonlAppender(metrics_path)
