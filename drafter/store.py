@@ -32,6 +32,7 @@ import collections
 import hashlib
 import json
 import logging
+import os
 import queue
 import threading
 from pathlib import Path
@@ -156,19 +157,45 @@ def content_sha256(tensors: dict) -> str:
 
 
 def write_shard(path: Path, tensors: dict, info: dict, ids: list[str]) -> dict:
-    """Serialise, hash and write one shard atomically (temp name, fsync, rename).
-    Returns its index entry."""
-    from safetensors.torch import save
+    """Write one shard atomically (temp name, fsync, rename) and hash it. Returns its index
+    entry. safetensors' save_file writes straight from the tensors' memory (no bytes copy)."""
+    from safetensors.torch import save_file
 
+    path = Path(path)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     meta = {"format": FORMAT, "version": VERSION, "info": info, "ids": list(ids),
             "content_sha256": content_sha256(tensors)}
-    blob = save(tensors, metadata={"drafter": json.dumps(meta, sort_keys=True)})
-    atomic_write(path, blob)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        save_file(tensors, str(tmp), metadata={"drafter": json.dumps(meta, sort_keys=True)})
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
     offsets = tensors["offsets"].tolist()
-    return {"file": Path(path).name, "sha256": hashlib.sha256(blob).hexdigest(),
-            "bytes": len(blob), "num_samples": len(ids), "num_tokens": offsets[-1],
-            "ids": ids, "lengths": [b - a for a, b in zip(offsets[:-1], offsets[1:])]}
+    return {"file": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size,
+            "num_samples": len(ids), "num_tokens": offsets[-1], "ids": list(ids),
+            "lengths": [b - a for a, b in zip(offsets[:-1], offsets[1:])]}
+
+
+def fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def file_sha256(path: Path) -> str:
@@ -255,7 +282,7 @@ class ShardWriter:
     At most `depth` shards wait beyond the `threads` being written; an error in a thread is
     raised by the next `submit` or by `close`."""
 
-    def __init__(self, info: dict, threads: int = 2, depth: int = 2):
+    def __init__(self, info: dict, threads: int = 3, depth: int = 2):
         self.info = info
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.entries: dict[Path, dict] = {}

@@ -105,7 +105,7 @@ def test_shards_index_and_manifest(base):
         assert sorted(sid for e in ix["shards"] for sid in e["ids"]) == sorted(r["id"] for r in rows)
         for e in ix["shards"]:
             assert e["lengths"] == sorted(e["lengths"], reverse=True)
-    assert not list(run.step_dir("extract").rglob(".tmp-*"))
+    assert not list(run.step_dir("extract").rglob(".tmp*"))
 
 
 def test_reader_equals_online_capture(base):
@@ -215,7 +215,7 @@ def test_kill9_then_resume_gives_identical_shards(base, tmp_path):
     for split in ("train", "val"):
         assert store.read_index(run.shard_index(split))["shards"] == \
             store.read_index(base["run"].shard_index(split))["shards"]
-    assert not list(run.step_dir("extract").rglob(".tmp-*"))
+    assert not list(run.step_dir("extract").rglob(".tmp*"))
 
 
 def test_corrupt_shard_is_detected_and_redone(base, tmp_path):

@@ -148,12 +148,17 @@ def _read_table(path):
     return pa.Table.from_batches(batches, schema=tokens.SCHEMA)
 
 
-def _clean_temp(run: Run, shards: list[Shard]) -> None:
-    """Remove the temp files a killed write of these shards left behind."""
+def _clean_temp(run: Run, shards: list[Shard], rank: int) -> None:
+    """Remove the temp files a killed write of these shards left behind; rank 0 also those of
+    safetensors' own save (.tmpXXXX). No rank writes yet: writing starts after a collective."""
     for s in shards:
         p = run.shard(s.split, s.index)
         for tmp in p.parent.glob(f".tmp-{p.name}.*"):
             tmp.unlink(missing_ok=True)
+    if rank == 0:
+        for split in SPLITS:
+            for tmp in run.shards(split).glob(".tmp*"):
+                tmp.unlink(missing_ok=True)
 
 
 def main(cfg) -> dict:
@@ -231,7 +236,7 @@ def _done_shards(run: Run, mine: list[Shard], tables: dict, info: dict, d: Dist)
     """(kept entries, shards to do, how many were corrupt) among this rank's shards: a shard is
     kept when its file verifies (index sha256, else its content hash) and holds the planned
     samples with these options; a corrupt or foreign one is deleted and redone."""
-    _clean_temp(run, mine)
+    _clean_temp(run, mine, d.rank)
     old = {}
     for split in SPLITS:
         p = run.shard_index(split)
