@@ -96,6 +96,8 @@ class ServerConfig:
                                  "model, else the first of GET /v1/models")
     max_restarts: int = doc(3, "restarts of a server drafter started, when it dies mid-run")
     stop_timeout: float = doc(30.0, "seconds between SIGTERM and SIGKILL when stopping a server")
+    replicas: int = doc(1, "servers drafter starts, each on its share of the visible GPUs, "
+                        "load-balanced (e.g. 8 transformers servers on 8 GPUs)")
 
 
 @dataclass

@@ -23,10 +23,13 @@ with the last lines of its log.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
+import json
 import logging
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -37,6 +40,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from . import DrafterError
 
@@ -265,8 +269,10 @@ class ManagedServer:
     """One server process (group) drafter started: start, wait for health, restart, stop."""
 
     def __init__(self, argv_for_port, host: str, port: int, log_path: Path,
-                 startup_timeout: float, stop_timeout: float, name: str = "server"):
+                 startup_timeout: float, stop_timeout: float, name: str = "server",
+                 env: dict[str, str] | None = None):
         self.argv_for_port = argv_for_port  # port -> argv
+        self.env = env or {}
         self.host = host
         self.port = port or free_port(host)
         self.log_path = Path(log_path)
@@ -302,7 +308,7 @@ class ManagedServer:
                     [sys.executable, "-c", SUPERVISOR, str(self.stop_timeout), "--", *argv],
                     stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                     start_new_session=True, preexec_fn=_die_with(os.getpid()),
-                    env=_server_env())
+                    env={**_server_env(), **self.env})
             except OSError as e:
                 raise ServerError(f"cannot start the {self.name}: {e}") from None
             self.pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
@@ -447,6 +453,32 @@ class Pool:
                 e.server.stop()
 
 
+def _gpu_groups(replicas: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each replica: the visible GPUs split into `replicas` contiguous
+    groups; [""] * replicas without GPUs (CPU replicas share the cores)."""
+    if replicas < 1:
+        raise ServerError(f"generate.server.replicas={replicas}: must be at least 1")
+    if replicas == 1:
+        return [""]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [x.strip() for x in visible.split(",") if x.strip()]
+    else:
+        import torch
+
+        ids = [str(i) for i in range(torch.cuda.device_count())]
+    if not ids:
+        return [""] * replicas
+    if len(ids) < replicas:
+        raise ServerError(f"generate.server.replicas={replicas} but only {len(ids)} GPUs are "
+                          f"visible ({','.join(ids)}): one replica needs at least one GPU")
+    per = len(ids) // replicas
+    if per * replicas != len(ids):
+        log.warning("generate.server.replicas=%d: %d GPUs each; GPUs %s stay unused", replicas,
+                    per, ",".join(ids[per * replicas:]))
+    return [",".join(ids[i * per:(i + 1) * per]) for i in range(replicas)]
+
+
 def _models(url: str, headers: dict, timeout: float = 10.0) -> list[str]:
     import httpx
 
@@ -508,22 +540,201 @@ def servers(cfg, log_path: Path):
                               "to start")
         else:
             model = _target_args(cfg)["model"] if s.command is None else None
-            srv = ManagedServer(lambda port: build_command(cfg, port), s.host, s.port,
-                                log_path, s.startup_timeout, s.stop_timeout,
-                                name=f"{s.engine} server")
-            pool.endpoints.append(Endpoint(url=srv.url, server=srv))
-            srv.start()
-            pool.endpoints[0].url = srv.url
+            groups = _gpu_groups(s.replicas)
+            for i, gpus in enumerate(groups):
+                log_i = Path(log_path) if i == 0 else Path(log_path).with_suffix(f".{i}.log")
+                port = s.port + i if s.port else 0
+                name = f"{s.engine} server" + (f" {i}" if len(groups) > 1 else "")
+                srv = ManagedServer(lambda port: build_command(cfg, port), s.host, port,
+                                    log_i, s.startup_timeout, s.stop_timeout, name=name,
+                                    env={"CUDA_VISIBLE_DEVICES": gpus} if gpus else None)
+                pool.endpoints.append(Endpoint(url=srv.url, server=srv))
+            for ep in pool.endpoints:  # all load at once, then each is waited for
+                ep.server.spawn()
+            for ep in pool.endpoints:
+                try:
+                    ep.server.wait_healthy()
+                except ServerError as e:
+                    if "address already in use" not in str(e).lower():
+                        raise
+                    ep.server.port = free_port(ep.server.host)  # taken meanwhile: another
+                    ep.server.start()
+                ep.url = ep.server.url
+            url = pool.endpoints[0].url
             try:
-                listed = _models(srv.url, headers)
+                listed = _models(url, headers)
             except Exception as e:  # noqa: BLE001  (a server without /v1/models still works)
-                log.warning("GET %s/v1/models failed (%s)", srv.url, e)
+                log.warning("GET %s/v1/models failed (%s)", url, e)
                 listed = []
             pool.model = _pick_model(s, listed, model)
         log.info("generation server: %s, model %s", ", ".join(pool.urls), pool.model)
         yield pool
     finally:
         pool.stop()
+
+
+# ------------------------------------------------------------------------------------- the client
+class RequestError(Exception):
+    """A request that failed for good: `permanent` when a retry will not help (HTTP 4xx other
+    than 408/429), else it outlasted the retries (connection errors, 5xx, timeouts)."""
+
+    def __init__(self, message: str, permanent: bool):
+        super().__init__(message)
+        self.permanent = permanent
+
+
+class _NoResponse(EOFError):
+    """The server closed the connection before sending a status line."""
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict, bytes]:
+    line = await reader.readline()
+    if not line:
+        raise _NoResponse("server closed the connection without a response")
+    parts = line.split(None, 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
+        raise ValueError(f"not an HTTP response: {line[:100]!r}")
+    status = int(parts[1])
+    headers: dict[str, str] = {}
+    while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
+        k, _, v = h.decode("latin-1").partition(":")
+        headers[k.strip().lower()] = v.strip()
+    if "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    elif "chunked" in headers.get("transfer-encoding", "").lower():
+        chunks = []
+        while (size := int((await reader.readline()).split(b";")[0].strip() or b"0", 16)):
+            chunks.append(await reader.readexactly(size))
+            await reader.readline()
+        while (await reader.readline()) not in (b"\r\n", b"\n", b""):  # trailers
+            pass
+        body = b"".join(chunks)
+    else:
+        body = await reader.read()
+        headers["connection"] = "close"
+    return status, headers, body
+
+
+class ChatClient:
+    """The OpenAI-compatible chat client of the generate step, over a Pool:
+
+        client = ChatClient(pool, request_timeout=600, max_retries=5, retry_backoff=1.0)
+        resp = await client.chat(body)      # the JSON response, or RequestError
+        await client.close()
+
+    Each request goes to the endpoint with the fewest requests in flight (another one on a retry
+    when there are several); connection errors, timeouts, 5xx, 408 and 429 are retried with
+    exponential backoff (and a dead server drafter started is restarted); other 4xx are final.
+
+    HTTP/1.1 with keep-alive on asyncio streams, one request per connection at a time. Not httpx:
+    its connection pool scans every connection (a poll() syscall each) on every request, which
+    measured 65-130 requests/s against an instant server here, against about 800 for plain
+    asyncio streams (benchmarks/generate_client.py --fake). A fast engine would wait on it.
+    Proxies are not used; https uses the system's certificates."""
+
+    def __init__(self, pool: "Pool", request_timeout: float = 600.0, max_retries: int = 5,
+                 retry_backoff: float = 1.0):
+        self.pool = pool
+        self.request_timeout = request_timeout
+        self.max_retries = max_retries
+        self.retry_backoff = retry_backoff
+        self.idle: dict[str, list] = {}   # root URL -> idle (reader, writer) pairs
+        self._targets: dict = {}          # (root URL, path) -> host, port, tls, request head
+        self._ssl = None
+
+    def _ssl_context(self):
+        if self._ssl is None:
+            import ssl
+
+            self._ssl = ssl.create_default_context()
+        return self._ssl
+
+    def _target(self, url: str, path: str) -> tuple[str, int, bool, str]:
+        key = (url, path)
+        if key not in self._targets:
+            u = urlsplit(url)
+            tls = u.scheme == "https"
+            port = u.port or (443 if tls else 80)
+            head = (f"POST {u.path}{path} HTTP/1.1\r\nHost: {u.hostname}:{port}\r\n"
+                    f"Content-Type: application/json\r\nAccept: application/json\r\n"
+                    f"User-Agent: drafter\r\n"
+                    + "".join(f"{k}: {v}\r\n" for k, v in self.pool.headers.items()))
+            self._targets[key] = (u.hostname, port, tls, head)
+        return self._targets[key]
+
+    async def _post(self, url: str, path: str, data: bytes) -> tuple[int, bytes]:
+        host, port, tls, head = self._target(url, path)
+        request = f"{head}Content-Length: {len(data)}\r\n\r\n".encode("latin-1") + data
+        idle = self.idle.setdefault(url, [])
+        while True:
+            reused = bool(idle)
+            if reused:
+                reader, writer = idle.pop()
+            else:
+                reader, writer = await asyncio.open_connection(
+                    host, port, ssl=self._ssl_context() if tls else None, limit=2 ** 20)
+            try:
+                writer.write(request)
+                await writer.drain()
+                status, headers, body = await _read_response(reader)
+            except (_NoResponse, ConnectionResetError, BrokenPipeError) as e:
+                writer.close()
+                if reused:  # the server closed this idle keep-alive connection: a new one
+                    continue
+                raise e
+            except BaseException:
+                writer.close()
+                raise
+            if headers.get("connection", "").lower() == "close":
+                writer.close()
+            else:
+                idle.append((reader, writer))
+            return status, body
+
+    async def chat(self, body: dict) -> dict:
+        data = json.dumps(body).encode()
+        avoid = None
+        for attempt in range(self.max_retries + 1):
+            ep = self.pool.pick(avoid)
+            generation = ep.server.generation if ep.server else 0
+            ep.inflight += 1
+            try:
+                async with asyncio.timeout(self.request_timeout):
+                    status, payload = await self._post(ep.url, "/v1/chat/completions", data)
+            except (OSError, EOFError, asyncio.IncompleteReadError, TimeoutError,
+                    ValueError) as e:
+                err = f"{type(e).__name__}: {e}".rstrip(": ")
+                if isinstance(e, TimeoutError):
+                    err = f"timeout after {self.request_timeout:.0f}s (generate.request_timeout)"
+            else:
+                text = payload[:1000].decode(errors="replace")
+                if status == 200:
+                    try:
+                        return json.loads(payload)
+                    except ValueError as e:
+                        err = f"bad JSON in the response ({e}): {text[:300]}"
+                elif status >= 500 or status in (408, 429):
+                    err = f"HTTP {status}: {text[:300]}"
+                else:
+                    raise RequestError(f"HTTP {status} from {ep.url}: {text}", permanent=True)
+            finally:
+                ep.inflight -= 1
+            # A server drafter started that died is restarted (by whoever notices first).
+            if self.pool.recover(ep, generation):
+                continue
+            avoid = ep
+            if attempt == self.max_retries:
+                raise RequestError(f"{err} (after {self.max_retries} retries; last at {ep.url})",
+                                   permanent=False)
+            delay = min(60.0, self.retry_backoff * 2 ** attempt)
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        for conns in self.idle.values():
+            for _, writer in conns:
+                writer.close()
+        self.idle.clear()
 
 
 # ----------------------------------------------------------------------------- drafter serve CONFIG
@@ -545,14 +756,16 @@ def main(cfg) -> int:
         signal.signal(signal.SIGTERM, on_term)
     try:
         with servers(cfg, log_path) as pool:
-            ep = pool.endpoints[0]
-            print(f"serving {pool.model}\n{ep.url}/v1\n(log: {log_path}; Ctrl-C stops it)",
+            urls = "\n".join(f"{ep.url}/v1" for ep in pool.endpoints)
+            print(f"serving {pool.model}\n{urls}\n(log: {log_path}; Ctrl-C stops it)",
                   flush=True)
             while True:
                 time.sleep(1.0)
-                if not ep.server.alive():
-                    raise ServerError(f"the server exited (code {ep.server.proc.poll()}); last "
-                                      f"lines of {log_path}:\n{ep.server.tail()}")
+                for ep in pool.endpoints:
+                    if not ep.server.alive():
+                        raise ServerError(
+                            f"the server at {ep.url} exited (code {ep.server.proc.poll()}); "
+                            f"last lines of {ep.server.log_path}:\n{ep.server.tail()}")
     except KeyboardInterrupt:
         print("stopped", flush=True)
     return 0

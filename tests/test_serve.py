@@ -129,6 +129,24 @@ def test_server_dies_when_drafter_is_killed(tmp_path):
     assert wait_gone(pgid), "the server outlived drafter"
 
 
+def test_replicas(tmp_path, monkeypatch):
+    cfg = fake_cfg(tmp_path, replicas=2)
+    log = tmp_path / "server.log"
+    with serve.servers(cfg, log) as pool:
+        assert len(pool.endpoints) == 2 and len(set(pool.urls)) == 2
+        for ep in pool.endpoints:
+            assert httpx.get(ep.url + "/health").status_code == 200
+        groups = pgids(log) + pgids(tmp_path / "server.1.log")
+        assert len(groups) == 2 and all(serve.group_alive(g) for g in groups)
+    assert all(wait_gone(g, 5) for g in groups)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert serve._gpu_groups(4) == ["0,1", "2,3", "4,5", "6,7"]
+    assert serve._gpu_groups(1) == [""]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(serve.ServerError, match="replicas=2 but only 1 GPUs"):
+        serve._gpu_groups(2)
+
+
 def test_build_command(tmp_path, smollm2_dir):
     cfg = C.load(None, ["generate.concurrency=4", "generate.max_tokens=1000",
                         "generate.server.extra_args=[--attn-implementation, sdpa]",

@@ -30,7 +30,6 @@ import asyncio
 import json
 import logging
 import os
-import random
 import sys
 import time
 import zlib
@@ -202,84 +201,43 @@ class _Sink:
 
 
 # ------------------------------------------------------------------------------ HTTP generation
-class _Client:
-    """Async OpenAI-compatible chat client over a serve.Pool: least-loaded endpoint, retries with
-    exponential backoff on connection errors, 5xx, 408/429 and timeouts; other 4xx are permanent."""
-
-    def __init__(self, g, pool):
-        import httpx
-
-        self.g, self.pool, self.httpx = g, pool, httpx
-        n = max(1, g.concurrency * len(pool.endpoints))
-        self.http = httpx.AsyncClient(
-            headers=pool.headers, trust_env=pool.engine == "external",
-            timeout=httpx.Timeout(g.request_timeout, connect=min(30.0, g.request_timeout)),
-            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
-
-    def body(self, messages: list[dict], seed: int, tools: list | None = None) -> dict:
-        g = self.g
-        body = {"model": self.pool.model, "messages": messages, "max_tokens": g.max_tokens,
-                "temperature": g.temperature, "top_p": g.top_p, "seed": seed, "stream": False}
-        if tools:
-            body["tools"] = tools
-        if g.chat_template_kwargs:
-            body["chat_template_kwargs"] = g.chat_template_kwargs
-        return body
-
-    async def chat(self, messages: list[dict], seed: int, tools: list | None = None) -> dict:
-        """-> {"content", "reasoning", "finish_reason", "usage", "tool_calls"}"""
-        body = self.body(messages, seed, tools)
-        avoid = None
-        for attempt in range(self.g.max_retries + 1):
-            ep = self.pool.pick(avoid)
-            generation = ep.server.generation if ep.server else 0
-            ep.inflight += 1
-            try:
-                r = await self.http.post(ep.chat_url, json=body)
-            except self.httpx.TransportError as e:  # connect/read errors and timeouts
-                err = f"{type(e).__name__}: {e}".rstrip(": ")
-            else:
-                if r.status_code == 200:
-                    try:
-                        return _parse(r.json())
-                    except (ValueError, KeyError, IndexError, TypeError) as e:
-                        err = f"bad response ({type(e).__name__}: {e}): {r.text[:300]}"
-                elif r.status_code >= 500 or r.status_code in (408, 429):
-                    err = f"HTTP {r.status_code}: {r.text[:300]}"
-                else:
-                    raise _Permanent(f"HTTP {r.status_code} from {ep.url}: {r.text[:1000]}")
-            finally:
-                ep.inflight -= 1
-            # A server drafter started that died is restarted (once, by whoever notices first).
-            if self.pool.recover(ep, generation):
-                continue
-            avoid = ep
-            if attempt == self.g.max_retries:
-                raise _Transient(f"{err} (after {self.g.max_retries} retries, last at {ep.url})")
-            delay = min(60.0, self.g.retry_backoff * 2 ** attempt)
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-        raise AssertionError("unreachable")
-
-    async def close(self) -> None:
-        await self.http.aclose()
+def request_body(g, model: str, messages: list[dict], seed: int,
+                 tools: list | None = None) -> dict:
+    """The chat completion request of one turn: sampling settings from the config."""
+    body = {"model": model, "messages": messages, "max_tokens": g.max_tokens,
+            "temperature": g.temperature, "top_p": g.top_p, "seed": seed, "stream": False}
+    if tools:
+        body["tools"] = tools
+    if g.chat_template_kwargs:
+        body["chat_template_kwargs"] = g.chat_template_kwargs
+    return body
 
 
 def _parse(resp: dict) -> dict:
-    choice = resp["choices"][0]
-    msg = choice["message"]
+    try:
+        choice = resp["choices"][0]
+        msg = choice["message"]
+    except (KeyError, IndexError, TypeError):
+        raise _Permanent(f"a response without choices[0].message: {str(resp)[:500]}") from None
     content, reasoning = split_reasoning(msg.get("content"),
                                          msg.get("reasoning_content") or msg.get("reasoning"))
     return {"content": content, "reasoning": reasoning, "finish_reason": choice.get("finish_reason"),
             "usage": resp.get("usage") or {}, "tool_calls": msg.get("tool_calls")}
 
 
-async def _answer(conv: _Conversation, client: _Client, g, sink: _Sink) -> None:
+async def _answer(conv: _Conversation, client, model: str, g, sink: _Sink) -> None:
+    from ..serve import RequestError
+
     try:
         if not conv.points:
             raise _Permanent("no user turn to answer")
         while not conv.done:
-            out = await client.chat(conv.next_messages(), request_seed(g.seed, conv.id, conv.turn),
-                                    conv.tools)
+            body = request_body(g, model, conv.next_messages(),
+                                request_seed(g.seed, conv.id, conv.turn), conv.tools)
+            try:
+                out = _parse(await client.chat(body))
+            except RequestError as e:
+                raise (_Permanent if e.permanent else _Transient)(str(e)) from None
             if out["finish_reason"] == "length" and g.drop_truncated:
                 raise _Permanent(f"truncated: the answer reached generate.max_tokens="
                                  f"{g.max_tokens} (generate.drop_truncated is true)")
@@ -294,7 +252,9 @@ async def _answer(conv: _Conversation, client: _Client, g, sink: _Sink) -> None:
 
 
 async def _run_http(g, pool, records: Iterator[dict], sink: _Sink) -> None:
-    client = _Client(g, pool)
+    from ..serve import ChatClient
+
+    client = ChatClient(pool, g.request_timeout, g.max_retries, g.retry_backoff)
     n_workers = max(1, g.concurrency * len(pool.endpoints))
     queue: asyncio.Queue = asyncio.Queue(maxsize=2 * n_workers)
 
@@ -311,7 +271,7 @@ async def _run_http(g, pool, records: Iterator[dict], sink: _Sink) -> None:
             except _Permanent as e:
                 sink.add_error(rec["id"], "permanent", str(e), 0)
                 continue
-            await _answer(conv, client, g, sink)
+            await _answer(conv, client, pool.model, g, sink)
 
     tasks = [asyncio.create_task(producer())] + [asyncio.create_task(worker())
                                                  for _ in range(n_workers)]
