@@ -13,13 +13,17 @@
 - `vllm`, `sglang`: started from the command templates in TEMPLATES when the engine is installed.
 - `external`: `generate.server.urls`, one or more, load-balanced by the client; nothing started.
 
-A started server runs in its own process group (its own session) with its output in the log file.
-Stopping sends SIGTERM to the whole group, waits `stop_timeout`, then SIGKILL, and waits until no
-process of the group is left, so engine workers (vLLM spawns several) never outlive the step. The
-server also gets SIGTERM from the kernel if drafter itself dies (PR_SET_PDEATHSIG, Linux), so
-even `kill -9` of drafter leaves no orphan holding GPU memory. A server that never answers
-`GET /health` with 200 within `startup_timeout`, or exits while starting, raises ServerError
-with the last lines of its log.
+A started server runs in its own process group (its own session), under a small supervisor
+(SUPERVISOR below), with its output in the log file. Stopping sends SIGTERM to the whole group,
+waits `stop_timeout`, then SIGKILL, and waits until no process of the group is left, so engine
+workers (vLLM spawns several) never outlive the step. If drafter itself dies, even by kill -9,
+the kernel signals the supervisor (PR_SET_PDEATHSIG, Linux), which takes the group down the same
+way: no orphan keeps GPU memory. A server that never answers `GET /health` with 200 within
+`startup_timeout`, or exits while starting, raises ServerError with the last lines of its log.
+`replicas` > 1 starts one server per share of the visible GPUs.
+
+ChatClient is the generate step's client: least-loaded endpoint, retries with backoff, restart of
+a started server that died, keep-alive HTTP/1.1 on asyncio streams.
 """
 from __future__ import annotations
 
@@ -90,11 +94,15 @@ def group_alive(pgid: int) -> bool:
 
 def _die_with(parent: int):
     """preexec_fn of the supervisor: SIGTERM it when the process that started it dies."""
+    prctl = None
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):  # resolved before the fork, not in the child
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+
     def preexec():
-        if sys.platform.startswith("linux"):
-            with contextlib.suppress(Exception):
-                PR_SET_PDEATHSIG = 1
-                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if prctl is not None:
+            PR_SET_PDEATHSIG = 1
+            prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent:  # drafter died before the line above took effect
             os._exit(1)
     return preexec
@@ -182,7 +190,6 @@ def _with_chat_template(model: str, template: Path) -> str:
     """A folder that mirrors `model` (symlinks) with `template` as its chat template, so that the
     server renders exactly what tokenize renders. Built once per (model, template) in the cache."""
     import hashlib
-    import json
 
     from .rundir import atomic_dir, cache_dir
 
@@ -214,10 +221,15 @@ def build_command(cfg, port: int) -> list[str]:
     engine = s.engine
     if s.command is None and engine not in TEMPLATES:
         raise ServerError(f"generate.server.engine={engine}: drafter starts no server for it")
-    if s.command is None and engine == "vllm" and shutil.which("vllm") is None:
-        raise ServerError("generate.server.engine=vllm but `vllm` is not installed here: "
-                          "pip install vllm, or use engine: transformers, or engine: external "
-                          "with generate.server.urls")
+    vllm = None
+    if s.command is None and engine == "vllm":
+        # The console script beside this interpreter (a venv run without activation), else PATH.
+        here = Path(sys.executable).parent / "vllm"
+        vllm = str(here) if here.exists() else shutil.which("vllm")
+        if vllm is None:
+            raise ServerError("generate.server.engine=vllm but `vllm` is not installed here: "
+                              "pip install vllm, or use engine: transformers, or engine: "
+                              "external with generate.server.urls")
     if s.command is None and engine == "sglang":
         import importlib.util
 
@@ -240,6 +252,8 @@ def build_command(cfg, port: int) -> list[str]:
     except (KeyError, IndexError, ValueError) as e:
         raise ServerError(f"generate.server.command: bad template {template!r} ({e}); "
                           f"placeholders: {', '.join('{' + k + '}' for k in fields)}") from None
+    if vllm is not None:
+        argv[0] = vllm
     extra = list(s.extra_args)
     t = cfg.target
     if s.command is None:
