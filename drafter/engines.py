@@ -398,6 +398,8 @@ def readme(fmt: str, out_dir: Path, c: DrafterConfig, target: TargetInfo, k: int
             f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}", "```", "",
             "llama.cpp (convert the drafter against the target's HF folder, then serve):", "",
             "```bash",
+            *([f"huggingface-cli download {tgt} --local-dir {hf_dir}"] if not target.local_dir
+              else []),
             f"python convert_hf_to_gguf.py {d} --target-model-dir {hf_dir} --outfile draft.gguf",
             f"python convert_hf_to_gguf.py {hf_dir} --outfile target.gguf",
             f"llama-server -m target.gguf -md draft.gguf --spec-type draft-eagle3{tmpl_l}",

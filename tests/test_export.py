@@ -176,3 +176,39 @@ def test_builtin_target_names_the_materialised_folder(smollm2_dir, tmp_path):
     trained = load_drafter(run.checkpoint(1)).to(torch.bfloat16)
     for a, b in zip(draft_logits(trained), draft_logits(loaded)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_export_after_the_real_pipeline(smollm2_dir, shared_data, tmp_path):
+    """prepare -> tokenize -> vocab -> extract -> train (4 steps, validation every 2) -> export
+    on SmolLM2 through the real steps: best picks the higher val.sim_tau, both dirs pass
+    `drafter check` against builtin:, and reload to the trained logits. 3-5 min on 2 CPUs."""
+    import yaml
+
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "run_dir": str(tmp_path / "run"),
+        "prepare": {"sources": [{"path": str(shared_data / "train/sharegpt_dummy_conversation"
+                                             ".json"), "max_samples": 40}], "val_fraction": 0.2},
+        "generate": {"enabled": False},
+        "tokenize": {"max_length": 96, "workers": 1},
+        "vocab": {"draft_vocab_size": 1024},
+        "extract": {"shard_tokens": 1024, "batch_tokens": 512},
+        "train": {"max_length": 96, "batch_tokens": 96, "ttt_steps": 3, "lr": 1e-3,
+                  "log_every": 1, "eval_every": 2, "save_every": 2, "max_steps": 4},
+        "export": {"checkpoint": "best"}}))
+    cfg = C.load(cfg_path)
+    pipeline.run_all(cfg, steps=["prepare", "generate", "tokenize", "vocab", "extract", "train",
+                                 "export"])
+    run = Run.of(cfg)
+    taus = {p: json.loads((p / "state.json").read_text())["val"]["sim_tau"]
+            for p in run.checkpoints()}
+    best = max(taus, key=taus.get)
+    m = json.loads(run.manifest("export").read_text())
+    assert m["checkpoint"] == str(best) and m["aux_layer_ids"]["hs"] == [2, 15, 27]
+    trained = load_drafter(best).to(torch.bfloat16)
+    for fmt in E.FORMATS:
+        assert run_checks(run.export(fmt), "builtin:smollm2-135m-instruct").ok
+        loaded = E.load_drafter_dir(run.export(fmt))
+        for a, b in zip(draft_logits(trained), draft_logits(loaded)):
+            assert torch.equal(a, b)
