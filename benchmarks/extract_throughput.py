@@ -3,6 +3,8 @@
     python benchmarks/extract_throughput.py                       # SmolLM2-135M on the GPU
     python benchmarks/extract_throughput.py --model meta-llama/Llama-3.1-8B --tokens 2000000
     python benchmarks/extract_throughput.py --tiny                # any machine, a minute on CPU
+    torchrun --nproc-per-node 2 benchmarks/extract_throughput.py  # data parallel: rank r takes
+                                                                  # the shards i % W == r
 
 For the same samples, cut into the same padded batches (extract's plan: longest first,
 `--batch-tokens` per forward), it times
@@ -54,6 +56,39 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class Ranks:
+    """torchrun's ranks (or one process): barriers, max/sum over ranks, rank 0's objects."""
+
+    def __init__(self, device: str):
+        import os
+
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.local = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = f"cuda:{self.local}" if device == "cuda" and self.world > 1 else device
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if self.device.startswith("cuda"):
+                torch.cuda.set_device(torch.device(self.device))
+            dist.init_process_group("nccl" if self.device.startswith("cuda") else "gloo")
+
+    def gather(self, obj) -> list:
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        self.gather(None)
+
+    def from_rank0(self, obj):
+        return self.gather(obj)[0]
+
+
 def make_samples(n_tokens: int, min_len: int, max_len: int, vocab: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     out, total = [], 0
@@ -73,22 +108,19 @@ def write_tokens(run: Run, samples) -> None:
     w.close()
 
 
-def time_raw(model, batches, device: str, decoder_only: bool) -> float:
-    """Seconds for the plain forwards of these padded batches (after one warm-up)."""
+def run_raw(model, batches, device: str, decoder_only: bool) -> None:
+    """The plain forwards of these padded batches: the causal LM (logits over the full vocab)
+    or its decoder alone."""
     fn = model.get_decoder() if decoder_only else model
     with torch.no_grad():
-        for i, b in enumerate([batches[0]] + batches):
-            if i == 1:
-                sync(device)
-                t0 = time.perf_counter()
+        for b in batches:
             out = fn(input_ids=b.to(device), use_cache=False)
             del out
-    sync(device)
-    return time.perf_counter() - t0
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
     ap.add_argument("--tiny", action="store_true", help="a tiny random Llama, few tokens (CPU)")
     ap.add_argument("--tokens", type=int, default=None, help="tokens to extract (default 1M; "
@@ -116,10 +148,15 @@ def main() -> int:
     options = OPTIONS if a.options == "all" else \
         [tuple(o.split("/")) for o in a.options.split(",")]
 
-    work = Path(a.out or tempfile.mkdtemp(prefix="drafter-bench-"))
-    model_spec = str(tiny_model(work / "tiny-llama")) if a.tiny else a.model
+    tcfg0 = TargetConfig(model="", dtype=a.dtype, device=a.device)
+    R = Ranks(target.pick_device(tcfg0))
+    device = R.device
+    work = Path(R.from_rank0(a.out or tempfile.mkdtemp(prefix="drafter-bench-")))
+    if a.tiny and R.rank == 0:
+        tiny_model(work / "tiny-llama")
+    R.barrier()
+    model_spec = str(work / "tiny-llama") if a.tiny else a.model
     tcfg = TargetConfig(model=model_spec, dtype=a.dtype, device=a.device)
-    device = target.pick_device(tcfg)
     t0 = time.time()
     model = target.load_model(tcfg, device=device)
     load_s = time.time() - t0
@@ -133,74 +170,97 @@ def main() -> int:
 
     samples = make_samples(n_tokens, min_len, max_len, V)
     total = sum(len(s) for s in samples)
-    # the extract step's plan: shards longest first, padded forwards of <= batch_tokens
+    # the extract step's plan: shards longest first, padded forwards of <= batch_tokens; under
+    # torchrun this rank's shards, as in the step (i % W == rank)
     plans = extract.plan_shards("train", [len(s) for s in samples], shard_tokens, batch_tokens,
                                 packed=False)
-    order = [i for p in plans for i in p.rows]
+    mine = [p for p in plans if p.index % R.world == R.rank]
+    order = [i for p in mine for i in p.rows]
     padded = []
-    for p in plans:
+    for p in mine:
         for b in p.batches:
             rows = [samples[p.rows[j]] for j in b]
             x = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
             for k, r in enumerate(rows):
                 x[k, :len(r)] = r
             padded.append(x)
-    padded_tokens = sum(x.numel() for x in padded)
-    print(f"model {model_spec}: N={N} Ht={Ht} V={V} {str(model.dtype).replace('torch.', '')} "
-          f"on {device} (loaded in {load_s:.0f}s); {len(samples)} samples, {total:,} tokens "
-          f"({padded_tokens / total - 1:.1%} padding), {len(padded)} forwards of <= "
-          f"{batch_tokens} tokens, {len(plans)} shards; Vd={vd} k={a.topk}", flush=True)
+    padded_tokens = sum(R.gather(sum(x.numel() for x in padded)))
+    if R.rank == 0:
+        print(f"model {model_spec}: N={N} Ht={Ht} V={V} {str(model.dtype).replace('torch.', '')}"
+              f" on {device} x{R.world} (loaded in {load_s:.0f}s); {len(samples)} samples, "
+              f"{total:,} tokens ({padded_tokens / total - 1:.1%} padding), forwards of <= "
+              f"{batch_tokens} tokens, {len(plans)} shards; Vd={vd} k={a.topk}", flush=True)
+
+    def timed(fn) -> float:
+        """Seconds of fn() on every rank at once: from a common start to the last rank's end."""
+        R.barrier()
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        return max(R.gather(time.perf_counter() - t))
 
     rows = []
-    raw_s = time_raw(model, padded, device, decoder_only=False)
+    run_raw(model, padded[:1], device, decoder_only=False)  # warm-up
+    raw_s = timed(lambda: run_raw(model, padded, device, decoder_only=False))
     rows.append(("raw forward (logits)", total / raw_s, None, None, None))
-    dec_s = time_raw(model, padded, device, decoder_only=True)
+    dec_s = timed(lambda: run_raw(model, padded, device, decoder_only=True))
     rows.append(("decoder only", total / dec_s, None, None, None))
 
     run = Run(work / "run")
-    write_tokens(run, [samples[i] for i in range(len(samples))])
+    if R.rank == 0:
+        write_tokens(run, samples)
+    R.barrier()
     table = extract._read_table(run.tokens("train"))
-    results = {"model": model_spec, "device": device, "dtype": str(model.dtype), "Ht": Ht, "N": N,
-               "V": V, "Vd": vd, "topk": a.topk, "tokens": total, "batch_tokens": batch_tokens,
-               "shard_tokens": shard_tokens, "raw_tokens_per_s": total / raw_s,
-               "decoder_tokens_per_s": total / dec_s, "options": {}}
+    results = {"model": model_spec, "device": device, "world_size": R.world,
+               "dtype": str(model.dtype), "Ht": Ht, "N": N, "V": V, "Vd": vd, "topk": a.topk,
+               "tokens": total, "batch_tokens": batch_tokens, "shard_tokens": shard_tokens,
+               "raw_tokens_per_s": total / raw_s, "decoder_tokens_per_s": total / dec_s,
+               "options": {}}
+
+    class Bar:
+        def update(self, n):
+            pass
+
     for aux_dtype, teacher in options:
         ecfg = ExtractConfig(aux_dtype=aux_dtype, teacher=teacher, topk=a.topk,
                              batch_tokens=batch_tokens, shard_tokens=shard_tokens)
         cap = C.Capture(model, None, d2t, t2d, teacher=teacher, topk=a.topk,
                         batch_tokens=batch_tokens)
         info = {"bench": True, "aux_dtype": aux_dtype, "teacher": teacher}
-        for old in run.shards("train").glob("shard_*"):
-            old.unlink()
-        run.shards("train").mkdir(parents=True, exist_ok=True)
-        # warm-up forward outside the clock (kernels, allocator)
-        cap.run([samples[order[0]]])
+        if R.rank == 0:
+            for old in run.shards("train").glob("shard_*"):
+                old.unlink()
+            run.shards("train").mkdir(parents=True, exist_ok=True)
+        cap.run([samples[order[0]]] if order else [samples[0]])  # warm-up, outside the clock
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
-        writer = store.ShardWriter(info)
+        entries: dict = {}
 
-        class Bar:
-            def update(self, n):
-                pass
+        def work_fn():
+            writer = store.ShardWriter(info)
+            for p in mine:
+                extract._extract_shard(cap, table, p, ecfg, writer, run, Bar())
+            entries.update(writer.close())  # the last shard is on disk
 
-        sync(device)
-        t0 = time.perf_counter()
-        for p in plans:
-            extract._extract_shard(cap, table, p, ecfg, writer, run, Bar())
-        entries = writer.close()
-        secs = time.perf_counter() - t0
-        nbytes = sum(e["bytes"] for e in entries.values())
+        secs = timed(work_fn)
+        nbytes = sum(R.gather(sum(e["bytes"] for e in entries.values())))
         bpt = nbytes / total
         formula = store.bytes_per_token(Ht, len(cap.layer_ids), aux_dtype, teacher, a.topk, vd)
         ref = store.reference_bytes_per_token(Ht)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+        peak = max(R.gather(torch.cuda.max_memory_allocated() / 2**30)) \
+            if device.startswith("cuda") else None
         rows.append((f"{aux_dtype} + {teacher}", total / secs, bpt, bpt / ref, peak))
         results["options"][f"{aux_dtype}/{teacher}"] = {
             "tokens_per_s": total / secs, "vs_raw": raw_s / secs, "bytes_per_token": bpt,
             "formula_bytes_per_token": formula, "vs_reference": bpt / ref,
             "bytes": nbytes, "peak_gib": peak}
-        print(f"  {aux_dtype}+{teacher}: {total / secs:,.0f} tok/s, {bpt:.0f} B/tok", flush=True)
+        if R.rank == 0:
+            print(f"  {aux_dtype}+{teacher}: {total / secs:,.0f} tok/s, {bpt:.0f} B/tok",
+                  flush=True)
 
+    if R.rank != 0:
+        return 0
     ref = store.reference_bytes_per_token(Ht)
     print(f"\n| mode | tokens/s | vs raw forward | bytes/token | vs 8*Ht+16 = {ref} | peak GiB |")
     print("|---|---:|---:|---:|---:|---:|")
