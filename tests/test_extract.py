@@ -294,6 +294,27 @@ def test_plan_is_deterministic_and_covers_every_sample():
         assert sorted(p for bt in s.batches for p in bt) == list(range(len(s.rows)))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_extract_on_gpu_bf16(base, tmp_path):
+    """On a GPU: the step in bf16 (self-check at bf16 tolerances, async host copies), read
+    back close to the fp32 CPU run."""
+    copy_inputs(base["run"].root, tmp_path / "run")
+    cfg = C.load(base["cfg_path"], [f"run_dir={tmp_path / 'run'}", "target.device=cuda",
+                                    "target.dtype=bfloat16", "extract.aux_dtype=fp8",
+                                    "extract.teacher=topk", "extract.topk=16"])
+    out = extract.main(cfg)
+    assert out["info"]["target_dtype"] == "bfloat16" and out["self_check"]["tokens"] > 0
+    a, b = store.Reader(Run(tmp_path / "run"), "train", verify=True), store.Reader(base["run"],
+                                                                                   "train")
+    assert a.ids == b.ids
+    for i in range(0, len(a), 3):
+        x, y = a[i], b[i]
+        rel = (x["aux"].float() - y["aux"].float()).norm() / y["aux"].float().norm()
+        assert rel < 0.1                                   # fp8 of a bf16 forward vs fp32
+        assert (x["in_vocab"] == y["in_vocab"]).float().mean() > 0.9
+
+
 @pytest.mark.slow
 def test_smollm2_fp8_topk_end_to_end(tmp_path, smollm2_dir, shared_data):
     cfg_path = write_config(tmp_path / "cfg.yaml", tmp_path / "run", smollm2_dir, shared_data,

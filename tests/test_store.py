@@ -219,3 +219,20 @@ def test_equal_shards_are_equal_files_across_processes(tmp_path):
     t = {"offsets": torch.tensor([0, 3]), "aux": torch.arange(12.).reshape(3, 4)}
     store.write_shard(tmp_path / "b", t, {"c": "x", "b": [2], "a": 1}, ["s0"])
     assert store.file_sha256(tmp_path / "a") == store.file_sha256(tmp_path / "b")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_to_host_copies_on_a_side_stream(tmp_path):
+    """On a GPU: encoded batches travel to pinned host memory asynchronously; the writer waits
+    for them and the shard equals one written from CPU tensors."""
+    flat, mask = fake_capture([9, 4], "topk")
+    gpu_flat = {k: v.cuda() for k, v in flat.items()}
+    parts = [store.to_host(store.encode(gpu_flat, mask.cuda(), "fp8", VD))]
+    assert parts[0][1] is not None and parts[0][0]["aux"].is_pinned()
+    w = store.ShardWriter({})
+    w.submit(tmp_path / "a.safetensors", parts, ["x", "y"])
+    w.submit(tmp_path / "b.safetensors", [store.to_host(store.encode(flat, mask, "fp8", VD))],
+             ["x", "y"])
+    e = w.close()
+    assert e[tmp_path / "a.safetensors"]["sha256"] == e[tmp_path / "b.safetensors"]["sha256"]
