@@ -261,10 +261,10 @@ class Capture:
             aux [N, L, Ht] out_dtype, in_vocab [N] bool, and teacher_hidden [N, Ht] out_dtype or
             teacher_topk_ids [N, k] int64 + teacher_topk_logp [N, k] float32.
         All on the target's (first) device."""
-        ids = [torch.as_tensor(x, dtype=torch.long) for x in input_ids]
+        ids = [torch.as_tensor(x, dtype=torch.long).cpu() for x in input_ids]  # built on host
         lens = torch.tensor([len(x) for x in ids])
-        if (lens == 0).any():
-            raise CaptureError("capture: empty sample")
+        if not ids or (lens == 0).any():
+            raise CaptureError("capture: no samples, or an empty one")
         offsets = torch.zeros(len(ids) + 1, dtype=torch.long)
         offsets[1:] = lens.cumsum(0)
         n_tok = int(offsets[-1])
