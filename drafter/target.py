@@ -89,6 +89,7 @@ def materialise_gguf(gguf: Path, out_root: Path | None = None) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                      dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _align_special_tokens(tok, model.config)
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.hf_quantizer = None
@@ -103,6 +104,20 @@ def materialise_gguf(gguf: Path, out_root: Path | None = None) -> Path:
                                                       "size": gguf.stat().st_size})
             (tmp / "DRAFTER_COMPLETE").write_text("ok\n")
     return out
+
+
+def _align_special_tokens(tok, config) -> None:
+    """The GGUF's own bos/eos ids (tokenizer.ggml.*_token_id, read into the model config) win
+    over what the tokenizer converter guessed: transformers 5.17 turns SmolLM2's eos into
+    <|im_start|> (id 1) although the GGUF says 2 (<|im_end|>), and generation would never stop."""
+    for name in ("bos", "eos"):
+        want = getattr(config, f"{name}_token_id", None)
+        if isinstance(want, list):
+            want = want[0] if want else None
+        if isinstance(want, int) and getattr(tok, f"{name}_token_id") != want:
+            setattr(tok, f"{name}_token", tok.convert_ids_to_tokens(want))
+    if tok.pad_token_id is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
 
 
 def resolve(spec: str) -> str:

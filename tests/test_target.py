@@ -21,6 +21,8 @@ def test_builtin_materialises_loadable_folder(smollm2_dir):
     assert list(smollm2_dir.glob("*.safetensors"))
     tok = T.load_tokenizer(C.TargetConfig())
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    # the GGUF's eos (id 2, <|im_end|>) on every transformers version (5.17 guessed id 1)
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == cfg["eos_token_id"] == 2
 
 
 def test_logits_match_gguf(smollm2_dir):
