@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter import config as C  # noqa: E402
 from drafter import pipeline  # noqa: E402
-from drafter.rundir import Run, read_json  # noqa: E402
+from drafter.rundir import Run  # noqa: E402
 
 OPTIONS = [("bf16", "hidden"), ("bf16", "topk"), ("fp8", "hidden"), ("fp8", "topk")]
 UPSTREAM = ["prepare", "generate", "tokenize", "vocab"]
@@ -31,7 +31,6 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 def tiny_config(out: Path) -> tuple[Path, list[str]]:
     """A tiny random Llama with the SmolLM2 tokenizer on ShareGPT answers (no generation)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.tiny import make_tiny
     from drafter.target import resolve
 
