@@ -206,45 +206,37 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def check_shard(path: Path, ids: list[str] | None = None, sha256: str | None = None,
+def check_shard(path: Path, ids: list[str] | None = None, entry: dict | None = None,
                 info: dict | None = None) -> dict | None:
-    """The index entry of a good shard, or None when it is missing or corrupt. With `sha256`
-    (from the index) the file hash decides; without it the shard verifies its own content hash.
-    `ids`: the sample ids the shard must hold (the plan of this run); `info`: its options."""
-    from safetensors.torch import load
-
+    """The index entry of a good shard, or None when it is missing, corrupt, or not the planned
+    one. The header must name these sample `ids` and options `info`; then the file's sha256 must
+    match `entry` (from the index), or without an entry (a kill before the index was written)
+    the tensors must match the content hash in the header."""
     path = Path(path)
-    if not path.is_file():
-        return None
-    blob = path.read_bytes()
-    digest = hashlib.sha256(blob).hexdigest()
-    if sha256 is not None and digest != sha256:
-        return None
     try:
-        tensors = load(blob)
-        meta = _metadata(blob)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            meta = json.loads(json.loads(f.read(n))["__metadata__"]["drafter"])
         if meta.get("format") != FORMAT:
             return None
-        # the file hash from the index covers everything; without it, the content hash
-        if sha256 is None and meta.get("content_sha256") != content_sha256(tensors):
+        if ids is not None and meta["ids"] != list(ids):
             return None
-        got_ids = meta["ids"]
-        got_info = meta["info"]
-    except Exception:
-        return None
-    if ids is not None and got_ids != list(ids):
-        return None
-    if info is not None and got_info != json.loads(json.dumps(info, sort_keys=True)):
+        if info is not None and meta["info"] != json.loads(json.dumps(info, sort_keys=True)):
+            return None
+        if entry is not None:
+            return entry if file_sha256(path) == entry["sha256"] else None
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if content_sha256(tensors) != meta["content_sha256"]:
+            return None
+    except Exception:  # unreadable, truncated, not safetensors, not ours
         return None
     offsets = tensors["offsets"].tolist()
-    return {"file": path.name, "sha256": digest, "bytes": len(blob), "num_samples": len(got_ids),
-            "num_tokens": offsets[-1], "ids": got_ids,
+    return {"file": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size,
+            "num_samples": len(meta["ids"]), "num_tokens": offsets[-1], "ids": meta["ids"],
             "lengths": [b - a for a, b in zip(offsets[:-1], offsets[1:])]}
-
-
-def _metadata(blob: bytes) -> dict:
-    n = int.from_bytes(blob[:8], "little")
-    return json.loads(json.loads(blob[8:8 + n])["__metadata__"]["drafter"])
 
 
 _copy_streams: dict = {}

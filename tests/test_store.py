@@ -140,13 +140,13 @@ def test_corrupt_shard_is_detected_with_and_without_the_index(tmp_path):
     index = write_split(run, "train", src, "fp8")
     p = run.shard("train", 1)
     entry = index["shards"][1]
-    assert store.check_shard(p, entry["ids"], entry["sha256"]) == entry
+    assert store.check_shard(p, entry["ids"], entry) == entry
     assert store.check_shard(p, entry["ids"]) == entry          # self-verification
     assert store.check_shard(p, ["other"]) is None              # not the planned samples
     blob = bytearray(p.read_bytes())
     blob[-100] ^= 0xFF                                          # one bit pattern in the data
     p.write_bytes(bytes(blob))
-    assert store.check_shard(p, entry["ids"], entry["sha256"]) is None
+    assert store.check_shard(p, entry["ids"], entry) is None
     assert store.check_shard(p, entry["ids"]) is None            # content hash catches it too
     r = store.Reader(run, "train")
     assert r.verify() == [p]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -242,25 +243,29 @@ def _done_shards(run: Run, mine: list[Shard], tables: dict, info: dict, d: Dist)
         p = run.shard_index(split)
         if p.exists():
             try:
-                old.update({(split, e["file"]): e["sha256"]
-                            for e in store.read_index(p)["shards"]})
+                old.update({(split, e["file"]): e for e in store.read_index(p)["shards"]})
             except store.ShardError:
                 pass
-    kept, todo, redone = {}, [], 0
     present = [s for s in mine if run.shard(s.split, s.index).exists()]
-    for s in tqdm(mine, desc="extract: verify", unit=" shard", mininterval=1.0,
-                  disable=d.rank != 0 or not present):
+
+    def check(s: Shard):
         p = run.shard(s.split, s.index)
-        if p.exists():
-            ids = tables[s.split].column("id").take(s.rows).to_pylist()
-            e = store.check_shard(p, ids, old.get((s.split, p.name)), info)
+        ids = tables[s.split].column("id").take(s.rows).to_pylist()
+        return s, store.check_shard(p, ids, old.get((s.split, p.name)), info)
+
+    kept, redone = {}, 0
+    # hashing and reads release the GIL: verify several shards at once
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for s, e in tqdm(pool.map(check, present), total=len(present), desc="extract: verify",
+                         unit=" shard", mininterval=1.0, disable=d.rank != 0 or not present):
             if e is not None:
                 kept[(s.split, s.index)] = e
                 continue
+            p = run.shard(s.split, s.index)
             log.warning("extract: %s is corrupt or from other options: redoing it", p)
             p.unlink()
             redone += 1
-        todo.append(s)
+    todo = [s for s in mine if (s.split, s.index) not in kept]
     return kept, todo, redone
 
 
