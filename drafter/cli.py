@@ -1,6 +1,6 @@
 """The `drafter` command: parse arguments, dispatch through a plain dict, print errors plainly.
 
-    drafter run CONFIG [key=value ...] [--force]    every step in order
+    drafter run CONFIG [key=value ...] [--force] [--until STEP]   every step in order
     drafter STEP CONFIG [key=value ...] [--force]   one step (prepare ... evaluate)
     drafter status RUN_DIR [--json]                 each step's state
     drafter config CONFIG [key=value ...]           the resolved config
@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import logging
@@ -54,10 +55,21 @@ def cmd_step(args) -> int:
 
     cfg = _load(args)
     if args.command == "run":
-        pipeline.run_all(cfg, force=args.force)
+        steps = STEPS[: STEPS.index(args.until) + 1] if args.until else None
+        pipeline.run_all(cfg, force=args.force, steps=steps)
     else:
         pipeline.run_step(cfg, args.command, force=args.force)
     return 0
+
+
+def _dur(s: float | None) -> str:
+    if s is None:
+        return ""
+    return f"{s:.1f}s" if s < 90 else f"{s / 60:.1f}m" if s < 5400 else f"{s / 3600:.1f}h"
+
+
+def _mib(n: int) -> str:
+    return "" if not n else f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
 def cmd_status(args) -> int:
@@ -67,14 +79,16 @@ def cmd_status(args) -> int:
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
-    print(f"run: {st['run_dir']}")
+    pid = f" (drafter PID {st['running_pid']} working in it)" if st["running_pid"] else ""
+    print(f"run: {st['run_dir']}{pid}")
     for s in st["steps"]:
-        secs = f"{s['seconds']:.1f}s" if s["seconds"] is not None else ""
         counts = " ".join(f"{k}={v}" for k, v in s["counts"].items())
-        mb = f"{s['bytes'] / 2**20:.1f} MiB" if s["bytes"] else ""
-        print(f"  {s['name']:<9} {s['state']:<8} {secs:>9} {mb:>12}  {counts}")
+        tps = f" {s['tokens_per_s']:,.0f} tok/s" if s.get("tokens_per_s") else ""
+        print(f"  {s['name']:<9} {s['state']:<11} {_dur(s['seconds']):>8} "
+              f"{_mib(s['bytes']):>12}  {counts}{tps}")
         if s.get("error"):
             print(f"            error: {s['error']}")
+    print(f"  {'total':<9} {'':<11} {_dur(st['seconds']):>8} {_mib(st['bytes']):>12}")
     return 0
 
 
@@ -133,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                         epilog=_config_epilog(), formatter_class=fmt)
     with_config(sp)
     sp.add_argument("--force", action="store_true", help="redo every step")
+    sp.add_argument("--until", choices=STEPS, metavar="STEP",
+                    help="stop after this step (e.g. --until train)")
     sp.set_defaults(fn=cmd_step)
     for step in STEPS:
         sp = sub.add_parser(step, help=STEP_HELP[step], epilog=_config_epilog(),
@@ -179,6 +195,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_FULL = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
+         errno.EFBIG: "File too large (a file-size limit: `ulimit -f`)"}
+
+
+def _disk_full(e: BaseException | None) -> str | None:
+    """'No space left on device' (+ the file) when `e` or an exception in its chain is a full
+    disk, a quota or RLIMIT_FSIZE: an OSError, or a library's wrapper of one that keeps only the
+    text (safetensors' SafetensorError says '... (os error 28)')."""
+    import re
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL:
+            return _FULL[e.errno] + (f" writing {e.filename}" if e.filename else "")
+        m = re.search(r"\(os error (\d+)\)", str(e))
+        if m and int(m.group(1)) in _FULL:
+            return _FULL[int(m.group(1))]
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
@@ -187,16 +225,33 @@ def setup_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides after an option (`drafter run CFG --until train a.b=1`): argparse stops the
+    # positional list at the option, so the rest comes back here
+    if extra:
+        if not hasattr(args, "overrides") or any("=" not in x or x.startswith("-") for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     setup_logging()
     try:
         return args.fn(args)
     except (DrafterError, NotImplementedError, FileNotFoundError) as e:
         print(f"drafter: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("drafter: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+    except Exception as e:
+        full = _disk_full(e)
+        if full is None:
+            raise
+        # a full disk (or RLIMIT_FSIZE): every write is atomic, so only complete files remain
+        print(f"drafter: error: {full}. The run directory holds only complete files: free "
+              f"space (or move run_dir), then rerun the same command to resume; `drafter plan "
+              f"CONFIG` estimates the space a run needs.", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        # the step's folder is consistent (temp files go, completed parts stay): a rerun resumes
+        print(f"drafter: {e or 'interrupted'}; rerun the same command to resume", file=sys.stderr)
+        return 128 + getattr(e, "signum", 2)
 
 
 if __name__ == "__main__":

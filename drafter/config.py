@@ -266,7 +266,7 @@ class PlanConfig:
     generate_tokens_per_s: float | None = doc(None, "generated tokens/s of the whole server; "
                                               "default: measured, else a bandwidth estimate")
     tokenize_tokens_per_s: float | None = doc(None, "tokens/s of tokenize (all workers); "
-                                              "default: measured, else 20000 per worker")
+                                              "default: measured, else 50000 per worker")
     extract_tokens_per_s: float | None = doc(None, "extract tokens/s per GPU; default: "
                                              "measured, else a FLOP estimate")
     train_tokens_per_s: float | None = doc(None, "train tokens/s per GPU; default: measured, "

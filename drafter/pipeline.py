@@ -1,4 +1,4 @@
-"""Step order, the skip/stale logic, and what happens between steps.
+"""Step order, the skip/stale logic, and what happens between steps (docs/operations.md).
 
 A step's fingerprint is the hash of the config sections it depends on (rundir.SECTIONS) plus the
 hashes of its inputs' manifests (rundir.INPUTS). Running a step:
@@ -6,22 +6,35 @@ hashes of its inputs' manifests (rundir.INPUTS). Running a step:
 - inputs missing      -> MissingInput naming the step that makes them;
 - manifest matches    -> skipped (unless force);
 - a partial folder from an interrupted run with the same fingerprint -> the step resumes in it;
-- otherwise (config or inputs changed, or force) -> the folder is cleared and the step runs.
+- otherwise (config or inputs changed, or force) -> the folder is renamed away and deleted, and
+  the step runs.
 
 Each step's `main(cfg)` returns a dict of counts (and optional extras); this module writes
-`manifest.json` with counts, timings and package versions, or `failed.json` on an error.
+`manifest.json` with counts, timings and package versions, or `failed.json` on an error or a
+signal. Around that:
+
+- one drafter process per run dir (an flock on RUN_DIR/.lock, released by the kernel on kill -9);
+- SIGTERM and SIGHUP unwind a step like Ctrl-C, so servers stop and folders stay resumable;
+- under torchrun only rank 0 touches the folder; the other ranks wait for its decision;
+- `run_all`: the generation server lives inside generate; before the next step that loads the
+  target on a GPU, GPU memory must be back at its level from before generate (NVML), or the
+  error names the PIDs holding it. drafter never kills a process it did not start.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
+import os
 import platform
 import shutil
 import signal
 import time
 from typing import Callable
 
+from . import DrafterError
 from . import config as C
 from .rundir import INPUTS, SECTIONS, STEPS, MissingInput, Run, atomic_json, atomic_write, \
     dir_bytes, read_json
@@ -77,67 +90,230 @@ def fingerprint(cfg, run: Run, step: str) -> dict:
     return {"config": config_hash(cfg, step), "inputs": inputs}
 
 
-def state(cfg, run: Run, step: str, _memo: dict | None = None) -> str:
-    """done / stale / pending / failed (a step is stale when any input is)."""
+def state(cfg, run: Run, step: str, _memo: dict | None = None, running: bool = False) -> str:
+    """done / stale / pending / failed / interrupted / running (a step is stale when any input
+    is not done). `running`: a drafter process holds the run dir's lock now."""
     memo = {} if _memo is None else _memo
     if step in memo:
         return memo[step]
     if run.failed(step).exists():
-        s = "failed"
+        try:
+            s = "interrupted" if read_json(run.failed(step)).get("interrupted") else "failed"
+        except (OSError, json.JSONDecodeError):
+            s = "failed"
     elif not run.manifest(step).exists():
-        s = "pending"
+        # started.json without a manifest: the step runs now, or its process was killed
+        s = ("running" if running else "interrupted") if run.started(step).exists() else "pending"
     else:
         m = read_json(run.manifest(step))
         try:
             fp = fingerprint(cfg, run, step)
         except MissingInput:
             fp = None
-        upstream_stale = any(state(cfg, run, d, memo) in ("stale", "pending", "failed")
-                             for d in INPUTS[step])
+        upstream_stale = any(state(cfg, run, d, memo, running) != "done" for d in INPUTS[step])
         s = "done" if fp == m.get("fingerprint") and not upstream_stale else "stale"
     memo[step] = s
     return s
 
 
-def _raise_on_sigterm():
-    """SIGTERM behaves like Ctrl-C: steps unwind (servers stop, files stay consistent)."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+# ------------------------------------------------------------------------------------ signals
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C so that every `finally` runs (servers stop, temp
+    files go, failed.json is written); `signum` gives the exit status 128 + signum."""
 
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _install_signal_handlers() -> None:
+    """SIGTERM (kill, schedulers, torchrun) and SIGHUP (a closed terminal) behave like Ctrl-C:
+    steps unwind and leave their folder consistent for a rerun to resume. A second signal while
+    unwinding is not caught again (the default: the process ends; the folder stays resumable)."""
+    def handler(signum, frame):
+        signal.signal(signum, signal.SIG_DFL)
+        raise Interrupted(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(sig, handler)
+        except ValueError:  # not the main thread (tests calling steps from threads)
+            pass
+
+
+# ------------------------------------------------------------------------------------ locking
+_LOCKS: dict[str, list] = {}   # run dir -> [open lock file, depth]: reentrant within a process
+
+
+@contextlib.contextmanager
+def run_lock(run: Run):
+    """One drafter process at a time in a run directory (flock: released by the kernel when the
+    process dies, even by kill -9). Raises RunBusy naming the holder's PID."""
+    key = str(run.root.resolve())
+    held = _LOCKS.get(key)
+    if held is not None:
+        held[1] += 1
+        try:
+            yield
+        finally:
+            held[1] -= 1
+        return
+    run.root.mkdir(parents=True, exist_ok=True)
+    f = open(run.lock(), "a+")
     try:
-        signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        pass
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise RunBusy(f"{run.root} is in use by another drafter process (PID {pid}); wait for "
+                      f"it or stop it (`drafter status {run.root}` shows its progress)") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _LOCKS[key] = [f, 1]
+    try:
+        yield
+    finally:
+        del _LOCKS[key]
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
+def lock_holder(run: Run) -> int | None:
+    """PID of the drafter process working in `run` now, or None."""
+    p = run.lock()
+    if not p.exists():
+        return None
+    with open(p) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            text = f.read().strip()
+            return int(text) if text.isdigit() else -1
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
+class RunBusy(DrafterError):
+    pass
+
+
+# ----------------------------------------------------------------------------------- torchrun
+def _rank_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _rank_store():
+    """torchrun's agent store (a TCPStore client; every rank is a client, so this never takes
+    the port that the process group uses), or None outside torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                    timeout=timedelta(seconds=RANK_WAIT_S))
+
+
+# Rank 0 may spend minutes clearing a stale folder of shards before the others may start.
+RANK_WAIT_S = 3600
+
+
+def _rank_key(step: str) -> str:
+    return f"drafter/pipeline/{step}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+# ------------------------------------------------------------------------------------ one step
+def _clear(run: Run, step: str) -> None:
+    """Remove a step folder atomically: rename it out of the way, then delete the renamed one
+    (a kill mid-delete leaves a `.trash-*` folder that the next run removes, never a half
+    folder that looks like the step's)."""
+    d = run.step_dir(step)
+    trash = run.trash(step)
+    os.replace(d, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _clean_trash(run: Run) -> None:
+    for t in run.trash_dirs():
+        shutil.rmtree(t, ignore_errors=True)
+
+
+def _release_memory() -> None:
+    """Give back what a finished step left cached on the GPU (the next step's preflight counts
+    free memory, and a server started next needs it)."""
+    import gc
+    import sys
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        torch.cuda.ipc_collect()
+
+
+def up_to_date(run: Run, step: str, fp: dict) -> dict | None:
+    """The step's manifest when it matches `fp` and the step has not failed since, else None."""
+    if run.manifest(step).exists() and not run.failed(step).exists():
+        m = read_json(run.manifest(step))
+        if m.get("fingerprint") == fp:
+            return m
+    return None
 
 
 def run_step(cfg, step: str, force: bool = False) -> dict:
-    """Run one step unless its manifest is up to date. Returns the manifest."""
+    """Run one step unless its manifest is up to date. Returns the manifest.
+
+    Under torchrun every rank calls this: rank 0 alone decides, clears or keeps the folder and
+    writes started.json, manifest.json and failed.json; the other ranks wait for its decision
+    (through torchrun's store) and then run the step with it."""
     assert step in STEPS, step
     run = Run.of(cfg)
+    rank, world = _rank_world()
+    if rank != 0:
+        return _follow(cfg, run, step, force)
+    with run_lock(run):
+        return _lead(cfg, run, step, force, world)
+
+
+def _lead(cfg, run: Run, step: str, force: bool, world: int) -> dict:
     d = run.step_dir(step)
     fp = fingerprint(cfg, run, step)
-    if not force and run.manifest(step).exists() and not run.failed(step).exists():
-        m = read_json(run.manifest(step))
-        if m.get("fingerprint") == fp:
-            log.info("%s: up to date, skipped (use --force to redo)", step)
-            return m
+    store = _rank_store() if world > 1 else None
+    m = None if force else up_to_date(run, step, fp)
+    if m is not None:
+        log.info("%s: up to date, skipped (use --force to redo)", step)
+        if store is not None:
+            store.set(_rank_key(step), "skip")
+        return m
+    _clean_trash(run)
     # A partial folder belongs to this fingerprint only if started.json says so; else clear it.
     if d.exists():
         same = run.started(step).exists() and read_json(run.started(step)).get("fingerprint") == fp
         if force or not same or run.manifest(step).exists():
-            shutil.rmtree(d)
+            _clear(run, step)
+        else:
+            log.info("%s: resuming the partial output in %s", step, d)
     d.mkdir(parents=True, exist_ok=True)
-    atomic_json(run.started(step), {"fingerprint": fp, "time": time.time()})
-    run.root.mkdir(parents=True, exist_ok=True)
+    run.failed(step).unlink(missing_ok=True)
+    atomic_json(run.started(step), {"fingerprint": fp, "time": time.time(), "pid": os.getpid()})
     atomic_write(run.config_snapshot(), C.dump(cfg))
-    _raise_on_sigterm()
+    if store is not None:
+        store.set(_rank_key(step), "run")
+    _install_signal_handlers()
     log.info("%s: running", step)
     t0 = time.time()
     try:
         result = _step_fn(step)(cfg) or {}
     except BaseException as e:
-        atomic_json(run.failed(step), {"error": f"{type(e).__name__}: {e}", "time": time.time()})
+        _write_failed(run, step, e)
         raise
+    finally:
+        _release_memory()
     seconds = time.time() - t0
     manifest = {
         "step": step,
@@ -154,34 +330,179 @@ def run_step(cfg, step: str, force: bool = False) -> dict:
     return manifest
 
 
+def _follow(cfg, run: Run, step: str, force: bool) -> dict:
+    """A torchrun rank > 0: wait for rank 0's decision on the folder, then do the same."""
+    store = _rank_store()
+    if store is not None:
+        decision = store.get(_rank_key(step)).decode()
+    else:  # launched by hand with RANK/WORLD_SIZE: rank 0 cannot be waited for; trust the files
+        fp = fingerprint(cfg, run, step)
+        decision = "run" if force or up_to_date(run, step, fp) is None else "skip"
+    if decision == "skip":
+        return read_json(run.manifest(step))
+    _install_signal_handlers()
+    try:
+        result = _step_fn(step)(cfg) or {}
+    except BaseException as e:
+        if not run.failed(step).exists():  # rank 0's own error, if any, says more
+            _write_failed(run, step, e)
+        raise
+    finally:
+        _release_memory()
+    return {"step": step, "counts": result.pop("counts", {}), **result}
+
+
+def _write_failed(run: Run, step: str, e: BaseException) -> None:
+    interrupted = isinstance(e, KeyboardInterrupt)
+    if interrupted:
+        msg = str(e) or "interrupted by SIGINT (Ctrl-C)"
+    else:
+        msg = f"{type(e).__name__}: {e}"
+    try:
+        atomic_json(run.failed(step), {"error": msg, "interrupted": interrupted,
+                                       "time": time.time(), "pid": os.getpid()})
+    except OSError as err:  # a full disk must not hide the step's own error
+        log.warning("%s: could not write %s: %s", step, run.failed(step), err)
+
+
+# ------------------------------------------------------------------------- the whole pipeline
+# Steps that load the target on a GPU (train only in online mode): before they start, the memory
+# that generate's server held must be back.
+def loads_target(cfg, step: str) -> bool:
+    return step in ("extract", "evaluate") and not (step == "extract" and cfg.train.online) or \
+        (step == "train" and cfg.train.online)
+
+
+def starts_server(cfg) -> bool:
+    """generate runs the target on this machine (a server drafter starts, or in-process)."""
+    return cfg.generate.enabled and cfg.generate.server.engine != "external"
+
+
+# GPU memory back "at baseline" allows this much more use than before generate (the driver's own
+# bookkeeping, and drafter's CUDA context where NVML cannot attribute it).
+GPU_SLACK = 1 << 30
+
+
+class GpuNotReleased(DrafterError):
+    """GPU memory is still held after generate, by processes drafter did not start or cannot
+    stop; the message names them."""
+
+
+def _gpu_snapshot():
+    from . import gpu
+
+    return gpu.devices()
+
+
+def wait_gpu_released(baseline: list, timeout: float, what: str = "the next step",
+                      snapshot: Callable | None = None, poll: float = 1.0,
+                      sleep: Callable | None = None, own: set[int] | None = None) -> dict:
+    """Wait (at most `timeout` s) until every GPU of `baseline` (gpu.devices() taken before
+    generate started its server) is back at its used memory (+GPU_SLACK, not counting this
+    process's own) and no process that appeared since holds memory. Returns the last check;
+    raises GpuNotReleased naming the PIDs. Never kills anything."""
+    from . import gpu
+
+    snapshot = snapshot or _gpu_snapshot
+    sleep = sleep or time.sleep
+    own = gpu.related_pids() if own is None else own
+    base = {g.index: g for g in baseline}
+    base_pids = {p.pid for g in baseline for p in g.processes}
+    waited = 0.0  # counted in polls, not wall time: NVML calls are quick
+    while True:
+        problems = []
+        for g in snapshot():
+            b = base.get(g.index)
+            if b is None:
+                continue
+            ours = sum(p.used_bytes or 0 for p in g.processes if p.pid in own)
+            new = [p for p in g.processes if p.pid not in base_pids and p.pid not in own]
+            extra = g.used - ours - b.used
+            if new or extra > GPU_SLACK:
+                problems.append({"gpu": g.index, "extra_bytes": extra, "holders": [
+                    {"pid": p.pid, "name": p.name, "bytes": p.used_bytes, "new": p in new}
+                    for p in g.processes if p.pid not in own]})
+        if not problems:
+            if waited:
+                log.info("GPU memory back at its level before generate after %.0fs", waited)
+            return {"ok": True, "waited": waited}
+        if waited >= timeout:
+            lines = []
+            for pr in problems:
+                lines.append(f"GPU {pr['gpu']}: {pr['extra_bytes'] / gpu.GiB:+.1f} GiB used "
+                             f"compared with before generate")
+                for h in pr["holders"]:
+                    mem = f"{h['bytes'] / gpu.GiB:.1f} GiB" if h["bytes"] else "memory"
+                    since = " (appeared during generate)" if h["new"] else ""
+                    lines.append(f"  PID {h['pid']} ({h['name']}) holds {mem}{since}")
+            raise GpuNotReleased(
+                f"GPU memory is not back at its level before generate after {timeout:.0f}s, so "
+                f"{what} would run out of memory:\n  " + "\n  ".join(lines) + "\ndrafter never "
+                "kills a process it did not start: stop them yourself, then rerun the same "
+                "command (finished steps are kept).")
+        sleep(poll)
+        waited += poll
+
+
 def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[dict]:
-    """Run every step in order (each skipped when up to date)."""
+    """Run every step in order (each skipped when up to date). The generation server lives
+    only inside generate; before the first later step that loads the target on a GPU, the GPU
+    memory must be back at its level from before generate."""
+    run = Run.of(cfg)
     out = []
-    for step in steps or STEPS:
-        out.append(run_step(cfg, step, force=force))
+    baseline = None
+    with run_lock(run):
+        for step in steps or STEPS:
+            will_run = force or _will_run(cfg, run, step)
+            if step == "generate" and will_run and starts_server(cfg):
+                baseline = _gpu_snapshot() or None   # None on a machine without GPU
+            if baseline is not None and will_run and loads_target(cfg, step):
+                wait_gpu_released(baseline, timeout=max(60.0, 2 * cfg.generate.server.stop_timeout),
+                                  what=f"drafter {step}")
+                baseline = None
+            out.append(run_step(cfg, step, force=force))
     return out
 
 
+def _will_run(cfg, run: Run, step: str) -> bool:
+    try:
+        return up_to_date(run, step, fingerprint(cfg, run, step)) is None
+    except MissingInput:
+        return True  # an earlier step of this run makes it
+
+
 def status(run_dir) -> dict:
-    """{"steps": [{"name", "state", "dir", "counts", "seconds", "bytes"}]} for `drafter status`."""
+    """{"run_dir", "running_pid", "bytes", "seconds", "steps": [{"name", "state", "dir",
+    "counts", "seconds", "bytes", "started", "tokens_per_s"?, "error"?}]} for `drafter status`.
+    A running step's seconds are the time since it started (this invocation)."""
     run = Run(run_dir)
     snap = run.config_snapshot()
     if not snap.exists():
         raise FileNotFoundError(f"{run.root} is not a drafter run directory (no config.yaml)")
     cfg = C.load(snap)
+    pid = lock_holder(run)
     memo: dict = {}
     rows = []
     for step in STEPS:
         m = read_json(run.manifest(step)) if run.manifest(step).exists() else {}
-        row = {
-            "name": step,
-            "state": state(cfg, run, step, memo),
-            "dir": str(run.step_dir(step)),
-            "counts": m.get("counts", {}),
-            "seconds": m.get("seconds"),
-            "bytes": dir_bytes(run.step_dir(step)),
-        }
+        st = state(cfg, run, step, memo, running=pid is not None)
+        started = m.get("started")
+        if not m and run.started(step).exists():
+            with contextlib.suppress(OSError, json.JSONDecodeError):
+                started = read_json(run.started(step)).get("time")
+        seconds = m.get("seconds")
+        if st == "running" and started:
+            seconds = round(time.time() - started, 1)
+        row = {"name": step, "state": st, "dir": str(run.step_dir(step)),
+               "counts": m.get("counts", {}), "seconds": seconds,
+               "bytes": dir_bytes(run.step_dir(step)), "started": started}
+        tps = m.get("tokens_per_s") or (m.get("throughput") or {}).get("completion_tokens_per_s")
+        if tps:
+            row["tokens_per_s"] = tps
         if run.failed(step).exists():
-            row["error"] = read_json(run.failed(step)).get("error")
+            with contextlib.suppress(OSError, json.JSONDecodeError):
+                row["error"] = read_json(run.failed(step)).get("error")
         rows.append(row)
-    return {"run_dir": str(run.root), "steps": rows}
+    return {"run_dir": str(run.root), "running_pid": pid,
+            "bytes": sum(r["bytes"] for r in rows),
+            "seconds": round(sum(r["seconds"] or 0 for r in rows), 3), "steps": rows}

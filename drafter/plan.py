@@ -40,8 +40,10 @@ GiB = 1 << 30
 # ~4 characters per token for English text with BPE vocabularies of 32k-160k ids (OpenAI's rule
 # of thumb; SmolLM2 measures 4.3 on the shared gsm8k answers). Used only before tokenize ran.
 CHARS_PER_TOKEN = 4.0
-# tokenize throughput per worker when nothing is measured (chat template + fast tokenizer).
-TOKENIZE_TOKENS_PER_S_PER_WORKER = 20_000
+# tokenize throughput per worker when nothing is measured (chat template + fast tokenizer):
+# `python benchmarks/bench_data.py --tiny` measured 51k tokens/s with one worker on a shared
+# 2-core CPU (SmolLM2 tokenizer, 1.7 M tokens).
+TOKENIZE_TOKENS_PER_S_PER_WORKER = 50_000
 # Free space kept in reserve below which a disk warning fires.
 DISK_MARGIN = 0.05
 # Usable share of a GPU's memory (the CUDA context, NCCL buffers and the allocator take the rest).
@@ -475,9 +477,9 @@ def times(cfg, f: dict) -> list[dict]:
                                         gpus if cfg.extract.tp else 1),
     }
     per_gpu = {"extract", "train"}  # the others: one server / one process
-    n_train = data["train"]["tokens"] * tc.epochs
-    if tc.max_steps is not None:
-        n_train = min(n_train, tc.max_steps * tc.batch_tokens * tc.grad_accum * gpus)
+    # train.max_steps wins over epochs (train then runs as many epochs as it takes)
+    n_train = data["train"]["tokens"] * tc.epochs if tc.max_steps is None else \
+        tc.max_steps * tc.batch_tokens * tc.grad_accum * gpus
     prompts = sum(d.max_prompts or 80 for d in cfg.evaluate.datasets)
     work = {
         "generate": data["generated_tokens"] if cfg.generate.enabled else 0,
@@ -552,6 +554,10 @@ def _size(n: float | None) -> str:
     return f"{int(n)} B"
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.1f} B" if n >= 1e9 else f"{n / 1e6:,.1f} M"
+
+
 def _dur(s: float | None) -> str:
     if s is None:
         return "?"
@@ -572,8 +578,8 @@ def render(plan: dict) -> str:
         f"target   {t['source']}",
         f"         {t['architecture']}: {t['num_layers']} layers, hidden {t['hidden_size']:,}, "
         f"vocab {t['vocab_size']:,}{moe}{', MLA' if t['mla'] else ''}",
-        f"         {t['params']:,} parameters ({t['params'] / 1e9:,.1f} B; "
-        f"{t['active_params'] / 1e9:,.1f} B active per token); "
+        f"         {t['params']:,} parameters ({_count(t['params'])}; "
+        f"{_count(t['active_params'])} active per token); "
         f"weights at {t['dtype']}: {_size(t['weights_bytes'])}",
         f"data     {d['samples']:,} samples (train {d['train']['samples']:,}, val "
         f"{d['val']['samples']:,}), {d['tokens']:,} tokens, {d['masked_tokens']:,} "

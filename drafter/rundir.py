@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -85,6 +86,17 @@ class Run:
 
     def config_snapshot(self) -> Path:
         return self.root / "config.yaml"
+
+    def lock(self) -> Path:
+        """flock'ed by the drafter process working in this run dir; holds its PID."""
+        return self.root / ".lock"
+
+    def trash(self, step: str) -> Path:
+        """Where a step folder is renamed before it is deleted (pipeline._clear)."""
+        return self.root / f".trash-{step}-{os.getpid()}-{time.time_ns()}"
+
+    def trash_dirs(self) -> list[Path]:
+        return sorted(self.root.glob(".trash-*")) if self.root.exists() else []
 
     def require(self, path: Path, step: str) -> Path:
         """Return `path`, or raise MissingInput naming the step that makes it."""

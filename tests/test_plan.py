@@ -171,6 +171,10 @@ def test_measured_tokens_and_throughputs_win(tmp_path, monkeypatch):
     assert rows["train"]["tokens"] == 21 * 2
     opt = next(o for o in plan["storage"]["options"] if o["chosen"])
     assert opt["bytes"] == 25 * (6 + 8 * H)
+    # train.max_steps wins over epochs: steps x batch tokens x accumulation x GPUs
+    cfg = C.load(KIMI_YAML, [f"run_dir={tmp_path}", "train.max_steps=10", "train.grad_accum=2"])
+    rows = {r["step"]: r for r in P.make_plan(cfg)["time"]}
+    assert rows["train"]["tokens"] == 10 * 16384 * 2 * 8
 
 
 def test_gguf_target_reads_metadata_only(tmp_path, monkeypatch):
