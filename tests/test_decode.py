@@ -44,7 +44,7 @@ class RefDrafter:
     def _logits(self, pos):  # logits for the token at position pos + 2
         idx = (pos + 2).clamp(max=self.ref.shape[1] - 1)
         right = self.ref.gather(1, idx.reshape(idx.shape[0], -1)).reshape(pos.shape)
-        lg = torch.zeros(*pos.shape, self.vocab_size)
+        lg = torch.zeros(*pos.shape, self.vocab_size, device=pos.device)
         if self.mode == "wrong":
             return lg.scatter(-1, right[..., None], float("-inf"))
         lg = lg.scatter(-1, right[..., None], 10.0)
@@ -346,3 +346,34 @@ def test_tiny_architectures_plain_and_speculative(arch, tmp_path):
                                                             model.config.vocab_size, "noisy"),
                         tree=TreeSpec(3, 2, 5))
     assert [o.tokens for o in spec] == want
+
+
+# ------------------------------------------------------------------------------------ GPU only
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_give_the_eager_tokens(smollm2_dir):
+    """On a GPU (float32, so that eager and graph runs are comparable token for token): captured
+    steps (plain, chain, tree, sampling shapes) give the eager tokens, and graphs are really used
+    (no fallback). `pytest -m gpu tests/test_decode.py`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).cuda().eval()
+    torch.manual_seed(0)
+    prompts = [torch.randint(100, 40000, (n,)).tolist() for n in (40, 300, 7)]
+    eager, graphed = Decoder(model, max_batch=3, cuda_graphs=False), \
+        Decoder(model, max_batch=3, cuda_graphs=True)
+    plain = eager.generate(prompts, 40)
+    assert [o.tokens for o in graphed.generate(prompts, 40)] == [o.tokens for o in plain]
+    ref = _ref(prompts, plain).cuda()  # the test drafter stays on the GPU: capturable
+    for tree in (TreeSpec.chain(5), TreeSpec(4, 4, 16)):
+        for P in (RefDrafter(ref, model.config.vocab_size, "noisy"),
+                  EagleDraft(_tiny_drafter(model.config, Vd=4096))):
+            want = eager.generate(prompts, 40, proposer=P, tree=tree)
+            got = graphed.generate(prompts, 40, proposer=P, tree=tree)
+            assert [o.tokens for o in got] == [o.tokens for o in want] == \
+                [o.tokens for o in plain]
+            assert [o.hist for o in got] == [o.hist for o in want]
+    assert graphed.graphs.enabled and graphed.graphs.graphs, "graph capture fell back to eager"
+    outs = graphed.generate(prompts, 16, proposer=EagleDraft(_tiny_drafter(model.config)),
+                            tree=TreeSpec(3, 3, 8), temperature=0.8)
+    assert all(1 <= len(o.tokens) <= 16 for o in outs) and graphed.graphs.enabled

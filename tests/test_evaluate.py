@@ -28,18 +28,21 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def _drafter_dir(smollm2_dir, out: Path, seed: int, native: bool = False) -> Path:
-    """A random drafter for SmolLM2: a checkpoint dir (save_drafter), or an exported native dir."""
+def _drafter_dir(target_dir, out: Path, seed: int, native: bool = False) -> Path:
+    """A random drafter for the target in `target_dir`: a checkpoint dir (save_drafter), or an
+    exported native dir."""
     from transformers import AutoConfig
 
     from drafter import engines
+    from drafter.target import default_layer_ids
 
-    tc = AutoConfig.from_pretrained(smollm2_dir)
+    tc = AutoConfig.from_pretrained(target_dir)
     torch.manual_seed(seed)
-    dr = Drafter(DrafterConfig.from_target(tc, 1024, [2, 15, 27], intermediate_size=256))
+    dr = Drafter(DrafterConfig.from_target(tc, 1024, default_layer_ids(tc.num_hidden_layers),
+                                           intermediate_size=256))
     out.mkdir(parents=True)
     if native:
-        engines.write_dir(dr, out, engines.NATIVE, target=engines.target_info(str(smollm2_dir)))
+        engines.write_dir(dr, out, engines.NATIVE, target=engines.target_info(str(target_dir)))
     else:
         save_drafter(dr, out)
     return out
@@ -81,14 +84,19 @@ def test_second_mt_bench_turn_carries_the_model_answer(smollm2_dir, shared_data)
 
 def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
     """Two drafters (a checkpoint; an exported native dir as the baseline), chain and tree, three
-    datasets: lossless, τ, per-position acceptance, speed columns, plots, `drafter report`."""
-    main = _drafter_dir(smollm2_dir, tmp_path / "ckpt", 0)
-    base = _drafter_dir(smollm2_dir, tmp_path / "native", 1, native=True)
+    datasets: lossless, τ, per-position acceptance, speed columns, plots, `drafter report`.
+    The target is a tiny random Llama with SmolLM2's tokenizer and chat template (SmolLM2 itself
+    is decoded in tests/test_decode.py)."""
+    from tests.tiny import make_tiny
+
+    target = make_tiny("llama", tmp_path, tokenizer_dir=smollm2_dir)
+    main = _drafter_dir(target, tmp_path / "ckpt", 0)
+    base = _drafter_dir(target, tmp_path / "native", 1, native=True)
     ev = shared_data / "eval"
     cfg = C.load(None, [
-        f"run_dir={tmp_path / 'run'}", f"target.model={smollm2_dir}",
+        f"run_dir={tmp_path / 'run'}", f"target.model={target}",
         f"evaluate.drafter={main}", f"evaluate.baseline={base}",
-        "evaluate.max_new_tokens=5", "evaluate.methods=[chain, tree]", "evaluate.k=2",
+        "evaluate.max_new_tokens=8", "evaluate.methods=[chain, tree]", "evaluate.k=2",
         "evaluate.tree_depth=2", "evaluate.tree_topk=2", "evaluate.tree_tokens=3",
         "evaluate.batch_size=2",
         "evaluate.datasets=[{name: mt_bench, path: %s, max_prompts: 1}, "

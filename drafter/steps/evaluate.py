@@ -155,12 +155,17 @@ class _Prompts:
         return out
 
 
-def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tree=None):
+def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tree=None,
+            desc: str = ""):
     """Decode every round (building later rounds from these answers when `rounds` is None).
     Returns ([(record, round, Output)], seconds, iterations)."""
+    from tqdm import tqdm
+
     outs, seconds, iters = [], 0.0, 0
     answers: dict[int, list[str]] = {}
     r = 0
+    bar = tqdm(total=sum(prompts.n_turns(rec) for rec in prompts.records), desc=desc,
+               unit="prompt", leave=False)
     while True:
         batch = rounds[r] if rounds is not None else prompts.build(r, answers)
         if not batch:
@@ -168,7 +173,8 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
         if rounds is None:
             prompts.rounds.append(batch)
         res = dec.generate([ids for _, ids in batch], max_new, stop_ids=stop, temperature=T,
-                           proposer=proposer, tree=tree, record_gaps=proposer is None and T == 0)
+                           proposer=proposer, tree=tree, record_gaps=proposer is None and T == 0,
+                           progress=bar)
         seconds += dec.last["seconds"]
         iters += dec.last["iterations"]
         for (i, _), o in zip(batch, res):
@@ -178,6 +184,7 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
         r += 1
         if rounds is not None and r >= len(rounds):
             break
+    bar.close()
     return outs, seconds, iters
 
 
@@ -214,7 +221,8 @@ def _accept(hist: list[int], tree) -> dict:
             "acceptance_conditional": st["acceptance_conditional"], "accept_hist": hist}
 
 
-def _summary(outs, seconds, iterations, tree=None, plain_outs=None, tol=0.0) -> dict:
+def _summary(outs, seconds, iterations, tree=None, plain_outs=None, tol=0.0,
+             records=None) -> dict:
     m = {"prompts": len(outs), "records": len({i for i, _, _ in outs}),
          **_speed(sum(len(o.tokens) for _, _, o in outs), seconds, iterations)}
     if tree is not None:
@@ -228,7 +236,9 @@ def _summary(outs, seconds, iterations, tree=None, plain_outs=None, tol=0.0) -> 
             v, info = compare(ref[(i, r)], o, tol)
             verdicts[v] += 1
             if info is not None:
-                details.append({"record": i, "turn": r + 1, "verdict": v, **info})
+                rid = records[i].get("id") if records else None
+                details.append({"record": i, "id": rid, "turn": r + 1, "verdict": v, **info})
+        details.sort(key=lambda d: d["verdict"] != "mismatch")  # mismatches first, then ties
         m["lossless"] = {"compared": len(outs), **verdicts,
                          "max_tie_gap": max((d["gap"] for d in details if d["verdict"] == "tie"),
                                             default=None),
@@ -287,7 +297,8 @@ def main(cfg) -> dict:
         plain, prompts = {}, {}
         for name, path, recs in datasets:
             prompts[name] = _Prompts(tok, recs, max_len, ev.max_new_tokens)
-            outs, secs, it = _decode(dec, prompts[name], None, ev.max_new_tokens, stop, T)
+            outs, secs, it = _decode(dec, prompts[name], None, ev.max_new_tokens, stop, T,
+                                     desc=f"plain T={T:g} {name}")
             plain[name] = (outs, _summary(outs, secs, it))
             ds_info[name] = {"path": path, "records": len(recs),
                              "prompts": sum(len(r) for r in prompts[name].rounds),
@@ -309,8 +320,10 @@ def main(cfg) -> dict:
                 for name, _, _ in datasets:
                     torch.manual_seed(ev.seed)
                     outs, secs, it = _decode(dec, prompts[name], prompts[name].rounds,
-                                             ev.max_new_tokens, stop, T, prop, tree)
-                    m = _summary(outs, secs, it, tree, plain[name][0] if T == 0 else None, tol)
+                                             ev.max_new_tokens, stop, T, prop, tree,
+                                             desc=f"{what} {tree.label()} T={T:g} {name}")
+                    m = _summary(outs, secs, it, tree, plain[name][0] if T == 0 else None, tol,
+                                 prompts[name].records)
                     per[name] = _with_speed(m, ps[name])
                     log.info("evaluate: %s %s T=%g %s: tau %.3f, %.1f tokens/s (plain %.1f)",
                              what, tree.label(), T, name, m["tau"] or 0, m["tokens_per_s"] or 0,
