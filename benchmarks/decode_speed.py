@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter.config import TargetConfig  # noqa: E402
-from drafter.decode import Decoder, EagleDraft, LocalGenerator, TreeSpec  # noqa: E402
+from drafter.decode import (Decoder, EagleDraft, LocalGenerator, TreeSpec,  # noqa: E402
+                            acceptance_stats)
 
 
 def tiny_target(out: Path) -> str:
@@ -108,15 +109,15 @@ def main(argv=None) -> int:
         dec.generate([prompt], 8, proposer=P, tree=tree)
         outs = dec.generate([prompt], n1, proposer=P, tree=tree)
         step = 1000 * (dec.last["seconds"] - dec.last["prefill_seconds"]) / dec.last["iterations"]
-        tau = (sum(outs[0].hist) + sum(i * h for i, h in enumerate(outs[0].hist))) / sum(outs[0].hist)
+        tau = acceptance_stats(outs[0].hist)["tau"]
         row(f"speculative step, {tree.label()}, batch 1", round(step, 3), "ms", "<= 10",
             step <= 10)
         t = dec.time_forwards(P, tree, batch=1, context=a.prompt_tokens)
         row(f"  target forward 1 token / verify {tree.nodes + 1} tokens / drafter forward "
             f"{tree.topk} tokens", " / ".join(f"{t[k]:.3f}" for k in
                                               ("target_ms", "verify_ms", "draft_ms")), "ms")
-        row(f"  c = drafter / verification; tau of this drafter", f"{t['draft_ms'] / t['verify_ms']:.4f}; "
-            f"{tau:.2f}", "")
+        row("  c = drafter / verification; tau of this drafter",
+            f"{t['draft_ms'] / t['verify_ms']:.4f}; {tau:.2f}", "")
     del dec, P
 
     # -- batched generation (engine=local)
