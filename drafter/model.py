@@ -112,6 +112,34 @@ class DrafterConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """Compute precision: half types go to float32, float32/float64 stay (gradcheck runs in fp64)."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """y = weight · (x / rms(x)), rounded to x's dtype as HF and the engines do. Saves x and
+    1/rms only: autograd through the fp32 formula would keep two fp32 copies of x per norm."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        r = torch.rsqrt(_f32(x).pow(2).mean(-1, keepdim=True) + eps)           # [..., 1]
+        ctx.save_for_backward(x, weight, r)
+        return weight.to(x.dtype) * (_f32(x) * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight, r = ctx.saved_tensors
+        n = _f32(x) * r
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = (_f32(gy) * _f32(n.to(x.dtype))).reshape(-1, x.shape[-1]).sum(0)
+            gw = gw.to(weight.dtype)
+        gn = _f32(gy) * _f32(weight.to(x.dtype))
+        gx = r * (gn - n * (gn * n).mean(-1, keepdim=True))
+        return gx.to(x.dtype), gw, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -121,10 +149,7 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         # In x's dtype, as engines compute it with bf16 weights; fp32 master weights under
         # autocast would otherwise turn every normed activation (and what follows) into fp32.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight.to(dtype) * x.to(dtype)
+        return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -181,6 +206,28 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))  # [B, T, H]
 
 
+class _SwiGLUDown(torch.autograd.Function):
+    """down_proj(silu(g) · u), saving g, u and the weight only: silu(g) · u, the [.., I] input of
+    down_proj, is recomputed in backward (autograd would keep it and silu(g): 2 × [T, I] per TTT
+    step)."""
+
+    @staticmethod
+    def forward(ctx, g, u, w):
+        ctx.save_for_backward(g, u, w)
+        act = (F.silu(_f32(g)) * _f32(u)).to(g.dtype)                           # [.., I]
+        return F.linear(act, w)                                                 # [.., H]
+
+    @staticmethod
+    def backward(ctx, gy):
+        g, u, w = ctx.saved_tensors
+        gf, sig = _f32(g), torch.sigmoid(_f32(g))
+        act = (gf * sig * _f32(u)).to(gy.dtype)
+        gw = (gy.reshape(-1, gy.shape[-1]).T @ act.reshape(-1, act.shape[-1])).to(w.dtype)
+        dact = _f32(gy @ w.to(gy.dtype))                                        # [.., I]
+        dg = dact * _f32(u) * sig * (1 + gf * (1 - sig))
+        return dg.to(g.dtype), (dact * gf * sig).to(u.dtype), gw
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -190,7 +237,7 @@ class MLP(nn.Module):
         assert cfg.hidden_act == "silu", "only SwiGLU (silu) drafters are supported"
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return _SwiGLUDown.apply(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -360,15 +407,48 @@ def merge_diagonal(q, o0, lse0, ks, vs, scale: float):
     (weight exp(q·k_j·scale)), so the result is exact."""
     if not ks:
         return o0
-    B, nh, T, hd = q.shape
-    nkv = ks[0].shape[1]
-    qg = q.float().view(B, nkv, nh // nkv, T, hd)                            # [B, nkv, g, T, hd]
-    s = [(qg * k.float().unsqueeze(2)).sum(-1) * scale for k in ks]         # i × [B, nkv, g, T]
-    w = torch.stack([lse0.view(B, nkv, nh // nkv, T)] + s, -1).softmax(-1)  # [B, nkv, g, T, 1+i]
-    out = w[..., :1] * o0.float().view(B, nkv, nh // nkv, T, hd)
-    for j, v in enumerate(vs):
-        out = out + w[..., j + 1:j + 2] * v.float().unsqueeze(2)           # [B, nkv, g, T, hd]
-    return out.view(B, nh, T, hd).to(q.dtype)
+    return _MergeDiagonal.apply(q, o0, lse0, scale, len(ks), *ks, *vs)
+
+
+class _MergeDiagonal(torch.autograd.Function):
+    """merge_diagonal with its backward written out: saves the (bf16) inputs, which the
+    attention keeps anyway, and the mixing weights [B, nkv, g, T, 1+i]; autograd would keep
+    fp32 copies of q, o0 and q·k_j of [B, nh, T, hd] each."""
+
+    @staticmethod
+    def forward(ctx, q, o0, lse0, scale, i, *kv):
+        ks, vs = kv[:i], kv[i:]
+        B, nh, T, hd = q.shape
+        nkv = ks[0].shape[1]
+        g = nh // nkv
+        qg = _f32(q).view(B, nkv, g, T, hd)                                      # [B, nkv, g, T, hd]
+        s = [(qg * _f32(k).unsqueeze(2)).sum(-1) * scale for k in ks]          # i × [B, nkv, g, T]
+        w = torch.stack([_f32(lse0).view(B, nkv, g, T)] + s, -1).softmax(-1)   # [B, nkv, g, T, 1+i]
+        out = w[..., :1] * _f32(o0).view(B, nkv, g, T, hd)
+        for j, v in enumerate(vs):
+            out = out + w[..., j + 1:j + 2] * _f32(v).unsqueeze(2)
+        ctx.save_for_backward(q, o0, w, *kv)
+        ctx.scale, ctx.i = scale, i
+        return out.view(B, nh, T, hd).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, gout):
+        q, o0, w, *kv = ctx.saved_tensors
+        i, scale = ctx.i, ctx.scale
+        ks, vs = kv[:i], kv[i:]
+        B, nh, T, hd = q.shape
+        nkv = ks[0].shape[1]
+        g = nh // nkv
+        go = _f32(gout).view(B, nkv, g, T, hd)
+        vals = [_f32(o0).view(B, nkv, g, T, hd)] + [_f32(v).unsqueeze(2) for v in vs]
+        dw = torch.stack([(go * v).sum(-1) for v in vals], -1)                # [B, nkv, g, T, 1+i]
+        ds = w * (dw - (w * dw).sum(-1, keepdim=True))                          # softmax backward
+        qg = _f32(q).view(B, nkv, g, T, hd)
+        dq = sum(ds[..., j + 1:j + 2] * _f32(k).unsqueeze(2) for j, k in enumerate(ks)) * scale
+        dks = [((ds[..., j + 1:j + 2] * qg).sum(2) * scale).to(k.dtype) for j, k in enumerate(ks)]
+        dvs = [(w[..., j + 1:j + 2] * go).sum(2).to(v.dtype) for j, v in enumerate(vs)]
+        return (dq.view(B, nh, T, hd).to(q.dtype), (w[..., :1] * go).view(B, nh, T, hd)
+                .to(o0.dtype), ds[..., 0].reshape(B, nh, T), None, None, *dks, *dvs)
 
 
 _FLEX = {}
@@ -470,8 +550,10 @@ class FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, *_):
         grad_hn, grad_w = ctx.saved_tensors
-        return (grad_hn * g_loss.to(grad_hn.dtype), (grad_w * g_loss).to(ctx.weight_dtype),
-                None, None, None, None, None, None, None)
+        # scaled in place and handed over: autograd adopts them as the .grad, no second copy
+        grad_hn.mul_(g_loss.to(grad_hn.dtype))
+        grad_w.mul_(g_loss)
+        return (grad_hn, grad_w.to(ctx.weight_dtype), None, None, None, None, None, None, None)
 
 
 def head_loss(hn, weight, teacher: dict, trows, w, fused: bool, chunk: int = 0,
