@@ -141,9 +141,11 @@ def bench(name: str, args, dist) -> dict:
                               drafter.embed_tokens.weight)
         next_host = lambda: hb  # noqa: E731
 
-    def step():
-        micro = (train.device_batch(next_host(), dist.device, head, fused) for _ in range(1))
-        return train.train_step(model, params, opt, micro, tc, dist, amp)
+    def step() -> int:
+        hb = next_host()
+        micro = iter([train.device_batch(hb, dist.device, head, fused)])
+        train.train_step(model, params, opt, micro, tc, dist, amp)
+        return hb["tokens"]  # real tokens (padding excluded)
 
     def sync():
         if cuda:
@@ -157,20 +159,15 @@ def bench(name: str, args, dist) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats(dist.device)
     t0 = time.perf_counter()
-    tokens = 0
-    for _ in range(args.steps):
-        step()
-        tokens += B * T if not args.data else 0
+    tokens = sum(step() for _ in range(args.steps))
     sync()
     dt = time.perf_counter() - t0
-    if args.data:
-        tokens = args.steps * B * T  # rows are packed full enough; counted as capacity
     t = torch.tensor([dt], device=dist.device)
     if dist.world > 1:
         import torch.distributed as td
         td.all_reduce(t, op=td.ReduceOp.MAX)
     dt = float(t)
-    tok_s = tokens * dist.world / dt
+    tok_s = tokens * dist.world / dt  # ranks see equal shares of random or packed rows
     model_f, teacher_f = flops_per_token(c, T, K, args.teacher)
     peak = args.peak_tflops * 1e12 * dist.world if (cuda or args.peak_tflops_cpu) else None
     mem = torch.cuda.max_memory_allocated(dist.device) / 2**30 if cuda else None

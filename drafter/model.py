@@ -540,7 +540,7 @@ class FusedHeadLoss(torch.autograd.Function):
             g, ce[s:e], correct[s:e], accept[s:e] = stats_fn(z, ids, tl, w[s:e], dt)
             if need_grad:
                 grad_hn[s:e] = g @ wc                                        # [c, H]
-                grad_w += (g.T @ hn[s:e]).float()                            # [Vd, H]
+                grad_w.add_(g.T @ hn[s:e])  # [Vd, H]; promoted in the kernel, no fp32 temp
         ctx.save_for_backward(grad_hn, grad_w)
         ctx.weight_dtype = weight.dtype
         loss = (w * ce).sum()

@@ -670,7 +670,7 @@ def setup_model(drafter: Drafter, tc, dist: Dist, attention: str):
         model = fully_shard(ttt, reshard_after_forward=False)
     elif dist.world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(ttt, device_ids=[dev.index] if cuda else None, broadcast_buffers=False)
+        model = DDP(ttt, device_ids=[dev.index] if cuda else None)
     else:
         model = ttt
     params = [p for p in ttt.parameters() if p.requires_grad]
