@@ -249,10 +249,21 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
 
 
 def safe_save_file(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
-    """safetensors.save_file, atomically."""
+    """safetensors.save_file, atomically, and byte-identical for equal inputs (see below)."""
     from safetensors.torch import save
 
-    atomic_write(path, save(tensors, metadata=metadata))
+    atomic_write(path, canonical_safetensors(save(tensors, metadata=metadata)))
+
+
+def canonical_safetensors(blob: bytes) -> bytes:
+    """safetensors keeps header entries and metadata keys in a hash map whose order changes from
+    one process to the next, so equal tensors can give different files (and different sha256s).
+    Rewrite the JSON header with sorted keys; its length and the data offsets do not change."""
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    assert len(text) <= n, "canonical header longer than the original"
+    return blob[:8] + text + b" " * (n - len(text)) + blob[8 + n:]
 
 
 def read_json(path: str | Path) -> Any:
