@@ -473,7 +473,6 @@ def test_local_engine_missing_is_a_clear_error(tmp_path):
         generate.main(cfg)
 
 
-@pytest.mark.slow  # ~40 s on a busy 2-core CPU: model load plus one decode call per turn
 def test_local_engine(tmp_path, smollm2_dir):
     """engine=local through drafter.decode.LocalGenerator: multi-turn, turn by turn."""
     if not _has_local_generator():
