@@ -181,6 +181,20 @@ def test_checkpoint_layout_and_pruning(world, tmp_path):
     assert not list(Path(tmp_path, "train").glob(".tmp-*"))
 
 
+def test_tensorboard_is_optional(world, tmp_path):
+    """train.tensorboard: events under train/tb/ when the package is there, else a clear
+    error naming the extra to install (before any training)."""
+    import importlib.util
+    cfg = cfg_for(world, tmp_path, "train.max_steps=2", "train.tensorboard=true")
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(train.DrafterError, match=r"drafter\[tensorboard\]"):
+            fit(world, cfg)
+        assert not Run(tmp_path).checkpoints()
+    else:
+        fit(world, cfg)
+        assert list(Run(tmp_path).tensorboard().glob("events.out.tfevents.*"))
+
+
 def test_resume_reproduces_the_uninterrupted_run(world, tmp_path):
     """Run 8 steps (4 per epoch) with a checkpoint at step 3; then, in a second run directory
     holding only that checkpoint and the first run's full metrics file, resume: steps 4..8

@@ -229,6 +229,8 @@ def host_batch(src: Source, rows: list[list[int]], B: int, T: int, tc, emb_table
     out.update(align(out["seq_id"], out["loss_mask"], out["in_vocab"], tc.ttt_steps,
                      tc.ttt_decay))
     out["emb"] = emb_table[out["input_ids"].cpu()]                       # [B, T, H]
+    if torch.cuda.is_available():  # pinned: the copy to the GPU does not block this thread
+        out["emb"] = out["emb"].pin_memory()
     out["tokens"] = int((out["seq_id"] >= 0).sum())
     return out
 
@@ -529,6 +531,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
 
     ttt, model, opt = setup_model(drafter, tc, dist, attention)
     params = [p for p in ttt.parameters() if p.requires_grad]
+    fsdp = tc.fsdp and dist.world > 1
 
     # data plan
     rows = pack(train_src.lengths, T, tc.seed)
@@ -546,7 +549,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     step, metrics_path, metrics, tb = 0, run.train_metrics(), None, None
     ckpt = resume_from(run, tc)
     if ckpt is not None:
-        step = load_checkpoint(ckpt, dist, ttt, opt, sched, tc.fsdp)["step"]
+        step = load_checkpoint(ckpt, dist, ttt, opt, sched, fsdp)["step"]
         log.info("train: resumed from %s (step %d)", ckpt, step)
     if dist.main:  # the metrics of steps after the checkpoint are redone
         for pattern in (".tmp-step_*", ".old-step_*"):  # what a save killed midway leaves
@@ -560,14 +563,16 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                  "%d rows/micro-batch × %d tokens, %d micro-batches/epoch, %d steps "
                  "(%d/epoch), world %d%s", f"{param_count(drafter):,}", drafter.cfg.hidden_size,
                  drafter.cfg.draft_vocab_size, K, attention, B, T, n_micro, total,
-                 steps_per_epoch, dist.world, " fsdp" if tc.fsdp else "")
+                 steps_per_epoch, dist.world, " fsdp" if fsdp else "")
 
-    def jobs(from_step):
+    def jobs(from_step):  # this rank's micro-batches from a step on (the data position)
+        plan = (None, None)
         for s in range(from_step, total):
             epoch, k = divmod(s, steps_per_epoch)
-            mbs = epoch_micro_batches(rows, B, tc.seed, epoch)
+            if plan[0] != epoch:
+                plan = (epoch, epoch_micro_batches(rows, B, tc.seed, epoch))
             for a in range(tc.grad_accum):
-                yield mbs[(k * tc.grad_accum + a) * dist.world + dist.rank]
+                yield plan[1][(k * tc.grad_accum + a) * dist.world + dist.rank]
 
     make = lambda r: host_batch(train_src, r, B, T, tc, drafter.embed_tokens.weight)  # noqa
     feed = Prefetch(make, jobs(step)) if not tc.online else None
@@ -621,7 +626,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                          "train": last_train, "scheduler": sched.state_dict(),
                          "world_size": dist.world, "grad_accum": tc.grad_accum,
                          "drafter_config": drafter.cfg.to_dict()}
-                save_checkpoint(run, dist, step, drafter, ttt, opt, tc.fsdp, state)
+                save_checkpoint(run, dist, step, drafter, ttt, opt, fsdp, state)
                 if dist.main:
                     prune_checkpoints(run, tc.keep_checkpoints)
     finally:
@@ -643,7 +648,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         "final_step": step, "train": last_train if step > first else None, "val": last_val,
         "tokens_per_s": round(tokens_total / max(elapsed, 1e-9), 1) if step > first else None,
         "drafter_config": drafter.cfg.to_dict(), "attention": attention,
-        "world_size": dist.world, "fsdp": tc.fsdp and dist.world > 1,
+        "world_size": dist.world, "fsdp": fsdp,
         "last_checkpoint": str(run.checkpoints()[-1]) if run.checkpoints() else None,
         "best_checkpoint": str(best) if best else None,
     }
