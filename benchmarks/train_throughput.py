@@ -99,7 +99,7 @@ def random_samples(c: DrafterConfig, B: int, T: int, teacher: str, k: int, seed:
     return out
 
 
-def bench(name: str, args, dist) -> dict:
+def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
     shape = dict(SHAPES[name])
     B, T, K = args.batch or shape.pop("batch"), args.seq or shape.pop("seq"), shape.pop("ttt")
     shape.pop("batch", None), shape.pop("seq", None)
@@ -108,7 +108,7 @@ def bench(name: str, args, dist) -> dict:
                       **shape)
     cuda = dist.device.type == "cuda"
     cfg = C.load(None, [f"train.ttt_steps={K}", f"train.max_length={T}",
-                        f"train.batch_tokens={B * T}", f"train.attention={args.attention}",
+                        f"train.batch_tokens={B * T}", f"train.attention={attention}",
                         f"train.compile={str(not args.no_compile).lower()}"])
     tc = cfg.train
     attention = train.pick_attention(tc, dist.device)
@@ -135,7 +135,7 @@ def bench(name: str, args, dist) -> dict:
                                                          drafter.embed_tokens.weight), mbs)
         next_host = feed.next
     else:
-        src = train.Source.memory(random_samples(c, B, T, args.teacher, args.topk,
+        src = train.Source.memory(random_samples(c, B, T, teacher, args.topk,
                                                  seed=dist.rank))
         hb = train.host_batch(src, [[i] for i in range(B)], B, T, tc,
                               drafter.embed_tokens.weight)
@@ -150,6 +150,16 @@ def bench(name: str, args, dist) -> dict:
     def sync():
         if cuda:
             torch.cuda.synchronize(dist.device)
+
+    check = None
+    if fused and not args.no_check:  # the fast path against the exact one, same batch, no grad
+        from drafter.model import TTT
+        hb = next_host()
+        with torch.no_grad(), amp:
+            fast = model(**train.model_inputs(train.device_batch(hb, dist.device, head, True)))
+            exact = TTT(drafter, attention="sdpa").to(dist.device)(
+                **train.model_inputs(train.device_batch(hb, dist.device, head, False)))
+        check = float((fast["loss"] - exact["loss"]).abs() / exact["loss"].abs())
 
     t0 = time.perf_counter()
     for _ in range(args.warmup):
@@ -168,16 +178,16 @@ def bench(name: str, args, dist) -> dict:
         td.all_reduce(t, op=td.ReduceOp.MAX)
     dt = float(t)
     tok_s = tokens * dist.world / dt  # ranks see equal shares of random or packed rows
-    model_f, teacher_f = flops_per_token(c, T, K, args.teacher)
+    model_f, teacher_f = flops_per_token(c, T, K, teacher)
     peak = args.peak_tflops * 1e12 * dist.world if (cuda or args.peak_tflops_cpu) else None
     mem = torch.cuda.max_memory_allocated(dist.device) / 2**30 if cuda else None
     anchor = ANCHOR.get((name, T)) if B == SHAPES[name]["batch"] else None
     return {"shape": name, "seq": T, "batch": B, "ttt": K, "attention": attention,
             "compile": not args.no_compile and cuda, "teacher": "real" if args.data else
-            args.teacher, "world": dist.world, "params": param_count(drafter),
+            teacher, "world": dist.world, "params": param_count(drafter),
             "tok_s": tok_s, "step_ms": 1e3 * dt / args.steps, "warmup_s": warm_s,
             "gflop_tok": model_f / 1e9, "mfu": model_f * tok_s / peak if peak else None,
-            "mem_gib": mem, "anchor": anchor,
+            "mem_gib": mem, "anchor": anchor, "check": check,
             "speedup": tok_s / (anchor[0] * dist.world) if anchor else None}
 
 
@@ -186,6 +196,10 @@ def table(rows: list[dict]) -> str:
             "step ms", "GFLOP/tok", "MFU", "peak GiB", "anchor tok/s", "x anchor")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | | | {r['attention']} | {r['teacher']} | | | "
+                         f"failed: {r['error']} |" + " |" * 6)
+            continue
         a = r["anchor"]
         lines.append("| " + " | ".join([
             r["shape"], str(r["seq"]), str(r["batch"]),
@@ -205,12 +219,14 @@ def main(argv=None):
     p.add_argument("--seq", type=int, help="tokens per row (default: the shape's)")
     p.add_argument("--batch", type=int, help="rows per micro-batch (default: the shape's)")
     p.add_argument("--ttt", type=int, help="TTT steps (default: the shape's)")
-    p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto",
-                   help="auto: flex on a GPU, sdpa on the CPU")
+    p.add_argument("--attention", default="auto",
+                   help="auto (flex on a GPU, sdpa on the CPU), sdpa, flex, or a list: flex,sdpa")
     p.add_argument("--no-compile", action="store_true", help="eager fast path")
-    p.add_argument("--teacher", choices=["topk", "hidden"], default="topk")
+    p.add_argument("--teacher", default="topk", help="topk, hidden, or both: topk,hidden")
     p.add_argument("--topk", type=int, default=64)
     p.add_argument("--data", help="a run dir with extract shards: real packed rows (smollm2)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip comparing the fast path's loss with the exact path's first")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile)")
     p.add_argument("--peak-tflops", type=float, default=790.0)
@@ -224,12 +240,25 @@ def main(argv=None):
         names = ["smollm2", "llama8b"] if args.shape == "both" else [args.shape]
     rows = []
     for name in names:
-        r = bench(name, args, dist)
-        rows.append(r)
-        if dist.main:
-            print(f"{name}: {r['tok_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step, "
-                  f"warm-up {r['warmup_s']:.1f}s", flush=True)
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        for attention in args.attention.split(","):
+            for teacher in args.teacher.split(","):
+                try:
+                    r = bench(name, args, dist, attention, teacher)
+                    msg = (f"{r['tok_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step, "
+                           f"warm-up {r['warmup_s']:.1f}s")
+                    if r["check"] is not None:
+                        msg += f"; loss flex vs sdpa: relative difference {r['check']:.1e}"
+                except Exception as e:  # noqa: BLE001 - one failed setting must not hide others
+                    if dist.world > 1:
+                        raise
+                    r = {"shape": name, "attention": attention, "teacher": teacher,
+                         "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+                    msg = r["error"]
+                rows.append(r)
+                if dist.main:
+                    print(f"{name} {attention} {teacher}: {msg}", flush=True)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
     if dist.main:
         print("\n" + table(rows))
     if dist.world > 1:

@@ -469,11 +469,13 @@ def flex_part0(seq_id: torch.Tensor, compiled: bool = True) -> Callable:
 
     def part0(q, k, v):
         gqa = q.shape[1] != k.shape[1]
-        if aux_request is not None:
-            o, aux = fn(q, k, v, block_mask=block_mask, enable_gqa=gqa,
-                        return_aux=aux_request(lse=True))
-            return o, aux.lse
-        return fn(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_lse=True)
+        # q, k, v already carry the compute dtype; older torch has no autocast rule for flex
+        with torch.autocast(q.device.type, enabled=False):
+            if aux_request is not None:
+                o, aux = fn(q, k, v, block_mask=block_mask, enable_gqa=gqa,
+                            return_aux=aux_request(lse=True))
+                return o, aux.lse
+            return fn(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_lse=True)
     return part0
 
 
