@@ -369,13 +369,13 @@ def test_gpu_flex_compiled_equals_sdpa(packed, head):
     the exact path, in float32."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    T = 24
+    T = 128  # one flex block; head_dim 16: the smallest the Triton kernels take
     b = batch_of(packed, T, K=4, head=head)
     b = {k: (v.cuda() if torch.is_tensor(v) else {kk: vv.cuda() for kk, vv in v.items()})
          for k, v in b.items()}
     res = {}
     for path in ("sdpa", "flex"):
-        d = make_drafter().cuda()
+        d = make_drafter(head_dim=16).cuda()
         ttt = TTT(d, attention=path, compile=path == "flex")
         out = run_ttt(ttt, d, b)
         out["loss"].backward()
