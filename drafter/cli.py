@@ -84,11 +84,12 @@ def cmd_status(args) -> int:
     for s in st["steps"]:
         counts = " ".join(f"{k}={v}" for k, v in s["counts"].items())
         tps = f" {s['tokens_per_s']:,.0f} tok/s" if s.get("tokens_per_s") else ""
-        print(f"  {s['name']:<9} {s['state']:<11} {_dur(s['seconds']):>8} "
+        state = f"{s['state']} ({s['activity']})" if s.get("activity") else s["state"]
+        print(f"  {s['name']:<9} {state:<22} {_dur(s['seconds']):>8} "
               f"{_mib(s['bytes']):>12}  {counts}{tps}")
         if s.get("error"):
             print(f"            error: {s['error']}")
-    print(f"  {'total':<9} {'':<11} {_dur(st['seconds']):>8} {_mib(st['bytes']):>12}")
+    print(f"  {'total':<9} {'':<22} {_dur(st['seconds']):>8} {_mib(st['bytes']):>12}")
     return 0
 
 

@@ -472,8 +472,9 @@ def _will_run(cfg, run: Run, step: str) -> bool:
 
 
 def status(run_dir) -> dict:
-    """{"run_dir", "running_pid", "bytes", "seconds", "steps": [{"name", "state", "dir",
-    "counts", "seconds", "bytes", "started", "tokens_per_s"?, "error"?}]} for `drafter status`.
+    """{"run_dir", "running_pid", "bytes", "seconds", "steps": [{"name", "state", "activity",
+    "dir", "counts", "seconds", "bytes", "started", "tokens_per_s"?, "error"?}]} for
+    `drafter status`; state is done / stale / pending / failed.
     A running step's seconds are the time since it started (this invocation)."""
     run = Run(run_dir)
     snap = run.config_snapshot()
@@ -486,14 +487,19 @@ def status(run_dir) -> dict:
     for step in STEPS:
         m = read_json(run.manifest(step)) if run.manifest(step).exists() else {}
         st = state(cfg, run, step, memo, running=pid is not None)
+        # The public state is one of done / stale / pending / failed; `activity` says more:
+        # "running" (pending: a drafter process works on it now) or "interrupted" (failed: a
+        # signal or a kill stopped it; a rerun resumes it).
+        activity = st if st in ("running", "interrupted") else None
+        st = {"running": "pending", "interrupted": "failed"}.get(st, st)
         started = m.get("started")
         if not m and run.started(step).exists():
             with contextlib.suppress(OSError, json.JSONDecodeError):
                 started = read_json(run.started(step)).get("time")
         seconds = m.get("seconds")
-        if st == "running" and started:
+        if activity == "running" and started:
             seconds = round(time.time() - started, 1)
-        row = {"name": step, "state": st, "dir": str(run.step_dir(step)),
+        row = {"name": step, "state": st, "activity": activity, "dir": str(run.step_dir(step)),
                "counts": m.get("counts", {}), "seconds": seconds,
                "bytes": dir_bytes(run.step_dir(step)), "started": started}
         tps = m.get("tokens_per_s") or (m.get("throughput") or {}).get("completion_tokens_per_s")

@@ -199,8 +199,8 @@ def assert_consistent_after_kill(run: Run, where: dict, sig: int) -> None:
     if step not in pipeline.STEPS:
         return
     assert not run.manifest(step).exists()
-    state = {s["name"]: s["state"] for s in pipeline.status(run.root)["steps"]}
-    assert state[step] == "interrupted", state
+    state = {s["name"]: (s["state"], s["activity"]) for s in pipeline.status(run.root)["steps"]}
+    assert state[step] == ("failed", "interrupted"), state
     if sig != signal.SIGKILL:
         # the handler unwound the step: failed.json says so and the exit status is 128 + signum
         assert where["rc"] == 128 + sig
@@ -420,13 +420,15 @@ def test_one_drafter_per_run_dir(tmp_path):
                 pass
         st = pipeline.status(tmp_path)
         assert st["running_pid"] == p.pid
-        assert [s["state"] for s in st["steps"][:3]] == ["done", "running", "pending"]
+        assert [s["state"] for s in st["steps"][:3]] == ["done", "pending", "pending"]
+        assert [s["activity"] for s in st["steps"][:3]] == [None, "running", None]
     finally:
         p.kill()
         p.wait()
     assert pipeline.lock_holder(run) is None
     st = pipeline.status(tmp_path)
-    assert st["running_pid"] is None and st["steps"][1]["state"] == "interrupted"
+    assert st["running_pid"] is None
+    assert (st["steps"][1]["state"], st["steps"][1]["activity"]) == ("failed", "interrupted")
     with pipeline.run_lock(run):
         with pipeline.run_lock(run):  # reentrant: run_all holds it around run_step
             assert pipeline.lock_holder(run) == os.getpid()
