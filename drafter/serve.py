@@ -23,7 +23,7 @@ way: no orphan keeps GPU memory. A server that never answers `GET /health` with 
 `replicas` > 1 starts one server per share of the visible GPUs.
 
 ChatClient is the generate step's client: least-loaded endpoint, retries with backoff, restart of
-a started server that died, keep-alive HTTP/1.1 on asyncio streams.
+a started server that died, over httpx with keep-alive.
 """
 from __future__ import annotations
 
@@ -597,38 +597,6 @@ class RequestError(Exception):
         self.permanent = permanent
 
 
-class _NoResponse(EOFError):
-    """The server closed the connection before sending a status line."""
-
-
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict, bytes]:
-    line = await reader.readline()
-    if not line:
-        raise _NoResponse("server closed the connection without a response")
-    parts = line.split(None, 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
-        raise ValueError(f"not an HTTP response: {line[:100]!r}")
-    status = int(parts[1])
-    headers: dict[str, str] = {}
-    while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
-        k, _, v = h.decode("latin-1").partition(":")
-        headers[k.strip().lower()] = v.strip()
-    if "content-length" in headers:
-        body = await reader.readexactly(int(headers["content-length"]))
-    elif "chunked" in headers.get("transfer-encoding", "").lower():
-        chunks = []
-        while (size := int((await reader.readline()).split(b";")[0].strip() or b"0", 16)):
-            chunks.append(await reader.readexactly(size))
-            await reader.readline()
-        while (await reader.readline()) not in (b"\r\n", b"\n", b""):  # trailers
-            pass
-        body = b"".join(chunks)
-    else:
-        body = await reader.read()
-        headers["connection"] = "close"
-    return status, headers, body
-
-
 class ChatClient:
     """The OpenAI-compatible chat client of the generate step, over a Pool:
 
@@ -640,72 +608,40 @@ class ChatClient:
     when there are several); connection errors, timeouts, 5xx, 408 and 429 are retried with
     exponential backoff (and a dead server drafter started is restarted); other 4xx are final.
 
-    HTTP/1.1 with keep-alive on asyncio streams, one request per connection at a time. Not httpx:
-    its connection pool scans every connection (a poll() syscall each) on every request, which
-    measured 65-130 requests/s against an instant server here, against about 800 for plain
-    asyncio streams (benchmarks/generate_client.py --fake). A fast engine would wait on it.
-    Proxies are not used; https uses the system's certificates."""
+    httpx with keep-alive connections, one pool per endpoint sized by the concurrency (httpx's
+    pool scans its connections on every request, so small pools keep that cheap; against a real
+    server the client stays within 1% of a bare asyncio load generator: BENCHMARKS.md)."""
 
     def __init__(self, pool: "Pool", request_timeout: float = 600.0, max_retries: int = 5,
-                 retry_backoff: float = 1.0):
+                 retry_backoff: float = 1.0, concurrency: int = 64):
         self.pool = pool
         self.request_timeout = request_timeout
         self.max_retries = max_retries
         self.retry_backoff = retry_backoff
-        self.idle: dict[str, list] = {}   # root URL -> idle (reader, writer) pairs
-        self._targets: dict = {}          # (root URL, path) -> host, port, tls, request head
-        self._ssl = None
+        self.concurrency = concurrency
+        self.clients: dict = {}  # endpoint URL -> httpx.AsyncClient
 
-    def _ssl_context(self):
-        if self._ssl is None:
-            import ssl
+    def _client(self, url: str):
+        import httpx
 
-            self._ssl = ssl.create_default_context()
-        return self._ssl
-
-    def _target(self, url: str, path: str) -> tuple[str, int, bool, str]:
-        key = (url, path)
-        if key not in self._targets:
-            u = urlsplit(url)
-            tls = u.scheme == "https"
-            port = u.port or (443 if tls else 80)
-            head = (f"POST {u.path}{path} HTTP/1.1\r\nHost: {u.hostname}:{port}\r\n"
-                    f"Content-Type: application/json\r\nAccept: application/json\r\n"
-                    f"User-Agent: drafter\r\n"
-                    + "".join(f"{k}: {v}\r\n" for k, v in self.pool.headers.items()))
-            self._targets[key] = (u.hostname, port, tls, head)
-        return self._targets[key]
+        if url not in self.clients:
+            self.clients[url] = httpx.AsyncClient(
+                base_url=url, headers={**self.pool.headers, "User-Agent": "drafter"},
+                timeout=httpx.Timeout(self.request_timeout),
+                limits=httpx.Limits(max_connections=self.concurrency,
+                                    max_keepalive_connections=self.concurrency),
+                # proxies from the environment apply to external URLs, never to loopback
+                trust_env=urlsplit(url).hostname not in ("127.0.0.1", "localhost", "::1"))
+        return self.clients[url]
 
     async def _post(self, url: str, path: str, data: bytes) -> tuple[int, bytes]:
-        host, port, tls, head = self._target(url, path)
-        request = f"{head}Content-Length: {len(data)}\r\n\r\n".encode("latin-1") + data
-        idle = self.idle.setdefault(url, [])
-        while True:
-            reused = bool(idle)
-            if reused:
-                reader, writer = idle.pop()
-            else:
-                reader, writer = await asyncio.open_connection(
-                    host, port, ssl=self._ssl_context() if tls else None, limit=2 ** 20)
-            try:
-                writer.write(request)
-                await writer.drain()
-                status, headers, body = await _read_response(reader)
-            except (_NoResponse, ConnectionResetError, BrokenPipeError) as e:
-                writer.close()
-                if reused:  # the server closed this idle keep-alive connection: a new one
-                    continue
-                raise e
-            except BaseException:
-                writer.close()
-                raise
-            if headers.get("connection", "").lower() == "close":
-                writer.close()
-            else:
-                idle.append((reader, writer))
-            return status, body
+        r = await self._client(url).post(path, content=data,
+                                         headers={"Content-Type": "application/json"})
+        return r.status_code, r.content
 
     async def chat(self, body: dict) -> dict:
+        import httpx
+
         data = json.dumps(body).encode()
         avoid = None
         for attempt in range(self.max_retries + 1):
@@ -715,8 +651,7 @@ class ChatClient:
             try:
                 async with asyncio.timeout(self.request_timeout):
                     status, payload = await self._post(ep.url, "/v1/chat/completions", data)
-            except (OSError, EOFError, asyncio.IncompleteReadError, TimeoutError,
-                    ValueError) as e:
+            except (httpx.TransportError, OSError, TimeoutError) as e:
                 err = f"{type(e).__name__}: {e}".rstrip(": ")
                 if isinstance(e, TimeoutError):
                     err = f"timeout after {self.request_timeout:.0f}s (generate.request_timeout)"
@@ -745,10 +680,9 @@ class ChatClient:
         raise AssertionError("unreachable")
 
     async def close(self) -> None:
-        for conns in self.idle.values():
-            for _, writer in conns:
-                writer.close()
-        self.idle.clear()
+        for c in self.clients.values():
+            await c.aclose()
+        self.clients.clear()
 
 
 # ----------------------------------------------------------------------------- drafter serve CONFIG

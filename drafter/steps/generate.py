@@ -254,7 +254,8 @@ async def _answer(conv: _Conversation, client, model: str, g, sink: _Sink) -> No
 async def _run_http(g, pool, records: Iterator[dict], sink: _Sink) -> None:
     from ..serve import ChatClient
 
-    client = ChatClient(pool, g.request_timeout, g.max_retries, g.retry_backoff)
+    client = ChatClient(pool, g.request_timeout, g.max_retries, g.retry_backoff,
+                        concurrency=g.concurrency)
     n_workers = max(1, g.concurrency * len(pool.endpoints))
     queue: asyncio.Queue = asyncio.Queue(maxsize=2 * n_workers)
 
