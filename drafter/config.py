@@ -406,14 +406,35 @@ def to_dict(obj) -> Any:
     return obj
 
 
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
+def _set(data: dict, keys: list[str], value: Any, text: str) -> dict:
+    """Apply one override to the plain-dict config. A key part `name[i]` indexes a list
+    (`prepare.sources[0].max_samples=10`); plain parts create or replace mapping entries."""
+    import re
+
+    node: Any = data
+    for n, part in enumerate(keys):
+        m = re.fullmatch(r"([^\[\]]+)\[(\d+)\]", part)
+        last = n == len(keys) - 1
+        name = m.group(1) if m else part
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{text}': '{'.'.join(keys[:n])}' is not a section")
+        if m:
+            seq = node.get(name)
+            i = int(m.group(2))
+            if not isinstance(seq, list) or i >= len(seq):
+                size = len(seq) if isinstance(seq, list) else 0
+                raise ConfigError(f"override '{text}': {name} has {size} item(s), no [{i}]")
+            if last:
+                seq[i] = value
+            else:
+                node = seq[i]
+        elif last:
+            node[name] = value
         else:
-            out[k] = v
-    return out
+            if not isinstance(node.get(name), dict):
+                node[name] = {}
+            node = node[name]
+    return data
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -457,10 +478,7 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     cfg = _build(Config, data, "", where)
     for text in overrides:
         keys, value = parse_override(text)
-        nested: Any = value
-        for k in reversed(keys):
-            nested = {k: nested}
-        merged = _merge(to_dict(cfg), nested)
+        merged = _set(to_dict(cfg), keys, value, text)
         # Validate against the file's line table first, then name the override itself.
         try:
             cfg = _build(Config, merged, "", _Where(f"override '{text}'", None))

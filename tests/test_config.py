@@ -104,3 +104,14 @@ def test_shipped_configs_load():
 
     for p in sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")):
         C.load(p)
+
+
+def test_list_item_overrides(tmp_path):
+    p = write(tmp_path, "prepare:\n  sources:\n    - path: a.jsonl\n    - path: b.json\n")
+    cfg = C.load(p, ["prepare.sources[1].max_samples=7", "evaluate.datasets[0].max_prompts=3"])
+    assert cfg.prepare.sources[1].max_samples == 7 and cfg.prepare.sources[0].max_samples is None
+    assert cfg.evaluate.datasets[0].max_prompts == 3
+    with pytest.raises(C.ConfigError, match=r"2 item\(s\), no \[2\]"):
+        C.load(p, ["prepare.sources[2].path=x"])
+    with pytest.raises(C.ConfigError, match=r"prepare\.sources\[0\]\.max_sample"):
+        C.load(p, ["prepare.sources[0].max_sample=1"])
