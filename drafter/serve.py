@@ -508,6 +508,16 @@ def _wait_external(url: str, headers: dict, timeout: float) -> list[str]:
     while time.time() - t0 < timeout:
         try:
             return _models(url, headers)
+        except httpx.HTTPStatusError as e:
+            # Up, but unable to list its models (transformers serve 5.17 answers 500 there when
+            # offline): go on if /health says so; the model then comes from server.model_name.
+            err = e
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", headers=headers, timeout=10.0,
+                             trust_env=False).status_code == 200:
+                    log.warning("GET %s/v1/models failed (%s); the server is healthy", url, e)
+                    return []
+            time.sleep(1.0)
         except (httpx.HTTPError, ValueError) as e:
             err = e
             time.sleep(1.0)

@@ -111,8 +111,10 @@ def test_multi_turn_regeneration(tf_server, smollm2_dir, tmp_path):
         {"id": "t:003", "source": "t", "split": "train",
          "messages": [{"role": "user", "content": "Say hello."}], "meta": {"keep": 1}},
     ]
+    # model_name given: transformers serve 5.17 cannot list its models offline (HTTP 500)
     cfg = make_run(tmp_path, records, **{"generate.server.engine": "external",
                                          "generate.server.urls": [tf_server.urls[0] + "/v1"],
+                                         "generate.server.model_name": tf_server.model,
                                          "generate.max_tokens": 8, "generate.concurrency": 4})
     pipeline.run_step(cfg, "generate")
     out, m = check_invariants(cfg, records)
@@ -153,6 +155,7 @@ def test_client_killed_mid_run_then_resumed(tf_server, tmp_path):
     records = [conv(i, f"Give me fact number {i} about the sea.") for i in range(8)]
     cfg = make_run(tmp_path, records, **{"generate.server.engine": "external",
                                          "generate.server.urls": [tf_server.urls[0]],
+                                         "generate.server.model_name": tf_server.model,
                                          "generate.max_tokens": 8, "generate.concurrency": 2})
     out_path = Run.of(cfg).conversations("generate")
     cmd = [sys.executable, "-m", "drafter.cli", "generate", str(tmp_path / "cfg.yaml")]
