@@ -79,7 +79,7 @@ seed_from() {  # seed_from SRC DST STEP...: start DST with copies of SRC's finis
 
 phase_tests() {
   log "tests: pytest -m gpu"
-  timeout 900 $PY -m pytest -m gpu -q -p no:cacheprovider tests > "$RES/tests-gpu.log" 2>&1
+  timeout ${T_TESTS:-300} $PY -m pytest -m gpu -q -p no:cacheprovider tests > "$RES/tests-gpu.log" 2>&1
   log "tests: exit $? ($(tail -1 "$RES/tests-gpu.log"))"
 }
 
@@ -87,13 +87,13 @@ phase_speed() {
   local drafter_arg=()
   [ -d runs/ref/export/native ] && drafter_arg=(--drafter runs/ref/export/native)
   log "speed: decode"
-  timeout 600 $PY benchmarks/decode_speed.py --target "$TARGET" "${drafter_arg[@]}" \
+  timeout ${T_DECODE:-300} $PY benchmarks/decode_speed.py --target "$TARGET" "${drafter_arg[@]}" \
     --json "$RES/decode_speed.json" > "$RES/decode_speed.log" 2>&1; log "decode exit $?"
   log "speed: train"
-  timeout 900 $PY benchmarks/train_throughput.py > "$RES/train_throughput.log" 2>&1
+  timeout ${T_TRAIN:-600} $PY benchmarks/train_throughput.py > "$RES/train_throughput.log" 2>&1
   log "train exit $?"
   log "speed: extract"
-  timeout 600 $PY benchmarks/extract_throughput.py --model "$TARGET" \
+  timeout ${T_EXTRACT:-300} $PY benchmarks/extract_throughput.py --model "$TARGET" \
     --json "$RES/extract_throughput.json" > "$RES/extract_throughput.log" 2>&1
   log "extract exit $?"
 }
