@@ -79,7 +79,7 @@ seed_from() {  # seed_from SRC DST STEP...: start DST with copies of SRC's finis
 
 phase_tests() {
   log "tests: pytest -m gpu"
-  timeout ${T_TESTS:-300} $PY -m pytest -m gpu -q -p no:cacheprovider tests > "$RES/tests-gpu.log" 2>&1
+  DRAFTER_TEST_KEEP_CACHE=1 timeout ${T_TESTS:-300} $PY -m pytest -m gpu -q -p no:cacheprovider tests > "$RES/tests-gpu.log" 2>&1
   log "tests: exit $? ($(tail -1 "$RES/tests-gpu.log"))"
 }
 
