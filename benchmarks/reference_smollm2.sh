@@ -10,6 +10,8 @@
 #   generate    only prepare + generate of the reference (the longest step)
 #   ablations   (a) original answers, (b) top layer only, (c) TTT 1, (d) fp8 + top-k, (e) online;
 #               two at a time when two GPUs are visible
+#   lanes       everything above on two GPUs, for at most $T_CALL seconds, then collect; rerun the
+#               same command on the same (warm) machine to continue
 #   multigpu    2-GPU extract (data parallel) and 2-GPU DDP training throughput
 #   restore     unpack a ref-generate.tar.gz of an earlier session ($RESTORE, default
 #               .carry_c/ref-generate.tar.gz) into runs/, so the reference resumes after generate
@@ -72,7 +74,9 @@ seed_from() {  # seed_from SRC DST STEP...: start DST with copies of SRC's finis
   local src=runs/$1 dst=runs/$2; shift 2
   mkdir -p "$dst"
   for s in "$@"; do
-    [ -f "$src/$s/manifest.json" ] && [ ! -e "$dst/$s" ] && cp -r "$src/$s" "$dst/$s"
+    # hard links: finished step files are never rewritten in place (atomic writes), and the
+    # reference's features are tens of GB
+    [ -f "$src/$s/manifest.json" ] && [ ! -e "$dst/$s" ] && cp -al "$src/$s" "$dst/$s"
   done
   return 0
 }
@@ -106,6 +110,62 @@ phase_restore() {
 
 phase_generate() { run ref --until generate; }
 phase_reference() { run ref; }
+
+# The five ablations: NAME, the steps seeded from the reference, the one change.
+declare -A ABL_SEED=([a_orig]="prepare" [b_top]="prepare generate tokenize vocab"
+  [c_ttt1]="prepare generate tokenize vocab extract" [d_fp8]="prepare generate tokenize vocab"
+  [e_online]="prepare generate tokenize vocab")
+declare -A ABL_ARGS=([a_orig]="generate.enabled=false"
+  [b_top]="extract.layer_ids=[29] train.online=true" [c_ttt1]="train.ttt_steps=1"
+  [d_fp8]="extract.aux_dtype=fp8 extract.teacher=topk" [e_online]="train.online=true")
+
+wait_for() {  # wait_for FILE: until another lane has produced it
+  while [ ! -e "$1" ]; do sleep 5; done
+}
+
+once() {  # once NAME CMD...: a phase that is not a resumable run is done once per machine
+  [ -f "$RES/done.$1" ] && return 0
+  local n=$1; shift
+  "$@" && touch "$RES/done.$n"
+}
+
+ablate() {  # ablate NAME: one ablation, seeded from the reference's finished steps
+  local n=$1 last
+  last=${ABL_SEED[$n]##* }
+  [ "$n" = a_orig ] || wait_for runs/ref/$last/manifest.json
+  seed_from ref "$n" ${ABL_SEED[$n]}
+  read -r -a args <<< "${ABL_ARGS[$n]}"
+  run "$n" "${args[@]}" "${ABL_EVAL[@]}"
+}
+
+speed_drafter() {  # decode speed with the reference drafter, once it is exported
+  wait_for runs/ref/export/manifest.json
+  log "speed: decode with the reference drafter"
+  timeout ${T_DECODE:-300} $PY benchmarks/decode_speed.py --target "$TARGET" \
+    --drafter runs/ref/export/native --json "$RES/decode_speed_drafter.json" \
+    > "$RES/decode_speed_drafter.log" 2>&1; log "decode (drafter) exit $?"
+}
+
+# Two lanes, one per GPU, that a rerun continues: each resumable run picks up where it stopped,
+# and a finished test or benchmark phase is not repeated on the same machine.
+phase_lane0() { run ref && ablate b_top && ablate d_fp8 && touch "$RES/done.lane0"; }
+phase_lane1() {
+  once tests phase_tests; once speed phase_speed
+  ablate a_orig; ablate e_online; ablate c_ttt1; once speed_drafter speed_drafter
+  touch "$RES/done.lane1"
+}
+phase_lanes() {  # both lanes for at most T_CALL seconds, then the 2-GPU runs, then collect
+  local t0=$SECONDS
+  CUDA_VISIBLE_DEVICES=0 timeout ${T_CALL:-520} bash "$0" lane0 >> "$RES/lane0.out" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout ${T_CALL:-520} bash "$0" lane1 >> "$RES/lane1.out" 2>&1
+  wait
+  local left=$(( ${T_CALL:-520} - (SECONDS - t0) ))
+  if [ -f "$RES/done.lane0" ] && [ -f "$RES/done.lane1" ] && [ ! -f "$RES/done.multigpu" ] \
+     && [ $left -gt 60 ]; then
+    timeout $left bash "$0" multigpu >> "$RES/multigpu.out" 2>&1 && touch "$RES/done.multigpu"
+  fi
+  phase_collect
+}
 
 phase_ablations() {
   # Every variant reuses the reference's finished steps where its config does not change them
