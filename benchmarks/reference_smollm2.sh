@@ -10,8 +10,8 @@
 #   generate    only prepare + generate of the reference (the longest step)
 #   ablations   (a) original answers, (b) top layer only, (c) TTT 1, (d) fp8 + top-k, (e) online;
 #               two at a time when two GPUs are visible
-#   lanes       everything above on two GPUs, for at most $T_CALL seconds, then collect; rerun the
-#               same command on the same (warm) machine to continue
+#   lanes       reference, ablations, GPU tests and decode speed on two GPUs until $DEADLINE (epoch
+#               seconds), then collect; rerun on the same (warm) machine to continue
 #   multigpu    2-GPU extract (data parallel) and 2-GPU DDP training throughput
 #   restore     unpack a ref-generate.tar.gz of an earlier session ($RESTORE, default
 #               .carry_c/ref-generate.tar.gz) into runs/, so the reference resumes after generate
@@ -108,7 +108,9 @@ phase_restore() {
   tar -xzf "$f" -C runs && log "restore: $f -> runs/ref"
 }
 
-phase_generate() { run ref --until generate; }
+phase_generate() {  # with every visible GPU (engine local runs one replica per GPU)
+  timeout $(left 30) bash "$0" _generate; }
+phase__generate() { run ref --until generate; }
 phase_reference() { run ref; }
 
 # The five ablations: NAME, the steps seeded from the reference, the one change.
@@ -146,23 +148,30 @@ speed_drafter() {  # decode speed with the reference drafter, once it is exporte
     > "$RES/decode_speed_drafter.log" 2>&1; log "decode (drafter) exit $?"
 }
 
+left() {  # seconds left before $DEADLINE (epoch seconds; default: an hour from now), minus $1
+  echo $(( ${DEADLINE:-$(( $(date +%s) + 3600 ))} - $(date +%s) - ${1:-0} ))
+}
+
 # Two lanes, one per GPU, that a rerun continues: each resumable run picks up where it stopped,
-# and a finished test or benchmark phase is not repeated on the same machine.
-phase_lane0() { run ref && ablate b_top && ablate d_fp8 && touch "$RES/done.lane0"; }
+# and a finished test phase is not repeated on the same machine. Lane 1 trains the ablations
+# that need no stored features of their own two at a time (the drafter is small: one GPU
+# interleaves them).
+phase_lane0() { run ref && ablate d_fp8 && touch "$RES/done.lane0"; }
 phase_lane1() {
-  once tests phase_tests; once speed phase_speed
-  ablate a_orig; ablate e_online; ablate c_ttt1; once speed_drafter speed_drafter
+  once tests phase_tests
+  ablate b_top & ablate e_online & wait
+  ablate c_ttt1; once speed_drafter speed_drafter
   touch "$RES/done.lane1"
 }
-phase_lanes() {  # both lanes for at most T_CALL seconds, then the 2-GPU runs, then collect
-  local t0=$SECONDS
-  CUDA_VISIBLE_DEVICES=0 timeout ${T_CALL:-520} bash "$0" lane0 >> "$RES/lane0.out" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 timeout ${T_CALL:-520} bash "$0" lane1 >> "$RES/lane1.out" 2>&1
+phase_lanes() {  # both lanes until $DEADLINE (less 20 s to collect), then the 2-GPU runs, collect
+  local t=$(left 20)
+  CUDA_VISIBLE_DEVICES=0 timeout $t bash "$0" lane0 >> "$RES/lane0.out" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout $t bash "$0" lane1 >> "$RES/lane1.out" 2>&1
   wait
-  local left=$(( ${T_CALL:-520} - (SECONDS - t0) ))
+  t=$(left 20)
   if [ -f "$RES/done.lane0" ] && [ -f "$RES/done.lane1" ] && [ ! -f "$RES/done.multigpu" ] \
-     && [ $left -gt 60 ]; then
-    timeout $left bash "$0" multigpu >> "$RES/multigpu.out" 2>&1 && touch "$RES/done.multigpu"
+     && [ $t -gt 60 ]; then
+    timeout $t bash "$0" multigpu >> "$RES/multigpu.out" 2>&1 && touch "$RES/done.multigpu"
   fi
   phase_collect
 }
@@ -221,7 +230,7 @@ phase_collect() {
   tar -czf "$OUT/results.tar.gz" -C "$RES" .
   cp "$RES/phases.log" "$OUT/phases.log" 2>/dev/null
   # the regenerated conversations, so that a later session can resume after generate
-  if [ -f runs/ref/generate/manifest.json ]; then
+  if [ -d runs/ref/generate ] && [ ! -f runs/ref/tokenize/manifest.json ]; then
     tar -czf "$OUT/ref-generate.tar.gz" -C runs ref/config.yaml ref/prepare ref/generate
   fi
   log "collect: $(ls "$RES" | wc -l) files packed into $OUT/results.tar.gz"

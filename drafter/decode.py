@@ -45,6 +45,7 @@ import inspect
 import logging
 import math
 import time
+from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -124,6 +125,44 @@ def _additive(vis: Tensor, dtype: torch.dtype) -> Tensor:
         ~vis, torch.finfo(dtype).min)[:, None]
 
 
+_GQA_IMPL = "drafter_gqa_sdpa"
+
+
+def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+              is_causal=None, **kwargs):
+    """transformers attention function (registered as `drafter_gqa_sdpa`) for the static-cache
+    decoder: SDPA over grouped KV heads without copying them. transformers' own SDPA path repeats
+    K/V g times whenever a mask is given (it always is here: slots, trees), which made attention
+    over long spans memory-bound on that copy: the g query heads of a KV head are folded into
+    the query length instead. query [B, nh, T, hd]; key, value [B, nkv, S, hd];
+    attention_mask [B, 1, T, S] additive. Returns [B, T, nh, hd]."""
+    B, nh, T, hd = query.shape
+    nkv, S = key.shape[1], key.shape[2]
+    g = nh // nkv
+    plain = (g == 1 or attention_mask is None or attention_mask.shape[1] != 1 or dropout
+             or kwargs.get("softcap") or kwargs.get("s_aux") is not None
+             or getattr(module, "sinks", None) is not None)
+    if plain:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    q = query.reshape(B, nkv, g * T, hd)                                 # head h = kv * g + j
+    m = attention_mask[:, :, :, :S]
+    m = m[:, :, None].expand(B, 1, g, T, S).reshape(B, 1, g * T, S)
+    o = F.scaled_dot_product_attention(q, key, value, attn_mask=m, scale=scaling)
+    return o.reshape(B, nh, T, hd).transpose(1, 2).contiguous(), None   # [B, T, nh, hd]
+
+
+def _use_gqa_sdpa(model) -> None:
+    """Switch an HF model to `_gqa_sdpa` (registered once with transformers' interfaces)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(_GQA_IMPL, _gqa_sdpa)
+    AttentionMaskInterface.register(_GQA_IMPL, sdpa_mask)
+    model.set_attn_implementation(_GQA_IMPL)
+
+
 class StaticTarget:
     """An HF causal LM run over a `SlotCache`, with forward pre-hooks capturing the aux hidden
     states HS[k] (DESIGN.md: the residual stream entering layer k) of every token it processes."""
@@ -134,10 +173,10 @@ class StaticTarget:
 
         self.model = model
         tc = text_config(model.config)
-        impl = str(getattr(model.config, "_attn_implementation", None) or "")
-        if impl not in ("sdpa", "eager"):
-            # flash kernels ignore a custom 4D mask; the tree needs one
-            model.set_attn_implementation("sdpa")
+        # flash kernels ignore a custom 4D mask (the tree needs one); transformers' SDPA copies
+        # grouped K/V heads under a mask: `_gqa_sdpa` does neither. Eager stays (softcapping).
+        if str(getattr(model.config, "_attn_implementation", None) or "") != "eager":
+            _use_gqa_sdpa(model)
         types = set(getattr(tc, "layer_types", None) or ["full_attention"])
         if types - {"full_attention", "sliding_attention"}:
             raise DecodeError(f"{type(model).__name__}: layer types {sorted(types)} are not "
@@ -546,7 +585,8 @@ class _Graphs:
             torch.cuda.current_stream().wait_stream(side)
             restore()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
+            # thread_local: LocalGenerator's replicas capture on their GPUs at the same time
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
                 fn()
             self.pool = g.pool()
             torch.cuda.synchronize()
@@ -569,8 +609,12 @@ class Output:
     finish: str                    # "stop" or "length"
     steps: int                     # target forwards after the prefill
     hist: list[int] | None = None  # speculative: steps by accepted draft tokens (0..D)
-    gaps: list[float] | None = None   # plain greedy: top-1 minus top-2 logit of each token
-    second: list[int] | None = None   # plain greedy: the runner-up token of each position
+    # plain greedy, per token: the NEAR runners-up (top 2.., best first) and top-1 minus each
+    gaps: list[list[float]] | None = None
+    second: list[list[int]] | None = None
+
+
+NEAR = 3   # runners-up recorded per token for the lossless check (bf16 logits tie several ways)
 
 
 class _State:
@@ -581,8 +625,8 @@ class _State:
         self.B, self.W = B, W
         self.start, self.L = torch.zeros(B, **z), torch.zeros(B, **z)
         self.pending, self.n_out, self.steps = (torch.zeros(B, **z) for _ in range(3))
-        self.out, self.second = torch.zeros(B, W, **z), torch.zeros(B, W, **z)
-        self.gap = torch.zeros(B, W, dtype=torch.float32, device=dev)
+        self.out, self.second = torch.zeros(B, W, **z), torch.zeros(B, W, NEAR, **z)
+        self.gap = torch.zeros(B, W, NEAR, dtype=torch.float32, device=dev)
         self.finished = torch.zeros(B, dtype=torch.bool, device=dev)
         self.hist = torch.zeros(B, D + 1, **z)
         self.max_new = torch.zeros((), **z)
@@ -649,7 +693,7 @@ class Decoder:
                  record_gaps: bool = False, progress=None) -> list[Output]:
         """Decode each prompt (token ids) for up to max_new_tokens new tokens, stopping at a stop
         id. Plain decoding without a proposer; speculative decoding with one (tree: chain K=3 by
-        default). `record_gaps` keeps the top-2 margins of plain greedy decoding (tie analysis)."""
+        default). `record_gaps` keeps the NEAR runners-up of plain greedy decoding and their margins (ties)."""
         if max_new_tokens < 1:
             raise DecodeError("max_new_tokens must be >= 1")
         if any(len(p) == 0 for p in prompts):
@@ -789,8 +833,9 @@ class Decoder:
         lg = logits[:, -1].float()                                                  # [B, V]
         first = pick(lg, T, top_p)
         if record_gaps:
-            top = lg.topk(2, dim=-1)
-            st.gap[:, 0], st.second[:, 0] = top.values[:, 0] - top.values[:, 1], top.indices[:, 1]
+            top = lg.topk(NEAR + 1, dim=-1)
+            st.gap[:, 0] = top.values[:, :1] - top.values[:, 1:]
+            st.second[:, 0] = top.indices[:, 1:]
         st.pending.copy_(first)
         st.out[:, 0] = first
         st.n_out.fill_(1)
@@ -834,10 +879,10 @@ class Decoder:
         lg = logits[:, -1].float()
         nxt = pick(lg, T, top_p)
         if record_gaps:
-            top = lg.topk(2, dim=-1)
-            col = torch.where(st.finished, st.W - 1, st.n_out)[:, None]
-            st.gap.scatter_(1, col, (top.values[:, :1] - top.values[:, 1:]))
-            st.second.scatter_(1, col, top.indices[:, 1:])
+            top = lg.topk(NEAR + 1, dim=-1)
+            col = torch.where(st.finished, st.W - 1, st.n_out)[:, None, None].expand(-1, 1, NEAR)
+            st.gap.scatter_(1, col, (top.values[:, :1] - top.values[:, 1:])[:, None])
+            st.second.scatter_(1, col, top.indices[:, None, 1:])
         self._commit(st, nxt[:, None], torch.zeros_like(nxt), nxt)
 
     def _spec_step(self, st, span, P, tree: TreeSpec, T):
@@ -965,7 +1010,9 @@ def stop_ids_of(tokenizer, model=None) -> list[int]:
 
 class LocalGenerator:
     """In-process batched generation for `generate.server.engine: local`: static cache, CUDA
-    graphs, prompts sorted by length into batches of `batch_size`.
+    graphs, prompts sorted by length into batches of `batch_size`. With `target.device: auto`
+    and several visible GPUs, one replica per GPU decodes every n-th batch (data parallel, one
+    thread each: a graph replay per step leaves the GIL free).
 
         gen = LocalGenerator(cfg.target, batch_size=cfg.generate.batch_size)
         for token_ids, finish_reason in gen.generate(prompts, 512, 0.0, 1.0, seed=0): ...
@@ -976,29 +1023,53 @@ class LocalGenerator:
     def __init__(self, target_cfg, batch_size: int = 64, cuda_graphs: bool = True):
         from .target import load_model, load_tokenizer
 
-        self.model = load_model(target_cfg)
+        n = torch.cuda.device_count() if target_cfg.device == "auto" else 1
+        devices = [f"cuda:{i}" for i in range(n)] if n > 1 else [None]
+        self.models = [load_model(target_cfg, device=d) for d in devices]
+        self.model = self.models[0]
         self.tokenizer = load_tokenizer(target_cfg)
         self.stop_ids = stop_ids_of(self.tokenizer, self.model)
         self.batch_size = batch_size
-        self.decoder = Decoder(self.model, max_batch=batch_size, cuda_graphs=cuda_graphs)
+        self.decoders = [Decoder(m, max_batch=batch_size, cuda_graphs=cuda_graphs)
+                         for m in self.models]
+        self.decoder = self.decoders[0]
+        self.replicas = len(self.decoders)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0) -> list[tuple[list[int], str]]:
+        from concurrent.futures import ThreadPoolExecutor
+
         from tqdm import tqdm
 
-        torch.manual_seed(seed)
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        bs, n = self.batch_size, len(self.decoders)
+        batches = [order[b:b + bs] for b in range(0, len(order), bs)]
+        parts = [[i for bt in batches[r::n] for i in bt] for r in range(n)]   # replica r's rows
         bar = tqdm(total=len(prompts), desc="generate (local)", unit="prompt",
-                   disable=len(prompts) <= self.batch_size)
+                   disable=len(prompts) <= bs)
+
+        def work(r):
+            if not parts[r]:
+                return []
+            dev = self.decoders[r].device
+            with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
+                torch.manual_seed(seed + r)
+                return self.decoders[r].generate([prompts[i] for i in parts[r]], max_new_tokens,
+                                                 stop_ids=self.stop_ids, temperature=temperature,
+                                                 top_p=top_p, progress=bar)
         try:
-            outs = self.decoder.generate([prompts[i] for i in order], max_new_tokens,
-                                         stop_ids=self.stop_ids, temperature=temperature,
-                                         top_p=top_p, progress=bar)
+            if n == 1:
+                outs_by = [work(0)]
+            else:
+                with ThreadPoolExecutor(n) as ex:
+                    outs_by = list(ex.map(work, range(n)))
         except torch.cuda.OutOfMemoryError as e:
             raise DecodeError(f"generate (local): out of GPU memory at batch {self.batch_size}: "
                               f"lower generate.batch_size ({e})") from None
         finally:
             bar.close()
+        order = [i for p in parts for i in p]
+        outs = [o for ob in outs_by for o in ob]
         res: list = [None] * len(prompts)
         for i, o in zip(order, outs):
             toks = o.tokens[:-1] if o.finish == "stop" else o.tokens

@@ -226,7 +226,8 @@ def test_plain_decoding_matches_hf_generate(smol):
         ref = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False)
         assert o.tokens == ref[0, len(p):].tolist()
         assert o.steps == len(o.tokens) - 1 and len(o.gaps) == len(o.tokens)
-        assert all(g >= 0 for g in o.gaps)
+        assert all(0 <= g[0] <= g[1] <= g[2] for g in o.gaps)          # runners-up, best first
+        assert all(t not in near for t, near in zip(o.tokens, o.second))
     chunked = Decoder(model, max_batch=2, prefill_tokens=32)  # 16 tokens per row per chunk
     outs = chunked.generate(smol["prompts"], MAX_NEW, stop_ids=smol["stop"])
     assert [o.tokens for o in outs] == [o.tokens for o in plain]
@@ -319,6 +320,21 @@ def test_local_generator(smollm2_dir, smol):
     assert a == b and 1 <= len(a[0][0]) <= 5
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_local_generator_data_parallel(smollm2_dir, smol):
+    """Two visible GPUs: one replica each, batches dealt round-robin, results in prompt order and
+    equal to plain greedy decoding on one device (float32)."""
+    from drafter.config import TargetConfig
+
+    gen = LocalGenerator(TargetConfig(model=str(smollm2_dir), dtype="float32"), batch_size=1)
+    assert gen.replicas == torch.cuda.device_count()
+    one = LocalGenerator(TargetConfig(model=str(smollm2_dir), dtype="float32", device="cuda:0"),
+                         batch_size=1)
+    assert one.replicas == 1
+    assert gen.generate(smol["prompts"], MAX_NEW) == one.generate(smol["prompts"], MAX_NEW)
+
+
 # ------------------------------------------------------------------- other architectures
 @pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3", "gemma2"])
 def test_tiny_architectures_plain_and_speculative(arch, tmp_path):
@@ -377,3 +393,24 @@ def test_cuda_graphs_give_the_eager_tokens(smollm2_dir):
     outs = graphed.generate(prompts, 16, proposer=EagleDraft(_tiny_drafter(model.config)),
                             tree=TreeSpec(3, 3, 8), temperature=0.8)
     assert all(1 <= len(o.tokens) <= 16 for o in outs) and graphed.graphs.enabled
+
+
+def test_gqa_sdpa_equals_transformers_sdpa():
+    """The static decoder's attention (grouped query heads folded into the query length, K/V
+    never repeated) gives transformers' SDPA result under a per-row mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from drafter.decode import _gqa_sdpa
+
+    torch.manual_seed(0)
+    B, nh, nkv, T, S, hd = 3, 6, 2, 4, 11, 8
+    q, k, v = torch.randn(B, nh, T, hd), torch.randn(B, nkv, S, hd), torch.randn(B, nkv, S, hd)
+    vis = torch.rand(B, T, S) < 0.6
+    vis[..., 0] = True
+    mask = torch.zeros(B, 1, T, S).masked_fill(~vis[:, None], float("-inf"))
+    mod = torch.nn.Module()
+    mod.num_key_value_groups, mod.is_causal, mod.training = nh // nkv, True, False
+    ref, _ = sdpa_attention_forward(mod, q, k, v, mask, scaling=0.3)
+    out, _ = _gqa_sdpa(mod, q, k, v, mask, scaling=0.3)
+    assert out.shape == (B, T, nh, hd)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -53,12 +53,16 @@ def _out(tokens, gaps=None, second=None):
 
 
 def test_lossless_verdicts():
-    plain = _out([5, 6, 7, 8], gaps=[3.0, 0.01, 2.0, 1.0], second=[9, 4, 9, 9])
+    plain = _out([5, 6, 7, 8], gaps=[[3.0, 4, 5], [0.01, 0.02, 0.9], [2.0, 3, 4], [1.0, 2, 3]],
+                 second=[[9, 1, 2], [4, 3, 2], [9, 1, 2], [9, 1, 2]])
     assert E.compare(plain, _out([5, 6, 7, 8]), 0.0) == ("identical", None)
     v, info = E.compare(plain, _out([5, 4, 1, 1]), 0.05)   # the runner-up, 0.01 apart: a tie
-    assert v == "tie" and info["index"] == 1 and info["gap"] == 0.01
+    assert v == "tie" and info["index"] == 1 and info["gap"] == 0.01 and info["rank"] == 2
+    v, info = E.compare(plain, _out([5, 3, 1, 1]), 0.05)   # the third, 0.02 apart: a tie too
+    assert v == "tie" and info["gap"] == 0.02 and info["rank"] == 3
     assert E.compare(plain, _out([5, 4, 1, 1]), 0.0)[0] == "mismatch"   # float32: no tolerance
-    assert E.compare(plain, _out([5, 3, 1, 1]), 1.0)[0] == "mismatch"   # not the runner-up
+    assert E.compare(plain, _out([5, 2, 1, 1]), 0.5)[0] == "mismatch"   # 0.9 below the top
+    assert E.compare(plain, _out([5, 7, 1, 1]), 1.0)[0] == "mismatch"   # not a runner-up
     v, info = E.compare(plain, _out([5, 6, 7, 8, 2]), 1.0)               # longer
     assert v == "mismatch" and info["index"] == 4
 

@@ -20,9 +20,10 @@ one verification forward, timed on their own (graph-replayed on GPU).
 
 Lossless check (temperature 0): each speculative output must equal the plain one token for token.
 In float32 (CPU) any difference fails the step. In 16-bit the verification forward (N+1 tokens)
-and the plain one (1 token) round differently, so a near-tie can flip the argmax: a divergence
-where the speculative token is the plain run's runner-up and the top-2 logits differ by at most
-`evaluate.tie_tolerance` is counted as a tie and reported, not failed. Anything else fails.
+and the plain one (1 token) round differently, so a near-tie can flip the argmax (bf16 logits are
+coarse: several tokens often share the top value): a divergence where the speculative token is
+one of the plain run's 3 runners-up and its logit is within `evaluate.tie_tolerance` of the top
+one is counted as a tie and reported, not failed. Anything else fails.
 """
 from __future__ import annotations
 
@@ -194,11 +195,14 @@ def compare(plain, spec, tol: float) -> tuple[str, dict | None]:
     if a == b:
         return "identical", None
     i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    near = plain.second[i] if plain.second and i < len(plain.second) else []
+    gaps = plain.gaps[i] if plain.gaps and i < len(plain.gaps) else []
+    j = near.index(b[i]) if i < len(a) and i < len(b) and b[i] in near else None
     info = {"index": i, "plain": a[i] if i < len(a) else None,
             "speculative": b[i] if i < len(b) else None,
-            "gap": plain.gaps[i] if plain.gaps and i < len(plain.gaps) else None}
-    if (i < len(a) and i < len(b) and plain.second and plain.second[i] == b[i]
-            and info["gap"] is not None and info["gap"] <= tol):
+            "gap": (gaps[j] if j is not None else gaps[0]) if gaps else None, "rank": (
+                j + 2 if j is not None else None)}
+    if j is not None and gaps[j] <= tol:
         return "tie", info
     return "mismatch", info
 
@@ -425,7 +429,7 @@ def render_report(m: dict) -> str:
                                          f"records of `{d['path']}`)"
                                          for n, d in s["datasets"].items()))
     L.append("")
-    tie = f"; {m['ties']} numerical ties (top-2 logit gap <= {s['tie_tolerance']})" \
+    tie = f"; {m['ties']} numerical ties (a runner-up within {s['tie_tolerance']} of the top logit)" \
         if m["ties"] else ""
     if m["lossless"]:
         L.append(f"**Lossless: PASS.** At temperature 0 every speculative output is "

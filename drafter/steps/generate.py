@@ -311,9 +311,9 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink) -> None:
     gen_cls = _local_generator_class()
     tok = load_tokenizer(cfg.target)
     gen = gen_cls(cfg.target, g.batch_size)
-    # A few batches per call lets the generator group prompts of similar length; a kill loses
-    # at most this pool.
-    pool_size = 4 * g.batch_size
+    # A few batches per call (per GPU) lets the generator group prompts of similar length; a
+    # kill loses at most this pool.
+    pool_size = 4 * g.batch_size * getattr(gen, "replicas", 1)
     active: list[_Conversation] = []
     it = iter(records)
     exhausted, call = False, 0
