@@ -513,6 +513,7 @@ def _plots(run: Run, runs: list[dict]) -> None:
         ax.set_title(r["name"], fontsize=9)
         ax.set_xlabel("draft position (solid: unconditional, dashed: conditional)", fontsize=8)
         ax.set_ylim(0, 1.02)
+        ax.set_xticks(x)                                    # draft positions are whole numbers
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(runs):]:
         ax.axis("off")
