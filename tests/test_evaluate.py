@@ -208,3 +208,57 @@ def test_a_drafter_for_another_target_is_refused(smollm2_dir, tmp_path):
 
     with pytest.raises(E.EvaluateError, match="target_hidden_size 576 != the target's 64"):
         E._check_drafter(load_drafter(d), model, "drafter", d)
+
+
+def test_a_killed_evaluate_resumes_after_its_finished_passes(smollm2_dir, shared_data, tmp_path,
+                                                             caplog):
+    """kill -9 once the first decoding pass is kept; the rerun decodes only the passes left and
+    ends with the metrics of an uninterrupted run (tokens, τ, verdicts: float32 on CPU)."""
+    import os
+    import signal
+    import time
+
+    from tests.tiny import make_tiny
+
+    target = make_tiny("llama", tmp_path, tokenizer_dir=smollm2_dir)
+    dr = _drafter_dir(target, tmp_path / "ckpt", 0)
+    ev = shared_data / "eval"
+
+    def cfg(name):
+        return C.load(None, [
+            f"run_dir={tmp_path / name}", f"target.model={target}", f"evaluate.drafter={dr}",
+            "evaluate.max_new_tokens=24", "evaluate.methods=[chain]", "evaluate.k=2",
+            "evaluate.temperatures=[0.0, 1.0]", "evaluate.batch_size=2",
+            "evaluate.datasets=[{name: mt_bench, path: %s, max_prompts: 2}]"
+            % (ev / "mt_bench_questions.jsonl")])
+
+    E.main(cfg("whole"))
+    whole = json.loads(Run.of(cfg("whole")).eval_metrics().read_text())
+
+    killed = cfg("killed")
+    (tmp_path / "killed.yaml").write_text(C.dump(killed))
+    passes = Run.of(killed).step_dir("evaluate") / "passes"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys, torch; torch.set_num_threads(1); "
+         "from drafter import config as C; from drafter.steps import evaluate as E; "
+         "E.main(C.load(sys.argv[1], []))", str(tmp_path / "killed.yaml")],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while not (passes.is_dir() and any(passes.glob("*.json"))) and proc.poll() is None:
+        assert time.time() - t0 < 300
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    kept = len(list(passes.glob("*.json")))
+    assert 1 <= kept < 4                               # 4 passes: plain and chain at T=0 and 1
+
+    with caplog.at_level("INFO", logger="drafter"):
+        E.main(killed)
+    assert caplog.text.count("kept from the interrupted run") == kept
+    again = json.loads(Run.of(killed).eval_metrics().read_text())
+    assert not passes.exists()                         # cleaned up once the metrics are written
+    for a, b in zip(whole["runs"], again["runs"]):
+        for key in ("tau", "steps", "accepted", "new_tokens", "accept_hist", "lossless"):
+            assert a["datasets"]["mt_bench"].get(key) == b["datasets"]["mt_bench"].get(key), key
+    assert whole["settings"]["datasets"] == again["settings"]["datasets"]

@@ -189,6 +189,32 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
     return outs, seconds, iters
 
 
+def _pass(run: Run, key: str, prompts: _Prompts, fn):
+    """One decoding pass (fn() -> _decode's result), kept in evaluate/passes/ so that a killed
+    evaluate resumes after the passes it finished. A plain pass also keeps the prompt rounds it
+    built (MT-bench's second turns carry its answers)."""
+    import dataclasses
+    import hashlib
+
+    from ..decode import Output
+
+    p = run.step_dir("evaluate") / "passes" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if p.exists():
+        d = read_json(p)
+        if d.get("key") == key:
+            if d.get("rounds") is not None:
+                prompts.rounds[:] = [[(i, ids) for i, ids in b] for b in d["rounds"]]
+                prompts.truncated = d["truncated"]
+            log.info("evaluate: %s: kept from the interrupted run", key)
+            return [(i, r, Output(**o)) for i, r, o in d["outs"]], d["seconds"], d["iterations"]
+    built = not prompts.rounds
+    outs, secs, it = fn()
+    atomic_json(p, {"key": key, "seconds": secs, "iterations": it,
+                    "rounds": prompts.rounds if built else None, "truncated": prompts.truncated,
+                    "outs": [(i, r, dataclasses.asdict(o)) for i, r, o in outs]})
+    return outs, secs, it
+
+
 def compare(plain, spec, tol: float) -> tuple[str, dict | None]:
     """Lossless verdict for one prompt: identical, tie (see the module doc) or mismatch."""
     a, b = plain.tokens, spec.tokens
@@ -297,12 +323,12 @@ def main(cfg) -> dict:
 
     runs, plain_all, ds_info, timings = [], {}, {}, {}
     for T in [float(t) for t in ev.temperatures]:
-        torch.manual_seed(ev.seed)
         plain, prompts = {}, {}
         for name, path, recs in datasets:
-            prompts[name] = _Prompts(tok, recs, max_len, ev.max_new_tokens)
-            outs, secs, it = _decode(dec, prompts[name], None, ev.max_new_tokens, stop, T,
-                                     desc=f"plain T={T:g} {name}")
+            torch.manual_seed(ev.seed)
+            prompts[name] = pr = _Prompts(tok, recs, max_len, ev.max_new_tokens)
+            outs, secs, it = _pass(run, f"plain T={T:g} {name}", pr, lambda: _decode(
+                dec, pr, None, ev.max_new_tokens, stop, T, desc=f"plain T={T:g} {name}"))
             plain[name] = (outs, _summary(outs, secs, it))
             ds_info[name] = {"path": path, "records": len(recs),
                              "prompts": sum(len(r) for r in prompts[name].rounds),
@@ -323,9 +349,10 @@ def main(cfg) -> dict:
                 per = {}
                 for name, _, _ in datasets:
                     torch.manual_seed(ev.seed)
-                    outs, secs, it = _decode(dec, prompts[name], prompts[name].rounds,
-                                             ev.max_new_tokens, stop, T, prop, tree,
-                                             desc=f"{what} {tree.label()} T={T:g} {name}")
+                    desc = f"{what} {tree.label()} T={T:g} {name}"
+                    pr = prompts[name]
+                    outs, secs, it = _pass(run, desc, pr, lambda: _decode(
+                        dec, pr, pr.rounds, ev.max_new_tokens, stop, T, prop, tree, desc=desc))
                     m = _summary(outs, secs, it, tree, plain[name][0] if T == 0 else None, tol,
                                  prompts[name].records)
                     per[name] = _with_speed(m, ps[name])
@@ -353,7 +380,12 @@ def main(cfg) -> dict:
                     if k in primary},
         "datasets": ds_info,
     }
-    metrics = finish(run, settings, runs, plain_all)
+    try:
+        metrics = finish(run, settings, runs, plain_all)
+    finally:
+        import shutil
+
+        shutil.rmtree(run.step_dir("evaluate") / "passes", ignore_errors=True)
     return {"counts": {"prompts": sum(d["prompts"] for d in ds_info.values()), "runs": len(runs),
                        "new_tokens": primary["datasets"]["overall"]["new_tokens"],
                        "mismatches": metrics["mismatches"], "ties": metrics["ties"]},
