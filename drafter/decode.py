@@ -83,6 +83,7 @@ def _slot_cache_class():
             self.k: dict[int, Tensor] = {}
             self.v: dict[int, Tensor] = {}
             self.slots: Tensor | None = None
+            self.rows: Tensor | None = None   # set: the batch is these cache rows (a refill)
             self.span = max_slots
 
         def _buf(self, store: dict, i: int, x: Tensor) -> Tensor:
@@ -97,6 +98,11 @@ def _slot_cache_class():
             for store, x in ((self.k, key_states), (self.v, value_states)):
                 buf = self._buf(store, layer_idx, x)
                 idx = self.slots[:, None, :, None].expand(B, x.shape[1], T, x.shape[3])
+                if self.rows is not None:                             # eager refills only
+                    sub = buf.index_select(0, self.rows).scatter_(2, idx, x.to(buf.dtype))
+                    buf.index_copy_(0, self.rows, sub)
+                    out.append(sub[:, :, : self.span])
+                    continue
                 buf[:B].scatter_(2, idx, x.to(buf.dtype))
                 out.append(buf[:B, :, : self.span])                   # [B, heads, S, dim]
             return out[0], out[1]
@@ -718,6 +724,120 @@ class Decoder:
         self.last["seconds"] -= self.last["capture_seconds"]
         return outs
 
+    @torch.no_grad()
+    def generate_continuous(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                            stop_ids: Sequence[int] = (), temperature: float = 0.0,
+                            top_p: float = 1.0, refill_fraction: float = 0.125,
+                            progress=None) -> list[Output]:
+        """Plain decoding with continuous batching: a row whose answer has ended takes the next
+        prompt (an eager prefill of the refilled rows alone) while the others keep decoding, so
+        a long answer no longer holds its whole batch. Rows are refilled once `refill_fraction`
+        of them have finished (or all have). Greedy results equal `generate`'s. Returns the
+        outputs in prompt order; `last` as for `generate`."""
+        if max_new_tokens < 1:
+            raise DecodeError("max_new_tokens must be >= 1")
+        if any(len(p) == 0 for p in prompts):
+            raise DecodeError("empty prompt: every prompt needs at least one token")
+        self.last = {"seconds": 0.0, "capture_seconds": 0.0, "prefill_seconds": 0.0,
+                     "iterations": 0}
+        if not prompts:
+            return []
+        cap0, t_start = self.graphs.capture_seconds, time.perf_counter()
+        queue = [(i, list(map(int, p))) for i, p in enumerate(prompts)]
+        queue.sort(key=lambda x: -len(x[1]))          # the longest first: they set the capacity
+        B = min(self.max_batch, len(queue))
+        self._ensure(B, len(queue[0][1]) + max_new_tokens + 3, None)
+        self.target.set_aux(None)
+        T, stop_ids = temperature, list(stop_ids)
+        st = self._state(B, _round_up(max_new_tokens + 2, 64), 0, 0, max(1, len(stop_ids)))
+        for t in st.tensors():
+            t.zero_()
+        st.max_new.fill_(max_new_tokens)
+        st.stop.fill_(-1)
+        if stop_ids:
+            st.stop.copy_(torch.tensor(stop_ids, device=self.device))
+        first, queue = queue[:B], queue[B:]
+        owner = [i for i, _ in first]                 # prompt index decoded by each row
+        t0 = time.perf_counter()
+        self._prefill(st, [p for _, p in first], len(first[0][1]), T, top_p, None, False)
+        self.last["prefill_seconds"] += time.perf_counter() - t0
+        key = ("plain-continuous", id(st), T, top_p)
+        fn = lambda span: self._plain_step(st, span, T, top_p, False)  # noqa: E731
+        res: list = [None] * len(prompts)
+        need = max(1, int(B * refill_fraction))
+        while True:
+            *fin, lmax = torch.cat([st.finished.long(), st.L.max()[None]]).tolist()  # one sync
+            done = [b for b in range(B) if fin[b] and owner[b] is not None]
+            if done and (len(done) >= need or len(done) == sum(o is not None for o in owner)):
+                outs = self._collect_rows(st, done, max_new_tokens, stop_ids)
+                for b, o in zip(done, outs):
+                    res[owner[b]] = o
+                    owner[b] = None
+                if progress is not None:
+                    progress.update(len(done))
+                if queue:
+                    take, queue = queue[:len(done)], queue[len(done):]
+                    rows = done[:len(take)]
+                    t0 = time.perf_counter()
+                    self._refill(st, rows, [p for _, p in take], T, top_p)
+                    self.last["prefill_seconds"] += time.perf_counter() - t0
+                    for b, (i, _) in zip(rows, take):
+                        owner[b] = i
+                    lmax = max(lmax, max(len(p) for _, p in take))
+            if all(o is None for o in owner):
+                break
+            span = min(self.cap[1], _round_up(lmax + 1, self.span_bucket))
+            self.graphs.run(key + (span,), lambda: fn(span), st.tensors())
+            self.last["iterations"] += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.last["capture_seconds"] = self.graphs.capture_seconds - cap0
+        self.last["seconds"] = (time.perf_counter() - t_start - self.last["capture_seconds"])
+        return res
+
+    def _collect_rows(self, st, rows, max_new, stop_ids) -> list[Output]:
+        idx = torch.tensor(rows, device=self.device)
+        n_out, steps = st.n_out[idx].tolist(), st.steps[idx].tolist()
+        out = st.out[idx].tolist()
+        stops, res = set(stop_ids), []
+        for j in range(len(rows)):
+            toks = out[j][: min(n_out[j], max_new)]
+            cut = next((i for i, t in enumerate(toks) if t in stops), None)
+            res.append(Output(toks if cut is None else toks[: cut + 1],
+                              "stop" if cut is not None else "length", steps[j]))
+        return res
+
+    def _refill(self, st, rows, prompts, T, top_p):
+        """Prefill `prompts` into cache rows `rows` (the others are not touched) and reset
+        those rows' state: left-padded chunks as in `_prefill`, through the refilled rows only."""
+        dev, tgt = self.device, self.target
+        R, Tq = len(rows), max(len(p) for p in prompts)
+        r = torch.tensor(rows, device=dev)
+        ids = torch.tensor([[0] * (Tq - len(p)) + p for p in prompts]).to(dev)       # [R, Tq]
+        start = torch.tensor([Tq - len(p) for p in prompts]).to(dev)                 # [R]
+        s = torch.arange(Tq, device=dev)
+        chunk = max(1, self.prefill_tokens // R)
+        tgt.cache.rows = r
+        try:
+            for c0 in range(0, Tq, chunk):
+                c1 = min(Tq, c0 + chunk)
+                slots = torch.arange(c0, c1, device=dev).expand(R, -1)               # [R, C]
+                pos = (slots - start[:, None]).clamp(min=0)
+                sk = s[None, None, :c1]
+                vis = ((sk >= start[:, None, None]) & (sk <= slots[..., None])) \
+                    | (sk == slots[..., None])
+                logits, _ = tgt.forward(ids[:, c0:c1], pos, slots, vis, start, logits_to_keep=1)
+        finally:
+            tgt.cache.rows = None
+        first = pick(logits[:, -1].float(), T, top_p)                                # [R]
+        z = torch.zeros(R, dtype=torch.long, device=dev)
+        for t, v in ((st.start, start), (st.L, z + Tq), (st.pending, first), (st.n_out, z + 1),
+                     (st.steps, z)):
+            t.index_copy_(0, r, v)
+        st.out.index_copy_(0, r, torch.zeros(R, st.W, dtype=torch.long, device=dev))
+        st.out[r, 0] = first
+        st.finished.index_copy_(0, r, (first[:, None] == st.stop).any(-1) | (st.max_new <= 1))
+
     # -- one batch
     def _batch(self, prompts, max_new, stop_ids, T, top_p, proposer, tree, record_gaps):
         B, Tp = len(prompts), max(len(p) for p in prompts)
@@ -1010,7 +1130,8 @@ def stop_ids_of(tokenizer, model=None) -> list[int]:
 
 class LocalGenerator:
     """In-process batched generation for `generate.server.engine: local`: static cache, CUDA
-    graphs, prompts sorted by length into batches of `batch_size`. With `target.device: auto`
+    graphs, `batch_size` rows decoded together with continuous refill (a finished row takes the
+    next prompt, longest first: `Decoder.generate_continuous`). With `target.device: auto`
     and several visible GPUs, one replica per GPU decodes every n-th batch (data parallel, one
     thread each: a graph replay per step leaves the GIL free).
 
@@ -1054,9 +1175,9 @@ class LocalGenerator:
             dev = self.decoders[r].device
             with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
                 torch.manual_seed(seed + r)
-                return self.decoders[r].generate([prompts[i] for i in parts[r]], max_new_tokens,
-                                                 stop_ids=self.stop_ids, temperature=temperature,
-                                                 top_p=top_p, progress=bar)
+                return self.decoders[r].generate_continuous(
+                    [prompts[i] for i in parts[r]], max_new_tokens, stop_ids=self.stop_ids,
+                    temperature=temperature, top_p=top_p, progress=bar)
         try:
             if n == 1:
                 outs_by = [work(0)]

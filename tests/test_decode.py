@@ -304,6 +304,27 @@ def test_eagle_drafter_is_lossless_and_samples(smol, tree):
         assert (o.finish == "stop") == (o.tokens[-1] == smol["stop"][0])
 
 
+def test_continuous_batching_equals_static_batches(smol):
+    """generate_continuous: rows whose answer ended take the next prompts (shorter ones are
+    prefilled beside a row still decoding), results equal static batches token for token and
+    come back in prompt order, with fewer target forwards."""
+    tok, stop = smol["tok"], smol["stop"]
+    msgs = ["What is 2+3?", "Write a python function that adds two numbers.", "Say hi.",
+            "List three colors.", "What is the capital of France? Answer in one word."]
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": m}],
+                                           add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"] for m in msgs]
+    dec = Decoder(smol["model"], max_batch=2)
+    static = dec.generate(prompts, 24, stop_ids=stop)
+    static_steps = dec.last["iterations"]
+    cont = dec.generate_continuous(prompts, 24, stop_ids=stop, refill_fraction=0.5)
+    assert [o.tokens for o in cont] == [o.tokens for o in static]
+    assert [o.finish for o in cont] == [o.finish for o in static]
+    assert {o.finish for o in static} == {"stop", "length"}       # answers of unequal length
+    assert [o.steps for o in cont] == [len(o.tokens) - 1 for o in cont]
+    assert dec.last["iterations"] < static_steps
+
+
 def test_local_generator(smollm2_dir, smol):
     """engine=local: batches sorted by length, stop token stripped, finish reasons, and seeded
     sampling reproducible."""
@@ -362,6 +383,9 @@ def test_tiny_architectures_plain_and_speculative(arch, tmp_path):
                                                             model.config.vocab_size, "noisy"),
                         tree=TreeSpec(3, 2, 5))
     assert [o.tokens for o in spec] == want
+    # continuous batching, one row: the second prompt is prefilled into the row the first left
+    cont = Decoder(model, max_batch=1).generate_continuous(prompts, n_new)
+    assert [o.tokens for o in cont] == want
 
 
 # ------------------------------------------------------------------------------------ GPU only

@@ -303,7 +303,7 @@ def _local_generator_class():
 
 def _run_local(cfg, records: Iterator[dict], sink: _Sink) -> None:
     """engine=local: render with the target tokenizer, decode the next turn of a pool of
-    conversations in one call (LocalGenerator sorts it by length into batches of batch_size),
+    conversations in one call (LocalGenerator: batch_size rows, refilled as answers end),
     write the finished ones, refill the pool, repeat; <think> is split off the decoded text."""
     from ..target import load_tokenizer
 
@@ -311,9 +311,9 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink) -> None:
     gen_cls = _local_generator_class()
     tok = load_tokenizer(cfg.target)
     gen = gen_cls(cfg.target, g.batch_size)
-    # A few batches per call (per GPU) lets the generator group prompts of similar length; a
-    # kill loses at most this pool.
-    pool_size = 4 * g.batch_size * getattr(gen, "replicas", 1)
+    # Several batches per call (per GPU): rows refill from the pool as answers end, and only
+    # its last answers decode in a draining batch; a kill loses at most this pool's work.
+    pool_size = 8 * g.batch_size * getattr(gen, "replicas", 1)
     active: list[_Conversation] = []
     it = iter(records)
     exhausted, call = False, 0
