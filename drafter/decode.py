@@ -699,7 +699,8 @@ class Decoder:
                  record_gaps: bool = False, progress=None) -> list[Output]:
         """Decode each prompt (token ids) for up to max_new_tokens new tokens, stopping at a stop
         id. Plain decoding without a proposer; speculative decoding with one (tree: chain K=3 by
-        default). `record_gaps` keeps the NEAR runners-up of plain greedy decoding and their margins (ties)."""
+        default). `record_gaps` keeps the NEAR runners-up of plain greedy decoding and their
+        margins (tie analysis)."""
         if max_new_tokens < 1:
             raise DecodeError("max_new_tokens must be >= 1")
         if any(len(p) == 0 for p in prompts):

@@ -198,7 +198,8 @@ def _pass(run: Run, key: str, prompts: _Prompts, fn):
 
     from ..decode import Output
 
-    p = run.step_dir("evaluate") / "passes" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    name = hashlib.sha256(key.encode()).hexdigest()[:16]
+    p = run.step_dir("evaluate") / "passes" / f"{name}.json"
     if p.exists():
         d = read_json(p)
         if d.get("key") == key:
@@ -461,7 +462,8 @@ def render_report(m: dict) -> str:
                                          f"records of `{d['path']}`)"
                                          for n, d in s["datasets"].items()))
     L.append("")
-    tie = f"; {m['ties']} numerical ties (a runner-up within {s['tie_tolerance']} of the top logit)" \
+    tie = (f"; {m['ties']} numerical ties (a runner-up within {s['tie_tolerance']} of the top "
+           f"logit)") \
         if m["ties"] else ""
     if m["lossless"]:
         L.append(f"**Lossless: PASS.** At temperature 0 every speculative output is "
