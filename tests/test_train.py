@@ -351,3 +351,22 @@ def test_offline_equals_online(pipe, tmp_path):
     for k in w_off:
         d = (w_off[k].float() - w_on[k].float()).abs()
         assert d.max() < 3e-4 and (d > 1e-5).float().mean() < 1e-3, k
+
+
+def test_prune_keeps_the_newest_and_the_best(tmp_path):
+    """keep_checkpoints=2 over five complete checkpoints: the two newest and the best by val
+    sim_tau stay; the others are gone, leftovers included."""
+    import json
+
+    run = Run(tmp_path / "run")
+    taus = {1: 1.2, 2: 1.9, 3: 1.5, 4: 1.4, 5: None}
+    for step, tau in taus.items():
+        d = run.checkpoint(step)
+        d.mkdir(parents=True)
+        (d / "state.json").write_text(json.dumps({"step": step, "val": tau and {"sim_tau": tau}}))
+        (d / "COMPLETE").write_text("ok\n")
+    train.prune_checkpoints(run, 2)
+    assert [p.name for p in run.checkpoints()] == ["step_000002", "step_000004", "step_000005"]
+    assert sorted(p.name for p in run.step_dir("train").iterdir()) == \
+        ["step_000002", "step_000004", "step_000005"]
+    assert train.best_checkpoint(run).name == "step_000002"

@@ -441,7 +441,11 @@ def prune_checkpoints(run: Run, keep: int) -> None:
         if any(s is not None for s in scored) else None
     for i, p in enumerate(done[:-keep] if keep > 0 else done):
         if i != best:
-            shutil.rmtree(p, ignore_errors=True)
+            # renamed first (atomic), so that a kill mid-delete never leaves a "complete"
+            # checkpoint with missing files; the next run removes the leftover
+            gone = p.with_name(f".del-{p.name}")
+            p.rename(gone)
+            shutil.rmtree(gone, ignore_errors=True)
 
 
 def best_checkpoint(run: Run) -> Path | None:
@@ -552,7 +556,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         step = load_checkpoint(ckpt, dist, ttt, opt, sched, fsdp)["step"]
         log.info("train: resumed from %s (step %d)", ckpt, step)
     if dist.main:  # the metrics of steps after the checkpoint are redone
-        for pattern in (".tmp-step_*", ".old-step_*"):  # what a save killed midway leaves
+        for pattern in (".tmp-step_*", ".old-step_*", ".del-step_*"):  # left by a kill
             for junk in run.step_dir("train").glob(pattern):
                 shutil.rmtree(junk, ignore_errors=True)
         kept = [r for r in read_jsonl(metrics_path, repair=True) if r.get("step", 0) <= step]
