@@ -172,7 +172,7 @@ def c_weights_file(x: _Ctx) -> list[Check]:
     if x.ed.weight_files:
         return [Check("weights_file", PASS, names)]
     other = [p.name for p in x.ed.path.iterdir() if p.suffix in (".pt", ".pth", ".ckpt", ".bin")]
-    return [Check("weights_file", FAIL, f"no model.safetensors or pytorch_model.bin"
+    return [Check("weights_file", FAIL, "no model.safetensors or pytorch_model.bin"
                   + (f" ({_fmt_list(other)} are not names the engines load)" if other else ""))]
 
 

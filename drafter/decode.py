@@ -37,29 +37,27 @@ Sampling stays lossless with the tree because a child is sampled without replace
 which nodes enter the tree then never depends on the identity of a node still to be verified.
 
 The drafter is an interface (`DraftModel`: observe/score), so that tests plug in oracle and
-always-wrong drafters; `EagleDraft` wraps drafter.model.Drafter with its own static cache.
+always-wrong drafters; `EagleDraft` wraps drafter.model.Drafter with its own static cache. The
+drafting half (tree building, verification, `DraftModel`, `EagleDraft`) lives in drafter.tree.
 """
 from __future__ import annotations
 
 import inspect
 import logging
-import math
 import time
 from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import DrafterError
+# the drafting half of speculative decoding; EagleDraft and the tree helpers are re-exported here
+from .tree import (DecodeError, DraftModel, EagleDraft, TreeSpec, _additive,  # noqa: F401
+                   ancestors, build_tree, pick, verify_greedy, verify_sample)
 
 log = logging.getLogger("drafter")
-
-
-class DecodeError(DrafterError):
-    """The target or the settings cannot be decoded here (architecture, sizes, memory)."""
 
 
 def _round_up(x: int, m: int) -> int:
@@ -123,12 +121,6 @@ def _slot_cache_class():
             return sum(b.numel() * b.element_size() for s in (self.k, self.v) for b in s.values())
 
     return SlotCache
-
-
-def _additive(vis: Tensor, dtype: torch.dtype) -> Tensor:
-    """Boolean visibility [B, T, S] -> additive mask [B, 1, T, S] (0 or the dtype's min)."""
-    return torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill_(
-        ~vis, torch.finfo(dtype).min)[:, None]
 
 
 _GQA_IMPL = "drafter_gqa_sdpa"
@@ -245,305 +237,6 @@ class StaticTarget:
         aux = torch.stack(self._aux, dim=2) if self.aux_ids else None      # [B, T, A, Ht]
         return logits, aux
 
-
-# ------------------------------------------------------------------------------ drafting a tree
-@dataclass(frozen=True)
-class TreeSpec:
-    """Drafting shape: depth D, children per node k, nodes verified per step N.
-    A chain of K is (K, 1, K)."""
-    depth: int
-    topk: int
-    tokens: int
-
-    @classmethod
-    def chain(cls, k: int) -> "TreeSpec":
-        return cls(k, 1, k)
-
-    def __post_init__(self):
-        if self.depth < 1 or self.topk < 1 or self.tokens < 1:
-            raise DecodeError(f"tree: depth, topk and tokens must be >= 1, got {self}")
-
-    @property
-    def nodes(self) -> int:
-        """N: verified draft tokens per step (capped by the candidates the tree can hold)."""
-        return min(self.tokens, self.topk + (self.depth - 1) * self.topk ** 2)
-
-    @property
-    def is_chain(self) -> bool:
-        return self.topk == 1
-
-    def label(self) -> str:
-        return f"chain K={self.depth}" if self.is_chain else \
-            f"tree depth={self.depth} topk={self.topk} tokens={self.nodes}"
-
-
-@dataclass
-class Draft:
-    """A drafted tree in node-array form: node n sits at index n+1; index 0 is the root (the
-    pending token). Siblings appear in the order they were drawn (what sampling verifies by)."""
-    tokens: Tensor        # [B, N] draft-vocab ids
-    parent: Tensor        # [B, N] array index of each node's parent (0 = root)
-    depth: Tensor         # [B, N] 1..D
-    valid: Tensor         # [B, N] bool: drawn with non-zero draft probability
-    dist: Tensor          # [B, N+1] row of `logq` its children were drawn from; -1 = leaf
-    logq: Tensor | None   # [B, E, Vd] draft log-probs of the expanded nodes (sampling only)
-
-
-def _gumbel_like(x: Tensor) -> Tensor:
-    u = torch.rand_like(x, dtype=torch.float32).clamp_(min=1e-20, max=1.0 - 1e-7)
-    return -torch.log(-torch.log(u))
-
-
-def build_tree(root_logits: Tensor, scorer, spec: TreeSpec, temperature: float) -> Draft:
-    """EAGLE-2's dynamic tree. root_logits [B, Vd]: the drafter after the last committed token.
-    `scorer(i, ids [B, k], parent [B, k]) -> logits [B, k, Vd]` runs the drafter on the frontier
-    at depth i (parent: index of each node's parent in the previous frontier).
-
-    A node's score is its parent's plus the r-th largest child log-prob of its parent, r its rank
-    in draw order (greedy: its own log-prob; sampling: independent of which token was drawn, so
-    that the tree's shape does not depend on tokens still to be verified: lossless sampling)."""
-    B, Vd = root_logits.shape
-    k, D, dev = spec.topk, spec.depth, root_logits.device
-    sample = temperature > 0
-    if k > Vd:
-        raise DecodeError(f"tree topk {k} exceeds the draft vocab ({Vd})")
-
-    def dist_of(logits):
-        return F.log_softmax(logits.float() / (temperature if sample else 1.0), dim=-1)
-
-    def children(logq):                                  # [..., Vd] -> ids, scores [..., k]
-        top = logq.topk(k, dim=-1)
-        if not sample:
-            return top.indices, top.values
-        return (logq + _gumbel_like(logq)).topk(k, dim=-1).indices, top.values
-
-    lq = dist_of(root_logits)                                                       # [B, Vd]
-    ids, sc = children(lq)                                                          # [B, k]
-    c_ids, c_sc, c_par = [ids], [sc], [torch.full_like(ids, -1)]
-    logqs = [lq[:, None]]
-    f_ids, f_sc, f_par = ids, sc, torch.zeros_like(ids)
-    f_cand = torch.arange(k, device=dev).expand(B, k)
-    fronts, offset = [], k
-    for i in range(1, D):
-        fronts.append(f_cand)
-        lq = dist_of(scorer(i, f_ids, f_par))                                       # [B, k, Vd]
-        cid, csc = children(lq)                                                     # [B, k, k]
-        tot = (f_sc[:, :, None] + csc).flatten(1)                                   # [B, k·k]
-        cid = cid.flatten(1)
-        c_ids.append(cid)
-        c_sc.append(tot)
-        c_par.append(f_cand[:, :, None].expand(B, k, k).flatten(1))
-        logqs.append(lq)
-        if i < D - 1:
-            top = tot.topk(k, dim=-1)
-            f_par = top.indices // k
-            f_ids, f_sc = cid.gather(1, top.indices), top.values
-            f_cand = offset + top.indices
-        offset += k * k
-    ids, sc, par = torch.cat(c_ids, 1), torch.cat(c_sc, 1), torch.cat(c_par, 1)     # [B, M]
-    M, N = ids.shape[1], spec.nodes
-    m = torch.arange(M, device=dev)  # no host->device copy: the step is graph-captured
-    depth = torch.where(m < k, 1, 2 + (m - k) // (k * k))                          # [M]
-    # A child scores strictly below its parent (the depth term breaks exact ties), so the N best
-    # candidates are ancestor-closed; float64 keeps the 1e-9 visible at any score magnitude.
-    key = sc.double() - 1e-9 * depth.double()
-    sel = key.topk(N, dim=-1).indices.sort(dim=-1).values                           # [B, N]
-    psel = par.gather(1, sel)
-    parent = torch.where(psel < 0, 0, torch.searchsorted(sel, psel.clamp(min=0)) + 1)
-    row = torch.full((B, M), -1, dtype=torch.long, device=dev)
-    for i, fc in enumerate(fronts):  # expansion i+1 drew frontier node r's children from row ...
-        row.scatter_(1, fc, (1 + i * k + torch.arange(k, device=dev)).expand(B, k))
-    dist = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), row.gather(1, sel)], 1)
-    return Draft(tokens=ids.gather(1, sel), parent=parent, depth=depth[sel],
-                 valid=torch.isfinite(sc.gather(1, sel)), dist=dist,
-                 logq=torch.cat(logqs, 1) if sample else None)
-
-
-def ancestors(parent_full: Tensor, depth: int) -> Tensor:
-    """parent_full [B, N+1] (root's parent = 0) -> anc [B, N+1, N+1]: anc[b, i, j] = j is i or
-    an ancestor of i."""
-    B, n = parent_full.shape
-    eye = torch.eye(n, dtype=torch.bool, device=parent_full.device).expand(B, n, n)
-    anc, idx = eye, parent_full[:, :, None].expand(B, n, n)
-    for _ in range(depth):
-        anc = eye | anc.gather(1, idx)
-    return anc
-
-
-def _path(anc: Tensor, best: Tensor, depth_full: Tensor, D: int) -> Tensor:
-    """Node indices along the root -> best path, by depth: [B, D+1] (0 past the path's end)."""
-    B, n = depth_full.shape
-    on = anc.gather(1, best[:, None, None].expand(B, 1, n)).squeeze(1)              # [B, N+1]
-    col = torch.where(on, depth_full, D + 1)
-    path = torch.zeros(B, D + 2, dtype=torch.long, device=anc.device)
-    path.scatter_(1, col, torch.arange(n, device=anc.device).expand(B, n))
-    return path[:, : D + 1]
-
-
-def verify_greedy(tokens: Tensor, parent_full: Tensor, valid: Tensor, depth_full: Tensor,
-                  anc: Tensor, logits: Tensor, D: int) -> tuple[Tensor, Tensor, Tensor]:
-    """tokens [B, N] target ids; logits [B, N+1, V] of the verify forward (row 0: the root).
-    Returns path [B, D+1], accepted count [B], bonus token [B] (the target's argmax after the
-    last accepted node)."""
-    y = logits.argmax(-1)                                                           # [B, N+1]
-    match = (tokens == y.gather(1, parent_full[:, 1:])) & valid
-    base = torch.cat([torch.ones_like(match[:, :1]), match], 1)                     # [B, N+1]
-    acc = base
-    for _ in range(D):
-        acc = base & acc.gather(1, parent_full)
-    best = torch.where(acc, depth_full, -1).argmax(1)                               # [B]
-    n_acc = depth_full.gather(1, best[:, None]).squeeze(1)
-    return _path(anc, best, depth_full, D), n_acc, y.gather(1, best[:, None]).squeeze(1)
-
-
-def verify_sample(tokens: Tensor, parent_full: Tensor, valid: Tensor, depth_full: Tensor,
-                  anc: Tensor, logits: Tensor, q: Tensor, dist: Tensor, temperature: float,
-                  D: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Recursive rejection sampling over the tree. q [B, E, V]: draft probabilities (target vocab)
-    of the expanded nodes; dist [B, N+1]: each node's row of q. Same returns as verify_greedy."""
-    B, N = tokens.shape
-    dev = tokens.device
-    p_all = F.softmax(logits.float() / temperature, dim=-1)                         # [B, N+1, V]
-    par = parent_full[:, 1:]                                                        # [B, N]
-    earlier = torch.ones(N, N, dtype=torch.bool, device=dev).tril(-1)               # j' < j
-    rank = ((par[:, :, None] == par[:, None, :]) & earlier).sum(-1)                 # [B, N]
-    rows = torch.arange(B, device=dev)
-    cur = torch.zeros(B, dtype=torch.long, device=dev)
-    alive = torch.ones(B, dtype=torch.bool, device=dev)
-    p = p_all[:, 0]
-    q_now = q[rows, dist[:, 0].clamp(min=0)]
-    tiny = torch.finfo(torch.float32).tiny
-    for _ in range(D):
-        found = torch.zeros_like(alive)
-        nxt = cur
-        for r in range(k):
-            is_c = (par == cur[:, None]) & (rank == r) & valid                     # [B, N]
-            c = is_c.int().argmax(1)
-            tok = tokens.gather(1, c[:, None])                                      # [B, 1]
-            pt, qt = p.gather(1, tok).squeeze(1), q_now.gather(1, tok).squeeze(1)
-            live = is_c.any(1) & alive & ~found
-            ok = live & (torch.rand(B, device=dev) * qt < pt)    # accept w.p. min(1, p/q)
-            rej = live & ~ok
-            found, nxt = found | ok, torch.where(ok, c + 1, nxt)
-            res = (p - q_now).clamp(min=0)
-            s = res.sum(-1, keepdim=True)
-            p = torch.where(rej[:, None], torch.where(s > 0, res / s.clamp(min=tiny), p), p)
-            q2 = q_now.scatter(1, tok, 0.0)                     # without replacement
-            s2 = q2.sum(-1, keepdim=True)
-            q_now = torch.where(rej[:, None], q2 / s2.clamp(min=tiny), q_now)
-        alive = alive & found
-        cur = torch.where(alive, nxt, cur)
-        p = torch.where(alive[:, None], p_all[rows, cur], p)
-        q_now = torch.where(alive[:, None], q[rows, dist.gather(1, cur[:, None]).squeeze(1)
-                                               .clamp(min=0)], q_now)
-    bonus = (torch.log(p) + _gumbel_like(p)).argmax(-1)
-    n_acc = depth_full.gather(1, cur[:, None]).squeeze(1)
-    return _path(anc, cur, depth_full, D), n_acc, bonus
-
-
-def pick(logits: Tensor, temperature: float, top_p: float = 1.0) -> Tensor:
-    """Next token from logits [B, V]: argmax at temperature 0, else a nucleus sample (Gumbel-max,
-    no host sync, capturable)."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    lg = logits.float() / temperature
-    if top_p < 1.0:
-        srt, idx = lg.sort(dim=-1, descending=True)
-        pr = F.softmax(srt, dim=-1)
-        drop = (pr.cumsum(-1) - pr) > top_p                    # keep the smallest nucleus
-        lg = torch.full_like(lg, -math.inf).scatter(-1, idx, srt.masked_fill(drop, -math.inf))
-    return (lg + _gumbel_like(lg)).argmax(-1)
-
-
-# ------------------------------------------------------------------------------- the drafters
-class DraftModel(Protocol):
-    """What speculative decoding asks of a drafter. Ids passed in are target ids; logits returned
-    are over the draft vocab (`to_target` maps draft ids to target ids). Positions are token
-    positions (slot - start); `vis` [B, T, S] says which cache slots each query sees."""
-    aux_layer_ids: Sequence[int] | None   # HS[k] the drafter needs from the target (None: none)
-    vocab_size: int                       # Vd
-
-    def allocate(self, max_batch: int, max_slots: int, device, dtype) -> None: ...
-
-    def state_tensors(self) -> list[Tensor]:
-        """Tensors carried from one step to the next (updated in place), restored after a
-        CUDA-graph warm-up. Optional: none by default."""
-
-    def to_target(self, draft_ids: Tensor) -> Tensor: ...
-
-    def observe(self, ids: Tensor, aux: Tensor | None, pos: Tensor, slots: Tensor, vis: Tensor,
-                last: Tensor | None) -> Tensor | None:
-        """Committed tokens: ids [B, T] are the *next* tokens of positions pos [B, T] (EAGLE-3:
-        position t reads aux[t] and token t+1); aux [B, T, A, Ht]. Returns the logits [B, Vd] at
-        index `last` [B] (the distribution of the token after the last committed one)."""
-
-    def score(self, depth: int, ids: Tensor, parent: Tensor, pos: Tensor, slots: Tensor,
-              vis: Tensor) -> Tensor:
-        """Frontier nodes at tree depth `depth`: ids [B, k] (target ids), parent [B, k] (index in
-        the previous frontier; depth 1: the root). Returns logits [B, k, Vd] of their children."""
-
-
-class EagleDraft:
-    """drafter.model.Drafter (EAGLE-3) behind `DraftModel`, with a static KV cache of its own.
-    Same arithmetic as Drafter.forward (tests/test_decode.py checks it)."""
-
-    def __init__(self, drafter):
-        self.dr = drafter.eval()
-        self.aux_layer_ids = list(drafter.cfg.aux_layer_ids)
-        self.vocab_size = drafter.cfg.draft_vocab_size
-        self.kc = self.vc = self.root_h = None
-        self._front_h = None
-
-    def allocate(self, max_batch, max_slots, device, dtype):
-        self.dr.to(device=device, dtype=dtype)
-        a = self.dr.midlayer.self_attn
-        self.kc = torch.zeros(max_batch, a.nkv, max_slots, a.hd, device=device, dtype=dtype)
-        self.vc = torch.zeros_like(self.kc)
-        self.root_h = torch.zeros(max_batch, self.dr.cfg.hidden_size, device=device, dtype=dtype)
-
-    def state_tensors(self):
-        return [self.root_h]
-
-    def to_target(self, draft_ids):
-        return self.dr.to_target_ids(draft_ids)
-
-    def _forward(self, ids, h, pos, slots, vis):
-        """ids, pos, slots [B, T]; h [B, T, H]; vis [B, T, S] -> h_out [B, T, H]."""
-        dr, layer = self.dr, self.dr.midlayer
-        a = layer.self_attn
-        emb = dr.embed_tokens(ids).to(h.dtype)                                      # [B, T, H]
-        x, residual = layer.pre_attention(emb, h)                                   # [B, T, 2H]
-        cos, sin = dr.rotary(x, pos)
-        q, k, v = a.qkv(x, cos, sin)                           # [B, nh|nkv, T, hd]
-        B, T, S = vis.shape
-        idx = slots[:, None, :, None].expand(B, a.nkv, T, a.hd)
-        self.kc[:B].scatter_(2, idx, k)
-        self.vc[:B].scatter_(2, idx, v)
-        g = a.nh // a.nkv
-        kk = self.kc[:B, :, :S, None].expand(B, a.nkv, S, g, a.hd).transpose(2, 3) \
-            .reshape(B, a.nh, S, a.hd)                                              # [B, nh, S, hd]
-        vv = self.vc[:B, :, :S, None].expand(B, a.nkv, S, g, a.hd).transpose(2, 3) \
-            .reshape(B, a.nh, S, a.hd)
-        o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=_additive(vis, q.dtype))
-        return layer.post_attention(a.out(o), residual)                             # [B, T, H]
-
-    def observe(self, ids, aux, pos, slots, vis, last):
-        h_out = self._forward(ids, self.dr.fuse(aux), pos, slots, vis)
-        if last is None:
-            return None
-        B, _, H = h_out.shape
-        hl = h_out.gather(1, last[:, None, None].expand(B, 1, H)).squeeze(1)        # [B, H]
-        self.root_h[:B].copy_(self.dr.feedback(hl))
-        return self.dr.logits(hl)
-
-    def score(self, depth, ids, parent, pos, slots, vis):
-        B, k = ids.shape
-        H = self.root_h.shape[-1]
-        h = self.root_h[:B, None].expand(B, k, H) if depth == 1 else \
-            self._front_h.gather(1, parent[:, :, None].expand(B, k, H))
-        h_out = self._forward(ids, h, pos, slots, vis)
-        self._front_h = self.dr.feedback(h_out)          # within one step only
-        return self.dr.logits(h_out)
 
 
 # ------------------------------------------------------------------------------- CUDA graphs

@@ -64,7 +64,7 @@ def packages() -> list[Row]:
     for pkg in ("torch", "transformers"):
         v = _version(pkg)
         if v is None:
-            rows.append(Row("python", pkg, "fail", f"not installed: pip install -e ."))
+            rows.append(Row("python", pkg, "fail", "not installed: pip install -e ."))
         elif _tuple(v) < FLOORS[pkg]:
             rows.append(Row("python", pkg, "fail", f"{v} is older than the supported "
                             f"{'.'.join(map(str, FLOORS[pkg]))}: pip install -U {pkg}"))
