@@ -1,7 +1,7 @@
 """Step order, the skip/stale logic, and what happens between steps (docs/operations.md).
 
 A step's fingerprint is the hash of the config sections it depends on (rundir.SECTIONS) plus the
-hashes of its inputs' manifests (rundir.INPUTS). Running a step:
+hashes of its inputs' manifests (rundir.step_inputs). Running a step:
 
 - inputs missing      -> MissingInput naming the step that makes them;
 - manifest matches    -> skipped (unless force);
@@ -36,8 +36,8 @@ from typing import Callable
 
 from . import DrafterError
 from . import config as C
-from .rundir import INPUTS, SECTIONS, STEPS, MissingInput, Run, atomic_json, atomic_write, \
-    dir_bytes, read_json
+from .rundir import SECTIONS, STEPS, MissingInput, Run, atomic_json, atomic_write, dir_bytes, \
+    read_json, step_inputs
 
 log = logging.getLogger("drafter")
 
@@ -80,7 +80,7 @@ def manifest_hash(run: Run, step: str) -> str | None:
 
 def fingerprint(cfg, run: Run, step: str) -> dict:
     inputs = {}
-    for dep in INPUTS[step]:
+    for dep in step_inputs(cfg, step):
         h = manifest_hash(run, dep)
         if h is None:
             raise MissingInput(f"step '{step}' needs the output of '{dep}', which is not in "
@@ -110,7 +110,8 @@ def state(cfg, run: Run, step: str, _memo: dict | None = None, running: bool = F
             fp = fingerprint(cfg, run, step)
         except MissingInput:
             fp = None
-        upstream_stale = any(state(cfg, run, d, memo, running) != "done" for d in INPUTS[step])
+        upstream_stale = any(state(cfg, run, d, memo, running) != "done"
+                             for d in step_inputs(cfg, step))
         s = "done" if fp == m.get("fingerprint") and not upstream_stale else "stale"
     memo[step] = s
     return s

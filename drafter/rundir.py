@@ -43,6 +43,17 @@ INPUTS: dict[str, list[str]] = {
     "evaluate": ["export"],
 }
 
+
+
+def step_inputs(cfg, step: str) -> list[str]:
+    """The steps whose outputs `step` reads under this config: INPUTS[step], except that an
+    evaluate of drafters named by path (`evaluate.drafter`, `evaluate.baseline`) reads nothing
+    of the run, so that any drafter can be evaluated in a run dir of its own."""
+    if step == "evaluate" and "export" not in (cfg.evaluate.drafter, cfg.evaluate.baseline):
+        return []
+    return INPUTS[step]
+
+
 # Which config sections each step's result depends on (hashed into its fingerprint).
 SECTIONS: dict[str, list[str]] = {
     "prepare": ["prepare"],

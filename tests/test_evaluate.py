@@ -262,3 +262,33 @@ def test_a_killed_evaluate_resumes_after_its_finished_passes(smollm2_dir, shared
         for key in ("tau", "steps", "accepted", "new_tokens", "accept_hist", "lossless"):
             assert a["datasets"]["mt_bench"].get(key) == b["datasets"]["mt_bench"].get(key), key
     assert whole["settings"]["datasets"] == again["settings"]["datasets"]
+
+
+def test_any_drafter_evaluates_in_a_run_dir_of_its_own(smollm2_dir, shared_data, tmp_path):
+    """`drafter evaluate CONFIG evaluate.drafter=DIR`: a drafter named by path needs no export
+    step in the run dir (the CLI runs evaluate alone); with the default (`export`) the missing
+    input is named."""
+    from tests.tiny import make_tiny
+
+    target = make_tiny("llama", tmp_path, tokenizer_dir=smollm2_dir)
+    dr = _drafter_dir(target, tmp_path / "native", 0, native=True)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(C.dump(C.load(None, [
+        f"run_dir={tmp_path / 'run'}", f"target.model={target}", "evaluate.max_new_tokens=4",
+        "evaluate.methods=[chain]", "evaluate.k=2", "evaluate.temperatures=[0.0]",
+        "evaluate.datasets=[{name: gsm8k, path: %s, max_prompts: 1}]"
+        % (shared_data / "eval" / "gsm8k_test.jsonl")])))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "drafter.cli", *args], capture_output=True,
+                              text=True, cwd=REPO)
+
+    r = cli("evaluate", str(cfg))
+    assert r.returncode != 0 and "export" in r.stderr
+    r = cli("evaluate", str(cfg), f"evaluate.drafter={dr}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    st = json.loads(cli("status", str(tmp_path / "run"), "--json").stdout)
+    states = {s["name"]: s["state"] for s in st["steps"]}
+    assert states["evaluate"] == "done" and states["export"] == "pending"
+    m = json.loads((tmp_path / "run" / "evaluate" / "metrics.json").read_text())
+    assert m["settings"]["drafter"] == str(dr) and m["lossless"] is True
