@@ -152,6 +152,14 @@ left() {  # seconds left before $DEADLINE (epoch seconds; default: an hour from 
   echo $(( ${DEADLINE:-$(( $(date +%s) + 3600 ))} - $(date +%s) - ${1:-0} ))
 }
 
+treecheck() {  # the reference drafter's tree decoding again, in float32: the strict lossless check
+  wait_for runs/ref/export/manifest.json
+  log "treecheck: tree, T=0, float32"
+  $DRAFTER evaluate "$CFG" run_dir=runs/treecheck "${BASE[@]}" target.dtype=float32 \
+    evaluate.drafter=runs/ref/export/native "evaluate.methods=[tree]" "evaluate.temperatures=[0.0]" \
+    >> "$RES/treecheck.log" 2>&1; log "treecheck exit $?"
+}
+
 # Two lanes, one per GPU, that a rerun continues: each resumable run picks up where it stopped,
 # and a finished test phase is not repeated on the same machine. Lane 1 trains the ablations
 # that need no stored features of their own two at a time (the drafter is small: one GPU
@@ -160,7 +168,7 @@ phase_lane0() { run ref && ablate d_fp8 && touch "$RES/done.lane0"; }
 phase_lane1() {
   once tests phase_tests
   ablate b_top & ablate e_online & wait
-  ablate c_ttt1; once speed_drafter speed_drafter
+  ablate c_ttt1; once speed_drafter speed_drafter; once treecheck treecheck
   touch "$RES/done.lane1"
 }
 phase_lanes() {  # both lanes until $DEADLINE (less 20 s to collect), then the 2-GPU runs, collect
