@@ -507,19 +507,10 @@ class Decoder:
         dev, tgt = self.device, self.target
         R, Tq = len(rows), max(len(p) for p in prompts)
         r = torch.tensor(rows, device=dev)
-        ids = torch.tensor([[0] * (Tq - len(p)) + p for p in prompts]).to(dev)       # [R, Tq]
-        start = torch.tensor([Tq - len(p) for p in prompts]).to(dev)                 # [R]
-        s = torch.arange(Tq, device=dev)
-        chunk = max(1, self.prefill_tokens // R)
+        ids, start = self._padded(prompts, Tq)                                       # [R, Tq]
         tgt.cache.rows = r
         try:
-            for c0 in range(0, Tq, chunk):
-                c1 = min(Tq, c0 + chunk)
-                slots = torch.arange(c0, c1, device=dev).expand(R, -1)               # [R, C]
-                pos = (slots - start[:, None]).clamp(min=0)
-                sk = s[None, None, :c1]
-                vis = ((sk >= start[:, None, None]) & (sk <= slots[..., None])) \
-                    | (sk == slots[..., None])
+            for c0, c1, pos, slots, vis in self._chunks(ids, start):
                 logits, _ = tgt.forward(ids[:, c0:c1], pos, slots, vis, start, logits_to_keep=1)
         finally:
             tgt.cache.rows = None
@@ -619,24 +610,36 @@ class Decoder:
                               second[b][:n] if record_gaps else None))
         return res
 
+    def _padded(self, prompts, Tp) -> tuple[Tensor, Tensor]:
+        """Prompts left-padded to Tp: ids [B, Tp] and each row's first slot, start [B]."""
+        ids = torch.tensor([[0] * (Tp - len(p)) + p for p in prompts]).to(self.device)
+        return ids, torch.tensor([Tp - len(p) for p in prompts]).to(self.device)
+
+    def _chunks(self, ids, start):
+        """The prefill of left-padded ids [B, Tp] in chunks of about prefill_tokens / B tokens:
+        yields (c0, c1, pos, slots [B, C], vis [B, C, c1]); pad queries see their own slot."""
+        B, Tp = ids.shape
+        s = torch.arange(Tp, device=ids.device)
+        chunk = max(1, self.prefill_tokens // B)
+        for c0 in range(0, Tp, chunk):
+            c1 = min(Tp, c0 + chunk)
+            slots = torch.arange(c0, c1, device=ids.device).expand(B, -1)            # [B, C]
+            pos = (slots - start[:, None]).clamp(min=0)
+            sk = s[None, None, :c1]
+            vis = ((sk >= start[:, None, None]) & (sk <= slots[..., None])) \
+                | (sk == slots[..., None])
+            yield c0, c1, pos, slots, vis
+
     def _prefill(self, st, prompts, Tp, T, top_p, proposer, record_gaps):
         """Left-padded chunks through the target (eager: the shapes vary); the first new token;
         the drafter reads the prompt too (position t: aux[t] and token t+1)."""
         B, dev, tgt = len(prompts), self.device, self.target
-        ids = torch.tensor([[0] * (Tp - len(p)) + p for p in prompts]).to(dev)       # [B, Tp]
-        start = torch.tensor([Tp - len(p) for p in prompts]).to(dev)
+        ids, start = self._padded(prompts, Tp)                                       # [B, Tp]
         st.start.copy_(start)
         st.L.fill_(Tp)
         s = torch.arange(Tp, device=dev)
-        chunk = max(1, self.prefill_tokens // B)
         last_aux = logits = None
-        for c0 in range(0, Tp, chunk):
-            c1 = min(Tp, c0 + chunk)
-            slots = torch.arange(c0, c1, device=dev).expand(B, -1)                   # [B, C]
-            pos = (slots - start[:, None]).clamp(min=0)
-            sk = s[None, None, :c1]
-            vis = ((sk >= start[:, None, None]) & (sk <= slots[..., None])) \
-                | (sk == slots[..., None])                    # pad queries see their own slot
+        for c0, c1, pos, slots, vis in self._chunks(ids, start):
             logits, aux = tgt.forward(ids[:, c0:c1], pos, slots, vis, start, logits_to_keep=1)
             if proposer is not None:
                 e = min(c1, Tp - 1) - c0  # the last prompt position waits for the first new token
