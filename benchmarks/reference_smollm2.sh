@@ -10,8 +10,10 @@
 #   generate    only prepare + generate of the reference (the longest step)
 #   ablations   (a) original answers, (b) top layer only, (c) TTT 1, (d) fp8 + top-k, (e) online;
 #               two at a time when two GPUs are visible
-#   lanes       reference, ablations, GPU tests and decode speed on two GPUs until $DEADLINE (epoch
-#               seconds), then collect; rerun on the same (warm) machine to continue
+#   lanes       on two GPUs until $DEADLINE (epoch seconds), then collect; rerun on the same
+#               (warm) machine to continue. GPU 0: the reference, ablation (d), the llama8b train
+#               benchmark. GPU 1: GPU tests, ablations (b, e, c), decode speed with the reference
+#               drafter, its tree decoding in float32 (treecheck), static vs continuous batching
 #   multigpu    2-GPU extract (data parallel) and 2-GPU DDP training throughput
 #   restore     unpack a ref-generate.tar.gz of an earlier session ($RESTORE, default
 #               .carry_c/ref-generate.tar.gz) into runs/, so the reference resumes after generate
@@ -164,11 +166,28 @@ treecheck() {  # the reference drafter's tree decoding again, in float32: the st
 # and a finished test phase is not repeated on the same machine. Lane 1 trains the ablations
 # that need no stored features of their own two at a time (the drafter is small: one GPU
 # interleaves them).
-phase_lane0() { run ref && ablate d_fp8 && touch "$RES/done.lane0"; }
+train_bench() {  # issue 6 (b): the Llama-3.1-8B-shaped drafter on random features, one GPU
+  log "speed: train, llama8b shape"
+  timeout ${T_TRAIN:-600} $PY benchmarks/train_throughput.py --shape llama8b \
+    > "$RES/train_llama8b.log" 2>&1; log "train llama8b exit $?"
+}
+
+cont_bench() {  # static vs continuous batching on real prompts (engine local)
+  log "speed: continuous batching"
+  timeout ${T_DECODE:-300} $PY benchmarks/continuous_batching.py --prompts 1024 --batch 256 \
+    --max-new 512 --data ../shared/data/train/gsm8k_train.jsonl \
+    --json "$RES/continuous_batching.json" > "$RES/continuous_batching.log" 2>&1
+  log "continuous batching exit $?"
+}
+
+phase_lane0() {
+  run ref && ablate d_fp8 && once train_bench train_bench && touch "$RES/done.lane0"
+}
 phase_lane1() {
   once tests phase_tests
   ablate b_top & ablate e_online & wait
   ablate c_ttt1; once speed_drafter speed_drafter; once treecheck treecheck
+  once cont_bench cont_bench
   touch "$RES/done.lane1"
 }
 phase_lanes() {  # both lanes until $DEADLINE (less 20 s to collect), then the 2-GPU runs, collect
