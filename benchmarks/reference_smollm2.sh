@@ -267,7 +267,7 @@ phase_collect() {
   log "collect: $(ls "$RES" | wc -l) files packed into $OUT/results.tar.gz"
 }
 
-[ $# -gt 0 ] || { sed -n 2,22p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
 log "start: $* (GPUs: $NGPU, target: $TARGET, torch $($PY -c 'import torch; print(torch.__version__)'))"
 for p in "$@"; do "phase_$p"; done
 log "end: $*"
