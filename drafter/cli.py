@@ -17,6 +17,7 @@ import errno
 import importlib
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -241,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"drafter: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
+        from .pipeline import signalled
+
+        sig = signalled()
+        if sig is not None:  # a signal raised inside C code that came out as another error
+            print(f"drafter: interrupted by {signal.Signals(sig).name}; rerun the same command "
+                  f"to resume", file=sys.stderr)
+            return 128 + sig
         full = _disk_full(e)
         if full is None:
             raise

@@ -37,7 +37,7 @@ from typing import Callable
 from . import DrafterError
 from . import config as C
 from .rundir import SECTIONS, STEPS, MissingInput, Run, atomic_json, atomic_write, dir_bytes, \
-    read_json, step_inputs
+    read_json, remove_dir, step_inputs
 
 log = logging.getLogger("drafter")
 
@@ -127,15 +127,27 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+_SIGNALLED: list[int] = []   # the signals this process received, in order
+
+
+def signalled() -> int | None:
+    """The signal that stopped this process, if any. Raised inside C code (a safetensors read,
+    say), the KeyboardInterrupt can surface as another exception: this says what it was."""
+    return _SIGNALLED[-1] if _SIGNALLED else None
+
+
 def _install_signal_handlers() -> None:
-    """SIGTERM (kill, schedulers, torchrun) and SIGHUP (a closed terminal) behave like Ctrl-C:
+    """SIGINT (Ctrl-C), SIGTERM (kill, schedulers, torchrun) and SIGHUP (a closed terminal):
     steps unwind and leave their folder consistent for a rerun to resume. A second signal while
     unwinding is not caught again (the default: the process ends; the folder stays resumable)."""
+    _SIGNALLED.clear()
+
     def handler(signum, frame):
+        _SIGNALLED.append(signum)
         signal.signal(signum, signal.SIG_DFL)
         raise Interrupted(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         try:
             signal.signal(sig, handler)
         except ValueError:  # not the main thread (tests calling steps from threads)
@@ -230,13 +242,9 @@ def _rank_key(step: str) -> str:
 
 # ------------------------------------------------------------------------------------ one step
 def _clear(run: Run, step: str) -> None:
-    """Remove a step folder atomically: rename it out of the way, then delete the renamed one
-    (a kill mid-delete leaves a `.trash-*` folder that the next run removes, never a half
-    folder that looks like the step's)."""
-    d = run.step_dir(step)
-    trash = run.trash(step)
-    os.replace(d, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    """Remove a step folder atomically (a kill mid-delete leaves a `.trash-*` folder that the
+    next run removes, never a half folder that looks like the step's)."""
+    remove_dir(run.step_dir(step), run.trash(step))
 
 
 def _clean_trash(run: Run) -> None:
@@ -354,9 +362,12 @@ def _follow(cfg, run: Run, step: str, force: bool) -> dict:
 
 
 def _write_failed(run: Run, step: str, e: BaseException) -> None:
-    interrupted = isinstance(e, KeyboardInterrupt)
-    if interrupted:
+    sig = signalled()
+    interrupted = isinstance(e, KeyboardInterrupt) or sig is not None
+    if isinstance(e, KeyboardInterrupt):
         msg = str(e) or "interrupted by SIGINT (Ctrl-C)"
+    elif sig is not None:
+        msg = f"interrupted by {signal.Signals(sig).name} (it surfaced as {type(e).__name__}: {e})"
     else:
         msg = f"{type(e).__name__}: {e}"
     try:

@@ -553,3 +553,31 @@ def test_fault_matrix(world, server_ref, tmp_path):
     if os.environ.get("DRAFTER_FAULT_MATRIX"):
         Path(os.environ["DRAFTER_FAULT_MATRIX"]).write_text(table + "\n")
     assert sum(1 for _, pt in cases if pt.sig == signal.SIGKILL) >= 10
+
+
+def test_a_signal_that_surfaces_as_another_error_is_an_interruption(tmp_path):
+    """Ctrl-C landing inside C code (a safetensors read in train, seen in the kill chain) can come
+    out as a ValueError: failed.json still says interrupted, so status and the rerun treat the
+    step as stopped, not broken."""
+    run = Run(tmp_path / "run")
+    run.step_dir("train").mkdir(parents=True)
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.getsignal(s) for s in sigs}
+    try:
+        pipeline._install_signal_handlers()
+        try:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            except KeyboardInterrupt:
+                raise ValueError("could not determine the shape of object type") from None
+        except ValueError as e:
+            assert pipeline.signalled() == signal.SIGINT
+            pipeline._write_failed(run, "train", e)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        pipeline._SIGNALLED.clear()
+    f = read_json(run.failed("train"))
+    assert f["interrupted"] is True
+    assert "SIGINT" in f["error"] and "ValueError: could not determine" in f["error"]
