@@ -44,7 +44,6 @@ INPUTS: dict[str, list[str]] = {
 }
 
 
-
 def step_inputs(cfg, step: str) -> list[str]:
     """The steps whose outputs `step` reads under this config: INPUTS[step], except that an
     evaluate of drafters named by path (`evaluate.drafter`, `evaluate.baseline`) reads nothing
@@ -232,6 +231,16 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
 
 def atomic_json(path: str | Path, obj: Any) -> None:
     atomic_write(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def remove_dir(path: str | Path, trash: str | Path | None = None) -> None:
+    """Delete a folder without ever leaving a half one under its name: rename it out of the way
+    (atomic; by default to the sibling `.old-NAME.PID` that atomic_dir also uses), then delete
+    that. A kill mid-delete leaves only the renamed folder, for its owner's cleanup."""
+    path = Path(path)
+    trash = Path(trash) if trash else path.with_name(f".old-{path.name}.{os.getpid()}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 @contextlib.contextmanager

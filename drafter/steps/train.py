@@ -47,7 +47,7 @@ from .. import DrafterError, store, target, tokens
 from ..config import ConfigError
 from ..model import TTT, Drafter, DrafterConfig, param_count, save_drafter
 from ..rundir import JsonlAppender, Run, atomic_dir, atomic_json, read_json, read_jsonl, \
-    safe_save_file
+    remove_dir, safe_save_file
 
 log = logging.getLogger("drafter")
 
@@ -441,11 +441,7 @@ def prune_checkpoints(run: Run, keep: int) -> None:
         if any(s is not None for s in scored) else None
     for i, p in enumerate(done[:-keep] if keep > 0 else done):
         if i != best:
-            # renamed first (atomic), so that a kill mid-delete never leaves a "complete"
-            # checkpoint with missing files; the next run removes the leftover
-            gone = p.with_name(f".del-{p.name}")
-            p.rename(gone)
-            shutil.rmtree(gone, ignore_errors=True)
+            remove_dir(p)  # never a "complete" checkpoint with files missing after a kill
 
 
 def best_checkpoint(run: Run) -> Path | None:
@@ -556,7 +552,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         step = load_checkpoint(ckpt, dist, ttt, opt, sched, fsdp)["step"]
         log.info("train: resumed from %s (step %d)", ckpt, step)
     if dist.main:  # the metrics of steps after the checkpoint are redone
-        for pattern in (".tmp-step_*", ".old-step_*", ".del-step_*"):  # left by a kill
+        for pattern in (".tmp-step_*", ".old-step_*"):  # what a kill in a save or prune leaves
             for junk in run.step_dir("train").glob(pattern):
                 shutil.rmtree(junk, ignore_errors=True)
         kept = [r for r in read_jsonl(metrics_path, repair=True) if r.get("step", 0) <= step]
