@@ -463,7 +463,7 @@ class Decoder:
             *fin, lmax = torch.cat([st.finished.long(), st.L.max()[None]]).tolist()  # one sync
             done = [b for b in range(B) if fin[b] and owner[b] is not None]
             if done and (len(done) >= need or len(done) == sum(o is not None for o in owner)):
-                outs = self._collect_rows(st, done, max_new_tokens, stop_ids)
+                outs = self._collect(st, done, max_new_tokens, stop_ids)
                 for b, o in zip(done, outs):
                     res[owner[b]] = o
                     owner[b] = None
@@ -489,18 +489,6 @@ class Decoder:
         self.last["seconds"] = (time.perf_counter() - t_start - self.last["capture_seconds"])
         return res
 
-    def _collect_rows(self, st, rows, max_new, stop_ids) -> list[Output]:
-        idx = torch.tensor(rows, device=self.device)
-        n_out, steps = st.n_out[idx].tolist(), st.steps[idx].tolist()
-        out = st.out[idx].tolist()
-        stops, res = set(stop_ids), []
-        for j in range(len(rows)):
-            toks = out[j][: min(n_out[j], max_new)]
-            cut = next((i for i, t in enumerate(toks) if t in stops), None)
-            res.append(Output(toks if cut is None else toks[: cut + 1],
-                              "stop" if cut is not None else "length", steps[j]))
-        return res
-
     def _refill(self, st, rows, prompts, T, top_p):
         """Prefill `prompts` into cache rows `rows` (the others are not touched) and reset
         those rows' state: left-padded chunks as in `_prefill`, through the refilled rows only."""
@@ -519,7 +507,7 @@ class Decoder:
         for t, v in ((st.start, start), (st.L, z + Tq), (st.pending, first), (st.n_out, z + 1),
                      (st.steps, z)):
             t.index_copy_(0, r, v)
-        st.out.index_copy_(0, r, torch.zeros(R, st.W, dtype=torch.long, device=dev))
+        st.out[r] = 0
         st.out[r, 0] = first
         st.finished.index_copy_(0, r, (first[:, None] == st.stop).any(-1) | (st.max_new <= 1))
 
@@ -560,7 +548,7 @@ class Decoder:
             self.graphs.run(key + (span,), lambda: fn(span), state)
             self.last["iterations"] += 1
             done, lmax = torch.stack([st.finished.all().long(), st.L.max()]).tolist()
-        return self._collect(st, B, max_new, stop_ids, spec, record_gaps)
+        return self._collect(st, range(B), max_new, stop_ids, spec, record_gaps)
 
     @torch.no_grad()
     def time_forwards(self, proposer: DraftModel, tree: TreeSpec, batch: int = 1,
@@ -592,22 +580,25 @@ class Decoder:
                                                   slots_d, vis_d)}
         return {name: _time_ms(fn, self.graphs.enabled, repeats) for name, fn in fns.items()}
 
-    def _collect(self, st, B, max_new, stop_ids, spec, record_gaps) -> list[Output]:
-        n_out, out, steps = st.n_out.tolist(), st.out.tolist(), st.steps.tolist()
-        hist = st.hist.tolist() if spec else None
-        gaps = st.gap.tolist() if record_gaps else None
-        second = st.second.tolist() if record_gaps else None
+    def _collect(self, st, rows, max_new, stop_ids, spec=False, record_gaps=False
+                 ) -> list[Output]:
+        """The outputs of state rows `rows` (a range for a whole batch): the tokens up to the
+        first stop token (kept), at most max_new."""
+        idx = torch.as_tensor(list(rows), device=self.device)
+        n_out, out, steps = (t[idx].tolist() for t in (st.n_out, st.out, st.steps))
+        hist = st.hist[idx].tolist() if spec else None
+        gaps, second = (st.gap[idx].tolist(), st.second[idx].tolist()) if record_gaps else \
+            (None, None)
         stops = set(stop_ids)
         res = []
-        for b in range(B):
-            toks = out[b][: min(n_out[b], max_new)]
+        for j in range(len(idx)):
+            toks = out[j][: min(n_out[j], max_new)]
             cut = next((i for i, t in enumerate(toks) if t in stops), None)
-            finish = "stop" if cut is not None else "length"
             toks = toks if cut is None else toks[: cut + 1]
             n = len(toks)
-            res.append(Output(toks, finish, steps[b], hist[b] if spec else None,
-                              gaps[b][:n] if record_gaps else None,
-                              second[b][:n] if record_gaps else None))
+            res.append(Output(toks, "stop" if cut is not None else "length", steps[j],
+                              hist[j] if spec else None, gaps[j][:n] if record_gaps else None,
+                              second[j][:n] if record_gaps else None))
         return res
 
     def _padded(self, prompts, Tp) -> tuple[Tensor, Tensor]:
