@@ -27,8 +27,11 @@ one is counted as a tie and reported, not failed. Anything else fails.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import math
+import shutil
 from pathlib import Path
 
 from .. import DrafterError
@@ -193,9 +196,6 @@ def _pass(run: Run, key: str, prompts: _Prompts, fn):
     """One decoding pass (fn() -> _decode's result), kept in evaluate/passes/ so that a killed
     evaluate resumes after the passes it finished. A plain pass also keeps the prompt rounds it
     built (MT-bench's second turns carry its answers)."""
-    import dataclasses
-    import hashlib
-
     from ..decode import Output
 
     name = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -384,8 +384,6 @@ def main(cfg) -> dict:
     try:
         metrics = finish(run, settings, runs, plain_all)
     finally:
-        import shutil
-
         shutil.rmtree(run.step_dir("evaluate") / "passes", ignore_errors=True)
     return {"counts": {"prompts": sum(d["prompts"] for d in ds_info.values()), "runs": len(runs),
                        "new_tokens": primary["datasets"]["overall"]["new_tokens"],
