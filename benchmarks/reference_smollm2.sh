@@ -89,12 +89,19 @@ phase_tests() {
   log "tests: exit $? ($(tail -1 "$RES/tests-gpu.log"))"
 }
 
+decode_bench() {  # decode_bench NAME [decode_speed.py args]: results in $RES/NAME.{json,log}
+  local name=$1; shift
+  log "speed: $name"
+  timeout ${T_DECODE:-300} $PY benchmarks/decode_speed.py --target "$TARGET" "$@" \
+    --json "$RES/$name.json" > "$RES/$name.log" 2>&1; log "$name exit $?"
+}
+
 phase_speed() {
-  local drafter_arg=()
-  [ -d runs/ref/export/native ] && drafter_arg=(--drafter runs/ref/export/native)
-  log "speed: decode"
-  timeout ${T_DECODE:-300} $PY benchmarks/decode_speed.py --target "$TARGET" "${drafter_arg[@]}" \
-    --json "$RES/decode_speed.json" > "$RES/decode_speed.log" 2>&1; log "decode exit $?"
+  if [ -d runs/ref/export/native ]; then
+    decode_bench decode_speed --drafter runs/ref/export/native
+  else
+    decode_bench decode_speed
+  fi
   log "speed: train"
   timeout ${T_TRAIN:-600} $PY benchmarks/train_throughput.py > "$RES/train_throughput.log" 2>&1
   log "train exit $?"
@@ -115,7 +122,8 @@ phase_generate() {  # with every visible GPU (engine local runs one replica per 
 phase__generate() { run ref --until generate; }
 phase_reference() { run ref; }
 
-# The five ablations: NAME, the steps seeded from the reference, the one change.
+# The five ablations: NAME, the steps seeded from the reference, the one change (b trains
+# online so as not to store a second set of features; (e) shows online equals offline).
 declare -A ABL_SEED=([a_orig]="prepare" [b_top]="prepare generate tokenize vocab"
   [c_ttt1]="prepare generate tokenize vocab extract" [d_fp8]="prepare generate tokenize vocab"
   [e_online]="prepare generate tokenize vocab")
@@ -144,10 +152,7 @@ ablate() {  # ablate NAME: one ablation, seeded from the reference's finished st
 
 speed_drafter() {  # decode speed with the reference drafter, once it is exported
   wait_for runs/ref/export/manifest.json
-  log "speed: decode with the reference drafter"
-  timeout ${T_DECODE:-300} $PY benchmarks/decode_speed.py --target "$TARGET" \
-    --drafter runs/ref/export/native --json "$RES/decode_speed_drafter.json" \
-    > "$RES/decode_speed_drafter.log" 2>&1; log "decode (drafter) exit $?"
+  decode_bench decode_speed_drafter --drafter runs/ref/export/native
 }
 
 left() {  # seconds left before $DEADLINE (epoch seconds; default: an hour from now), minus $1
@@ -205,30 +210,15 @@ phase_lanes() {  # both lanes until $DEADLINE (less 20 s to collect), then the 2
   phase_collect
 }
 
-phase_ablations() {
-  # Every variant reuses the reference's finished steps where its config does not change them
-  # (the fingerprints match, so they are skipped), and differs in exactly one thing.
-  seed_from ref a_orig prepare
-  seed_from ref b_top prepare generate tokenize vocab
-  seed_from ref c_ttt1 prepare generate tokenize vocab extract
-  seed_from ref d_fp8 prepare generate tokenize vocab
-  seed_from ref e_online prepare generate tokenize vocab
-  local -a jobs=(
-    "a_orig generate.enabled=false"
-    "b_top extract.layer_ids=[29] train.online=true"
-    "c_ttt1 train.ttt_steps=1"
-    "d_fp8 extract.aux_dtype=fp8 extract.teacher=topk"
-    "e_online train.online=true"
-  )
+phase_ablations() {  # the five after the reference, two at a time when two GPUs are visible
   local i=0
-  for j in "${jobs[@]}"; do
-    read -r -a args <<< "$j"
+  for n in a_orig b_top c_ttt1 d_fp8 e_online; do
     if [ "$NGPU" -ge 2 ]; then
-      CUDA_VISIBLE_DEVICES=$((i % 2)) run "${args[@]}" "${ABL_EVAL[@]}" &
+      CUDA_VISIBLE_DEVICES=$((i % 2)) ablate "$n" &
       i=$((i + 1))
       [ $((i % 2)) -eq 0 ] && wait
     else
-      run "${args[@]}" "${ABL_EVAL[@]}"
+      ablate "$n"
     fi
   done
   wait
