@@ -26,29 +26,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter.config import TargetConfig  # noqa: E402
 from drafter.decode import Decoder, stop_ids_of  # noqa: E402
+from drafter.sources import load_prompts  # noqa: E402
 from drafter.target import load_model, load_tokenizer  # noqa: E402
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "drafter" / "data" / "quickstart_prompts.jsonl"
 
 
-def load_prompts(path: Path, n: int) -> list[str]:
-    out = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                rec = json.loads(line)
-                text = rec.get("prompt") or rec.get("instruction") or rec.get("question")
-                if text:
-                    out.append(text + (("\n\n" + rec["input"]) if rec.get("input") else ""))
-            if len(out) == n:
-                break
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", default="builtin:smollm2-135m-instruct")
-    ap.add_argument("--data", type=Path, default=QUICKSTART, help="JSONL with prompt fields")
+    ap.add_argument("--data", type=Path, default=QUICKSTART,
+                    help="prompts in any format drafter reads (first user turns are used)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=64)
@@ -57,10 +45,10 @@ def main(argv=None) -> int:
 
     tcfg = TargetConfig(model=a.target)
     model, tok = load_model(tcfg), load_tokenizer(tcfg)
-    texts = load_prompts(a.data, a.prompts)
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": t}],
-                                           add_generation_prompt=True, tokenize=False),
-                   add_special_tokens=False)["input_ids"] for t in texts]
+    convs = [r["messages"][: next(i for i, m in enumerate(r["messages"]) if m["role"] == "user")
+                           + 1] for r in load_prompts(str(a.data), a.prompts)]
+    prompts = [tok(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"] for c in convs]
     stop = stop_ids_of(tok, model)
     dec = Decoder(model, max_batch=a.batch)
     dec.generate(prompts[: a.batch], 4, stop_ids=stop)                  # warm-up, both modes
