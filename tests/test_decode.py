@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.decode import (Decoder, EagleDraft, LocalGenerator, TreeSpec, acceptance_stats,
-                            ancestors, build_tree, verify_sample)
+from drafter.decode import (Decoder, EagleDraft, TreeSpec, acceptance_stats, ancestors,
+                            build_tree, verify_sample)
 from drafter.model import Drafter, DrafterConfig
 
 from tests.tiny import make_tiny
@@ -304,58 +304,6 @@ def test_eagle_drafter_is_lossless_and_samples(smol, tree):
         assert (o.finish == "stop") == (o.tokens[-1] == smol["stop"][0])
 
 
-def test_continuous_batching_equals_static_batches(smol):
-    """generate_continuous: rows whose answer ended take the next prompts (shorter ones are
-    prefilled beside a row still decoding), results equal static batches token for token and
-    come back in prompt order, with fewer target forwards."""
-    tok, stop = smol["tok"], smol["stop"]
-    msgs = ["What is 2+3?", "Write a python function that adds two numbers.", "Say hi.",
-            "List three colors.", "What is the capital of France? Answer in one word."]
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": m}],
-                                           add_generation_prompt=True, tokenize=False),
-                   add_special_tokens=False)["input_ids"] for m in msgs]
-    dec = Decoder(smol["model"], max_batch=2)
-    static = dec.generate(prompts, 24, stop_ids=stop)
-    static_steps = dec.last["iterations"]
-    cont = dec.generate_continuous(prompts, 24, stop_ids=stop, refill_fraction=0.5)
-    assert [o.tokens for o in cont] == [o.tokens for o in static]
-    assert [o.finish for o in cont] == [o.finish for o in static]
-    assert {o.finish for o in static} == {"stop", "length"}       # answers of unequal length
-    assert [o.steps for o in cont] == [len(o.tokens) - 1 for o in cont]
-    assert dec.last["iterations"] < static_steps
-
-
-def test_local_generator(smollm2_dir, smol):
-    """engine=local: batches sorted by length, stop token stripped, finish reasons, and seeded
-    sampling reproducible."""
-    from drafter.config import TargetConfig
-
-    gen = LocalGenerator(TargetConfig(model=str(smollm2_dir), dtype="float32"), batch_size=1)
-    prompts = smol["prompts"]
-    res = gen.generate(prompts, MAX_NEW)
-    for (toks, finish), o in zip(res, smol["plain"]):
-        assert finish == o.finish
-        assert toks == (o.tokens[:-1] if o.finish == "stop" else o.tokens)
-    a = gen.generate(prompts[1:], 5, temperature=0.9, top_p=0.9, seed=3)
-    b = gen.generate(prompts[1:], 5, temperature=0.9, top_p=0.9, seed=3)
-    assert a == b and 1 <= len(a[0][0]) <= 5
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_local_generator_data_parallel(smollm2_dir, smol):
-    """Two visible GPUs: one replica each, batches dealt round-robin, results in prompt order and
-    equal to plain greedy decoding on one device (float32)."""
-    from drafter.config import TargetConfig
-
-    gen = LocalGenerator(TargetConfig(model=str(smollm2_dir), dtype="float32"), batch_size=1)
-    assert gen.replicas == torch.cuda.device_count()
-    one = LocalGenerator(TargetConfig(model=str(smollm2_dir), dtype="float32", device="cuda:0"),
-                         batch_size=1)
-    assert one.replicas == 1
-    assert gen.generate(smol["prompts"], MAX_NEW) == one.generate(smol["prompts"], MAX_NEW)
-
-
 # ------------------------------------------------------------------- other architectures
 @pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3", "gemma2"])
 def test_tiny_architectures_plain_and_speculative(arch, tmp_path):
@@ -383,9 +331,6 @@ def test_tiny_architectures_plain_and_speculative(arch, tmp_path):
                                                             model.config.vocab_size, "noisy"),
                         tree=TreeSpec(3, 2, 5))
     assert [o.tokens for o in spec] == want
-    # continuous batching, one row: the second prompt is prefilled into the row the first left
-    cont = Decoder(model, max_batch=1).generate_continuous(prompts, n_new)
-    assert [o.tokens for o in cont] == want
 
 
 # ------------------------------------------------------------------------------------ GPU only
@@ -424,7 +369,7 @@ def test_gqa_sdpa_equals_transformers_sdpa():
     never repeated) gives transformers' SDPA result under a per-row mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from drafter.decode import _gqa_sdpa
+    from drafter.static import _gqa_sdpa
 
     torch.manual_seed(0)
     B, nh, nkv, T, S, hd = 3, 6, 2, 4, 11, 8

@@ -477,9 +477,7 @@ def test_local_engine_missing_is_a_clear_error(tmp_path):
 
 
 def test_local_engine(tmp_path, smollm2_dir):
-    """engine=local through drafter.decode.LocalGenerator: multi-turn, turn by turn."""
-    if not _has_local_generator():
-        pytest.skip("drafter.decode.LocalGenerator not available")
+    """engine=local through drafter.engine.LocalGenerator: multi-turn, turn by turn."""
     from transformers import AutoTokenizer
 
     records = [conv(0, "Say hi."), conv(1, "Name a color.", "Another one?")]

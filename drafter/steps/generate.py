@@ -14,7 +14,8 @@ off inline `<think>...</think>`), never inline, so that tokenize renders it thro
 template as the model produced it. `meta` records finish_reason and token usage per turn.
 
 Engines: a server drafter starts (transformers, vllm, sglang: drafter/serve.py), external URLs
-(load-balanced), or `local` (in-process batched decoding through drafter.decode.LocalGenerator).
+(load-balanced), or `local` (in-process: drafter.engine.LocalGenerator, paged KV cache and
+continuous batching).
 
 Resume: finished conversations are appended to conversations.jsonl as they complete (one line
 each, flushed), keyed by id. A rerun skips finished ids and ids whose error is permanent (HTTP
@@ -286,31 +287,17 @@ async def _run_http(g, pool, records: Iterator[dict], sink: _Sink) -> None:
 
 
 # ----------------------------------------------------------------------------- local generation
-def _local_generator_class():
-    try:
-        from .. import decode
-    except ModuleNotFoundError as e:
-        if e.name != "drafter.decode":
-            raise
-        decode = None
-    cls = getattr(decode, "LocalGenerator", None)
-    if cls is None:
-        raise GenerateError("generate.server.engine=local needs drafter.decode.LocalGenerator "
-                            "(in-process batched decoding), which this version of drafter lacks: "
-                            "use engine transformers, vllm or sglang")
-    return cls
-
-
 def _run_local(cfg, records: Iterator[dict], sink: _Sink) -> None:
     """engine=local: render with the target tokenizer, decode the next turn of a pool of
     conversations in one call (LocalGenerator: batch_size rows, refilled as answers end),
     write the finished ones, refill the pool, repeat; <think> is split off the decoded text."""
     from ..target import load_tokenizer
 
+    from ..engine import LocalGenerator
+
     g = cfg.generate
-    gen_cls = _local_generator_class()
     tok = load_tokenizer(cfg.target)
-    gen = gen_cls(cfg.target, g.batch_size)
+    gen = LocalGenerator(cfg.target, g.batch_size)
     # Several batches per call (per GPU): rows refill from the pool as answers end, and only
     # its last answers decode in a draining batch; a kill loses at most this pool's work.
     pool_size = 8 * g.batch_size * getattr(gen, "replicas", 1)
@@ -345,6 +332,11 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink) -> None:
         still = []
         for conv, prompt, (ids, finish_reason) in zip(active, prompts, outs):
             ids = [int(i) for i in ids]
+            if finish_reason == "too_long":
+                sink.add_error(conv.id, "permanent", f"prompt too long: {len(prompt)} tokens + "
+                               f"generate.max_tokens={g.max_tokens} do not fit the target's "
+                               f"context or the KV cache", conv.turn)
+                continue
             if finish_reason == "length" and g.drop_truncated:
                 sink.add_error(conv.id, "permanent", f"truncated: the answer reached "
                                f"generate.max_tokens={g.max_tokens}", conv.turn)

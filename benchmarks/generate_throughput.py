@@ -1,0 +1,159 @@
+"""Throughput of the data engine (drafter.engine: generate.server.engine: local) per batch size.
+
+    python benchmarks/generate_throughput.py --data ../shared/data/train --prompts 10000 \
+        --batches 256,512,1024,2048 --max-new 512 --json gen.json          # one H200 (issue 14)
+    python benchmarks/generate_throughput.py --prompts 16 --batches 4,8 --max-new 24   # CPU smoke
+    python benchmarks/generate_throughput.py --profile --batches 1024      # + a kernel table
+
+Real prompts (the first user turn of each record of --data: a file or a folder of files in any
+format drafter reads), the target's chat template, greedy, its stop tokens: answers end at their
+natural lengths or at --max-new, as in the generate step. For each batch size one Engine decodes
+every prompt; reported: completion tokens/s end to end (prefill, refills, the tail and the one
+graph capture included, as the generate step counts them), the same without capture, seconds of
+prefill, decode steps, row utilisation (tokens / (steps x batch)), peak GPU memory and the KV
+pool, and how many answers equal the first batch size's (bf16 greedy: near-ties may flip with
+the batch shape). --static adds drafter.decode's static batches at the first batch size (the
+decoder the engine replaced). --profile prints the top CUDA kernels of 16 decode steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from drafter.config import TargetConfig  # noqa: E402
+from drafter.decode import Decoder, stop_ids_of  # noqa: E402
+from drafter.engine import Engine  # noqa: E402
+from drafter.sources import load_prompts  # noqa: E402
+from drafter.target import load_model, load_tokenizer  # noqa: E402
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "drafter" / "data" / "quickstart_prompts.jsonl"
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".gz")
+
+
+def read_prompts(data: Path, n: int, tok) -> list[list[int]]:
+    """The first user turn of up to n records of data (a file, or every data file of a folder,
+    taken in turn), rendered with the chat template."""
+    files = sorted(p for p in data.iterdir() if p.name.endswith(DATA_SUFFIXES)) \
+        if data.is_dir() else [data]
+    per = [load_prompts(str(f), None) for f in files]
+    recs, i = [], 0
+    while len(recs) < n and any(i < len(p) for p in per):
+        recs += [p[i] for p in per if i < len(p)]
+        i += 1
+    out = []
+    for r in recs[:n]:
+        msgs = r["messages"]
+        first = next(j for j, m in enumerate(msgs) if m["role"] == "user")
+        text = tok.apply_chat_template(msgs[:first + 1], add_generation_prompt=True,
+                                       tokenize=False)
+        out.append(tok(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def profile_steps(eng: Engine, prompts, max_new, stop) -> str:
+    """Top CUDA kernels over the decode steps of a short run (graphs replayed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng.generate(prompts, 16, stop_ids=stop)                 # capture outside the profile
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        eng.generate(prompts, 16, stop_ids=stop)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--target", default="builtin:smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--data", type=Path, default=QUICKSTART)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--batches", default="256,512,1024,2048")
+    ap.add_argument("--max-new", type=int, default=512)
+    ap.add_argument("--static", action="store_true", help="also the static decoder (batch 1)")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json", help="also write the results here")
+    a = ap.parse_args(argv)
+
+    tcfg = TargetConfig(model=a.target, dtype=a.dtype)
+    model, tok = load_model(tcfg), load_tokenizer(tcfg)
+    stop = stop_ids_of(tok, model)
+    t0 = time.perf_counter()
+    prompts = read_prompts(a.data, a.prompts, tok)
+    print(f"{len(prompts)} prompts of {a.data} rendered in {time.perf_counter() - t0:.1f}s, "
+          f"prompt tokens mean {sum(map(len, prompts)) / len(prompts):.0f}, "
+          f"max {max(map(len, prompts))}", flush=True)
+    dev = next(model.parameters()).device
+    dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    batches = [int(b) for b in a.batches.split(",")]
+    rows, first = [], None
+    for b in batches:
+        eng = Engine(model, max_batch=b)
+        t0 = time.perf_counter()
+        res = eng.generate(prompts, a.max_new, stop_ids=stop)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        last = dict(eng.last)
+        n = sum(len(r.tokens) for r in res)
+        outs = [r.tokens for r in res]
+        first = first or outs
+        row = {"batch": b, "tokens": n, "seconds": round(wall, 2),
+               "tokens_per_s": round(n / wall, 1),
+               "tokens_per_s_without_capture": round(n / last["seconds"], 1),
+               "prefill_seconds": round(last["prefill_seconds"], 2),
+               "capture_seconds": round(last["capture_seconds"], 2), "steps": last["steps"],
+               "row_utilisation": round(n / max(1, last["steps"] * b), 3),
+               "peak_gib": round(last.get("peak_bytes", 0) / 2**30, 2),
+               "kv_pool_gib": round(last["pages"] * last["page_bytes"] / 2**30, 2),
+               "length_capped": sum(r.finish == "length" for r in res),
+               "too_long": last["too_long"], "triton": last["triton"],
+               "same_as_first": sum(x == y for x, y in zip(outs, first))}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if a.profile and dev.type == "cuda" and b == batches[0]:
+            print(profile_steps(eng, prompts[:b], 16, stop), flush=True)
+        del eng
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if a.static:
+        dec = Decoder(model, max_batch=batches[0])
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        t0 = time.perf_counter()
+        outs = dec.generate([prompts[i] for i in order], a.max_new, stop_ids=stop)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        n = sum(len(o.tokens) for o in outs)
+        rows.append({"batch": f"{batches[0]} (static decoder)", "tokens": n,
+                     "seconds": round(wall, 2), "tokens_per_s": round(n / wall, 1),
+                     "steps": dec.last["iterations"]})
+        print(json.dumps(rows[-1]), flush=True)
+    lengths = sorted(len(o) for o in first)
+    print(f"\n{a.target} on {dev_name} ({next(model.parameters()).dtype}), torch "
+          f"{torch.__version__}: {len(prompts)} prompts, max {a.max_new} new tokens; answer "
+          f"lengths min {lengths[0]}, median {lengths[len(lengths) // 2]}, max {lengths[-1]}")
+    print("| batch | tokens/s end to end | w/o capture | s | prefill s | steps | row util | "
+          "peak GiB | KV pool GiB | capped | same |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['tokens_per_s']:,.0f} | "
+              f"{r.get('tokens_per_s_without_capture', 0):,.0f} | {r['seconds']} | "
+              f"{r.get('prefill_seconds', '')} | {r['steps']} | {r.get('row_utilisation', '')} | "
+              f"{r.get('peak_gib', '')} | {r.get('kv_pool_gib', '')} | "
+              f"{r.get('length_capped', '')} | {r.get('same_as_first', '')} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"target": a.target, "device": dev_name,
+                                            "prompts": len(prompts), "max_new": a.max_new,
+                                            "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

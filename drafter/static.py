@@ -1,0 +1,285 @@
+"""The static-cache target: an HF causal LM decoding over one static KV buffer per layer, written
+at per-row slots, and the CUDA graphs that replay its steps.
+
+    tgt = StaticTarget(model)                     # any HF causal LM (dense, MoE, MLA, sliding)
+    tgt.allocate(max_batch=8, max_slots=1024)
+    tgt.set_aux([2, 15, 27])                      # capture HS[k] of every token it processes
+    logits, aux = tgt.forward(ids, pos, slots, vis, start)
+    graphs = Graphs(enabled=True); graphs.run(key, step_fn, state_tensors)
+
+Shapes: B rows, T new tokens of a forward, S attention span (static cache slots read), V target
+vocab, A aux layers, Ht target hidden.
+
+The cache. Every row owns slots [0, Smax) of one static buffer per layer ([Bmax, heads, Smax, dim],
+`SlotCache`). Prompts are left-padded: row b's prompt sits in slots [start_b, Tp); slot s holds
+position s - start_b. Each forward writes its T tokens at per-row slots [B, T] and attends over the
+first S slots under a per-row boolean visibility mask, so rows advance independently (speculation
+accepts a different count per row) while every shape stays fixed: the step can be captured in a
+CUDA graph (one graph per (batch, span bucket)), which is what makes small-model decoding fast
+(launch overhead dominates otherwise: ../shared/docs/REFERENCES.md).
+
+Speculative decoding (drafter.decode) runs on it; plain batched generation at scale has its own
+paged cache (drafter.engine).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .tree import DecodeError, _additive
+
+log = logging.getLogger("drafter")
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ------------------------------------------------------------------------------- the static cache
+def _slot_cache_class():
+    from transformers.cache_utils import Cache
+
+    class SlotCache(Cache):
+        """Static per-layer buffers [Bmax, heads, Smax, dim] written at per-row slots.
+
+        Before each forward the caller sets `slots` [B, T] (where each new token goes) and `span`
+        (how many leading slots attention reads). Buffers are allocated on the first write, from
+        the shapes the model hands in, so MLA latents (DeepSeek) and any head layout work."""
+
+        def __init__(self, max_batch: int, max_slots: int):
+            super().__init__(layers=[])
+            self.max_batch, self.max_slots = max_batch, max_slots
+            self.k: dict[int, Tensor] = {}
+            self.v: dict[int, Tensor] = {}
+            self.slots: Tensor | None = None
+            self.rows: Tensor | None = None   # set: the batch is these cache rows (a refill)
+            self.span = max_slots
+
+        def _buf(self, store: dict, i: int, x: Tensor) -> Tensor:
+            if i not in store:
+                store[i] = torch.zeros(self.max_batch, x.shape[1], self.max_slots, x.shape[3],
+                                       dtype=x.dtype, device=x.device)  # zeros: no NaN garbage
+            return store[i]
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            B, T = self.slots.shape
+            out = []
+            for store, x in ((self.k, key_states), (self.v, value_states)):
+                buf = self._buf(store, layer_idx, x)
+                idx = self.slots[:, None, :, None].expand(B, x.shape[1], T, x.shape[3])
+                if self.rows is not None:                             # eager refills only
+                    sub = buf.index_select(0, self.rows).scatter_(2, idx, x.to(buf.dtype))
+                    buf.index_copy_(0, self.rows, sub)
+                    out.append(sub[:, :, : self.span])
+                    continue
+                buf[:B].scatter_(2, idx, x.to(buf.dtype))
+                out.append(buf[:B, :, : self.span])                   # [B, heads, S, dim]
+            return out[0], out[1]
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return 0  # positions are always given explicitly
+
+        def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+            """Move each row's entries at slots src [B, n] to slots dst [B, n] (all layers)."""
+            B, n = src.shape
+            for store in (self.k, self.v):
+                for buf in store.values():
+                    shape = (B, buf.shape[1], n, buf.shape[3])
+                    vals = buf[:B].gather(2, src[:, None, :, None].expand(shape))
+                    buf[:B].scatter_(2, dst[:, None, :, None].expand(shape), vals)
+
+        def nbytes(self) -> int:
+            return sum(b.numel() * b.element_size() for s in (self.k, self.v) for b in s.values())
+
+    return SlotCache
+
+
+_GQA_IMPL = "drafter_gqa_sdpa"
+
+
+def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+              is_causal=None, **kwargs):
+    """transformers attention function (registered as `drafter_gqa_sdpa`) for the static-cache
+    decoder: SDPA over grouped KV heads without copying them. transformers' own SDPA path repeats
+    K/V g times whenever a mask is given (it always is here: slots, trees), which made attention
+    over long spans memory-bound on that copy: the g query heads of a KV head are folded into
+    the query length instead. query [B, nh, T, hd]; key, value [B, nkv, S, hd];
+    attention_mask [B, 1, T, S] additive. Returns [B, T, nh, hd]."""
+    B, nh, T, hd = query.shape
+    nkv, S = key.shape[1], key.shape[2]
+    g = nh // nkv
+    plain = (g == 1 or attention_mask is None or attention_mask.shape[1] != 1 or dropout
+             or kwargs.get("softcap") or kwargs.get("s_aux") is not None
+             or getattr(module, "sinks", None) is not None)
+    if plain:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    q = query.reshape(B, nkv, g * T, hd)                                 # head h = kv * g + j
+    m = attention_mask[:, :, :, :S]
+    m = m[:, :, None].expand(B, 1, g, T, S).reshape(B, 1, g * T, S)
+    o = F.scaled_dot_product_attention(q, key, value, attn_mask=m, scale=scaling)
+    return o.reshape(B, nh, T, hd).transpose(1, 2).contiguous(), None   # [B, T, nh, hd]
+
+
+def _use_gqa_sdpa(model) -> None:
+    """Switch an HF model to `_gqa_sdpa` (registered once with transformers' interfaces)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(_GQA_IMPL, _gqa_sdpa)
+    AttentionMaskInterface.register(_GQA_IMPL, sdpa_mask)
+    model.set_attn_implementation(_GQA_IMPL)
+
+
+class StaticTarget:
+    """An HF causal LM run over a `SlotCache`, with forward pre-hooks capturing the aux hidden
+    states HS[k] (DESIGN.md: the residual stream entering layer k) of every token it processes."""
+
+    def __init__(self, model):
+        from .capture import decoder_layers
+        from .target import text_config
+
+        self.model = model
+        tc = text_config(model.config)
+        # flash kernels ignore a custom 4D mask (the tree needs one); transformers' SDPA copies
+        # grouped K/V heads under a mask: `_gqa_sdpa` does neither. Eager stays (softcapping).
+        if str(getattr(model.config, "_attn_implementation", None) or "") != "eager":
+            _use_gqa_sdpa(model)
+        self._impl = model.config._attn_implementation
+        types = set(getattr(tc, "layer_types", None) or ["full_attention"])
+        if types - {"full_attention", "sliding_attention"}:
+            raise DecodeError(f"{type(model).__name__}: layer types {sorted(types)} are not "
+                              f"supported by the static-cache decoder (full and sliding attention "
+                              f"only)")
+        self.window = getattr(tc, "sliding_window", None) if "sliding_attention" in types else None
+        self.layers = decoder_layers(model)
+        self.final_norm = getattr(model.get_decoder(), "norm", None)
+        self.num_layers = len(self.layers)
+        emb = model.get_input_embeddings().weight
+        self.device, self.dtype = emb.device, emb.dtype
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x
+        self._keep_kw = "logits_to_keep" in params
+        self.cache = None
+        self.aux_ids: tuple[int, ...] = ()
+        self._aux: list[Tensor | None] = []
+        self._hooks: list = []
+
+    def claim(self) -> None:
+        """Put back this decoder's attention if another (drafter.engine's) switched the shared
+        model to its own since."""
+        if self.model.config._attn_implementation != self._impl:
+            self.model.set_attn_implementation(self._impl)
+
+    def allocate(self, max_batch: int, max_slots: int) -> None:
+        self.cache = _slot_cache_class()(max_batch, max_slots)
+
+    def set_aux(self, ids: Sequence[int] | None) -> None:
+        """Capture HS[k] for these layer ids on every forward (None: capture nothing)."""
+        ids = tuple(ids or ())
+        if ids == self.aux_ids:
+            return
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self.aux_ids, self._aux = [], ids, [None] * len(ids)
+        for j, k in enumerate(ids):
+            if not 0 <= k <= self.num_layers:
+                raise DecodeError(f"aux layer id {k} out of range: the target has "
+                                  f"{self.num_layers} layers (ids are HS[k], 0..{self.num_layers})")
+            mod = self.layers[k] if k < self.num_layers else self.final_norm
+
+            def hook(module, args, kwargs, j=j):
+                self._aux[j] = args[0] if args else kwargs["hidden_states"]
+
+            self._hooks.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+
+    def forward(self, ids: Tensor, pos: Tensor, slots: Tensor, vis: Tensor, start: Tensor,
+                logits_to_keep: int = 0) -> tuple[Tensor, Tensor | None]:
+        """ids, pos, slots [B, T]; vis [B, T, S] bool (True: query t sees slot s); start [B].
+        Returns logits [B, T or logits_to_keep, V] and aux [B, T, A, Ht] (None without ids)."""
+        mask = _additive(vis, self.dtype)                                  # [B, 1, T, S]
+        attn = mask
+        if self.window:  # sliding layers get their window on top (slot s = position s - start)
+            kpos = torch.arange(vis.shape[-1], device=vis.device)[None] - start[:, None]  # [B, S]
+            near = (pos[:, :, None] - kpos[:, None, :]) < self.window                   # [B, T, S]
+            attn = {"full_attention": mask, "sliding_attention": _additive(vis & near, self.dtype)}
+        self.cache.slots, self.cache.span = slots, vis.shape[-1]
+        kw = {self._cache_kw: self.cache}
+        if self._keep_kw:
+            kw["logits_to_keep"] = logits_to_keep
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=attn, use_cache=True, **kw)
+        logits = out.logits
+        if not self._keep_kw and logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        aux = torch.stack(self._aux, dim=2) if self.aux_ids else None      # [B, T, A, Ht]
+        return logits, aux
+
+
+
+# ------------------------------------------------------------------------------- CUDA graphs
+class Graphs:
+    """One captured CUDA graph per key; eager on CPU or when capture fails (logged once).
+    A step mutates persistent state in place; warm-up runs it once and restores that state."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and torch.cuda.is_available()
+        self.graphs: dict = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+
+    def clear(self):
+        self.graphs.clear()
+        self.pool = None
+
+    def run(self, key, fn, state: list[Tensor]) -> None:
+        if not self.enabled:
+            fn()
+            return
+        g = self.graphs.get(key)
+        if g is None:
+            t0 = time.perf_counter()
+            g = self._capture(fn, state)
+            self.capture_seconds += time.perf_counter() - t0
+            if g is None:
+                fn()
+                return
+            self.graphs[key] = g
+        g.replay()
+
+    def _capture(self, fn, state):
+        saved = [t.clone() for t in state]
+
+        def restore():
+            for t, v in zip(state, saved):
+                t.copy_(v)
+
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()  # warm-up: lazy inits (cuBLAS handles, ...) must not happen under capture
+            torch.cuda.current_stream().wait_stream(side)
+            restore()
+            g = torch.cuda.CUDAGraph()
+            # thread_local: LocalGenerator's replicas capture on their GPUs at the same time
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                fn()
+            self.pool = g.pool()
+            torch.cuda.synchronize()
+            return g
+        except Exception as e:  # e.g. an op that syncs with the host (data-dependent MoE routing)
+            log.warning("CUDA graph capture failed (%s: %s); decoding without graphs",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self.enabled = False
+            try:
+                torch.cuda.synchronize()
+            finally:
+                restore()
+            return None

@@ -1,0 +1,237 @@
+"""drafter.engine and drafter.paged: the paged, continuously batched generation of the generate
+step equals plain decoding token for token (float32) on every architecture it runs, refills and
+compacts rows, refuses what cannot fit per request, samples reproducibly; the Triton decode
+kernel equals the gather reference. CPU; GPU tests skip themselves."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from drafter.decode import Decoder
+from drafter.engine import Engine, EngineUnsupported, LocalGenerator
+from drafter.paged import paged_attention_reference
+
+from tests.tiny import make_tiny
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(arch, tmp_path, **kw):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(make_tiny(arch, tmp_path, **kw),
+                                                dtype=torch.float32).eval()
+
+
+def _one_by_one(model, prompts, max_new, stop):
+    """Plain greedy decoding, one prompt at a time, on the static decoder (the reference)."""
+    dec = Decoder(model, max_batch=1)
+    return [dec.generate([p], m, stop_ids=stop)[0] for p, m in zip(prompts, max_new)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "deepseek_v3"])
+def test_engine_equals_plain_decoding(arch, tmp_path):
+    """7 prompts through 3 rows: refills (rows free at different steps), per-prompt max_new,
+    stop ids, pages of 16 tokens, a check every 2 steps, and the tail compacted into a smaller
+    bucket; MLA (DeepSeek-V3 caches latents) runs the gathered path."""
+    model = _model(arch, tmp_path)
+    torch.manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,)).tolist() for n in (30, 17, 5, 64, 9, 40, 3)]
+    max_new = [16, 7, 20, 3, 12, 1, 30]
+    stop = [5, 77]
+    want = _one_by_one(model, prompts, max_new, stop)
+    eng = Engine(model, max_batch=3, page_size=16, sync_every=2, refill_fraction=0.3)
+    got = eng.generate(prompts, max_new, stop_ids=stop)
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    assert [g.finish for g in got] == [w.finish for w in want]
+    assert eng.last["requests"] == 7 and eng.last["tokens"] == sum(len(w.tokens) for w in want)
+    assert (arch == "deepseek_v3") == bool(eng.cache.gather)    # MLA: the gathered path
+    # the same engine again, more rows than prompts: one prefill, one bucket of 8 rows
+    eng2 = Engine(model, max_batch=16, page_size=16)
+    assert [g.tokens for g in eng2.generate(prompts, max_new, stop_ids=stop)] == \
+        [w.tokens for w in want]
+
+
+def test_engine_compacts_the_tail_and_refuses_what_cannot_fit(tmp_path):
+    """max_position_embeddings 96: a prompt of 90 tokens with 16 new does not fit and comes back
+    'too_long' (nothing decoded) while the others are decoded; rows finishing early leave the
+    long answers alone in high rows, which move down (results unchanged)."""
+    model = _model("llama", tmp_path, max_position_embeddings=96)
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, 1000, (n,)).tolist() for n in (12, 90, 8, 20, 6, 15, 11, 9)]
+    max_new = [40, 16, 2, 3, 40, 2, 3, 2]
+    eng = Engine(model, max_batch=16, page_size=16, sync_every=1)
+    got = eng.generate(prompts, max_new)
+    assert got[1].finish == "too_long" and got[1].tokens == []
+    assert eng.last["too_long"] == 1
+    keep = [i for i in range(len(prompts)) if i != 1]
+    want = _one_by_one(model, [prompts[i] for i in keep], [max_new[i] for i in keep], [])
+    assert [got[i].tokens for i in keep] == [w.tokens for w in want]
+    assert all(got[i].finish == "length" for i in keep)
+    moved = []  # the compaction itself: the highest live rows move into the lowest free ones
+    eng.rows.active.zero_()
+    live = {0: "a", 3: "b", 9: "c", 12: "d"}
+    for row, v in live.items():
+        eng.rows.active[row] = True
+        eng.rows.ctx[row] = 100 + row
+        moved.append(v)
+    free = sorted(set(range(16)) - set(live), reverse=True)
+    eng._compact(live, free)
+    assert sorted(live) == [0, 1, 2, 3] and [live[i] for i in range(4)] == ["a", "d", "c", "b"]
+    assert eng.rows.ctx[:4].tolist() == [100, 112, 109, 103]
+    assert eng.rows.active.nonzero().flatten().tolist() == [0, 1, 2, 3]
+
+
+def test_engine_sampling_is_seeded_and_greedy_rows_stay_greedy(tmp_path):
+    model = _model("llama", tmp_path)
+    torch.manual_seed(2)
+    prompts = [torch.randint(3, 1000, (n,)).tolist() for n in (10, 14, 7, 20)]
+    eng = Engine(model, max_batch=4, page_size=16)
+    temps = [0.0, 1.0, 0.0, 0.8]
+    torch.manual_seed(5)
+    a = eng.generate(prompts, 12, temperature=temps, top_p=0.9)
+    torch.manual_seed(5)
+    b = eng.generate(prompts, 12, temperature=temps, top_p=0.9)
+    assert [x.tokens for x in a] == [x.tokens for x in b]
+    greedy = _one_by_one(model, [prompts[0], prompts[2]], [12, 12], [])
+    assert [a[0].tokens, a[2].tokens] == [w.tokens for w in greedy]
+    assert a[1].tokens != _one_by_one(model, [prompts[1]], [12], [])[0].tokens
+
+
+def test_engine_refuses_unsupported_models_and_local_generator_falls_back(tmp_path,
+                                                                          smollm2_dir):
+    """Gemma 2 (sliding windows, softcapping) is refused by the paged engine; LocalGenerator then
+    decodes it in static batches. SmolLM2: stop token stripped, finish reasons, seeded."""
+    from drafter.config import TargetConfig
+
+    with pytest.raises(EngineUnsupported, match="sliding"):
+        Engine(_model("gemma2", tmp_path))
+    gem = LocalGenerator(TargetConfig(model=str(make_tiny("gemma2", tmp_path / "g",
+                                                          tokenizer_dir=smollm2_dir)),
+                                      dtype="float32"), batch_size=2)
+    assert not isinstance(gem.engines[0], Engine)
+    gp = [[5, 6, 7], [8, 9, 10, 11]]
+    want = _one_by_one(gem.model, gp, [4, 3], gem.stop_ids)
+    assert gem.generate(gp, [4, 3]) == [(w.tokens[:-1] if w.finish == "stop" else w.tokens,
+                                         w.finish) for w in want]
+
+    gen = LocalGenerator(TargetConfig(model=str(smollm2_dir), dtype="float32"), batch_size=2)
+    assert isinstance(gen.engines[0], Engine)
+    tok = gen.tokenizer
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": m}],
+                                           add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"]
+               for m in ("What is 2+3?", "Write a python function that adds two numbers.",
+                         "Say hi.")]
+    want = _one_by_one(gen.model, prompts, [9, 9, 9], gen.stop_ids)
+    res = gen.generate(prompts, 9)
+    for (toks, finish), w in zip(res, want):
+        assert finish == w.finish
+        assert toks == (w.tokens[:-1] if w.finish == "stop" else w.tokens)
+    assert {f for _, f in res} == {"stop", "length"}
+    a = gen.generate(prompts, 5, temperature=0.9, top_p=0.9, seed=3)
+    assert a == gen.generate(prompts, 5, temperature=0.9, top_p=0.9, seed=3)
+
+
+def test_paged_reference_equals_dense_attention():
+    """The gather reference (the CPU path and the kernel's oracle) against attention over each
+    row's own keys, written out densely."""
+    torch.manual_seed(0)
+    B, nh, nkv, hd, P, W, pages = 4, 6, 2, 8, 4, 3, 20
+    kp, vp = torch.randn(pages * P, nkv, hd), torch.randn(pages * P, nkv, hd)
+    table = torch.stack([torch.randperm(pages - 1)[:W] + 1 for _ in range(B)]).int()
+    lens = torch.tensor([5, 12, 1, 0], dtype=torch.int32)
+    q = torch.randn(B, nh, hd)
+    out = paged_attention_reference(q, kp, vp, table, lens, 0.5, P)
+    for b in range(B):
+        n = int(lens[b])
+        if n == 0:
+            assert out[b].abs().max() == 0
+            continue
+        slots = torch.tensor([int(table[b, t // P]) * P + t % P for t in range(n)])
+        k, v = kp[slots], vp[slots]                                   # [n, nkv, hd]
+        for h in range(nh):
+            kv = h // (nh // nkv)
+            w = torch.softmax(0.5 * k[:, kv] @ q[b, h], 0)
+            torch.testing.assert_close(out[b, h], w @ v[:, kv], atol=1e-5, rtol=1e-5)
+
+
+def test_triton_kernel_equals_reference_in_the_interpreter():
+    """The decode kernel itself, run by Triton's interpreter on the CPU (skipped without Triton;
+    the GPU test runs it compiled): GQA 3:1, MHA with unequal key/value dims (MLA-like), an idle
+    row, pages of 16 and 32."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch
+        from drafter.paged import paged_attention_reference, paged_attention_triton
+        torch.manual_seed(0)
+        for B, nh, nkv, hdk, hdv, P in [(5, 9, 3, 64, 64, 16), (3, 4, 4, 24, 16, 16),
+                                        (2, 8, 2, 32, 32, 32)]:
+            pages, W = 40, 6
+            kp, vp = torch.randn(pages * P, nkv, hdk), torch.randn(pages * P, nkv, hdv)
+            table = torch.stack([torch.randperm(pages - 1)[:W] + 1 for _ in range(B)]).int()
+            lens = torch.cat([torch.zeros(1), torch.randint(1, W * P, (B - 1,))]).int()
+            q = torch.randn(B, nh, hdk)
+            ref = paged_attention_reference(q, kp, vp, table, lens, 0.3, P)
+            out = paged_attention_triton(q, kp, vp, table, lens, 0.3, P)
+            assert (out - ref).abs().max() < 1e-4, (B, nh, (out - ref).abs().max())
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------ GPU only
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_on_the_gpu(smollm2_dir):
+    """float32 on the GPU: the compiled kernel equals the reference, and the engine with CUDA
+    graphs (Triton kernel) gives the static decoder's greedy tokens; the plan fits the pool."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    kp, vp = torch.randn(64 * 64, 3, 64).cuda(), torch.randn(64 * 64, 3, 64).cuda()
+    table = torch.stack([torch.randperm(63)[:8] + 1 for _ in range(5)]).int().cuda()
+    lens = torch.tensor([0, 1, 64, 300, 512], dtype=torch.int32).cuda()
+    q = torch.randn(5, 9, 64).cuda()
+    from drafter.paged import paged_attention_triton
+    torch.testing.assert_close(paged_attention_triton(q, kp, vp, table, lens, 0.125, 64),
+                               paged_attention_reference(q, kp, vp, table, lens, 0.125, 64),
+                               atol=1e-4, rtol=1e-4)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).cuda().eval()
+    prompts = [torch.randint(100, 40000, (n,)).tolist() for n in (40, 300, 7, 90, 12)]
+    want = _one_by_one(model, prompts, [40] * 5, [])
+    eng = Engine(model, max_batch=4, cuda_graphs=True, sync_every=4)
+    got = eng.generate(prompts, 40)
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    assert eng.cache.use_triton and eng.graphs.enabled and eng.graphs.graphs
+    assert eng.last["peak_bytes"] > 0 and eng.last["pages"] >= 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_local_generator_data_parallel(smollm2_dir):
+    """Two visible GPUs: one engine each draining one queue; results in prompt order and equal to
+    one device's (float32)."""
+    from drafter.config import TargetConfig
+
+    prompts = [torch.randint(100, 40000, (n,)).tolist() for n in (40, 30, 7, 90, 12, 5)]
+    gen = LocalGenerator(TargetConfig(model=str(smollm2_dir), dtype="float32"), batch_size=2)
+    assert gen.replicas == torch.cuda.device_count()
+    one = LocalGenerator(TargetConfig(model=str(smollm2_dir), dtype="float32", device="cuda:0"),
+                         batch_size=2)
+    assert one.replicas == 1
+    assert gen.generate(prompts, 20) == one.generate(prompts, 20)
