@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     gen.stop_ids = []                         # every row decodes exactly --new-tokens tokens
     model, dev = gen.model, gen.decoder.device
     if a.drafter:
-        from drafter.engines import load_drafter_dir
+        from drafter.enginedir import load_drafter_dir
 
         dr = load_drafter_dir(a.drafter, device=dev, dtype=gen.decoder.target.dtype)
     else:
