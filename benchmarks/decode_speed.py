@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     model = load_model(TargetConfig(model=a.target))
     dev, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     if a.drafter:
-        from drafter.engines import load_drafter_dir
+        from drafter.enginedir import load_drafter_dir
 
         dr = load_drafter_dir(a.drafter, device=dev, dtype=dtype)
     else:

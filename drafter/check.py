@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from . import engines as E
+from .enginedir import EngineDir, read_dir
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
@@ -63,7 +64,7 @@ class Report:
 class _Ctx:
     """What the checks share: the dir, the target, and lazily loaded small tensors."""
 
-    def __init__(self, ed: E.EngineDir, target: E.TargetInfo | None, serving_context: int | None):
+    def __init__(self, ed: EngineDir, target: E.TargetInfo | None, serving_context: int | None):
         self.ed, self.target, self.serving_context = ed, target, serving_context
         self.f, self.fmt = ed.flat, ed.fmt
         self._small: dict | None = None
@@ -566,7 +567,7 @@ CHECKS = [c_format, c_weights_file, c_config_fields, c_tensor_names, c_tensor_sh
 
 
 # ---------------------------------------------------------------------------------- run them
-def _hinted_target(ed: E.EngineDir) -> tuple[E.TargetInfo | None, str | None]:
+def _hinted_target(ed: EngineDir) -> tuple[E.TargetInfo | None, str | None]:
     t = (ed.meta or {}).get("target")
     if isinstance(t, dict):
         try:
@@ -585,7 +586,7 @@ def run_checks(path, target: E.TargetInfo | str | None = None,
     path, or None (use the dir's hints). A dir that cannot be read gives one failed check."""
     path = Path(path)
     try:
-        ed = E.read_dir(path)
+        ed = read_dir(path)
     except E.EngineDirError as e:
         return Report(str(path), None, None, None, [Check("format", FAIL, str(e))])
     source = None

@@ -1,4 +1,5 @@
-"""Generation servers: start, health, stop (transformers, vLLM, SGLang) or external URLs.
+"""Generation servers: which to start for a config (transformers, vLLM, SGLang) or which external
+URLs to reach, and the healthy Pool the generate step sends requests to.
 
     with serve.servers(cfg, log_path) as pool:   # started and healthy, or an error with the log
         pool.endpoints[0].url, pool.model        # OpenAI-compatible root URL, model name to send
@@ -13,40 +14,26 @@
 - `vllm`, `sglang`: started from the command templates in TEMPLATES when the engine is installed.
 - `external`: `generate.server.urls`, one or more, load-balanced by the client; nothing started.
 
-A started server runs in its own process group (its own session), under a small supervisor
-(SUPERVISOR below), with its output in the log file. Stopping sends SIGTERM to the whole group,
-waits `stop_timeout`, then SIGKILL, and waits until no process of the group is left, so engine
-workers (vLLM spawns several) never outlive the step. If drafter itself dies, even by kill -9,
-the kernel signals the supervisor (PR_SET_PDEATHSIG, Linux), which takes the group down the same
-way: no orphan keeps GPU memory. A server that never answers `GET /health` with 200 within
-`startup_timeout`, or exits while starting, raises ServerError with the last lines of its log.
-`replicas` > 1 starts one server per share of the visible GPUs.
-
-ChatClient is the generate step's client: least-loaded endpoint, retries with backoff, restart of
-a started server that died, over httpx with keep-alive.
+Each started server is a drafter.supervisor.ManagedServer: its own process group under a
+supervisor, stopped with every worker, even when drafter is killed. `replicas` > 1 starts one
+server per share of the visible GPUs. drafter.client.ChatClient sends the requests.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
-import random
 import shlex
 import shutil
 import signal
-import socket
 import string
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
-from . import DrafterError
+from .supervisor import ManagedServer, ServerError, free_port
 
 log = logging.getLogger("drafter")
 
@@ -64,81 +51,11 @@ TEMPLATES = {
               "--dtype {dtype} --random-seed {seed}",
 }
 
-# How many log lines an error shows.
-TAIL_LINES = 40
 # KV-cache page size of transformers' continuous batching (ContinuousBatchingConfig, 5.17-5.24).
 _CB_PAGE_TOKENS = 256
 
 
-class ServerError(DrafterError):
-    """A server that cannot start, never becomes healthy, or died and cannot be restarted."""
-
-
 # ------------------------------------------------------------------------------------------ helpers
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of the group is left (zombies included, until reaped)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _die_with(parent: int):
-    """preexec_fn of the supervisor: SIGTERM it when the process that started it dies."""
-    prctl = None
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):  # resolved before the fork, not in the child
-            prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def preexec():
-        if prctl is not None:
-            PR_SET_PDEATHSIG = 1
-            prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # drafter died before the line above took effect
-            os._exit(1)
-    return preexec
-
-
-# The server runs under this supervisor, which leads the server's process group. PDEATHSIG only
-# reaches the process drafter forked, not the engine workers below it, so the supervisor turns
-# its own SIGTERM (from drafter's stop, or from the kernel when drafter dies, even by SIGKILL)
-# into SIGTERM to the whole group, waits the grace period, then SIGKILLs the group. When the
-# server exits on its own, the supervisor exits with its code after SIGTERMing what is left.
-# argv: GRACE_SECONDS -- SERVER_ARGV...
-SUPERVISOR = r"""
-import os, signal, subprocess, sys, time
-grace, argv, child = float(sys.argv[1]), sys.argv[3:], None
-def running(pid):  # waitpid, not child.poll(): the main thread may hold Popen's wait lock
-    try:
-        return os.waitpid(pid, os.WNOHANG)[0] == 0
-    except ChildProcessError:
-        return False
-def down(signum, frame):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    os.killpg(0, signal.SIGTERM)
-    end = time.time() + grace
-    while child is not None and running(child.pid) and time.time() < end:
-        time.sleep(0.1)
-    os.killpg(0, signal.SIGKILL)
-signal.signal(signal.SIGTERM, down)
-signal.signal(signal.SIGINT, down)
-child = subprocess.Popen(argv)
-code = child.wait()
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-os.killpg(0, signal.SIGTERM)
-sys.exit(code if code >= 0 else 128 - code)
-"""
-
-
 def root_url(url: str) -> str:
     """'http://h:p/v1/' -> 'http://h:p' (clients add /v1/chat/completions themselves)."""
     url = url.strip().rstrip("/")
@@ -153,18 +70,6 @@ def api_headers(scfg) -> dict[str, str]:
     """The Authorization header from the environment variable named in the config (never logged)."""
     key = os.environ.get(scfg.api_key_env or "", "")
     return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def read_tail(path: Path, n: int = TAIL_LINES) -> str:
-    """The last n lines of the current server's log (after the last drafter header)."""
-    try:
-        text = Path(path).read_text(errors="replace")
-    except FileNotFoundError:
-        return "(no log)"
-    lines = text.replace("\r", "\n").splitlines()
-    starts = [i for i, x in enumerate(lines) if x.startswith("==== drafter:") and " starting " in x]
-    lines = lines[starts[-1]:] if starts else lines
-    return "\n".join(lines[-n:]) if lines else "(empty log)"
 
 
 # ------------------------------------------------------------------------------------ the command
@@ -268,148 +173,6 @@ def build_command(cfg, port: int) -> list[str]:
                 per_req = -(-(cfg.generate.max_tokens + 1024) // _CB_PAGE_TOKENS)
                 argv += ["--cb-num-blocks", str(max(16, cfg.generate.concurrency * per_req))]
     return argv + extra
-
-
-def _server_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_DISABLE_UPDATE_CHECK", "1")  # the transformers CLI phones PyPI otherwise
-    env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    env.setdefault("PYTHONUNBUFFERED", "1")  # log lines reach server.log as they happen
-    return env
-
-
-# ---------------------------------------------------------------------------------- managed server
-class ManagedServer:
-    """One server process (group) drafter started: start, wait for health, restart, stop."""
-
-    def __init__(self, argv_for_port, host: str, port: int, log_path: Path,
-                 startup_timeout: float, stop_timeout: float, name: str = "server",
-                 env: dict[str, str] | None = None):
-        self.argv_for_port = argv_for_port  # port -> argv
-        self.env = env or {}
-        self.host = host
-        self.port = port or free_port(host)
-        self.log_path = Path(log_path)
-        self.startup_timeout = startup_timeout
-        self.stop_timeout = stop_timeout
-        self.name = name
-        self.proc: subprocess.Popen | None = None
-        self.pgid: int | None = None
-        self.generation = 0  # bumped on every (re)start: clients tell a new server from the old
-
-    @property
-    def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://{host}:{self.port}"
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def tail(self, n: int = TAIL_LINES) -> str:
-        return read_tail(self.log_path, n)
-
-    def spawn(self) -> None:
-        argv = self.argv_for_port(self.port)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as logf:
-            logf.write(f"\n==== drafter: {time.strftime('%Y-%m-%d %H:%M:%S')} starting "
-                       f"{shlex.join(argv)}\n".encode())
-            logf.flush()
-            try:
-                # Popen from the calling thread: PDEATHSIG fires when *that thread* ends, so
-                # drafter starts servers from its main thread only.
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-c", SUPERVISOR, str(self.stop_timeout), "--", *argv],
-                    stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                    start_new_session=True, preexec_fn=_die_with(os.getpid()),
-                    env={**_server_env(), **self.env})
-            except OSError as e:
-                raise ServerError(f"cannot start the {self.name}: {e}") from None
-            self.pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
-            logf.write(f"==== drafter: pid={self.proc.pid} pgid={self.pgid} url={self.url}\n"
-                       .encode())
-        self.generation += 1
-        log.info("%s: started pid %d, waiting for %s/health (log: %s)", self.name,
-                 self.proc.pid, self.url, self.log_path)
-
-    def wait_healthy(self) -> None:
-        """Block until GET /health is 200; ServerError (server stopped) on exit or timeout."""
-        import httpx
-
-        t0 = time.time()
-        last_note = t0
-        with httpx.Client(timeout=5.0, trust_env=False) as client:
-            while True:
-                code = self.proc.poll()
-                if code is not None:
-                    self.stop()
-                    raise ServerError(
-                        f"the {self.name} exited with code {code} while starting "
-                        f"(log: {self.log_path}); last lines:\n{self.tail()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        log.info("%s: healthy at %s after %.1fs", self.name, self.url,
-                                 time.time() - t0)
-                        return
-                if time.time() - t0 > self.startup_timeout:
-                    self.stop()
-                    raise ServerError(
-                        f"the {self.name} did not become healthy within "
-                        f"{self.startup_timeout:.0f}s (generate.server.startup_timeout; "
-                        f"log: {self.log_path}); last lines:\n{self.tail()}")
-                if time.time() - last_note > 60:
-                    log.info("%s: still starting (%.0fs)", self.name, time.time() - t0)
-                    last_note = time.time()
-                time.sleep(0.25)
-
-    def start(self) -> None:
-        self.spawn()
-        try:
-            self.wait_healthy()
-        except ServerError as e:
-            # The chosen port was taken between free_port() and the bind: once more elsewhere.
-            if "address already in use" not in str(e).lower():
-                raise
-            self.port = free_port(self.host)
-            self.spawn()
-            self.wait_healthy()
-
-    def restart(self) -> None:
-        log.warning("%s: died (exit code %s); restarting. Last lines:\n%s", self.name,
-                    self.proc.poll() if self.proc else None, self.tail(10))
-        self.stop()
-        self.start()
-
-    def stop(self) -> None:
-        """SIGTERM to the group, wait, SIGKILL; return when no process of the group is left."""
-        if self.proc is None:
-            return
-        pgid, proc = self.pgid, self.proc
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        try:  # the supervisor itself SIGKILLs the group after stop_timeout
-            proc.wait(timeout=self.stop_timeout + 5)
-        except subprocess.TimeoutExpired:
-            log.warning("%s: no exit %.0fs after SIGTERM; sending SIGKILL", self.name,
-                        self.stop_timeout)
-        # Workers of the engine may outlive the leader; give them the rest of the grace period.
-        deadline = time.time() + self.stop_timeout
-        while group_alive(pgid) and time.time() < deadline and proc.poll() is not None:
-            time.sleep(0.1)
-        if group_alive(pgid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-        deadline = time.time() + 10
-        while group_alive(pgid) and time.time() < deadline:
-            time.sleep(0.1)
-        if group_alive(pgid):
-            log.warning("%s: process group %d still has processes after SIGKILL (zombies not "
-                        "yet reaped?)", self.name, pgid)
-        else:
-            log.info("%s: stopped (pid %d)", self.name, proc.pid)
-        self.proc = None
 
 
 # ------------------------------------------------------------------------------------------- pool
@@ -595,105 +358,6 @@ def servers(cfg, log_path: Path):
         yield pool
     finally:
         pool.stop()
-
-
-# ------------------------------------------------------------------------------------- the client
-class RequestError(Exception):
-    """A request that failed for good: `permanent` when a retry will not help (HTTP 4xx other
-    than 408/429), else it outlasted the retries (connection errors, 5xx, timeouts)."""
-
-    def __init__(self, message: str, permanent: bool):
-        super().__init__(message)
-        self.permanent = permanent
-
-
-class ChatClient:
-    """The OpenAI-compatible chat client of the generate step, over a Pool:
-
-        client = ChatClient(pool, request_timeout=600, max_retries=5, retry_backoff=1.0)
-        resp = await client.chat(body)      # the JSON response, or RequestError
-        await client.close()
-
-    Each request goes to the endpoint with the fewest requests in flight (another one on a retry
-    when there are several); connection errors, timeouts, 5xx, 408 and 429 are retried with
-    exponential backoff (and a dead server drafter started is restarted); other 4xx are final.
-
-    httpx with keep-alive connections, one pool per endpoint sized by the concurrency (httpx's
-    pool scans its connections on every request, so small pools keep that cheap; against a real
-    server the client gave 0.98 of a bare asyncio load generator's throughput: BENCHMARKS.md)."""
-
-    def __init__(self, pool: "Pool", request_timeout: float = 600.0, max_retries: int = 5,
-                 retry_backoff: float = 1.0, concurrency: int = 64):
-        self.pool = pool
-        self.request_timeout = request_timeout
-        self.max_retries = max_retries
-        self.retry_backoff = retry_backoff
-        self.concurrency = concurrency
-        self.clients: dict = {}  # endpoint URL -> httpx.AsyncClient
-
-    def _client(self, url: str):
-        import httpx
-
-        if url not in self.clients:
-            self.clients[url] = httpx.AsyncClient(
-                base_url=url, headers={**self.pool.headers, "User-Agent": "drafter"},
-                timeout=httpx.Timeout(self.request_timeout),
-                limits=httpx.Limits(max_connections=self.concurrency,
-                                    max_keepalive_connections=self.concurrency),
-                # proxies from the environment apply to external URLs, never to loopback
-                trust_env=urlsplit(url).hostname not in ("127.0.0.1", "localhost", "::1"))
-        return self.clients[url]
-
-    async def _post(self, url: str, path: str, data: bytes) -> tuple[int, bytes]:
-        r = await self._client(url).post(path, content=data,
-                                         headers={"Content-Type": "application/json"})
-        return r.status_code, r.content
-
-    async def chat(self, body: dict) -> dict:
-        import httpx
-
-        data = json.dumps(body).encode()
-        avoid = None
-        for attempt in range(self.max_retries + 1):
-            ep = self.pool.pick(avoid)
-            generation = ep.server.generation if ep.server else 0
-            ep.inflight += 1
-            try:
-                async with asyncio.timeout(self.request_timeout):
-                    status, payload = await self._post(ep.url, "/v1/chat/completions", data)
-            except (httpx.TransportError, OSError, TimeoutError) as e:
-                err = f"{type(e).__name__}: {e}".rstrip(": ")
-                if isinstance(e, TimeoutError):
-                    err = f"timeout after {self.request_timeout:.0f}s (generate.request_timeout)"
-            else:
-                text = payload[:1000].decode(errors="replace")
-                if status == 200:
-                    try:
-                        return json.loads(payload)
-                    except ValueError as e:
-                        err = f"bad JSON in the response ({e}): {text[:300]}"
-                elif status >= 500 or status in (408, 429):
-                    err = f"HTTP {status}: {text[:300]}"
-                else:
-                    raise RequestError(f"HTTP {status} from {ep.url}: {text}", permanent=True)
-            finally:
-                ep.inflight -= 1
-            # A server drafter started that died is restarted (by whoever notices first).
-            if self.pool.recover(ep, generation):
-                continue
-            avoid = ep
-            if attempt == self.max_retries:
-                raise RequestError(f"{err} (after {self.max_retries} retries; last at {ep.url})",
-                                   permanent=False)
-            delay = min(60.0, self.retry_backoff * 2 ** attempt)
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-        raise AssertionError("unreachable")
-
-    async def close(self) -> None:
-        for c in self.clients.values():
-            await c.aclose()
-        self.clients.clear()
-
 
 # ----------------------------------------------------------------------------- drafter serve CONFIG
 def main(cfg) -> int:

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafter import engines as E
+from drafter.enginedir import load_drafter_dir, read_dir
 from drafter.model import Drafter, DrafterConfig
 from tiny import make_tiny
 
@@ -233,7 +234,7 @@ def test_round_trip_identical_logits(tiny_target, tmp_path, fmt, variant):
     trained = make_drafter(tiny_target, seed=3, **dict(overrides))
     t = E.target_info(str(tiny_target))
     d = write(trained, tmp_path, fmt, t, dtype=dtype)
-    loaded = E.load_drafter_dir(d)
+    loaded = load_drafter_dir(d)
     assert loaded.cfg == trained.cfg                           # ids, flags, rope, sizes
     assert next(loaded.parameters()).dtype == dtype
     ref = trained.to(dtype)
@@ -257,8 +258,8 @@ def test_loader_reads_published_layouts(tiny_target, tmp_path):
     del sd["t2d"]
     save_file(sd, str(d / "model.safetensors"))
     with pytest.raises(E.EngineDirError, match="embed_tokens"):
-        E.load_drafter_dir(d)                                   # needs the target's embeddings
-    loaded = E.load_drafter_dir(d, target=t)
+        load_drafter_dir(d)                                     # needs the target's embeddings
+    loaded = load_drafter_dir(d, target=t)
     assert loaded.cfg.aux_layer_ids == [2, 4, 5]              # eagle_config [1, 3, 4] + 1
     target_embed = load_file(str(tiny_target / "model.safetensors"))["model.embed_tokens.weight"]
     assert torch.equal(loaded.embed_tokens.weight, target_embed)
@@ -268,7 +269,7 @@ def test_loader_reads_published_layouts(tiny_target, tmp_path):
     cfg = json.loads((s / "config.json").read_text())
     del cfg["norm_before_residual"]
     (s / "config.json").write_text(json.dumps(cfg))
-    assert E.load_drafter_dir(s).cfg.norm_before_residual is True
+    assert load_drafter_dir(s).cfg.norm_before_residual is True
 
 
 def test_loader_reads_sharded_and_pickled_weights(tiny_target, tmp_path):
@@ -287,13 +288,13 @@ def test_loader_reads_sharded_and_pickled_weights(tiny_target, tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}))
     ref = draft_logits(trained)
-    assert all(torch.equal(a, b) for a, b in zip(ref, draft_logits(E.load_drafter_dir(d))))
+    assert all(torch.equal(a, b) for a, b in zip(ref, draft_logits(load_drafter_dir(d))))
     for f in shards:
         (d / f).unlink()
     (d / "model.safetensors.index.json").unlink()
     torch.save(sd, d / "pytorch_model.bin")
-    assert E.read_dir(d).pickled
-    assert all(torch.equal(a, b) for a, b in zip(ref, draft_logits(E.load_drafter_dir(d))))
+    assert read_dir(d).pickled
+    assert all(torch.equal(a, b) for a, b in zip(ref, draft_logits(load_drafter_dir(d))))
 
 
 def test_loader_refuses_unknown_tensors_and_unsupported_norm(tiny_target, tmp_path):
@@ -304,12 +305,12 @@ def test_loader_refuses_unknown_tensors_and_unsupported_norm(tiny_target, tmp_pa
     sd["midlayer.extra.weight"] = torch.zeros(3)
     save_file(sd, str(d / "model.safetensors"))
     with pytest.raises(E.EngineDirError, match="unknown"):
-        E.load_drafter_dir(d)
+        load_drafter_dir(d)
     cfg = json.loads((d / "config.json").read_text())
     cfg["norm_before_fc"] = True
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(E.EngineDirError, match="norm_before_fc"):
-        E.load_drafter_dir(d)
+        load_drafter_dir(d)
 
 
 def test_writer_refuses_what_engines_cannot_serve(tiny_target, tmp_path):
@@ -329,7 +330,7 @@ def test_load_our_checkpoint_dir(tiny_target, tmp_path):
 
     m = make_drafter(tiny_target, seed=9)
     save_drafter(m, tmp_path)
-    loaded = E.load_drafter_dir(tmp_path)
+    loaded = load_drafter_dir(tmp_path)
     for a, b in zip(draft_logits(m), draft_logits(loaded)):
         assert torch.equal(a, b)
 

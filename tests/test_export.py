@@ -12,6 +12,7 @@ import torch
 
 from drafter import config as C
 from drafter import engines as E
+from drafter.enginedir import load_drafter_dir
 from drafter import pipeline
 from drafter.check import PASS, WARN, run_checks
 from drafter.model import load_drafter, save_drafter
@@ -64,7 +65,7 @@ def test_export_writes_both_engine_dirs(tiny_target, tmp_path):
         assert meta["step"] == 20 and meta["checkpoint"] == str(run.checkpoint(20).resolve())
         assert str(d.resolve()) in (d / "README.md").read_text()   # the final path, not the temp
         assert run_checks(d, str(tiny_target)).ok
-        loaded = E.load_drafter_dir(d)
+        loaded = load_drafter_dir(d)
         for a, b in zip(draft_logits(trained), draft_logits(loaded)):
             assert torch.equal(a, b)                               # float32: bit-identical
     spec = json.loads((run.export("speculators") / "config.json").read_text())
@@ -79,7 +80,7 @@ def test_bf16_export_round_trips_to_the_trained_model_in_bf16(tiny_target, tmp_p
     assert out["step"] == 10 and out["dtype"] == "bfloat16"     # best complete val.sim_tau
     trained = load_drafter(run.checkpoint(10)).to(torch.bfloat16)
     for fmt in E.FORMATS:
-        loaded = E.load_drafter_dir(run.export(fmt))
+        loaded = load_drafter_dir(run.export(fmt))
         assert next(loaded.parameters()).dtype == torch.bfloat16
         for a, b in zip(draft_logits(trained), draft_logits(loaded)):
             assert torch.equal(a, b)
@@ -172,7 +173,7 @@ def test_builtin_target_names_the_materialised_folder(smollm2_dir, tmp_path):
     r = run_checks(nat, "builtin:smollm2-135m-instruct")
     assert r.ok and r.status("embed_tokens") == PASS and r.status("rope") == PASS
     assert r.status("aux_ids.sglang") == PASS and r.status("target") == PASS
-    loaded = E.load_drafter_dir(nat, target=E.target_info(str(smollm2_dir)))
+    loaded = load_drafter_dir(nat, target=E.target_info(str(smollm2_dir)))
     trained = load_drafter(run.checkpoint(1)).to(torch.bfloat16)
     for a, b in zip(draft_logits(trained), draft_logits(loaded)):
         assert torch.equal(a, b)
@@ -209,6 +210,6 @@ def test_export_after_the_real_pipeline(smollm2_dir, shared_data, tmp_path):
     trained = load_drafter(best).to(torch.bfloat16)
     for fmt in E.FORMATS:
         assert run_checks(run.export(fmt), "builtin:smollm2-135m-instruct").ok
-        loaded = E.load_drafter_dir(run.export(fmt))
+        loaded = load_drafter_dir(run.export(fmt))
         for a, b in zip(draft_logits(trained), draft_logits(loaded)):
             assert torch.equal(a, b)

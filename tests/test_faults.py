@@ -210,7 +210,7 @@ def assert_consistent_after_kill(run: Run, where: dict, sig: int) -> None:
     # a server drafter started dies with it (PR_SET_PDEATHSIG), even after kill -9
     for pgid in server_pgids(run):
         t_end = time.time() + 60
-        from drafter.serve import group_alive
+        from drafter.supervisor import group_alive
         while group_alive(pgid):
             assert time.time() < t_end, f"server group {pgid} outlived drafter"
             time.sleep(0.2)

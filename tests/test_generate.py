@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from drafter import config as C
-from drafter import pipeline, serve
+from drafter import pipeline, serve, supervisor
 from drafter.rundir import Run, atomic_json, read_json, read_jsonl
 from drafter.steps import generate
 
@@ -218,7 +218,7 @@ def test_server_killed_mid_run_is_restarted(smollm2_dir, tmp_path, monkeypatch):
     pgids = server_pgids(cfg)
     assert len(pgids) == 2 and pgids[0] == killed[0]
     for pgid in pgids:  # the restarted server was stopped at the end of the step too
-        assert not serve.group_alive(pgid)
+        assert not supervisor.group_alive(pgid)
 
 
 # ---------------------------------------------------------------------------- an in-test server

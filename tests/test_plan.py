@@ -13,6 +13,7 @@ import pytest
 
 from drafter import config as C
 from drafter import plan as P
+from drafter.counts import PlanError
 from drafter.rundir import Run, atomic_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -203,5 +204,5 @@ def test_gguf_target_reads_metadata_only(tmp_path, monkeypatch):
 def test_no_data_and_remote_sources_is_a_clear_error(tmp_path):
     cfg = C.load(None, [f"run_dir={tmp_path}", "target.model=" + str(REPO / "configs/kimi-k2.5"),
                         "prepare.sources=[{path: some-org/some-dataset}]"])
-    with pytest.raises(P.PlanError, match="plan.samples"):
+    with pytest.raises(PlanError, match="plan.samples"):
         P.make_plan(cfg)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from drafter import config as C
-from drafter import serve
+from drafter import serve, supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def pgids(log: Path) -> list[int]:
 def wait_gone(pgid: int, seconds: float = 15.0) -> bool:
     deadline = time.time() + seconds
     while time.time() < deadline:
-        if not serve.group_alive(pgid):
+        if not supervisor.group_alive(pgid):
             return True
         time.sleep(0.1)
     return False
@@ -104,7 +104,7 @@ def test_stop_escalates_to_sigkill_and_kills_workers(tmp_path):
         assert pool.model == "fake-model"
         assert httpx.get(pool.endpoints[0].url + "/health").status_code == 200
         (pgid,) = pgids(log)
-        assert serve.group_alive(pgid)
+        assert supervisor.group_alive(pgid)
     assert wait_gone(pgid, 5)
     assert "fake server up" in log.read_text()
 
@@ -121,7 +121,7 @@ def test_server_dies_when_drafter_is_killed(tmp_path):
                             text=True)
     try:
         pgid = int(proc.stdout.readline())
-        assert serve.group_alive(pgid)
+        assert supervisor.group_alive(pgid)
     finally:
         proc.kill()  # SIGKILL: no cleanup code runs in drafter
         proc.wait()
@@ -137,7 +137,7 @@ def test_replicas(tmp_path, monkeypatch):
         for ep in pool.endpoints:
             assert httpx.get(ep.url + "/health").status_code == 200
         groups = pgids(log) + pgids(tmp_path / "server.1.log")
-        assert len(groups) == 2 and all(serve.group_alive(g) for g in groups)
+        assert len(groups) == 2 and all(supervisor.group_alive(g) for g in groups)
     assert all(wait_gone(g, 5) for g in groups)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     assert serve._gpu_groups(4) == ["0,1", "2,3", "4,5", "6,7"]

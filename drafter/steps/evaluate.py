@@ -47,7 +47,8 @@ class EvaluateError(DrafterError):
 # ------------------------------------------------------------------------------------ the inputs
 def _load_drafter(spec: str, what: str, run: Run, cfg, device, dtype):
     """-> (Drafter, resolved path)."""
-    from ..engines import load_drafter_dir, target_info
+    from ..enginedir import load_drafter_dir
+    from ..engines import target_info
 
     if spec == "export":
         path = run.require(run.export("native"), "export")

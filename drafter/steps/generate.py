@@ -227,7 +227,7 @@ def _parse(resp: dict) -> dict:
 
 
 async def _answer(conv: _Conversation, client, model: str, g, sink: _Sink) -> None:
-    from ..serve import RequestError
+    from ..client import RequestError
 
     try:
         if not conv.points:
@@ -253,7 +253,7 @@ async def _answer(conv: _Conversation, client, model: str, g, sink: _Sink) -> No
 
 
 async def _run_http(g, pool, records: Iterator[dict], sink: _Sink) -> None:
-    from ..serve import ChatClient
+    from ..client import ChatClient
 
     client = ChatClient(pool, g.request_timeout, g.max_retries, g.retry_backoff,
                         concurrency=g.concurrency)
