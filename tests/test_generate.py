@@ -460,22 +460,6 @@ def test_split_reasoning():
     assert generate.request_seed(0, "a", 0) != generate.request_seed(0, "a", 1)
 
 
-def _has_local_generator() -> bool:
-    try:
-        from drafter.decode import LocalGenerator  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def test_local_engine_missing_is_a_clear_error(tmp_path):
-    if _has_local_generator():
-        pytest.skip("drafter.decode.LocalGenerator exists: test_local_engine covers engine=local")
-    cfg = make_run(tmp_path, [conv(0, "Say hi.")], **{"generate.server.engine": "local"})
-    with pytest.raises(generate.GenerateError, match="LocalGenerator"):
-        generate.main(cfg)
-
-
 def test_local_engine(tmp_path, smollm2_dir):
     """engine=local through drafter.engine.LocalGenerator: multi-turn, turn by turn."""
     from transformers import AutoTokenizer
