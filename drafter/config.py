@@ -56,6 +56,22 @@ class TargetConfig:
 
 # -------------------------------------------------------------------------------------------- prepare
 @dataclass
+class SyntheticConfig:
+    count: int = doc(1000, "conversations to make")
+    turns: int = doc(1, "user turns per conversation; later ones are written after the answers")
+    system_prompts: list[str] = doc([], "steering: one drawn per conversation (seeded)")
+    topics: list[str] = doc([], "steering: one drawn per conversation into the system prompt "
+                            "'The user asks about {topic}.'")
+    temperature: float = doc(1.0, "sampling temperature of the user turns")
+    max_tokens: int = doc(256, "token cap of a user turn; a turn that reaches it is rejected")
+    min_chars: int = doc(16, "shortest user turn kept (characters)")
+    max_chars: int = doc(2000, "longest user turn kept (characters)")
+    near_dup: float = doc(0.8, "first user turns at MinHash Jaccard >= this to a kept one are "
+                          "rejected; 1 keeps near duplicates (exact ones are always rejected)")
+    max_attempts: int = doc(4, "user turns sampled per conversation turn before it is an error")
+
+
+@dataclass
 class SourceConfig:
     path: str = doc("", "JSON/JSONL(.gz)/Parquet file, HF dataset name or folder, or builtin:NAME")
     format: Literal["auto", "sharegpt", "openai", "alpaca", "prompt"] = doc(
@@ -64,6 +80,9 @@ class SourceConfig:
     subset: str | None = doc(None, "config name of a HF dataset")
     max_samples: int | None = doc(None, "keep at most this many records from this source")
     name: str | None = doc(None, "name in record ids and counts; default: the file stem")
+    synthetic: SyntheticConfig | None = doc(
+        None, "set to make this source synthetic: the target writes the user turns itself "
+        "(pre-query template; path unused; generate.server.engine local)")
 
 
 @dataclass
@@ -511,6 +530,12 @@ def help_lines(cls=Config, prefix: str = "") -> list[tuple[str, str, str]]:
         key = f"{prefix}{f.name}"
         tp = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        opt = [a for a in typing.get_args(tp) if a is not type(None)] \
+            if typing.get_origin(tp) in (typing.Union, types.UnionType) else []
+        if len(opt) == 1 and dataclasses.is_dataclass(opt[0]):   # an optional section
+            rows.append((key, "null", f.metadata.get("help", "")))
+            rows.extend(help_lines(opt[0], key + "."))
+            continue
         if dataclasses.is_dataclass(tp):
             rows.append((key, "", f.metadata.get("help", "")))
             rows.extend(help_lines(tp, key + "."))

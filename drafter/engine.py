@@ -121,7 +121,7 @@ class Engine:
     pages, page_bytes, peak_bytes, batch."""
 
     def __init__(self, model, max_batch: int = 256, page_size: int = 64,
-                 prefill_tokens: int = 16384, memory_fraction: float = 0.9,
+                 prefill_tokens: int = 32768, memory_fraction: float = 0.9,
                  cuda_graphs: bool = True, sync_every: int = 8, refill_fraction: float = 1 / 16):
         why = unsupported(model)
         if why:
@@ -269,6 +269,7 @@ class Engine:
             return want
         reserve = self._activation_reserve(top_p)
         self.cache.allocate(0, P, self.dtype, self.device)             # free the old pools
+        self.pages, self.rows = 0, None
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)
         budget = int(free * self.memory_fraction) - reserve
@@ -473,19 +474,23 @@ class LocalGenerator:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int | Sequence[int],
                  temperature: float | Sequence[float] = 0.0, top_p: float = 1.0,
-                 seed: int = 0) -> list[tuple[list[int], str]]:
+                 seed: int = 0, stop_ids: Sequence[int] | None = None
+                 ) -> list[tuple[list[int], str]]:
+        """max_new_tokens and temperature: one value, or one per prompt; stop_ids: the model's
+        end-of-text ids by default."""
         from concurrent.futures import ThreadPoolExecutor
 
         from tqdm import tqdm
 
         n = len(prompts)
+        stop = list(self.stop_ids if stop_ids is None else stop_ids)
         mx = list(max_new_tokens) if isinstance(max_new_tokens, Sequence) else \
             [max_new_tokens] * n
         tp = list(temperature) if isinstance(temperature, Sequence) else [temperature] * n
         bar = tqdm(total=n, desc="generate (local)", unit="prompt", disable=n <= self.batch_size)
         results: list = [None] * n
         if not isinstance(self.engines[0], Engine):
-            outs = self._static(prompts, mx, tp, top_p, seed, bar)
+            outs = self._static(prompts, mx, tp, top_p, seed, bar, stop)
         else:
             queue = _Queue([_Request(i, list(map(int, p)), int(m), float(t))
                             for i, (p, m, t) in enumerate(zip(prompts, mx, tp))])
@@ -497,7 +502,7 @@ class LocalGenerator:
                 with torch.cuda.device(eng.device) if eng.device.type == "cuda" \
                         else nullcontext():
                     torch.manual_seed(seed + i)
-                    eng.run(queue, results, self.stop_ids, top_p, bar)
+                    eng.run(queue, results, stop, top_p, bar)
             try:
                 if len(self.engines) == 1:
                     work(0)
@@ -512,7 +517,7 @@ class LocalGenerator:
             outs = results
         return [(o.tokens[:-1] if o.finish == "stop" else o.tokens, o.finish) for o in outs]
 
-    def _static(self, prompts, mx, tp, top_p, seed, bar) -> list[Result]:
+    def _static(self, prompts, mx, tp, top_p, seed, bar, stop) -> list[Result]:
         """The static decoder (one device): batches of equal max_new and temperature."""
         dec = self.engines[0]
         res: list = [None] * len(prompts)
@@ -522,7 +527,7 @@ class LocalGenerator:
         torch.manual_seed(seed)
         try:
             for (m, t), idx in groups.items():
-                outs = dec.generate([prompts[i] for i in idx], m, stop_ids=self.stop_ids,
+                outs = dec.generate([prompts[i] for i in idx], m, stop_ids=stop,
                                     temperature=t, top_p=top_p, progress=bar)
                 for i, o in zip(idx, outs):
                     res[i] = Result(o.tokens, o.finish)

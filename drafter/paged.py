@@ -269,8 +269,10 @@ def _paged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         if i is None or cache.returned.get(i) != id(key):
             cache.gather.add(i if i is not None else -1)
     if cache.mode == "prefill":
-        o = F.scaled_dot_product_attention(query, key, value, is_causal=T > 1, scale=scale,
-                                           enable_gqa=key.shape[1] != nh)
+        if key.shape[1] != nh:  # grouped heads repeated: enable_gqa would leave the flash kernel
+            key = key.repeat_interleave(nh // key.shape[1], dim=1)
+            value = value.repeat_interleave(nh // value.shape[1], dim=1)
+        o = F.scaled_dot_product_attention(query, key, value, is_causal=T > 1, scale=scale)
         return o.transpose(1, 2).contiguous(), None
     if key.dim() == 4:                                  # gathered rows (cache.gather)
         o = masked_decode_sdpa(query[:, :, 0], key, value, cache.lens, scale)

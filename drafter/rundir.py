@@ -131,6 +131,9 @@ class Run:
     def server_log(self) -> Path:
         return self.step_dir("generate") / "server.log"
 
+    def synthetic_rejects(self) -> Path:
+        return self.step_dir("generate") / "synthetic_rejects.jsonl"
+
     # -- tokenize
     def tokens(self, split: str) -> Path:
         assert split in ("train", "val")

@@ -123,6 +123,8 @@ def source_name(src) -> str:
     """The `source` field of its records: `name`, else the file stem, builtin or dataset name."""
     if getattr(src, "name", None):
         return src.name
+    if getattr(src, "synthetic", None) is not None:
+        return "synthetic"
     path = src.path.rstrip("/")
     if path.startswith("builtin:"):
         return path.split(":", 1)[1]
@@ -499,6 +501,10 @@ def read_source(src, require_assistant: bool = False, stats: dict | None = None,
     dropped_leading_assistant)."""
     name = name or source_name(src)
     stats = {} if stats is None else stats
+    if getattr(src, "synthetic", None) is not None:
+        stats["format"] = "synthetic"  # type: ignore[assignment]
+        yield from synthetic_records(src.synthetic, name)
+        return
     raw = iter_raw(src)
     fmt = src.format
     head: list = []
@@ -563,3 +569,32 @@ def load_prompts(path: str, max_n: int | None = None, format: str = "auto") -> l
     if not out:
         raise SourceError(f"{path}: no usable prompts")
     return out
+
+
+def synthetic_records(sc, name: str) -> Iterator[dict]:
+    """The placeholders of a synthetic source (drafter.synthetic): `count` conversations with no
+    user turn yet, each with its steering system prompt (drawn with a seed from the source name,
+    so a rerun gives the same ones); the generate step has the target write the user turns."""
+    import random
+
+    from .config import ConfigError
+
+    key = f"prepare.sources[{name}].synthetic"
+    for field, ok, want in (("count", sc.count >= 1, ">= 1"), ("turns", sc.turns >= 1, ">= 1"),
+                            ("max_tokens", sc.max_tokens >= 1, ">= 1"),
+                            ("max_attempts", sc.max_attempts >= 1, ">= 1"),
+                            ("temperature", sc.temperature >= 0, ">= 0"),
+                            ("near_dup", 0 < sc.near_dup <= 1, "in (0, 1]"),
+                            ("min_chars", 0 <= sc.min_chars <= sc.max_chars,
+                             "in [0, max_chars]")):
+        if not ok:
+            raise ConfigError(f"{key}.{field} must be {want}, got {getattr(sc, field)!r}")
+    rng = random.Random(f"synthetic:{name}")
+    for i in range(sc.count):
+        system = rng.choice(sc.system_prompts) if sc.system_prompts else None
+        if sc.topics:
+            topic = f"The user asks about {rng.choice(sc.topics)}."
+            system = f"{system} {topic}" if system else topic
+        yield {"id": f"{name}:{i}", "source": name,
+               "messages": [{"role": "system", "content": system}] if system else [],
+               "synthetic": {"turns": sc.turns}}

@@ -219,6 +219,8 @@ def test_engine_on_the_gpu(smollm2_dir):
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert eng.cache.use_triton and eng.graphs.enabled and eng.graphs.graphs
     assert eng.last["peak_bytes"] > 0 and eng.last["pages"] >= 5
+    again = eng.generate(prompts[:2], 8)         # a new plan frees and re-sizes the pools
+    assert [g.tokens for g in again] == [w.tokens[:8] for w in want[:2]]
 
 
 @pytest.mark.gpu

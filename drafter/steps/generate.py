@@ -34,6 +34,7 @@ import os
 import sys
 import time
 import zlib
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -81,7 +82,9 @@ def request_seed(seed: int, conv_id: str, turn: int) -> int:
 
 
 class _Conversation:
-    """One conversation being regenerated: the system/user turns, the answers so far."""
+    """One conversation being regenerated: the system/user turns, the answers so far. A synthetic
+    one (prepare: `synthetic` source) starts without user turns: the target writes each of its
+    `turns` user turns (`needs_user`, `add_user`) before answering it."""
 
     def __init__(self, rec: dict):
         self.rec = rec
@@ -91,6 +94,8 @@ class _Conversation:
             raise _Permanent("record has no messages list")
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
             raise _Permanent("a message is not an object with a role")
+        self.synthetic = int((rec.get("synthetic") or {}).get("turns") or 0)
+        self.attempts = 0  # synthetic: rejected samples of the user turn being written
         self.kept: list[dict] = []
         self.points: list[int] = []  # indices in `kept` of the user turns to answer, in order
         for i, m in enumerate(msgs):
@@ -102,6 +107,8 @@ class _Conversation:
             after = msgs[i + 1]["role"] if i + 1 < len(msgs) else None
             if m["role"] == "user" and after in (None, "assistant", "tool"):
                 self.points.append(len(self.kept) - 1)
+        if self.synthetic and self.points:
+            raise _Permanent("a synthetic record already has user turns")
         self.tools = rec.get("tools") or None  # offered to the model, as tokenize renders them
         self.history: list[dict] = []
         self.consumed = 0
@@ -113,7 +120,24 @@ class _Conversation:
 
     @property
     def done(self) -> bool:
+        if self.synthetic:
+            return self.turn == self.synthetic
         return self.turn == len(self.points)
+
+    @property
+    def needs_user(self) -> bool:
+        """Synthetic: the next answer's user turn is not written yet."""
+        return bool(self.synthetic) and len(self.points) == self.turn and not self.done
+
+    def user_history(self) -> list[dict]:
+        """What the target sees before writing the next user turn (system and earlier turns)."""
+        return [{"role": m["role"], "content": m["content"]}
+                for m in self.history + self.kept[self.consumed:]]
+
+    def add_user(self, text: str) -> None:
+        self.kept.append({"role": "user", "content": text})
+        self.points.append(len(self.kept) - 1)
+        self.attempts = 0
 
     def next_messages(self) -> list[dict]:
         """The messages to send for the next answer (the regenerated history + the next turns)."""
@@ -287,68 +311,175 @@ async def _run_http(g, pool, records: Iterator[dict], sink: _Sink) -> None:
 
 
 # ----------------------------------------------------------------------------- local generation
-def _run_local(cfg, records: Iterator[dict], sink: _Sink) -> None:
+class _Synthetic:
+    """The user turns of synthetic conversations (drafter.synthetic): the pre-query prompt, the
+    filter of each synthetic source, the rejected samples (generate/synthetic_rejects.jsonl)."""
+
+    def __init__(self, cfg, tok, run: Run):
+        from ..config import SyntheticConfig
+        from ..sources import source_name
+        from ..synthetic import PreQuery, PromptFilter
+
+        self.cfgs = {source_name(s): s.synthetic for s in cfg.prepare.sources if s.synthetic}
+        self.default = SyntheticConfig()
+        self.pq = PreQuery(tok, cfg.generate.chat_template_kwargs)
+        self.filters = {n: PromptFilter(sc.min_chars, sc.max_chars, sc.near_dup)
+                        for n, sc in self.cfgs.items()}
+        self.tok = tok
+        self.rejects = JsonlAppender(run.synthetic_rejects(), fsync=False)
+        self._remember(run.conversations("generate"))
+
+    def _remember(self, path: Path) -> None:
+        """A resumed run: the first user turns already kept count as seen."""
+        if not path.exists():
+            return
+        with open(path, "rb") as f:
+            for line in f:
+                if b'"synthetic"' not in line or not line.endswith(b"\n"):
+                    continue
+                rec = json.loads(line)
+                user = next((m["content"] for m in rec["messages"] if m["role"] == "user"), None)
+                if user is not None:
+                    self.filter(rec["source"]).remember(user)
+
+    def settings(self, conv: _Conversation):
+        return self.cfgs.get(conv.rec.get("source"), self.default)
+
+    def filter(self, source: str):
+        if source not in self.filters:
+            from ..synthetic import PromptFilter
+            self.filters[source] = PromptFilter()
+        return self.filters[source]
+
+    def request(self, conv: _Conversation) -> tuple[list[int], int, float]:
+        sc = self.settings(conv)
+        return self.pq.ids(conv.user_history()), sc.max_tokens, sc.temperature
+
+    def accept(self, conv: _Conversation, ids: list[int], finish: str) -> str | None:
+        """Keep the written user turn (None) or say why not (and log the rejected sample)."""
+        text = self.tok.decode(ids, skip_special_tokens=True).strip()
+        why = self.filter(conv.rec.get("source")).check(text, finish, dedup=conv.turn == 0)
+        if why is None:
+            conv.add_user(text)
+            return None
+        conv.attempts += 1
+        self.rejects.write({"id": conv.id, "turn": conv.turn, "attempt": conv.attempts,
+                            "reason": why, "text": text[:500]})
+        return why
+
+    def close(self) -> None:
+        self.rejects.close()
+
+
+def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> None:
     """engine=local: render with the target tokenizer, decode the next turn of a pool of
     conversations in one call (LocalGenerator: batch_size rows, refilled as answers end),
-    write the finished ones, refill the pool, repeat; <think> is split off the decoded text."""
-    from ..target import load_tokenizer
-
+    write the finished ones, refill the pool, repeat; <think> is split off the decoded text.
+    Synthetic conversations get their user turns written in the same calls (per-request
+    temperature and token cap)."""
     from ..engine import LocalGenerator
+    from ..target import load_tokenizer
 
     g = cfg.generate
     tok = load_tokenizer(cfg.target)
     gen = LocalGenerator(cfg.target, g.batch_size)
+    syn = _Synthetic(cfg, tok, run) if any(s.synthetic for s in cfg.prepare.sources) else None
+    stop = sorted(set(gen.stop_ids) | set(syn.pq.stop_ids if syn else ()))
     # Several batches per call (per GPU): rows refill from the pool as answers end, and only
     # its last answers decode in a draining batch; a kill loses at most this pool's work.
     pool_size = 8 * g.batch_size * getattr(gen, "replicas", 1)
     active: list[_Conversation] = []
     it = iter(records)
     exhausted, call = False, 0
-    while True:
-        while not exhausted and len(active) < pool_size:
-            rec = next(it, None)
-            if rec is None:
-                exhausted = True
+    try:
+        while True:
+            while not exhausted and len(active) < pool_size:
+                rec = next(it, None)
+                if rec is None:
+                    exhausted = True
+                    break
+                try:
+                    conv = _Conversation(rec)
+                    if conv.synthetic and syn is None:
+                        raise _Permanent("a synthetic record, but no synthetic source in "
+                                         "prepare.sources (rerun `drafter prepare`)")
+                    if not conv.points and not conv.synthetic:
+                        raise _Permanent("no user turn to answer")
+                except _Permanent as e:
+                    sink.add_error(rec["id"], "permanent", str(e), 0)
+                    continue
+                active.append(conv)
+            if not active:
                 break
-            try:
-                conv = _Conversation(rec)
-                if not conv.points:
-                    raise _Permanent("no user turn to answer")
-            except _Permanent as e:
-                sink.add_error(rec["id"], "permanent", str(e), 0)
-                continue
-            active.append(conv)
-        if not active:
-            break
-        prompts = []
-        for conv in active:
-            text = tok.apply_chat_template(conv.next_messages(), tools=conv.tools,
-                                           add_generation_prompt=True, tokenize=False,
-                                           **g.chat_template_kwargs)
-            prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-        outs = gen.generate(prompts, max_new_tokens=g.max_tokens, temperature=g.temperature,
-                            top_p=g.top_p, seed=g.seed + call)
-        call += 1
-        still = []
-        for conv, prompt, (ids, finish_reason) in zip(active, prompts, outs):
-            ids = [int(i) for i in ids]
-            if finish_reason == "too_long":
-                sink.add_error(conv.id, "permanent", f"prompt too long: {len(prompt)} tokens + "
-                               f"generate.max_tokens={g.max_tokens} do not fit the target's "
-                               f"context or the KV cache", conv.turn)
-                continue
-            if finish_reason == "length" and g.drop_truncated:
-                sink.add_error(conv.id, "permanent", f"truncated: the answer reached "
-                               f"generate.max_tokens={g.max_tokens}", conv.turn)
-                continue
-            content, reasoning = split_reasoning(tok.decode(ids, skip_special_tokens=True))
-            conv.add(content, reasoning, finish_reason,
-                     {"prompt_tokens": len(prompt), "completion_tokens": len(ids)})
-            if conv.done:
-                sink.add_ok(conv)
-            else:
-                still.append(conv)
-        active = still
+            prompts, caps, temps, users = [], [], [], []
+            for conv in active:
+                if conv.needs_user:
+                    ids, cap, temp = syn.request(conv)
+                else:
+                    text = tok.apply_chat_template(conv.next_messages(), tools=conv.tools,
+                                                   add_generation_prompt=True, tokenize=False,
+                                                   **g.chat_template_kwargs)
+                    ids, cap, temp = (tok(text, add_special_tokens=False)["input_ids"],
+                                      g.max_tokens, g.temperature)
+                prompts.append(ids)
+                caps.append(cap)
+                temps.append(temp)
+                users.append(conv.needs_user)
+            outs = gen.generate(prompts, max_new_tokens=caps, temperature=temps, top_p=g.top_p,
+                                seed=g.seed + call, stop_ids=stop)
+            call += 1
+            still = []
+            for conv, prompt, cap, user, (ids, finish_reason) in zip(active, prompts, caps, users,
+                                                                     outs):
+                ids = [int(i) for i in ids]
+                if finish_reason == "too_long":
+                    sink.add_error(conv.id, "permanent", f"prompt too long: {len(prompt)} tokens "
+                                   f"+ {cap} new do not fit the target's context or the KV "
+                                   f"cache", conv.turn)
+                    continue
+                if user:
+                    why = syn.accept(conv, ids, finish_reason)
+                    if why is not None and conv.attempts >= syn.settings(conv).max_attempts:
+                        sink.add_error(conv.id, "permanent", f"synthetic: no usable user turn "
+                                       f"in {conv.attempts} samples (last: {why})", conv.turn)
+                        continue
+                    still.append(conv)
+                    continue
+                if finish_reason == "length" and g.drop_truncated:
+                    sink.add_error(conv.id, "permanent", f"truncated: the answer reached "
+                                   f"generate.max_tokens={g.max_tokens}", conv.turn)
+                    continue
+                content, reasoning = split_reasoning(tok.decode(ids, skip_special_tokens=True))
+                conv.add(content, reasoning, finish_reason,
+                         {"prompt_tokens": len(prompt), "completion_tokens": len(ids)})
+                if conv.done:
+                    sink.add_ok(conv)
+                else:
+                    still.append(conv)
+            active = still
+    finally:
+        if syn is not None:
+            syn.close()
+
+
+def _synthetic_stats(run: Run) -> dict:
+    """Synthetic conversations in the output, the user turns the target wrote for them, and the
+    samples rejected by reason over the whole run (a sample resumed after a kill counts once)."""
+    convs = turns = 0
+    path = run.conversations("generate")
+    if path.exists():
+        with open(path, "rb") as f:
+            for line in f:
+                if b'"synthetic"' in line:
+                    rec = json.loads(line)
+                    if rec.get("synthetic"):
+                        convs += 1
+                        turns += sum(m["role"] == "user" for m in rec["messages"])
+    seen = {(e["id"], e["turn"], e["attempt"]): e["reason"]
+            for e in read_jsonl(run.synthetic_rejects(), repair=True) if "reason" in e}
+    by = Counter(seen.values())
+    return {"conversations": convs, "user_turns_kept": turns, "rejected": sum(by.values()),
+            "rejected_by_reason": dict(sorted(by.items()))}
 
 
 # ------------------------------------------------------------------------------------ the files
@@ -469,6 +600,12 @@ def main(cfg) -> dict:
              len(ids), len(done & set(ids)), len(final), len(pending),
              f" ({retried} retried after transient errors)" if retried else "")
 
+    synthetic = [i for i, s in enumerate(cfg.prepare.sources) if s.synthetic is not None]
+    if synthetic and pending and g.server.engine != "local":
+        raise GenerateError(
+            f"prepare.sources[{synthetic[0]}] is synthetic: the target writes its user turns "
+            f"in-process, which needs generate.server.engine=local (now "
+            f"{g.server.engine!r})")
     server: dict = {"engine": g.server.engine}
     generated = 0
     completion_tokens = 0
@@ -477,7 +614,7 @@ def main(cfg) -> dict:
         if g.server.engine == "local":
             sink = _Sink(run, len(pending), model=cfg.target.model)
             try:
-                _run_local(cfg, records, sink)
+                _run_local(cfg, records, sink, run)
             finally:
                 sink.close()
         else:
@@ -525,6 +662,7 @@ def main(cfg) -> dict:
                        "completion_tokens": completion_tokens,
                        "completion_tokens_per_s": round(completion_tokens / max(seconds, 1e-9), 1)},
         "errors_by_kind": kinds,
+        **({"synthetic": _synthetic_stats(run)} if synthetic else {}),
         "server": server,
         "sampling": {"temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_tokens,
                      "seed": g.seed},

@@ -106,7 +106,9 @@ def main(cfg) -> dict:
                 lengths.append(len(line))
                 cuts.append(len(head))
                 src_of.append(si)
-                keys.append(dedup_key(item["messages"]))
+                # synthetic placeholders have no user turn yet: generate dedups what it writes
+                keys.append(dedup_key(item["messages"]) if "synthetic" not in item
+                            else dedup_key([{"role": "user", "content": head.decode()}]))
                 answered.append(any(m["role"] == "assistant" for m in item["messages"]))
                 pos += len(line)
             bar.close()
