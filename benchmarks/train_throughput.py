@@ -153,7 +153,7 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
 
     check = None
     if fused and not args.no_check:  # the fast path against the exact one, same batch, no grad
-        from drafter.model import TTT
+        from drafter.ttt import TTT
         hb = next_host()
         with torch.no_grad(), amp:
             fast = model(**train.model_inputs(train.device_batch(hb, dist.device, head, True)))

@@ -45,9 +45,10 @@ import torch
 
 from .. import DrafterError, store, target, tokens
 from ..config import ConfigError
-from ..model import TTT, Drafter, DrafterConfig, param_count, save_drafter
+from ..model import Drafter, DrafterConfig, param_count, save_drafter
 from ..rundir import JsonlAppender, Run, atomic_dir, atomic_json, read_json, read_jsonl, \
     remove_dir, safe_save_file
+from ..ttt import TTT
 
 log = logging.getLogger("drafter")
 
