@@ -47,6 +47,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from drafter import config as C  # noqa: E402
 from drafter.capture import Head  # noqa: E402
+from drafter.dist import close_dist, dist_env  # noqa: E402
 from drafter.model import Drafter, DrafterConfig, param_count  # noqa: E402
 from drafter.steps import train  # noqa: E402
 
@@ -232,7 +233,7 @@ def main(argv=None):
     p.add_argument("--peak-tflops", type=float, default=790.0)
     p.add_argument("--peak-tflops-cpu", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    dist = train.dist_env()
+    dist = dist_env()
     if args.tiny:
         names = ["tiny"]
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
@@ -261,9 +262,7 @@ def main(argv=None):
                     torch.cuda.empty_cache()
     if dist.main:
         print("\n" + table(rows))
-    if dist.world > 1:
-        import torch.distributed as td
-        td.destroy_process_group()
+    close_dist()
 
 
 if __name__ == "__main__":

@@ -33,65 +33,23 @@ import contextlib
 import json
 import logging
 import math
-import os
 import queue
 import shutil
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .. import DrafterError, store, target, tokens
 from ..config import ConfigError
+from ..dist import Dist, all_sum, barrier, close_dist, dist_env
 from ..model import Drafter, DrafterConfig, param_count, save_drafter
 from ..rundir import JsonlAppender, Run, atomic_dir, atomic_json, read_json, read_jsonl, \
     remove_dir, safe_save_file
 from ..ttt import TTT
 
 log = logging.getLogger("drafter")
-
-
-# --------------------------------------------------------------------------------- distributed
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    device: torch.device = torch.device("cpu")
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def dist_env() -> Dist:
-    """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), read here and nowhere else; the
-    process group is nccl on GPUs, gloo on CPU. Without torchrun: one process."""
-    import torch.distributed as td
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1 and not td.is_initialized():
-        td.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Dist(rank, world, local, device)
-
-
-def all_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
-    if d.world > 1:
-        import torch.distributed as td
-        td.all_reduce(t)
-    return t
-
-
-def barrier(d: Dist) -> None:
-    if d.world > 1:
-        import torch.distributed as td
-        td.barrier()
 
 
 # -------------------------------------------------------------------------------------- data
@@ -761,9 +719,7 @@ def main(cfg) -> dict:
     try:
         return _main(cfg, dist)
     finally:
-        import torch.distributed as td
-        if td.is_initialized():
-            td.destroy_process_group()
+        close_dist()
 
 
 def _main(cfg, dist: Dist) -> dict:
