@@ -20,7 +20,7 @@ Parameter and buffer names are the engines' own (ENGINES.md): `fc`, `midlayer.*`
 
 Alignment (DESIGN.md): at position t the drafter sees aux features of token t and the embedding of
 token t+1, and learns the target distribution at t+1 (the teacher of position t+1). The shift is
-written once, in `drafter.steps.train.align`.
+written once, in `drafter.batches.align`.
 """
 from __future__ import annotations
 

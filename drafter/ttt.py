@@ -1,7 +1,7 @@
 """The training-time test: the drafter's K-step training unroll (`TTT`) and its loss, for
 training only. The drafter itself, its shape legend and save/load are in drafter/model.py.
 
-Alignment: the shift is written once, in `drafter.steps.train.align`; this file takes its result
+Alignment: the shift is written once, in `drafter.batches.align`; this file takes its result
 (`src`, `rows`).
 
 Training-time test (`TTT`, EAGLE-3 paper §3.2): the drafter is unrolled K steps as it drafts at
