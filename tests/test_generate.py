@@ -468,14 +468,6 @@ def _has_local_generator() -> bool:
     return True
 
 
-def test_local_engine_missing_is_a_clear_error(tmp_path):
-    if _has_local_generator():
-        pytest.skip("drafter.decode.LocalGenerator exists: test_local_engine covers engine=local")
-    cfg = make_run(tmp_path, [conv(0, "Say hi.")], **{"generate.server.engine": "local"})
-    with pytest.raises(generate.GenerateError, match="LocalGenerator"):
-        generate.main(cfg)
-
-
 def test_local_engine(tmp_path, smollm2_dir):
     """engine=local through drafter.decode.LocalGenerator: multi-turn, turn by turn."""
     if not _has_local_generator():
