@@ -11,6 +11,10 @@ Writes  train/step_NNNNNN/  model.safetensors + drafter_config.json (model.save_
     drafter train CONFIG [train.lr=3e-4 ...]
     torchrun --nproc-per-node 8 -m drafter.cli train CONFIG [train.fsdp=true]
 
+This file is the loop, top to bottom. What it calls: drafter/batches.py (the data pipeline),
+ttt.py (the K-step unroll and its loss), checkpoint.py, metrics.py, and dist.py (torchrun's
+environment).
+
 Data. Samples are taken in id order (so offline shards and online capture agree), shuffled with
 train.seed, and packed first-fit into rows of train.max_length tokens (a longer sample keeps its
 first max_length tokens); attention never crosses samples and positions restart in each. Each
