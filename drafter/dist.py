@@ -88,7 +88,7 @@ def close_dist() -> None:
         td.destroy_process_group()
 
 
-def all_sum(t, d: Dist):
+def all_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
     if d.world > 1:
         import torch.distributed as td
         td.all_reduce(t)
