@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from drafter import capture as C  # noqa: E402
 from drafter import store, target, tokens  # noqa: E402
 from drafter.config import ExtractConfig, TargetConfig  # noqa: E402
+from drafter.dist import all_gather, dist_env  # noqa: E402
 from drafter.rundir import Run  # noqa: E402
 from drafter.steps import extract  # noqa: E402
 
@@ -60,27 +61,12 @@ class Ranks:
     """torchrun's ranks (or one process): barriers, max/sum over ranks, rank 0's objects."""
 
     def __init__(self, device: str):
-        import os
-
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world = int(os.environ.get("WORLD_SIZE", 1))
-        self.local = int(os.environ.get("LOCAL_RANK", 0))
-        self.device = f"cuda:{self.local}" if device == "cuda" and self.world > 1 else device
-        if self.world > 1:
-            import torch.distributed as dist
-
-            if self.device.startswith("cuda"):
-                torch.cuda.set_device(torch.device(self.device))
-            dist.init_process_group("nccl" if self.device.startswith("cuda") else "gloo")
+        self.d = dist_env(device)  # drafter.dist, as the extract step reads it
+        self.rank, self.world, self.local = self.d.rank, self.d.world, self.d.local_rank
+        self.device = str(self.d.device)
 
     def gather(self, obj) -> list:
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
+        return all_gather(self.d, obj)
 
     def barrier(self) -> None:
         self.gather(None)

@@ -11,13 +11,13 @@ Shapes (issue 6), TTT 7 steps, one sample per row unless --data:
     llama8b  (b) H = Ht = 4096, 32 / 8 heads of 128, I 14336, V 128256, Vd 32000, batch 1 × 2048
     tiny     H = Ht = 64, 4 / 2 heads of 16, I 128, V 1024, Vd 512, batch 2 × 128, TTT 3
 
-One timed step is exactly drafter train's (drafter/steps/train.py): the host batch (pinned,
-built once: collate, align, embedding lookup on the CPU) goes to the device, the teacher is
-formed (`--teacher topk`: k=64 draft-vocab log-probs as stored, never densified; `hidden`: the
-final hidden state through the draft-vocab head into dense log-probs), then `train_step`:
-TTT forward + fused loss, backward, gradient scaling, clip, fused AdamW. Random features:
-aux N(0, 1), all tokens in the loss. With --data RUN_DIR the batches are real packed rows from
-the run's extract shards (the prefetch thread included).
+One timed step is exactly drafter train's (drafter/steps/train.py; batches from
+drafter/batches.py): the host batch (pinned, built once: collate, align, embedding lookup on the
+CPU) goes to the device, the teacher is formed (`--teacher topk`: k=64 draft-vocab log-probs as
+stored, never densified; `hidden`: the final hidden state through the draft-vocab head into dense
+log-probs), then `train_step`: TTT forward + fused loss, backward, gradient scaling, clip, fused
+AdamW. Random features: aux N(0, 1), all tokens in the loss. With --data RUN_DIR the batches
+are real packed rows from the run's extract shards (the prefetch thread included).
 
 FLOPs per trained token, counted (multiply-add = 2 FLOPs; backward = 2 × forward):
     fc         3·Ht·H MACs forward; backward only the weight gradient      -> 12·Ht·H
@@ -45,8 +45,10 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from drafter import batches  # noqa: E402
 from drafter import config as C  # noqa: E402
 from drafter.capture import Head  # noqa: E402
+from drafter.dist import close_dist, dist_env  # noqa: E402
 from drafter.model import Drafter, DrafterConfig, param_count  # noqa: E402
 from drafter.steps import train  # noqa: E402
 
@@ -126,24 +128,24 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
     if args.data:  # real rows, through the prefetch thread as in training
         from drafter import store
         from drafter.rundir import Run
-        src = train.Source.offline(store.Reader(Run(args.data), "train"))
-        rows = train.pack(src.lengths, T, 0)
-        mbs = train.epoch_micro_batches(rows, B, 0, 0)
+        src = batches.Source.offline(store.Reader(Run(args.data), "train"))
+        rows = batches.pack(src.lengths, T, 0)
+        mbs = batches.epoch_micro_batches(rows, B, 0, 0)
         n = args.warmup + args.steps
         mbs = [mbs[(j * dist.world + dist.rank) % len(mbs)] for j in range(n)]
-        feed = train.Prefetch(lambda r: train.host_batch(src, r, B, T, tc,
-                                                         drafter.embed_tokens.weight), mbs)
+        feed = batches.Prefetch(lambda r: batches.host_batch(src, r, B, T, tc,
+                                                             drafter.embed_tokens.weight), mbs)
         next_host = feed.next
     else:
-        src = train.Source.memory(random_samples(c, B, T, teacher, args.topk,
-                                                 seed=dist.rank))
-        hb = train.host_batch(src, [[i] for i in range(B)], B, T, tc,
-                              drafter.embed_tokens.weight)
+        src = batches.Source.memory(random_samples(c, B, T, teacher, args.topk,
+                                                   seed=dist.rank))
+        hb = batches.host_batch(src, [[i] for i in range(B)], B, T, tc,
+                                drafter.embed_tokens.weight)
         next_host = lambda: hb  # noqa: E731
 
     def step() -> int:
         hb = next_host()
-        micro = iter([train.device_batch(hb, dist.device, head, fused)])
+        micro = iter([batches.device_batch(hb, dist.device, head, fused)])
         train.train_step(model, params, opt, micro, tc, dist, amp)
         return hb["tokens"]  # real tokens (padding excluded)
 
@@ -153,12 +155,12 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
 
     check = None
     if fused and not args.no_check:  # the fast path against the exact one, same batch, no grad
-        from drafter.model import TTT
+        from drafter.ttt import TTT
         hb = next_host()
         with torch.no_grad(), amp:
-            fast = model(**train.model_inputs(train.device_batch(hb, dist.device, head, True)))
+            fast = model(**batches.model_inputs(batches.device_batch(hb, dist.device, head, True)))
             exact = TTT(drafter, attention="sdpa").to(dist.device)(
-                **train.model_inputs(train.device_batch(hb, dist.device, head, False)))
+                **batches.model_inputs(batches.device_batch(hb, dist.device, head, False)))
         check = float((fast["loss"] - exact["loss"]).abs() / exact["loss"].abs())
 
     t0 = time.perf_counter()
@@ -232,7 +234,7 @@ def main(argv=None):
     p.add_argument("--peak-tflops", type=float, default=790.0)
     p.add_argument("--peak-tflops-cpu", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    dist = train.dist_env()
+    dist = dist_env()
     if args.tiny:
         names = ["tiny"]
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
@@ -261,9 +263,7 @@ def main(argv=None):
                     torch.cuda.empty_cache()
     if dist.main:
         print("\n" + table(rows))
-    if dist.world > 1:
-        import torch.distributed as td
-        td.destroy_process_group()
+    close_dist()
 
 
 if __name__ == "__main__":

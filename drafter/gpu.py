@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import DrafterError
+from .dist import torchrun_launched
 
 log = logging.getLogger("drafter")
 
@@ -137,7 +138,7 @@ def related_pids() -> set[int]:
     """This process and, under torchrun, its sibling ranks (children of the same launcher):
     their memory on *other* GPUs is ours, not a foreign holder."""
     pids = {os.getpid()}
-    if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_WORLD_SIZE"):
+    if torchrun_launched():
         ppid = os.getppid()
         for children in Path(f"/proc/{ppid}/task").glob("*/children"):
             try:

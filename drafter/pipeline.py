@@ -36,6 +36,7 @@ from typing import Callable
 
 from . import DrafterError
 from . import config as C
+from .dist import agent_store, rank_world, restart_count
 from .rundir import SECTIONS, STEPS, MissingInput, Run, atomic_json, atomic_write, dir_bytes, \
     read_json, remove_dir, step_inputs
 
@@ -215,29 +216,12 @@ class RunBusy(DrafterError):
 
 
 # ----------------------------------------------------------------------------------- torchrun
-def _rank_world() -> tuple[int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def _rank_store():
-    """torchrun's agent store (a TCPStore client; every rank is a client, so this never takes
-    the port that the process group uses), or None outside torchrun."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                    timeout=timedelta(seconds=RANK_WAIT_S))
-
-
 # Rank 0 may spend minutes clearing a stale folder of shards before the others may start.
 RANK_WAIT_S = 3600
 
 
 def _rank_key(step: str) -> str:
-    return f"drafter/pipeline/{step}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"drafter/pipeline/{step}/{restart_count()}"
 
 
 # ------------------------------------------------------------------------------------ one step
@@ -282,7 +266,7 @@ def run_step(cfg, step: str, force: bool = False) -> dict:
     (through torchrun's store) and then run the step with it."""
     assert step in STEPS, step
     run = Run.of(cfg)
-    rank, world = _rank_world()
+    rank, world = rank_world()
     if rank != 0:
         return _follow(cfg, run, step, force)
     with run_lock(run):
@@ -292,7 +276,7 @@ def run_step(cfg, step: str, force: bool = False) -> dict:
 def _lead(cfg, run: Run, step: str, force: bool, world: int) -> dict:
     d = run.step_dir(step)
     fp = fingerprint(cfg, run, step)
-    store = _rank_store() if world > 1 else None
+    store = agent_store(RANK_WAIT_S) if world > 1 else None
     m = None if force else up_to_date(run, step, fp)
     if m is not None:
         log.info("%s: up to date, skipped (use --force to redo)", step)
@@ -341,7 +325,7 @@ def _lead(cfg, run: Run, step: str, force: bool, world: int) -> dict:
 
 def _follow(cfg, run: Run, step: str, force: bool) -> dict:
     """A torchrun rank > 0: wait for rank 0's decision on the folder, then do the same."""
-    store = _rank_store()
+    store = agent_store(RANK_WAIT_S)
     if store is not None:
         decision = store.get(_rank_key(step)).decode()
     else:  # launched by hand with RANK/WORLD_SIZE: rank 0 cannot be waited for; trust the files

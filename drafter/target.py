@@ -12,6 +12,9 @@ Materialising a GGUF: transformers loads it (dequantised) but refuses to save_pr
 GGUF-quantised model, so we load in float32, drop the quantizer marks, set `architectures`, and
 save in bf16 with the tokenizer and its chat template. A file lock plus a rename into place make
 two concurrent materialisations produce one good folder.
+
+`target_embeddings` reads the input embedding table from the target's safetensors files, without
+loading the model (training copies it into the drafter).
 """
 from __future__ import annotations
 
@@ -22,9 +25,13 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import DrafterError
-from .rundir import atomic_dir, atomic_json, cache_dir
+from .rundir import atomic_dir, atomic_json, cache_dir, read_json
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("drafter")
 
@@ -219,3 +226,46 @@ def load_model(tcfg, device: str | None = None, dtype=None, **kw):
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def target_embeddings(tcfg) -> torch.Tensor:
+    """The target's input embeddings [V, Ht] read from its safetensors (no model load): the
+    tensor of the module transformers calls the input embeddings, else a known name."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    spec = resolve(tcfg.model)
+    folder = Path(spec)
+    if not folder.is_dir():  # an HF id: the index, then only the shard that holds the table
+        from huggingface_hub import snapshot_download
+        folder = Path(snapshot_download(spec, revision=tcfg.revision, allow_patterns=["*.json"]))
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index)["weight_map"]
+    elif (folder / "model.safetensors").exists():
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        weight_map = {}
+    config = load_config(tcfg)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=tcfg.trust_remote_code)
+    emb = meta.get_input_embeddings()
+    names = [n + ".weight" for n, m in meta.named_modules() if m is emb]
+    names += sorted((k for k in weight_map if k.endswith(
+        ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "tok_embeddings.weight"))
+        and "mtp" not in k and "vision" not in k), key=len)
+    shape = tuple(emb.weight.shape)
+    for name in names:
+        if name in weight_map:
+            file = folder / weight_map[name]
+            if not file.exists():
+                from huggingface_hub import hf_hub_download
+                file = Path(hf_hub_download(spec, weight_map[name], revision=tcfg.revision))
+            with safe_open(str(file), "pt") as f:
+                w = f.get_tensor(name)
+            if tuple(w.shape) == shape:
+                return w
+    log.info("train: embeddings not found by name in %s; loading the target to read them", spec)
+    return load_model(tcfg, device="cpu").get_input_embeddings().weight.detach().clone()

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from drafter import store
-from drafter.model import TTT, Drafter, DrafterConfig, dense_mask, doc_causal, flex_part0, \
-    head_loss, load_drafter, merge_diagonal, save_drafter
-from drafter.steps.train import align, collate
+from drafter.batches import align, collate
+from drafter.model import Drafter, DrafterConfig, load_drafter, save_drafter
+from drafter.ttt import TTT, dense_mask, doc_causal, flex_part0, head_loss, merge_diagonal
 
 V, VD, HT = 96, 40, 24
 

@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from drafter import batches, target
 from drafter import config as C
-from drafter import target
 from drafter.capture import Capture
+from drafter.dist import Dist
 from drafter.rundir import Run, read_json, read_jsonl
 from drafter.steps import train
 
@@ -44,7 +45,7 @@ def test_alignment_trains_the_first_assistant_token():
     a is a target (position a-2), and a prompt token never is."""
     lm = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 0]])        # prompt 0..3, assistant 4..6, then 7
     seq = torch.zeros(1, 8, dtype=torch.long)
-    a = train.align(seq, lm, torch.ones(1, 8, dtype=torch.bool), steps=3, decay=0.8)
+    a = batches.align(seq, lm, torch.ones(1, 8, dtype=torch.bool), steps=3, decay=0.8)
     step0 = [r for r, s in zip(a["rows"].tolist(), a["row_step"].tolist()) if s == 0]
     assert step0 == [2, 3, 4]                             # predicts tokens 4, 5, 6
     assert a["src"][0, 0, 2] == 3 and a["trows"][0] == 3  # embeds token 3, teacher row 3
@@ -60,7 +61,7 @@ def test_alignment_respects_samples_and_vocab():
     lm = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 0, 0]])
     inv = torch.ones(1, 10, dtype=torch.bool)
     inv[0, 5] = False                                     # teacher argmax at 5 not in the draft vocab
-    a = train.align(seq, lm, inv, steps=2, decay=0.5)
+    a = batches.align(seq, lm, inv, steps=2, decay=0.5)
     rows = [(s, r % 10) for r, s in zip(a["rows"].tolist(), a["row_step"].tolist())]
     # step 0: sample 0 positions 0,1 (targets 2,3); sample 1 positions 4,5 but 4 uses teacher 5
     assert rows == [(0, 0), (0, 1), (0, 5), (1, 0), (1, 4)]
@@ -69,7 +70,7 @@ def test_alignment_respects_samples_and_vocab():
 
 def test_pack_and_collate_restart_positions():
     lengths = [5, 3, 7, 2, 8]
-    rows = train.pack(lengths, 8, seed=0)
+    rows = batches.pack(lengths, 8, seed=0)
     assert sorted(i for r in rows for i in r) == list(range(5))
     assert all(sum(min(lengths[i], 8) for i in r) <= 8 for r in rows)
     g = torch.Generator().manual_seed(0)
@@ -78,7 +79,7 @@ def test_pack_and_collate_restart_positions():
                 "aux": torch.randn(n, 3, 4, generator=g).to(torch.bfloat16),
                 "teacher_hidden": torch.zeros(n, 4, dtype=torch.bfloat16)}
                for j, n in enumerate([3, 4, 12])]
-    b = train.collate([[samples[0], samples[1]], [samples[2]]], B=3, T=8)
+    b = batches.collate([[samples[0], samples[1]], [samples[2]]], B=3, T=8)
     assert b["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
     assert b["seq_id"][0].tolist() == [0, 0, 0, 1, 1, 1, 1, -1]
     assert b["input_ids"][1].tolist() == list(range(20, 28))   # a long sample keeps its head
@@ -129,8 +130,8 @@ def fit(world, cfg, n_train=None):
     samples = world.captured["train"][:n_train]
     drafter = train.build_drafter(cfg, world.model.config, world.layer_ids, world.d2t,
                                   world.t2d, world.model.get_input_embeddings().weight.detach())
-    return train.fit(cfg, Run.of(cfg), train.Dist(), drafter, train.Source.memory(samples),
-                     train.Source.memory(world.captured["val"]), world.cap.head)
+    return train.fit(cfg, Run.of(cfg), Dist(), drafter, batches.Source.memory(samples),
+                     batches.Source.memory(world.captured["val"]), world.cap.head)
 
 
 def losses(run_dir, split="train"):

@@ -27,7 +27,6 @@ of a killed write are removed. The index is written last. train.online=true: not
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from tqdm import tqdm
 
 from .. import capture as C
 from .. import gpu, store, target, tokens
+from ..dist import Dist, all_gather, barrier, init_dist, read_env
 from ..rundir import Run
 
 log = logging.getLogger("drafter")
@@ -76,54 +76,6 @@ def plan_shards(split: str, lengths: list[int], shard_tokens: int, batch_tokens:
     for s in shards:
         s.batches = C.plan_batches(s.lengths, batch_tokens, packed)
     return shards
-
-
-# ------------------------------------------------------------------------------ torchrun setup
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    device: str = "cpu"
-
-    @property
-    def on(self) -> bool:
-        return self.world > 1
-
-
-def setup_dist(cfg) -> Dist:
-    """Rank, world and device from torchrun's environment (the same code runs without it)."""
-    d = Dist(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-             int(os.environ.get("LOCAL_RANK", 0)))
-    device = target.pick_device(cfg.target)
-    d.device = f"cuda:{d.local_rank}" if device == "cuda" and d.on else device
-    return d
-
-
-def init_dist(d: Dist) -> None:
-    import torch.distributed as dist
-
-    if d.device.startswith("cuda:"):
-        torch.cuda.set_device(torch.device(d.device))  # before any collective touches cuda:0
-    if d.on and not dist.is_initialized():
-        dist.init_process_group("nccl" if d.device.startswith("cuda") else "gloo")
-
-
-def _gather(d: Dist, obj):
-    if not d.on:
-        return [obj]
-    import torch.distributed as dist
-
-    out = [None] * d.world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _barrier(d: Dist) -> None:
-    if d.on:
-        import torch.distributed as dist
-
-        dist.barrier()
 
 
 # ------------------------------------------------------------------------------------ the step
@@ -169,13 +121,13 @@ def main(cfg) -> dict:
         log.info("extract: train.online=true, the target runs beside the drafter: nothing stored")
         return {"counts": {"online": 1, "samples": 0, "tokens": 0, "shards": 0, "bytes": 0},
                 "mode": "online"}
-    d = setup_dist(cfg)
+    d = read_env(target.pick_device(cfg.target))
     tconf = target.load_config(cfg.target)
     d2t, t2d, _ = tokens.load_vocab(run.require(run.vocab(), "vocab"))
     run.require(run.tokens("train"), "tokenize")
-    info = _info(cfg, tconf, d2t, d.device)
-    if d.device.startswith("cuda"):  # before this process touches CUDA or loads any weights
-        dtype_bytes = torch.finfo(target.pick_dtype(cfg.target, d.device)).bits // 8
+    info = _info(cfg, tconf, d2t, str(d.device))
+    if d.device.type == "cuda":  # before this process touches CUDA or loads any weights
+        dtype_bytes = torch.finfo(target.pick_dtype(cfg.target, str(d.device))).bits // 8
         est = C.estimate_gpu_bytes(tconf, dtype_bytes, ec.batch_tokens, len(info["layer_ids"]),
                                    tp=d.world if ec.tp else 1)
         visible = gpu.visible_indices()
@@ -199,10 +151,10 @@ def main(cfg) -> dict:
     writes = not ec.tp or d.rank == 0
     kept, todo, redone = _done_shards(run, mine, tables, info, d) if writes else ({}, [], 0)
     if ec.tp and d.on:
-        keys = {tuple(k) for k in _gather(d, [(s.split, s.index) for s in todo])[0]}
+        keys = {tuple(k) for k in all_gather(d, [(s.split, s.index) for s in todo])[0]}
         todo = [s for s in mine if (s.split, s.index) in keys]
     # every rank loads when any rank has work: tp needs them all, and dp ranks meet at the end
-    need_model = any(_gather(d, bool(todo) or not run.extract_head().exists()))
+    need_model = any(all_gather(d, bool(todo) or not run.extract_head().exists()))
     written, tokens_done, seconds, check = {}, 0, 0.0, None
     if need_model:
         written, seconds, check = _extract(cfg, run, d, info, d2t, t2d, tables, every, todo,
@@ -215,7 +167,7 @@ def main(cfg) -> dict:
         entries[(p.parent.name, int(p.stem.split("_")[1]))] = e
     mine_stats = {"tokens": tokens_done, "seconds": seconds, "written": len(written),
                   "kept": len(kept), "redone": redone}
-    gathered = _gather(d, (entries, mine_stats))
+    gathered = all_gather(d, (entries, mine_stats))
     all_entries = {k: v for ents, _ in gathered for k, v in ents.items()}
     head_sha = store.file_sha256(run.extract_head()) if d.rank == 0 else None
     indexes = {}
@@ -227,7 +179,7 @@ def main(cfg) -> dict:
             indexes[split] = {"num_samples": sum(e["num_samples"] for e in ents),
                               "num_tokens": sum(e["num_tokens"] for e in ents),
                               "bytes": sum(e["bytes"] for e in ents), "shards": ents}
-    _barrier(d)
+    barrier(d)
     stats = {k: sum(g[1][k] for g in gathered) for k in ("tokens", "written", "kept", "redone")}
     stats["seconds"] = max(g[1]["seconds"] for g in gathered)
     return _result(info, indexes, stats, d, ec, check)
@@ -275,8 +227,8 @@ def _extract(cfg, run: Run, d: Dist, info: dict, d2t, t2d, tables, every: list[S
     Returns (written entries by path, seconds of the forward+storage loop, self-check)."""
     ec = cfg.extract
     t_load = time.time()
-    model = target.load_model(cfg.target, device=d.device, **({"tp_plan": "auto"} if ec.tp
-                                                                else {}))
+    model = target.load_model(cfg.target, device=str(d.device),
+                              **({"tp_plan": "auto"} if ec.tp else {}))
     cap = C.Capture(model, info["layer_ids"], d2t, t2d, teacher=ec.teacher, topk=ec.topk,
                     out_dtype=torch.bfloat16, packing=ec.packing, batch_tokens=ec.batch_tokens)
     got = {k: v for k, v in cap.info().items() if k in info}

@@ -1,0 +1,217 @@
+"""The training batches: the samples of one split in id order (offline shards or online capture),
+packed first-fit into rows, grouped into micro-batches, collated, aligned (the shift between
+drafter positions and their targets, written once: `align`), embedded on the host, moved to the
+device with the teacher in the form the loss takes, and built ahead on a thread (`Prefetch`).
+drafter/steps/train.py decides which micro-batch each rank and step takes.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import queue
+import threading
+from pathlib import Path
+
+import torch
+
+from . import store
+
+
+class Source:
+    """The samples of one split in id order: `lengths[i]`, `load([i, ...])` -> per-sample dicts
+    (docs/internals.md). Offline from store.Reader; online through the target (capture)."""
+
+    def __init__(self, ids: list[str], lengths: list[int], load):
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        self.ids = [ids[j] for j in order]
+        self.lengths = [lengths[j] for j in order]
+        self._order, self._load = order, load
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def load(self, idx: list[int]) -> list[dict]:
+        return self._load([self._order[i] for i in idx])
+
+    @classmethod
+    def offline(cls, reader) -> "Source":
+        return cls(reader.ids, reader.lengths, lambda idx: [reader[j] for j in idx])
+
+    @classmethod
+    def online(cls, path: Path, cap) -> "Source":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(str(path), columns=["id", "input_ids", "loss_mask", "num_tokens"])
+        return cls(table.column("id").to_pylist(), table.column("num_tokens").to_pylist(),
+                   lambda idx: cap(table.take(idx).select(["input_ids", "loss_mask"]).to_pylist()))
+
+    @classmethod
+    def memory(cls, samples: list[dict]) -> "Source":
+        """Per-sample dicts already in memory (tests, benchmarks); ids are their positions."""
+        return cls([f"{i:09d}" for i in range(len(samples))],
+                   [len(s["input_ids"]) for s in samples], lambda idx: [samples[j] for j in idx])
+
+
+def pack(lengths: list[int], T: int, seed: int, window: int = 16) -> list[list[int]]:
+    """Sample indices -> rows of at most T tokens: seeded shuffle, then first-fit over the last
+    `window` open rows (O(n·window); about 95% full when samples are much shorter than T)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, open_rows = [], []                                          # open: [free tokens, items]
+    for i in torch.randperm(len(lengths), generator=g).tolist():
+        n = min(lengths[i], T)
+        for r in open_rows:
+            if r[0] >= n:
+                r[0] -= n
+                r[1].append(i)
+                break
+        else:
+            if len(open_rows) == window:
+                rows.append(open_rows.pop(0)[1])
+            open_rows.append([T - n, [i]])
+    return rows + [r[1] for r in open_rows]
+
+
+def epoch_micro_batches(rows: list[list[int]], B: int, seed: int, epoch: int) -> list[list]:
+    """The epoch's micro-batches: rows shuffled with (seed, epoch), B at a time."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch + 1)
+    order = torch.randperm(len(rows), generator=g).tolist()
+    return [[rows[j] for j in order[a:a + B]] for a in range(0, len(order), B)]
+
+
+def collate(rows: list[list[dict]], B: int, T: int) -> dict:
+    """Samples packed into B rows of T tokens (row b holds rows[b] in order; missing rows are
+    padding): input_ids, loss_mask, in_vocab, seq_id (-1 = padding), position_ids [B, T];
+    aux [B, T, L, Ht]; teacher_hidden [B, T, Ht] or teacher_topk_ids/_logp [B, T, k]."""
+    first = rows[0][0]
+    dev = first["aux"].device
+    pin = dev.type == "cpu" and torch.cuda.is_available()
+
+    def new(shape, dtype, fill=0):
+        return torch.full(shape, fill, dtype=dtype, device=dev, pin_memory=pin)
+
+    out = {"input_ids": new((B, T), torch.long), "loss_mask": new((B, T), torch.long),
+           "in_vocab": new((B, T), torch.bool), "seq_id": new((B, T), torch.long, -1),
+           "position_ids": new((B, T), torch.long),
+           "aux": new((B, T, *first["aux"].shape[1:]), first["aux"].dtype)}
+    teacher = [k for k in ("teacher_hidden", "teacher_topk_ids", "teacher_topk_logp") if k in first]
+    for k in teacher:
+        fill = -math.inf if k == "teacher_topk_logp" else 0
+        out[k] = new((B, T, first[k].shape[-1]), first[k].dtype, fill)
+    for b, row in enumerate(rows):
+        o = 0
+        for j, s in enumerate(row):
+            n = min(len(s["input_ids"]), T - o)
+            for k in ("input_ids", "loss_mask", "in_vocab", "aux", *teacher):
+                out[k][b, o:o + n] = s[k][:n]
+            out["seq_id"][b, o:o + n] = j
+            out["position_ids"][b, o:o + n] = torch.arange(n)
+            o += n
+    return out
+
+
+def align(seq_id: torch.Tensor, loss_mask: torch.Tensor, in_vocab: torch.Tensor, steps: int,
+          decay: float) -> dict:
+    """THE alignment (docs/internals.md), written once. Drafter position t at TTT step i embeds
+    token t+1+i (src), learns the teacher at t+1+i (the target's distribution over token t+2+i),
+    and counts in the loss when token t+2+i is in t's sample, loss_mask[t+2+i] == 1 (an
+    assistant token: the first assistant token is trained, by position t = first-2) and
+    in_vocab[t+1+i]. Inputs [B, T]. Returns
+        src [K, B, T]   the position whose token step i embeds (clamped at the row end: masked)
+        rows [N]        flat indices into [K, B, T] of the positions in the loss
+        trows [N]       their teacher rows, flat indices into [B, T]
+        weights [N]     decay**i;  row_step [N] their step i
+        n_valid [K], n_lm [K]  positions in the loss, and with loss_mask alone (the denominator
+                        of acc/accept: out-of-vocab teacher argmaxes count as misses)."""
+    B, T = seq_id.shape
+    dev = seq_id.device
+    t = torch.arange(T, device=dev).expand(B, T)
+    src, valid, lm = [], [], []
+    for i in range(steps):
+        s = (t + 1 + i).clamp(max=T - 1)                                  # [B, T]
+        nxt = (t + 2 + i).clamp(max=T - 1)
+        same = (t + 2 + i < T) & (seq_id.gather(1, nxt) == seq_id) & (seq_id >= 0)
+        m = same & loss_mask.gather(1, nxt).bool()
+        src.append(s)
+        lm.append(m)
+        valid.append(m & in_vocab.gather(1, s))
+    src, valid, lm = torch.stack(src), torch.stack(valid), torch.stack(lm)  # [K, B, T]
+    rows = valid.reshape(-1).nonzero().squeeze(-1)                         # [N]
+    row_step = rows // (B * T)
+    base = torch.arange(B, device=dev)[:, None] * T
+    trows = (src + base).reshape(-1)[rows]
+    weights = torch.tensor([decay ** i for i in range(steps)], device=dev)[row_step]
+    return {"src": src, "rows": rows, "trows": trows, "weights": weights, "row_step": row_step,
+            "n_valid": valid.sum((1, 2)), "n_lm": lm.sum((1, 2))}
+
+
+def host_batch(src: Source, rows: list[list[int]], B: int, T: int, tc, emb_table) -> dict:
+    """One micro-batch, before the device: collated, aligned, embedded (the frozen table lives
+    on the CPU, so only [B, T, H] crosses to the GPU)."""
+    it = iter(src.load([i for r in rows for i in r]))
+    out = collate([[next(it) for _ in r] for r in rows], B, T)
+    out.update(align(out["seq_id"], out["loss_mask"], out["in_vocab"], tc.ttt_steps,
+                     tc.ttt_decay))
+    out["emb"] = emb_table[out["input_ids"].cpu()]                       # [B, T, H]
+    if torch.cuda.is_available():  # pinned: the copy to the GPU does not block this thread
+        out["emb"] = out["emb"].pin_memory()
+    out["tokens"] = int((out["seq_id"] >= 0).sum())
+    return out
+
+
+def device_batch(hb: dict, device, head, fused: bool) -> dict:
+    """Model inputs on the device; the teacher as the loss wants it: dense log-probs from
+    store.teacher_logprobs, or (fused loss) top-k as stored, never densified."""
+    d = {k: v.to(device, non_blocking=True) for k, v in hb.items() if torch.is_tensor(v)}
+    B, T = d["seq_id"].shape
+    with torch.no_grad():
+        if "teacher_hidden" in d:
+            t = {"logp": store.teacher_logprobs({"teacher_hidden": d["teacher_hidden"]
+                                                 .reshape(B * T, -1)}, head)}
+        elif fused:
+            t = {"ids": d["teacher_topk_ids"].reshape(B * T, -1),
+                 "logp": d["teacher_topk_logp"].reshape(B * T, -1)}
+        else:
+            t = {"logp": store.teacher_logprobs(
+                {"teacher_topk_ids": d["teacher_topk_ids"].reshape(B * T, -1),
+                 "teacher_topk_logp": d["teacher_topk_logp"].reshape(B * T, -1)},
+                head.weight.shape[0])}
+    d["teacher"] = t
+    d["tokens_t"] = hb["tokens"]
+    return d
+
+
+def model_inputs(d: dict) -> dict:
+    return {k: d[k] for k in ("aux", "emb", "position_ids", "seq_id", "src", "rows", "trows",
+                              "weights", "teacher")}
+
+
+class Prefetch:
+    """Builds host batches on a thread, `depth` ahead, in order; errors surface in next()."""
+
+    def __init__(self, make, jobs, depth: int = 2):
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = False
+
+        def loop():
+            for job in jobs:
+                if self.stop:
+                    return
+                try:
+                    self.q.put((make(job), None))
+                except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                    self.q.put((None, e))
+                    return
+        self.thread = threading.Thread(target=loop, name="train-prefetch", daemon=True)
+        self.thread.start()
+
+    def next(self):
+        item, err = self.q.get()
+        if err is not None:
+            raise err
+        return item
+
+    def close(self):
+        self.stop = True
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.q.get_nowait()

@@ -1,0 +1,328 @@
+"""The training-time test: the drafter's K-step training unroll (`TTT`) and its loss, for
+training only. The drafter itself, its shape legend and save/load are in drafter/model.py.
+
+Alignment: the shift is written once, in `drafter.batches.align`; this file takes its result
+(`src`, `rows`).
+
+Training-time test (`TTT`, EAGLE-3 paper §3.2): the drafter is unrolled K steps as it drafts at
+inference. Step 0 is the plain forward (Drafter.forward). Step i > 0 at position t embeds the
+token i further on (`src[i]`), takes the drafter's own step-(i-1) output at t as `h` (`feedback`:
+post-norm with norm_output), sits at RoPE position pos(t) + i, and attends to the step-0 keys of
+its sample causally plus the keys that steps 1..i computed at the same position t (the
+"diagonal"): exactly the KV cache it would have when drafting token i+1 after position t. Two
+implementations:
+
+    sdpa  exact, any device: keys of all steps concatenated [B, nkv, (i+1)·T, hd] under a dense
+          mask [B, 1, T, (i+1)·T] (block 0 causal within the sample, blocks 1..i the identity),
+          and the plain loss over materialised logits;
+    flex  fast GPU path: FlexAttention over the step-0 keys only, with one block mask per batch
+          reused by every step, returning its log-sum-exp; the i diagonal scores are one dot
+          product per position, merged with it by their log-sum-exps (nothing recomputed across
+          steps, no O(T²) mask). The loss is fused with lm_head in row chunks: logits never
+          exist for the whole batch, and their gradients are formed in the forward.
+
+Both give the same loss and gradients (tests/test_model.py).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model import Drafter, DrafterConfig, _f32, fuse
+
+
+def attention_scale(cfg: DrafterConfig) -> float:
+    return 1.0 / math.sqrt(cfg.head_dim)
+
+
+# ------------------------------------------------------------------------ training-time test
+def doc_causal(seq_id: torch.Tensor) -> Callable:
+    """FlexAttention mask_mod: causal within one packed sample. seq_id [B, T] int (-1 = pad).
+    The exact path evaluates the same function densely (`dense_mask`)."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (seq_id[b, q_idx] == seq_id[b, kv_idx])
+    return mask_mod
+
+
+def dense_mask(seq_id: torch.Tensor) -> torch.Tensor:
+    """doc_causal evaluated on the whole grid -> bool [B, 1, T, T] (True = attend)."""
+    B, T = seq_id.shape
+    ar = torch.arange(T, device=seq_id.device)
+    b = torch.arange(B, device=seq_id.device)[:, None, None]
+    return doc_causal(seq_id)(b, None, ar[None, :, None], ar[None, None, :]).unsqueeze(1)
+
+
+def attend_exact(q, ks, vs, mask0):
+    """Step i = len(ks)-1 by definition: q [B, nh, T, hd]; ks, vs: i+1 tensors [B, nkv, T, hd]
+    (step 0 first); mask0 [B, 1, T, T] -> [B, nh, T, hd]."""
+    B, _, T, _ = q.shape
+    eye = torch.eye(T, dtype=torch.bool, device=q.device).expand(B, 1, T, T)
+    mask = torch.cat([mask0] + [eye] * (len(ks) - 1), dim=-1)              # [B, 1, T, (i+1)T]
+    k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)                      # [B, nkv, (i+1)T, hd]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def merge_diagonal(q, o0, lse0, ks, vs, scale: float):
+    """Add the diagonal keys of steps 1..i to attention over the step-0 keys.
+
+    q [B, nh, T, hd]; o0 [B, nh, T, hd] and lse0 [B, nh, T] (fp32): attention output and
+    log-sum-exp of the scores over the step-0 keys; ks, vs: the keys/values of steps 1..i, each
+    [B, nkv, T, hd]. softmax over all keys = a convex mix of o0 (weight exp(lse0)) and each v_j
+    (weight exp(q·k_j·scale)), so the result is exact."""
+    if not ks:
+        return o0
+    return _MergeDiagonal.apply(q, o0, lse0, scale, len(ks), *ks, *vs)
+
+
+class _MergeDiagonal(torch.autograd.Function):
+    """merge_diagonal with its backward written out: saves the (bf16) inputs, which the
+    attention keeps anyway, and the mixing weights [B, nkv, g, T, 1+i]; autograd would keep
+    fp32 copies of q, o0 and q·k_j of [B, nh, T, hd] each."""
+
+    @staticmethod
+    def forward(ctx, q, o0, lse0, scale, i, *kv):
+        ks, vs = kv[:i], kv[i:]
+        B, nh, T, hd = q.shape
+        nkv = ks[0].shape[1]
+        g = nh // nkv
+        qg = _f32(q).view(B, nkv, g, T, hd)                                      # [B, nkv, g, T, hd]
+        s = [(qg * _f32(k).unsqueeze(2)).sum(-1) * scale for k in ks]          # i × [B, nkv, g, T]
+        w = torch.stack([_f32(lse0).view(B, nkv, g, T)] + s, -1).softmax(-1)   # [B, nkv, g, T, 1+i]
+        out = w[..., :1] * _f32(o0).view(B, nkv, g, T, hd)
+        for j, v in enumerate(vs):
+            out = out + w[..., j + 1:j + 2] * _f32(v).unsqueeze(2)
+        ctx.save_for_backward(q, o0, w, *kv)
+        ctx.scale, ctx.i = scale, i
+        return out.view(B, nh, T, hd).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, gout):
+        q, o0, w, *kv = ctx.saved_tensors
+        i, scale = ctx.i, ctx.scale
+        ks, vs = kv[:i], kv[i:]
+        B, nh, T, hd = q.shape
+        nkv = ks[0].shape[1]
+        g = nh // nkv
+        go = _f32(gout).view(B, nkv, g, T, hd)
+        vals = [_f32(o0).view(B, nkv, g, T, hd)] + [_f32(v).unsqueeze(2) for v in vs]
+        dw = torch.stack([(go * v).sum(-1) for v in vals], -1)                # [B, nkv, g, T, 1+i]
+        ds = w * (dw - (w * dw).sum(-1, keepdim=True))                          # softmax backward
+        qg = _f32(q).view(B, nkv, g, T, hd)
+        dq = sum(ds[..., j + 1:j + 2] * _f32(k).unsqueeze(2) for j, k in enumerate(ks)) * scale
+        dks = [((ds[..., j + 1:j + 2] * qg).sum(2) * scale).to(k.dtype) for j, k in enumerate(ks)]
+        dvs = [(w[..., j + 1:j + 2] * go).sum(2).to(v.dtype) for j, v in enumerate(vs)]
+        return (dq.view(B, nh, T, hd).to(q.dtype), (w[..., :1] * go).view(B, nh, T, hd)
+                .to(o0.dtype), ds[..., 0].reshape(B, nh, T), None, None, *dks, *dvs)
+
+
+_FLEX = {}
+
+
+def flex_part0(seq_id: torch.Tensor, compiled: bool = True) -> Callable:
+    """(q, k0, v0) -> (o [B, nh, T, hd], lse [B, nh, T] fp32) by FlexAttention under doc_causal,
+    its block mask built once here (once per batch) and reused by all K steps. The compiled
+    kernel is the fast one; uncompiled flex is a slow reference (and forward-only on CPU)."""
+    from torch.nn.attention import flex_attention as fa
+
+    B, T = seq_id.shape
+    block_mask = fa.create_block_mask(doc_causal(seq_id), B, None, T, T, device=seq_id.device)
+    if compiled and "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(fa.flex_attention, dynamic=False)
+    fn = _FLEX["fn"] if compiled else fa.flex_attention
+    aux_request = getattr(fa, "AuxRequest", None)  # torch >= 2.9; return_lse before
+
+    def part0(q, k, v):
+        gqa = q.shape[1] != k.shape[1]
+        # q, k, v already carry the compute dtype; older torch has no autocast rule for flex
+        with torch.autocast(q.device.type, enabled=False):
+            if aux_request is not None:
+                o, aux = fn(q, k, v, block_mask=block_mask, enable_gqa=gqa,
+                            return_aux=aux_request(lse=True))
+                return o, aux.lse
+            return fn(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_lse=True)
+    return part0
+
+
+# -------------------------------------------------------------------------------- the loss
+def _teacher_rows(teacher: dict, rows: torch.Tensor):
+    """Teacher log-probs of the given flat rows: dense [n, Vd], or top-k (ids, logp) [n, k]."""
+    if "ids" in teacher:
+        return teacher["ids"][rows], teacher["logp"][rows].float()
+    return None, teacher["logp"][rows].float()
+
+
+def _chunk_stats(z, ids, tl, w, grad_dtype=torch.float32):
+    """One chunk of rows. z [c, Vd] fp32 drafter logits; w [c] row weights; teacher log-probs
+    tl: dense [c, Vd], or top-k [c, k] at draft ids [c, k], read as store.teacher_logprobs
+    reads them: the rest of the mass, 1 - Σ exp(tl), spread evenly over the other Vd - k ids.
+    Soft cross-entropy against p with total mass P (≈ 1): ce = P·lse(z) - Σ p·z, dce/dz = P·q - p.
+    -> grad_z [c, Vd] (times w, in grad_dtype), ce [c], correct [c] (argmax match), accept [c]
+    (Σ min(p, q): the chance that a draft sampled from q is accepted by rejection sampling
+    against p). Compiled on GPU: one pass over z instead of a dozen."""
+    z = z.float()
+    lse = z.logsumexp(-1, keepdim=True)                                      # [c, 1]
+    q = (z - lse).exp()                                                      # [c, Vd]
+    p = tl.exp()
+    if ids is None:
+        P = p.sum(-1, keepdim=True)
+        ce = (P * lse).squeeze(-1) - (p * z).sum(-1)
+        grad = (P * q - p) * w[:, None]
+        t_arg = tl.argmax(-1)
+        accept = torch.minimum(p, q).sum(-1)
+    else:  # never builds the dense [c, Vd] teacher: only z-sized work
+        vd, k = z.shape[-1], ids.shape[-1]
+        rest = (1.0 - p.sum(-1, keepdim=True)).clamp_min(0.0)               # [c, 1]
+        pt = rest.clamp_min(torch.finfo(torch.float32).tiny) / max(vd - k, 1)   # [c, 1]
+        zk, qk = z.gather(-1, ids), q.gather(-1, ids)                        # [c, k]
+        P = p.sum(-1, keepdim=True) + (vd - k) * pt
+        pz = (p * zk).sum(-1) + pt.squeeze(-1) * (z.sum(-1) - zk.sum(-1))
+        ce = (P * lse).squeeze(-1) - pz
+        grad = ((P * q - pt) * w[:, None]).scatter_add(-1, ids, -(p - pt) * w[:, None])
+        t_arg = ids.gather(-1, tl.argmax(-1, keepdim=True)).squeeze(-1)
+        accept = (torch.minimum(q, pt).sum(-1) - torch.minimum(qk, pt).sum(-1)
+                  + torch.minimum(qk, p).sum(-1))
+    return grad.to(grad_dtype), ce, (z.argmax(-1) == t_arg).float(), accept
+
+
+class FusedHeadLoss(torch.autograd.Function):
+    """lm_head + soft cross-entropy in row chunks; the gradients are formed in the forward, so
+    [N, Vd] logits never exist (EAGLE training is dominated by them at small H)."""
+
+    @staticmethod
+    def forward(ctx, hn, weight, w, teacher_ids, teacher_logp, trows, chunk, stats_fn,
+                need_grad):
+        N, dt = hn.shape[0], hn.dtype
+        wc = weight.to(dt)                                                   # [Vd, H] at compute dtype
+        grad_hn = torch.empty_like(hn) if need_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if need_grad else None
+        ce, correct, accept = (hn.new_empty(N, dtype=torch.float32) for _ in range(3))
+        teacher = {"logp": teacher_logp} if teacher_ids is None else \
+            {"ids": teacher_ids, "logp": teacher_logp}
+        for s in range(0, N, chunk):
+            e = min(N, s + chunk)
+            z = hn[s:e] @ wc.T                                               # [c, Vd]
+            ids, tl = _teacher_rows(teacher, trows[s:e])
+            g, ce[s:e], correct[s:e], accept[s:e] = stats_fn(z, ids, tl, w[s:e], dt)
+            if need_grad:
+                grad_hn[s:e] = g @ wc                                        # [c, H]
+                grad_w.add_(g.T @ hn[s:e])  # [Vd, H]; promoted in the kernel, no fp32 temp
+        ctx.save_for_backward(grad_hn, grad_w)
+        ctx.weight_dtype = weight.dtype
+        loss = (w * ce).sum()
+        ctx.mark_non_differentiable(ce, correct, accept)
+        return loss, ce, correct, accept
+
+    @staticmethod
+    def backward(ctx, g_loss, *_):
+        grad_hn, grad_w = ctx.saved_tensors
+        # scaled in place and handed over: autograd adopts them as the .grad, no second copy
+        grad_hn.mul_(g_loss.to(grad_hn.dtype))
+        grad_w.mul_(g_loss)
+        return (grad_hn, grad_w.to(ctx.weight_dtype), None, None, None, None, None, None, None)
+
+
+def head_loss(hn, weight, teacher: dict, trows, w, fused: bool, chunk: int = 0,
+              stats_fn: Callable = _chunk_stats):
+    """hn [N, H] post-norm states of the rows in the loss; weight [Vd, H] (lm_head); teacher
+    {"logp": [M, Vd]} (store.teacher_logprobs) or, fused only, the top-k form {"ids": [M, k],
+    "logp": [M, k]} over M teacher rows; trows [N] which teacher row each row learns; w [N] row
+    weights (ttt_decay**step).
+    -> (Σ w·ce, ce [N], correct [N], accept [N]); the last three carry no gradient."""
+    if fused:
+        chunk = chunk or max(256, (256 << 20) // (4 * weight.shape[0]))  # fp32 logits <= 256 MiB
+        need_grad = torch.is_grad_enabled() and (hn.requires_grad or weight.requires_grad)
+        return FusedHeadLoss.apply(hn, weight, w, teacher.get("ids"), teacher["logp"], trows,
+                                   chunk, stats_fn, need_grad)
+    if "ids" in teacher:
+        raise ValueError("the exact loss takes a dense teacher (store.teacher_logprobs)")
+    z = F.linear(hn, weight).float()                                         # [N, Vd]
+    logq = z.log_softmax(-1)
+    p = teacher["logp"][trows].float().exp()                                 # [N, Vd]
+    ce = -(p * logq).sum(-1)
+    t_arg = teacher["logp"][trows].argmax(-1)
+    accept = torch.minimum(p, logq.exp()).sum(-1)
+    correct = (z.argmax(-1) == t_arg).float()
+    return (w * ce).sum(), ce.detach(), correct, accept.detach()
+
+
+# ------------------------------------------------------------------------------- the unroll
+class TTT(nn.Module):
+    """The training forward: K-step unroll plus loss over a Drafter's trainable modules (shared,
+    not copied). The frozen embeddings stay out: the caller passes `emb` = embed_tokens of the
+    row's tokens, looked up where the table lives (the CPU for a 128k-vocab target), so neither
+    DDP nor FSDP holds or syncs them.
+
+    forward(aux [B, T, 3, Ht], emb [B, T, H], position_ids [B, T], seq_id [B, T], src [K, B, T],
+            rows [N], trows [N], weights [N], teacher) -> dict
+      src[i, b, t]: the token position that step i embeds at (b, t); rows: flat indices into
+      [K, B, T] of the positions in the loss; trows: their teacher rows in [B·T]; weights: their
+      loss weights; teacher: {"logp": [B·T, Vd]} or {"ids", "logp": [B·T, k]}.
+      Returns loss = Σ weights·ce (differentiable) and per-row ce, correct, accept [N].
+    """
+
+    def __init__(self, drafter: "Drafter", attention: str = "sdpa", compile: bool = False,
+                 loss_chunk: int = 0):
+        super().__init__()
+        if attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention must be sdpa or flex, got {attention!r}")
+        self.cfg = drafter.cfg
+        self.fc_norm, self.fc, self.midlayer = drafter.fc_norm, drafter.fc, drafter.midlayer
+        self.norm, self.lm_head, self.rotary = drafter.norm, drafter.lm_head, drafter.rotary
+        self.attention, self.loss_chunk, self.compiled = attention, loss_chunk, compile
+        self.scale = attention_scale(self.cfg)
+        self.pre_fn, self.post_fn, self.merge_fn, self.stats_fn = \
+            self.pre, self.post, merge_diagonal, _chunk_stats
+        if compile:  # rows are padded to max_length, so shapes are static for a run
+            import torch._dynamo
+            torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+            self.pre_fn, self.post_fn, self.merge_fn, self.stats_fn = (
+                torch.compile(f, dynamic=False)
+                for f in (self.pre, self.post, merge_diagonal, _chunk_stats))
+
+    def pre(self, h, emb, cos, sin):
+        """h, emb [B, T, H] -> q [B, nh, T, hd], k, v [B, nkv, T, hd], residual [B, T, H]."""
+        x, residual = self.midlayer.pre_attention(emb, h)                   # [B, T, 2H], [B, T, H]
+        return (*self.midlayer.self_attn.qkv(x.to(h.dtype), cos, sin), residual)
+
+    def post(self, o, residual):
+        """o [B, nh, T, hd] -> h_out (layer output), hn = norm(h_out), each [B, T, H]."""
+        h_out = self.midlayer.post_attention(self.midlayer.self_attn.out(o), residual)
+        return h_out, self.norm(h_out)
+
+    def forward(self, aux, emb, position_ids, seq_id, src, rows, trows, weights, teacher,
+                part0: Callable | None = None):
+        K = src.shape[0]
+        h = fuse(self.fc_norm, self.fc, aux)                                 # [B, T, H]
+        B, T, H = h.shape
+        pos = position_ids[:, None, :] + torch.arange(K, device=h.device)[None, :, None]
+        cos, sin = self.rotary(h, pos.reshape(B, K * T))                     # [B, K·T, hd]
+        cos, sin = cos.view(B, K, T, -1), sin.view(B, K, T, -1)              # [B, K, T, hd]
+        if self.attention == "sdpa":
+            mask0 = dense_mask(seq_id)                                       # [B, 1, T, T]
+        else:
+            part0 = part0 or flex_part0(seq_id, compiled=self.compiled or seq_id.is_cuda)
+        ks, vs, outs = [], [], []
+        for i in range(K):
+            emb_i = emb.gather(1, src[i].unsqueeze(-1).expand(B, T, H)).to(h.dtype)  # [B, T, H]
+            q, k, v, residual = self.pre_fn(h, emb_i, cos[:, i], sin[:, i])
+            ks.append(k)
+            vs.append(v)
+            if self.attention == "sdpa":
+                o = attend_exact(q, ks, vs, mask0)
+            else:
+                o0, lse0 = part0(q, ks[0], vs[0])
+                o = self.merge_fn(q, o0, lse0, ks[1:], vs[1:], self.scale)
+            h_out, hn = self.post_fn(o, residual)
+            outs.append(hn.reshape(B * T, H))
+            h = hn if self.cfg.norm_output else h_out  # = Drafter.feedback(h_out), norm reused
+        hn_rows = torch.cat(outs, 0)[rows]                                   # [N, H]
+        loss, ce, correct, accept = head_loss(
+            hn_rows, self.lm_head.weight, teacher, trows, weights,
+            fused=self.attention == "flex", chunk=self.loss_chunk, stats_fn=self.stats_fn)
+        return {"loss": loss, "ce": ce, "correct": correct, "accept": accept}
