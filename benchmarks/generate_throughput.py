@@ -78,6 +78,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=512)
     ap.add_argument("--static", action="store_true", help="also the static decoder (batch 1)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--all-gpus", action="store_true",
+                    help="also every visible GPU at the first batch size (LocalGenerator: one "
+                         "engine per GPU draining one queue)")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
 
@@ -122,6 +125,22 @@ def main(argv=None) -> int:
         del eng
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    if a.all_gpus and torch.cuda.device_count() > 1:
+        from drafter.engine import LocalGenerator
+
+        gen = LocalGenerator(TargetConfig(model=a.target, dtype=a.dtype, device="auto"),
+                             batch_size=batches[0])
+        gen.generate(prompts[:64], 8)                         # load and capture, untimed
+        t0 = time.perf_counter()
+        res = gen.generate(prompts, a.max_new)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        n = sum(len(t) for t, _ in res)
+        rows.append({"batch": f"{batches[0]} x {gen.replicas} GPUs", "tokens": n,
+                     "seconds": round(wall, 2), "tokens_per_s": round(n / wall, 1),
+                     "steps": sum(e.last.get("steps", 0) for e in gen.engines)})
+        print(json.dumps(rows[-1]), flush=True)
+        del gen
     if a.static:
         dec = Decoder(model, max_batch=batches[0])
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))

@@ -143,6 +143,8 @@ class GenerateConfig:
 class TokenizeConfig:
     max_length: int = doc(2048, "max tokens per conversation")
     overflow: Literal["truncate", "drop"] = doc("truncate", "what to do past max_length")
+    drop_truncated: bool = doc(False, "skip conversations with an answer cut at "
+                               "generate.max_tokens (they are kept on disk: no regeneration)")
     enable_thinking: bool | None = doc(None, "passed to chat templates that take it (Qwen3)")
     template_kwargs: dict[str, Any] = doc(
         {}, "more variables for the chat template, e.g. {thinking: true} (DeepSeek-V3.1)")

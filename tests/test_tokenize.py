@@ -327,6 +327,15 @@ def test_process_counts_skips_and_length(tok):
     assert rows == [] and counts["skipped_no_masked_tokens"] == 1
     with pytest.raises(DrafterError, match="f.jsonl:7"):
         T.process(r, [(7, b"{not json")], "f.jsonl", 100, "truncate")
+    # drop_truncated: an answer generate cut at max_tokens skips its conversation
+    cut = {**good, "id": "e", "meta": {"finish_reason": "length"}}
+    ok = {**good, "id": "f", "meta": {"finish_reason": "stop"}}
+    both = [(1, line(cut)), (2, line(ok))]
+    rows, counts, skipped = T.process(r, both, "f", 10_000, "truncate", drop_truncated=True)
+    assert [x[1] for x in rows] == ["f"] and counts["skipped_truncated_answer"] == 1
+    assert skipped[0]["id"] == "e" and skipped[0]["reason"] == "truncated_answer"
+    rows, _, _ = T.process(r, both, "f", 10_000, "truncate")
+    assert [x[1] for x in rows] == ["e", "f"]
 
 
 def test_reasoning_not_rendered_is_counted(tok):

@@ -24,7 +24,9 @@ no separator strings written here:
 Conversations that cannot be used are skipped and counted by reason (the first ones are listed
 in the manifest): no assistant turn (a prompt-only source with generate disabled, or a failed
 generation), a template error, a template that renders history inconsistently, no end-of-turn.
-Long conversations are truncated at max_length (or dropped), and counted.
+Long conversations are truncated at max_length (or dropped), and counted. With drop_truncated,
+conversations with an answer that generate cut at generate.max_tokens (meta.finish_reason
+"length": mostly repetition loops) are skipped too (reason truncated_answer).
 """
 from __future__ import annotations
 
@@ -264,7 +266,7 @@ def _usable(rec: dict, counts: Counter) -> list[dict]:
 
 
 def process(renderer: Renderer, lines: list[tuple[int, bytes]], file: str, max_length: int,
-            overflow: str) -> tuple[list[tuple], Counter, list[dict]]:
+            overflow: str, drop_truncated: bool = False) -> tuple[list[tuple], Counter, list[dict]]:
     """Raw JSONL lines -> ([(split, id, input_ids, loss_mask)], counts, skipped examples)."""
     counts, skipped, items, meta = Counter(), [], [], []
     for line_no, line in lines:
@@ -278,6 +280,8 @@ def process(renderer: Renderer, lines: list[tuple[int, bytes]], file: str, max_l
             raise DrafterError(f"{file}:{line_no}: split must be train or val, got {split!r}")
         counts["conversations"] += 1
         try:
+            if drop_truncated and (rec.get("meta") or {}).get("finish_reason") == "length":
+                raise _Skip("truncated_answer", "an answer reached generate.max_tokens")
             msgs = _usable(rec, counts)
             if not renderer.renders_reasoning and any(m.get("reasoning_content") for m in msgs):
                 counts["reasoning_not_rendered"] += 1
@@ -357,7 +361,7 @@ def _init_worker(cfg) -> None:
 def _work(args):
     lines, file = args
     tc = _W["cfg"].tokenize
-    return process(_W["r"], lines, file, tc.max_length, tc.overflow)
+    return process(_W["r"], lines, file, tc.max_length, tc.overflow, tc.drop_truncated)
 
 
 def _ordered(pool, tasks, window: int):
@@ -405,7 +409,8 @@ def main(cfg) -> dict:
             stack.callback(_W.clear)
             results = _ordered(pool, chunks, 2 * workers)
         else:
-            results = (process(renderer, c, f, tc.max_length, tc.overflow) for c, f in chunks)
+            results = (process(renderer, c, f, tc.max_length, tc.overflow, tc.drop_truncated)
+                       for c, f in chunks)
         for rows, c, sk in results:
             for split, rid, ids, mask in rows:
                 writers[split].write(rid, ids, mask)
