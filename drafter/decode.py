@@ -100,8 +100,11 @@ class Decoder:
     the latest generate call: seconds (without graph capture), capture_seconds, prefill_seconds."""
 
     def __init__(self, model, max_batch: int = 1, cuda_graphs: bool = True,
-                 span_bucket: int = 256, prefill_tokens: int = 16384):
+                 span_bucket: int = 256, prefill_tokens: int = 16384, sync_every: int = 4):
         self.target = StaticTarget(model)
+        # steps replayed between two reads of the batch's state: each read is a host sync that
+        # leaves the GPU idle while Python decides; finished rows idle through the extra steps
+        self.sync_every = max(1, sync_every)
         self.max_batch = max_batch
         self.graphs = Graphs(cuda_graphs and self.target.device.type == "cuda")
         self.span_bucket, self.prefill_tokens = span_bucket, prefill_tokens
@@ -207,12 +210,14 @@ class Decoder:
             def fn(span):
                 self._plain_step(st, span, temperature, top_p, record_gaps)
         done, lmax = torch.stack([st.finished.all().long(), st.L.max()]).tolist()
-        for _ in range(max_new):
-            if done:
-                break
-            span = min(self.cap[1], round_up(lmax + extra, self.span_bucket))
-            self.graphs.run(key + (span,), lambda: fn(span), state)
-            self.last["iterations"] += 1
+        it, m = 0, self.sync_every
+        while not done and it < max_new:
+            # the span covers what m steps can append (D + 1 tokens each) before the next read
+            span = min(self.cap[1], round_up(lmax + extra + (m - 1) * (D + 1), self.span_bucket))
+            for _ in range(min(m, max_new - it)):
+                self.graphs.run(key + (span,), lambda: fn(span), state)
+                it += 1
+                self.last["iterations"] += 1
             done, lmax = torch.stack([st.finished.all().long(), st.L.max()]).tolist()
         return self._collect(st, range(B), max_new, stop_ids, spec, record_gaps)
 
