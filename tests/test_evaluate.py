@@ -134,8 +134,16 @@ def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
         assert ov["prompts"] == 4
         assert ov["steps"] == sum(d["steps"] for n, d in r["datasets"].items() if n != "overall")
     assert [r["drafter"] for r in m["runs"]] == ["drafter", "drafter", "baseline", "baseline"]
+    # the serving setting: chains K=1..2 and the drafter's tree, at batch 1 and 2
+    rec = s["recommended"]
+    assert set(rec["by_batch"]) == {"1", "2"} and rec["calibration"]["spec_ratio"] > 0
+    for r in rec["by_batch"].values():
+        assert [x["setting"] for x in r["settings"]] == \
+            ["chain K=1", "chain K=2", "tree depth=2 topk=2 tokens=3"]
+        assert r["best"] in [x["setting"] for x in r["settings"]] and r["flags"]["sglang"]
 
     report = run.eval_report().read_text()
+    assert "## Serving setting" in report and "**(best)**" in report
     assert "Lossless: PASS" in report and "| drafter: tree depth=2 topk=2 tokens=3, T=0 |" in report
     assert "baseline: chain K=2, T=0" in report
     for name in ("acceptance", "tau"):

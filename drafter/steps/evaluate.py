@@ -347,6 +347,10 @@ def main(cfg) -> dict:
                     t = dec.time_forwards(prop, tree, batch=min(ev.batch_size, 8))
                     timings[key] = {k: _r(v) for k, v in t.items()}
                     timings[key]["c"] = _r(t["draft_ms"] / t["verify_ms"], 4)
+                    # the costs at batch 1 and at the batch evaluated, for the serving setting
+                    timings[key]["by_batch"] = {
+                        b: {k: _r(v) for k, v in dec.time_forwards(prop, tree, batch=b).items()}
+                        for b in sorted({1, ev.batch_size})}
                 timing = timings[key]
                 per = {}
                 for name, _, _ in datasets:
@@ -382,6 +386,9 @@ def main(cfg) -> dict:
                     if k in primary},
         "datasets": ds_info,
     }
+    rec = _recommend(runs, plain_all, ev.batch_size, str(drafters[0][2]))
+    if rec:
+        settings["recommended"] = rec
     try:
         metrics = finish(run, settings, runs, plain_all)
     finally:
@@ -415,6 +422,32 @@ def finish(run: Run, settings: dict, runs: list[dict], plain: dict) -> dict:
             f"evaluate: speculative decoding is NOT lossless: {mismatches} prompt(s) differ from "
             f"plain greedy decoding of the target (first: {first}); see {run.eval_report()}")
     return metrics
+
+
+def _recommend(runs: list[dict], plain: dict, batch: int, drafter_dir: str) -> dict | None:
+    """The serving setting (drafter.tuning) from the drafter's greedy chain run: its conditional
+    acceptance, the step costs measured per batch size, calibrated on this run's step times."""
+    from ..tuning import chain_step_ms, recommend
+
+    chain = next((r for r in runs if r["drafter"] == "drafter" and r["method"] == "chain"
+                  and r["temperature"] == 0), None)
+    if chain is None or not chain["datasets"]["overall"].get("step_ms"):
+        return None
+    o, k = chain["datasets"]["overall"], chain["k"]
+    t = chain["timing"]["by_batch"]
+    spec_ratio = o["step_ms"] / chain_step_ms(t[batch], k, k)
+    plain_ms = plain["0.0"]["overall"].get("step_ms")
+    plain_ratio = plain_ms / t[batch]["target_ms"] if plain_ms else 1.0
+    trees = [{"label": r["name"].split(",")[0].split(": ", 1)[-1], "tau": r["datasets"]["overall"]
+              ["tau"], "depth": r["depth"], "topk": r["topk"], "tokens": r["tokens"],
+              "timings": r["timing"]["by_batch"]}
+             for r in runs if r["drafter"] == "drafter" and r["method"] == "tree"
+             and r["temperature"] == 0 and r["datasets"]["overall"].get("tau")]
+    rec = recommend(o["acceptance_conditional"], t, k, {"spec_ratio": spec_ratio,
+                                                        "plain_ratio": plain_ratio},
+                    trees, drafter_dir)
+    return {"calibration": {"batch": batch, "spec_ratio": round(spec_ratio, 3),
+                            "plain_ratio": round(plain_ratio, 3)}, "by_batch": rec}
 
 
 def _tree_settings(tree) -> dict:
@@ -495,6 +528,22 @@ def render_report(m: dict) -> str:
         t = r["timing"]
         L.append(f"| {r['name']} | {_fmt(t['target_ms'])} | {_fmt(t['verify_ms'])} | "
                  f"{_fmt(t['draft_ms'])} | {_fmt(t['c'], 3)} |")
+    rec = s.get("recommended")
+    if rec:
+        L += ["", "## Serving setting (expected speedup per batch size)", "",
+              "From the greedy chain run's conditional acceptance and the step costs measured at "
+              "each batch size (drafter/tuning.py; model calibrated on this run's step times: "
+              f"speculative x{rec['calibration']['spec_ratio']}, plain "
+              f"x{rec['calibration']['plain_ratio']}).", "",
+              "| batch | setting | expected τ | step ms | expected speedup |", "|---|---|---|---|---|"]
+        for b, r in rec["by_batch"].items():
+            for x in r["settings"]:
+                best = " **(best)**" if x["setting"] == r["best"] else ""
+                L.append(f"| {b} | {x['setting']}{best} | {_fmt(x['expected_tau'])} | "
+                         f"{_fmt(x['step_ms'])} | {_fmt(x['speedup'])}x |")
+        for b, r in rec["by_batch"].items():
+            L += ["", f"Batch {b}: serve with {r['best']}:", ""]
+            L += [f"- {eng}: `{f}`" for eng, f in r["flags"].items() if f]
     L += ["", "## Per-position acceptance", "",
           "Unconditional: share of steps whose draft position i was accepted. Conditional: the "
           "same among steps whose positions 1..i-1 were all accepted.", ""]
