@@ -9,6 +9,8 @@
 # The lanes outlive the call that starts them (a new process session), so the work runs across
 # device calls as long as the machine stays held: each later call `wait`s and collects, so
 # whatever finished comes back even if the machine is lost after it. Logs: runs/gpu-out/.
+# On one GPU (`single`) the same work runs in turn, without the pools-only comparisons, the
+# scale run on the first $SCALE_SYNTHETIC (50,000) synthetic prompts.
 #
 #   lane 0 (GPU 0): GPU tests -> data engine throughput, 10,000 prompts, batch 1024/2048/512/256
 #                   (+ kernel profile) -> [2 GPUs: the same on both GPUs; the scale run's
@@ -59,6 +61,25 @@ lane0() {
   mark lane0
 }
 
+single() {  # one GPU: the two lanes' work in turn, the scale run on 50,000 synthetic prompts
+  step tests 0 $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_engine.py \
+    tests/test_decode.py tests/test_model.py tests/test_extract.py
+  step throughput 0 $PY benchmarks/generate_throughput.py --data ../shared/data/train \
+    --prompts 10000 --batches 1024,2048,512,256 --max-new 512 --profile \
+    --json "$RES/throughput.json"
+  step synthetic 0 $PY benchmarks/synthetic_prompts.py --count 100000 --batch 2048 \
+    --max-tokens 128 --out runs/synthetic-100k.jsonl.gz --compare ../shared/data/train \
+    --json "$RES/synthetic.json"
+  local half=("prepare.sources[6].max_samples=${SCALE_SYNTHETIC:-50000}")
+  step scale-generate 0 $DRAFTER run $CFG "${half[@]}" --until generate
+  step scale-train 0 $DRAFTER run $CFG "${half[@]}" --until train
+  step scale-eval 0 $DRAFTER run $CFG "${half[@]}"
+  curve 0
+  step decode-speed 0 $PY benchmarks/decode_speed.py --batches 1,64 --json "$RES/decode_speed.json"
+  step train-bench 0 $PY benchmarks/train_throughput.py ${TRAIN_BENCH:-}
+  mark lane0; mark lane1
+}
+
 curve() {  # the tau-vs-tokens curve: chain K=5, T=0 on the scale run's checkpoints
   for s in $CURVE_STEPS; do
     ck=$(printf "runs/scale/train/step_%06d" "$s")
@@ -84,6 +105,7 @@ lane1() {
     tokenize.drop_truncated=true
   await trained
   curve 1
+  step decode-speed 1 $PY benchmarks/decode_speed.py --batches 1,64 --json "$RES/decode_speed.json"
   step train-bench 1 $PY benchmarks/train_throughput.py ${TRAIN_BENCH:-}
   mark lane1
 }
@@ -111,10 +133,16 @@ collect() {
 
 case "${1:-}" in
   start)
-    log "start (GPUs: $($PY -c 'import torch; print(torch.cuda.device_count())'))"
-    setsid bash "$0" lane0 < /dev/null > "$RES/lane0.out" 2>&1 &
-    setsid bash "$0" lane1 < /dev/null > "$RES/lane1.out" 2>&1 &
+    n=$($PY -c 'import torch; print(torch.cuda.device_count())')
+    log "start (GPUs: $n)"
+    if [ "$n" -ge 2 ]; then
+      setsid bash "$0" lane0 < /dev/null > "$RES/lane0.out" 2>&1 &
+      setsid bash "$0" lane1 < /dev/null > "$RES/lane1.out" 2>&1 &
+    else
+      setsid bash "$0" single < /dev/null > "$RES/single.out" 2>&1 &
+    fi
     sleep 2; log "lanes started" ;;
+  single) single ;;
   lane0) lane0 ;;
   lane1) lane1 ;;
   wait)
