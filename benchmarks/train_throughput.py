@@ -11,7 +11,7 @@ Shapes (issue 6), TTT 7 steps, one sample per row unless --data:
     llama8b  (b) H = Ht = 4096, 32 / 8 heads of 128, I 14336, V 128256, Vd 32000, batch 1 × 2048
     tiny     H = Ht = 64, 4 / 2 heads of 16, I 128, V 1024, Vd 512, batch 2 × 128, TTT 3
 
-One timed step is exactly drafter train's (drafter/steps/train.py; batches from
+One timed step is exactly drafter train's (drafter/trainer.py; batches from
 drafter/batches.py): the host batch (pinned, built once: collate, align, embedding lookup on the
 CPU) goes to the device, the teacher is formed (`--teacher topk`: k=64 draft-vocab log-probs as
 stored, never densified; `hidden`: the final hidden state through the draft-vocab head into dense
@@ -50,7 +50,7 @@ from drafter import config as C  # noqa: E402
 from drafter.capture import Head  # noqa: E402
 from drafter.dist import close_dist, dist_env  # noqa: E402
 from drafter.model import Drafter, DrafterConfig, param_count  # noqa: E402
-from drafter.steps import train  # noqa: E402
+from drafter import trainer  # noqa: E402
 
 SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
@@ -113,13 +113,13 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
                         f"train.batch_tokens={B * T}", f"train.attention={attention}",
                         f"train.compile={str(not args.no_compile).lower()}"])
     tc = cfg.train
-    attention = train.pick_attention(tc, dist.device)
+    attention = trainer.pick_attention(tc, dist.device)
     torch.manual_seed(0)
     drafter = Drafter(c)
     drafter.embed_tokens.to(torch.bfloat16)
     head = Head((torch.randn(c.draft_vocab_size, c.target_hidden_size) * 0.05)
                 .to(torch.bfloat16)).to(dist.device)
-    ttt, model, opt = train.setup_model(drafter, tc, dist, attention)
+    ttt, model, opt = trainer.setup_model(drafter, tc, dist, attention)
     params = [p for p in ttt.parameters() if p.requires_grad]
     amp = torch.autocast(dist.device.type, dtype=torch.bfloat16) if cuda else \
         torch.autocast("cpu", enabled=False)
@@ -146,7 +146,7 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
     def step() -> int:
         hb = next_host()
         micro = iter([batches.device_batch(hb, dist.device, head, fused)])
-        train.train_step(model, params, opt, micro, tc, dist, amp)
+        trainer.train_step(model, params, opt, micro, tc, dist, amp)
         return hb["tokens"]  # real tokens (padding excluded)
 
     def sync():

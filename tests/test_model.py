@@ -432,6 +432,8 @@ def test_compiled_flex_keeps_one_graph_across_packings(monkeypatch):
         ref_o, ref_lse = emulated_flex(seq)(q, k, v)
         real = seq >= 0                                                  # pad rows: undefined
         assert torch.allclose(o.transpose(1, 2)[real], ref_o.transpose(1, 2)[real], atol=1e-5)
+        assert torch.allclose(lse.transpose(1, 2)[real], ref_lse.transpose(1, 2)[real],
+                              atol=1e-5)
         graphs.append(_graphs())
     assert graphs == [graphs[0]] * 4 and graphs[0] > 0
 

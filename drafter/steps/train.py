@@ -12,8 +12,8 @@ Writes  train/step_NNNNNN/  model.safetensors + drafter_config.json (model.save_
     torchrun --nproc-per-node 8 -m drafter.cli train CONFIG [train.fsdp=true]
 
 This file is the loop, top to bottom. What it calls: drafter/batches.py (the data pipeline),
-ttt.py (the K-step unroll and its loss), checkpoint.py, metrics.py, and dist.py (torchrun's
-environment).
+trainer.py (the model set up for the ranks, one optimizer step), ttt.py (the K-step unroll and
+its loss), checkpoint.py, metrics.py, and dist.py (torchrun's environment).
 
 Data. Samples are taken in id order (so offline shards and online capture agree), shuffled with
 train.seed, and packed first-fit into rows of train.max_length tokens (a longer sample keeps its
@@ -47,11 +47,11 @@ from ..batches import Prefetch, Source, device_batch, epoch_micro_batches, host_
 from ..checkpoint import best_checkpoint, load_checkpoint, prune_checkpoints, resume_from, \
     save_checkpoint
 from ..config import ConfigError
-from ..dist import Dist, all_sum, close_dist, dist_env
+from ..dist import Dist, close_dist, dist_env
 from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_writer
 from ..model import Drafter, DrafterConfig, param_count
 from ..rundir import JsonlAppender, Run, read_jsonl
-from ..ttt import TTT
+from ..trainer import pick_attention, setup_model, train_step
 
 log = logging.getLogger("drafter")
 
@@ -239,65 +239,6 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         "last_checkpoint": str(run.checkpoints()[-1]) if run.checkpoints() else None,
         "best_checkpoint": str(best) if best else None,
     }
-
-
-def pick_attention(tc, device) -> str:
-    if tc.attention == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
-    if tc.attention == "flex" and device.type != "cuda":
-        raise ConfigError("train.attention=flex needs a CUDA GPU (FlexAttention has no "
-                          "backward on the CPU): use sdpa or auto")
-    return tc.attention
-
-
-def setup_model(drafter: Drafter, tc, dist: Dist, attention: str):
-    """The trainable modules on the device (the embeddings stay on the CPU), wrapped for the
-    ranks (DDP, or FSDP2 with train.fsdp), and AdamW over them. -> (ttt, model, optimizer)."""
-    dev, cuda = dist.device, dist.device.type == "cuda"
-    ttt = TTT(drafter, attention=attention, compile=tc.compile and cuda).to(dev)
-    if dist.world > 1 and tc.fsdp:
-        # One unit: the one layer runs K times forward and backward, so its weights stay
-        # gathered for the whole step (ZeRO-2); gradients and AdamW state are sharded.
-        from torch.distributed.fsdp import fully_shard
-        model = fully_shard(ttt, reshard_after_forward=False)
-    elif dist.world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(ttt, device_ids=[dev.index] if cuda else None)
-    else:
-        model = ttt
-    params = [p for p in ttt.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay,
-                            fused=cuda and not (tc.fsdp and dist.world > 1))
-    return ttt, model, opt
-
-
-def train_step(model, params, opt, micro, tc, dist: Dist, autocast, meter=None):
-    """One optimizer step over `micro` (grad_accum device batches, made one at a time).
-    Returns the gradient norm before clipping (a device tensor: no host sync)."""
-    fsdp = tc.fsdp and dist.world > 1
-    n0 = torch.zeros((), dtype=torch.float64, device=dist.device)
-    for a, d in enumerate(micro):
-        n0 += d["n_valid"][0]
-        last = a == tc.grad_accum - 1  # ranks sync gradients on the last one only
-        sync = contextlib.nullcontext()
-        if fsdp:
-            model.set_requires_gradient_sync(last)
-        elif dist.world > 1 and not last:
-            sync = model.no_sync()
-        with sync:
-            with autocast:
-                out = model(**model_inputs(d))
-            out["loss"].backward()
-        if meter is not None:
-            meter.add(out, d)
-    # grads hold Σ over this rank's rows, averaged over ranks: make them Σ / N0
-    scale = dist.world / all_sum(n0, dist).clamp(min=1)
-    grads = [p.grad for p in params if p.grad is not None]
-    torch._foreach_mul_(grads, float(scale) if fsdp else scale.to(grads[0].dtype))
-    gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return gnorm
 
 
 @torch.no_grad()
