@@ -48,10 +48,12 @@ from ..checkpoint import best_checkpoint, load_checkpoint, prune_checkpoints, re
     save_checkpoint
 from ..config import ConfigError
 from ..dist import Dist, close_dist, dist_env
-from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_writer
+from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_writer, \
+    throughput
 from ..model import Drafter, DrafterConfig, param_count
 from ..rundir import JsonlAppender, Run, read_jsonl
-from ..trainer import pick_attention, setup_model, train_step
+from ..trainer import WARMUP_STEPS, compiled_graphs, pick_attention, setup_model, sync, \
+    train_step
 
 log = logging.getLogger("drafter")
 
@@ -165,9 +167,11 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     feed = Prefetch(make, jobs(step)) if not tc.online else None
     it = jobs(step)
     meter, val, last_val, last_train = Meter(K, dev), None, None, None
-    t_log = time.perf_counter()
     autocast = torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext()
     first, t_start, tokens_total = step, time.perf_counter(), 0
+    # Time in train steps only (validation and checkpoints set aside), so that tokens_per_s,
+    # elapsed_s and warmup_s measure training: issue 18 compares the whole run with steady state.
+    aside, train_s_log, warmup_s, rates = 0.0, 0.0, None, []
     try:
         while step < total:
             micro = (device_batch(feed.next() if feed else make(next(it)), dev, head, fused)
@@ -175,16 +179,24 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
             gnorm = train_step(model, params, opt, micro, tc, dist, autocast, meter)
             sched.step()
             step += 1
+            if step - first == WARMUP_STEPS:  # one sync: compiles and the first steps are done
+                sync(dev)
+                warmup_s = time.perf_counter() - t_start - aside
 
             if step % tc.log_every == 0 or step == total:
                 m = meter.read(dist, tc.ttt_decay)
                 now = time.perf_counter()
-                tok_s = m["tokens"] / max(now - t_log, 1e-9)
+                train_s = now - t_start - aside
+                tok_s = m["tokens"] / max(train_s - train_s_log, 1e-9)
                 tokens_total += m["tokens"]
-                t_log = now
+                train_s_log = train_s
+                rates.append(tok_s)
                 m.update(step=step, epoch=step / steps_per_epoch, split="train",
                          lr=sched.get_last_lr()[0], grad_norm=float(gnorm),
-                         tokens_per_s=round(tok_s, 1), time=time.time())
+                         tokens_per_s=round(tok_s, 1), elapsed_s=round(train_s, 3),
+                         time=time.time())
+                if ttt.compiled:  # a recompilation storm shows as a count that keeps rising
+                    m["graphs"] = compiled_graphs()
                 if cuda:
                     m["mem_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
                 if dist.main:
@@ -197,7 +209,12 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                         tb_write(tb, "train", step, m)
                 last_train = m
             save = step % tc.save_every == 0 or step == total
-            if val_src is not None and ((tc.eval_every and step % tc.eval_every == 0) or save):
+            evaluating = val_src is not None and ((tc.eval_every and step % tc.eval_every == 0)
+                                                  or save)
+            if evaluating or save:  # the steps queued so far count as training time
+                sync(dev)
+            t_aside = time.perf_counter()
+            if evaluating:
                 val = evaluate(model, val_src, dist, drafter, head, tc, B, T, fused, autocast)
                 val.update(step=step, split="val", time=time.time())
                 last_val = val
@@ -216,6 +233,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                 save_checkpoint(run, dist, step, drafter, ttt, opt, fsdp, state)
                 if dist.main:
                     prune_checkpoints(run, tc.keep_checkpoints)
+            aside += time.perf_counter() - t_aside
     finally:
         if feed:
             feed.close()
@@ -234,6 +252,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                    "dropped_micro_batches_per_epoch": n_micro - steps_per_epoch * per_step},
         "final_step": step, "train": last_train if step > first else None, "val": last_val,
         "tokens_per_s": round(tokens_total / max(elapsed, 1e-9), 1) if step > first else None,
+        **throughput(tokens_total, train_s_log, rates, warmup_s),
         "drafter_config": drafter.cfg.to_dict(), "attention": attention,
         "world_size": dist.world, "fsdp": fsdp,
         "last_checkpoint": str(run.checkpoints()[-1]) if run.checkpoints() else None,
