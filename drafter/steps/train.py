@@ -164,8 +164,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                 yield plan[1][(k * tc.grad_accum + a) * dist.world + dist.rank]
 
     make = lambda r: host_batch(train_src, r, B, T, tc, drafter.embed_tokens.weight)  # noqa
-    feed = Prefetch(make, jobs(step)) if not tc.online else None
-    it = jobs(step)
+    # online, the thread runs the target too: on a stream of its own on a GPU (issue 18)
+    feed = Prefetch(make, jobs(step), device=dev if tc.online else None)
     meter, val, last_val, last_train = Meter(K, dev), None, None, None
     autocast = torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext()
     first, t_start, tokens_total = step, time.perf_counter(), 0
@@ -174,8 +174,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     aside, train_s_log, warmup_s, rates = 0.0, 0.0, None, []
     try:
         while step < total:
-            micro = (device_batch(feed.next() if feed else make(next(it)), dev, head, fused)
-                     for _ in range(tc.grad_accum))
+            micro = (device_batch(feed.next(), dev, head, fused) for _ in range(tc.grad_accum))
             gnorm = train_step(model, params, opt, micro, tc, dist, autocast, meter)
             sched.step()
             step += 1
@@ -235,8 +234,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                     prune_checkpoints(run, tc.keep_checkpoints)
             aside += time.perf_counter() - t_aside
     finally:
-        if feed:
-            feed.close()
+        feed.close()
         if metrics:
             metrics.close()
         if tb:
