@@ -196,7 +196,7 @@ class Prefetch:
 
     def __init__(self, make, jobs, depth: int = 2, device=None):
         self.q: queue.Queue = queue.Queue(maxsize=depth)
-        self.stop = False
+        self.stop, self.device = False, device
         stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" \
             else None
 
@@ -228,7 +228,7 @@ class Prefetch:
         if err is not None:
             raise err
         if done is not None:
-            here = torch.cuda.current_stream(done.device)
+            here = torch.cuda.current_stream(self.device)
             here.wait_event(done)
             for v in item.values():
                 if torch.is_tensor(v) and v.is_cuda:
