@@ -230,13 +230,13 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
     t0 = time.perf_counter()
     for _ in range(args.warmup):
         step()
-    trainer.sync(dist.device)
+    trainer.sync_device(dist.device)
     warm_s = time.perf_counter() - t0
     if cuda:
         torch.cuda.reset_peak_memory_stats(dist.device)
     t0 = time.perf_counter()
     tokens = sum(step() for _ in range(args.steps))
-    trainer.sync(dist.device)
+    trainer.sync_device(dist.device)
     dt = time.perf_counter() - t0
     t = torch.tensor([dt], device=dist.device)
     if dist.world > 1:
@@ -394,7 +394,7 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
                 graphs_warm = trainer.compiled_graphs()
     finally:
         feed.close()
-    trainer.sync(dist.device)
+    trainer.sync_device(dist.device)
     if cuda:
         wall = [marks[0].elapsed_time(m) / 1e3 for m in marks[1:]]  # seconds since the start
     tokens = [s["tokens"] * dist.world for s in stats]  # ranks see equal shares

@@ -22,7 +22,7 @@ from .ttt import TTT
 WARMUP_STEPS = 10
 
 
-def sync(device) -> None:
+def sync_device(device) -> None:
     """Wait for the device's queued work (timing points; a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -52,8 +52,8 @@ from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_
     throughput
 from ..model import Drafter, DrafterConfig, param_count
 from ..rundir import JsonlAppender, Run, read_jsonl
-from ..trainer import WARMUP_STEPS, compiled_graphs, pick_attention, setup_model, sync, \
-    train_step
+from ..trainer import WARMUP_STEPS, compiled_graphs, pick_attention, setup_model, \
+    sync_device, train_step
 
 log = logging.getLogger("drafter")
 
@@ -179,7 +179,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
             sched.step()
             step += 1
             if step - first == WARMUP_STEPS:  # one sync: compiles and the first steps are done
-                sync(dev)
+                sync_device(dev)
                 warmup_s = time.perf_counter() - t_start - aside
 
             if step % tc.log_every == 0 or step == total:
@@ -211,7 +211,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
             evaluating = val_src is not None and ((tc.eval_every and step % tc.eval_every == 0)
                                                   or save)
             if evaluating or save:  # the steps queued so far count as training time
-                sync(dev)
+                sync_device(dev)
             t_aside = time.perf_counter()
             if evaluating:
                 val = evaluate(model, val_src, dist, drafter, head, tc, B, T, fused, autocast)
