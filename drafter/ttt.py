@@ -190,11 +190,13 @@ def _chunk_stats(z, ids, tl, w, grad_dtype=torch.float32):
 
 
 def _rows_dynamic(*ts) -> None:
-    """Mark dim 0 (rows) of a batch's last loss chunk dynamic. The rows in the loss differ from
-    batch to batch, so the last chunk has any size, and a compiled stats_fn specialised on each
-    one recompiled until dynamo's recompile_limit (issue 18: "tensor 'w' size mismatch at index
-    0. expected 2097, actual 1357", the first 100 steps at 8-31k tok/s against 175k steady).
-    Full chunks keep their static graph; no padding, so the numbers are the eager ones.
+    """Mark dim 0 (rows) of a loss chunk dynamic. The rows in the loss differ from batch to
+    batch, so a batch's last chunk has any size, and a compiled stats_fn specialised on each one
+    recompiled until dynamo's recompile_limit (issue 18: "tensor 'w' size mismatch at index 0.
+    expected 2097, actual 1357", the first 100 steps at 8-31k tok/s against 175k steady). Every
+    chunk is marked: dynamo would run full chunks through the dynamic graph anyway once it
+    exists (it checks the newest graph first), so one graph serves all from the first batch,
+    and a static one would only add a compile. No padding: the numbers are the eager ones.
     A no-op for an eager stats_fn."""
     import torch._dynamo
 
@@ -223,8 +225,7 @@ class FusedHeadLoss(torch.autograd.Function):
             z = hn[s:e] @ wc.T                                               # [c, Vd]
             ids, tl = _teacher_rows(teacher, trows[s:e])
             ws = w[s:e]
-            if e - s < chunk:
-                _rows_dynamic(z, ids, tl, ws)
+            _rows_dynamic(z, ids, tl, ws)
             g, ce[s:e], correct[s:e], accept[s:e] = stats_fn(z, ids, tl, ws, dt)
             if need_grad:
                 grad_hn[s:e] = g @ wc                                        # [c, H]
@@ -299,8 +300,9 @@ class TTT(nn.Module):
             self.pre, self.post, merge_diagonal, _chunk_stats
         if compile:
             # Static shapes: rows are padded to max_length and micro-batches to B rows, so the
-            # layer pieces see one shape per run; the loss rows vary per batch and only the last
-            # chunk's are marked dynamic (_rows_dynamic). One graph per TTT step for the merge.
+            # layer pieces see one shape per run; the loss rows vary per batch, so the loss
+            # chunks' rows are marked dynamic (_rows_dynamic). One graph per TTT step for the
+            # merge.
             import torch._dynamo
             torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
             self.pre_fn, self.post_fn, self.merge_fn, self.stats_fn = (
