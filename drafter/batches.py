@@ -186,28 +186,53 @@ def model_inputs(d: dict) -> dict:
 
 
 class Prefetch:
-    """Builds host batches on a thread, `depth` ahead, in order; errors surface in next()."""
+    """Builds batches on a thread, `depth` ahead, in order; errors surface in next().
 
-    def __init__(self, make, jobs, depth: int = 2):
+    With `device` a CUDA device (online training: `make` runs the target), the thread issues its
+    GPU work on a stream of its own, so the target's forward for the next micro-batch overlaps
+    the drafter's step instead of waiting for it; next() makes the caller's stream wait for the
+    batch and marks its tensors as in use there (the allocator then keeps them until that
+    stream is done). Without, the thread builds host batches (pinned) for the main thread."""
+
+    def __init__(self, make, jobs, depth: int = 2, device=None):
         self.q: queue.Queue = queue.Queue(maxsize=depth)
-        self.stop = False
+        self.stop, self.device = False, device
+        stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" \
+            else None
+
+        def build(job):
+            if stream is None:
+                return make(job), None
+            with torch.cuda.stream(stream):
+                item = make(job)
+                done = torch.cuda.Event()
+                done.record(stream)
+            return item, done
 
         def loop():
+            if stream is not None:
+                torch.cuda.set_device(device)
             for job in jobs:
                 if self.stop:
                     return
                 try:
-                    self.q.put((make(job), None))
+                    self.q.put((*build(job), None))
                 except BaseException as e:  # noqa: BLE001 - handed to the main thread
-                    self.q.put((None, e))
+                    self.q.put((None, None, e))
                     return
         self.thread = threading.Thread(target=loop, name="train-prefetch", daemon=True)
         self.thread.start()
 
     def next(self):
-        item, err = self.q.get()
+        item, done, err = self.q.get()
         if err is not None:
             raise err
+        if done is not None:
+            here = torch.cuda.current_stream(self.device)
+            here.wait_event(done)
+            for v in item.values():
+                if torch.is_tensor(v) and v.is_cuda:
+                    v.record_stream(here)
         return item
 
     def close(self):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -210,6 +211,8 @@ class Capture:
         self.packed = packing == "packed" or (packing == "auto" and "flash" in attn)
         self.pad_id = 0
         self._head: Head | None = None
+        # online training captures on a prefetch thread while validation captures on the main one
+        self._lock = threading.Lock()
 
     # -- the head (draft-vocab rows of lm_head); a collective under tensor parallelism
     @property
@@ -284,7 +287,7 @@ class Capture:
             index = valid.reshape(-1).nonzero()[:, 0].to(self.device)            # [N]
         aux = torch.empty(n_tok, len(self.layer_ids), self.hidden_size, dtype=self.out_dtype,
                           device=self.device)                                   # [N, L, Ht]
-        with self._hooks(aux, index):
+        with self._lock, self._hooks(aux, index):  # hooks on shared layers: one forward at once
             h = self.decoder(input_ids=batch, position_ids=pos, use_cache=False).last_hidden_state
         h = _full(h).reshape(-1, self.hidden_size).to(self.device)               # [B*S, Ht]
         if index is not None:

@@ -5,6 +5,7 @@ rewritten on resume, and TensorBoard scalars.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -55,6 +56,22 @@ def summarize(s: list[list[float]], decay: float) -> dict:
             "sim_tau": tau(acc), "sim_tau_p": tau(accept),
             "oov": 1 - nv[0] / nl[0] if nl[0] else 0.0, "positions": int(nv[0]),
             "tokens": int(s[5][0])}
+
+
+def throughput(tokens: int, seconds: float, rates: list[float],
+               warmup_s: float | None) -> dict:
+    """A run's tokens/s against its steady state (issue 18: >= 0.85 for runs of >= 200 steps).
+    tokens over `seconds` of train steps (warm-up and compiles included) -> avg_tokens_per_s;
+    `rates`, the tokens/s of each log interval (or step) in order -> steady_tokens_per_s, the
+    median of their last half; avg_over_steady, their ratio; warmup_s as measured."""
+    out = {"warmup_s": round(warmup_s, 2) if warmup_s is not None else None,
+           "avg_tokens_per_s": None, "steady_tokens_per_s": None, "avg_over_steady": None}
+    if rates and seconds > 0:
+        steady = statistics.median(rates[len(rates) // 2:])
+        out.update(avg_tokens_per_s=round(tokens / seconds, 1),
+                   steady_tokens_per_s=round(steady, 1),
+                   avg_over_steady=round(tokens / seconds / steady, 3) if steady else None)
+    return out
 
 
 def fmt_line(split: str, step: int, total: int, m: dict, extra: str = "") -> str:

@@ -189,6 +189,22 @@ def _chunk_stats(z, ids, tl, w, grad_dtype=torch.float32):
     return grad.to(grad_dtype), ce, (z.argmax(-1) == t_arg).float(), accept
 
 
+def _rows_dynamic(*ts) -> None:
+    """Mark dim 0 (rows) of a loss chunk dynamic. The rows in the loss differ from batch to
+    batch, so a batch's last chunk has any size, and a compiled stats_fn specialised on each one
+    recompiled until dynamo's recompile_limit (issue 18: "tensor 'w' size mismatch at index 0.
+    expected 2097, actual 1357", the first 100 steps at 8-31k tok/s against 175k steady). Every
+    chunk is marked: dynamo would run full chunks through the dynamic graph anyway once it
+    exists (it checks the newest graph first), so one graph serves all from the first batch,
+    and a static one would only add a compile. No padding: the numbers are the eager ones.
+    A no-op for an eager stats_fn."""
+    import torch._dynamo
+
+    for t in ts:
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
 class FusedHeadLoss(torch.autograd.Function):
     """lm_head + soft cross-entropy in row chunks; the gradients are formed in the forward, so
     [N, Vd] logits never exist (EAGLE training is dominated by them at small H)."""
@@ -208,7 +224,9 @@ class FusedHeadLoss(torch.autograd.Function):
             e = min(N, s + chunk)
             z = hn[s:e] @ wc.T                                               # [c, Vd]
             ids, tl = _teacher_rows(teacher, trows[s:e])
-            g, ce[s:e], correct[s:e], accept[s:e] = stats_fn(z, ids, tl, w[s:e], dt)
+            ws = w[s:e]
+            _rows_dynamic(z, ids, tl, ws)
+            g, ce[s:e], correct[s:e], accept[s:e] = stats_fn(z, ids, tl, ws, dt)
             if need_grad:
                 grad_hn[s:e] = g @ wc                                        # [c, H]
                 grad_w.add_(g.T @ hn[s:e])  # [Vd, H]; promoted in the kernel, no fp32 temp
@@ -264,10 +282,12 @@ class TTT(nn.Module):
       [K, B, T] of the positions in the loss; trows: their teacher rows in [B·T]; weights: their
       loss weights; teacher: {"logp": [B·T, Vd]} or {"ids", "logp": [B·T, k]}.
       Returns loss = Σ weights·ce (differentiable) and per-row ce, correct, accept [N].
+    compile: torch.compile the layer pieces, the merge and the loss chunk with `backend`
+    (inductor; tests count dynamo's graphs with aot_eager, which builds no kernels).
     """
 
     def __init__(self, drafter: "Drafter", attention: str = "sdpa", compile: bool = False,
-                 loss_chunk: int = 0):
+                 loss_chunk: int = 0, backend: str = "inductor"):
         super().__init__()
         if attention not in ("sdpa", "flex"):
             raise ValueError(f"attention must be sdpa or flex, got {attention!r}")
@@ -278,11 +298,15 @@ class TTT(nn.Module):
         self.scale = attention_scale(self.cfg)
         self.pre_fn, self.post_fn, self.merge_fn, self.stats_fn = \
             self.pre, self.post, merge_diagonal, _chunk_stats
-        if compile:  # rows are padded to max_length, so shapes are static for a run
+        if compile:
+            # Static shapes: rows are padded to max_length and micro-batches to B rows, so the
+            # layer pieces see one shape per run; the loss rows vary per batch, so the loss
+            # chunks' rows are marked dynamic (_rows_dynamic). One graph per TTT step for the
+            # merge.
             import torch._dynamo
             torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
             self.pre_fn, self.post_fn, self.merge_fn, self.stats_fn = (
-                torch.compile(f, dynamic=False)
+                torch.compile(f, dynamic=False, backend=backend)
                 for f in (self.pre, self.post, merge_diagonal, _chunk_stats))
 
     def pre(self, h, emb, cos, sin):

@@ -351,6 +351,93 @@ def test_compiled_pieces_match_eager(head):
         assert torch.allclose(a, c, rtol=1e-4, atol=1e-6 * a.abs().max())
 
 
+# ------------------------------------------------------------ no recompilation (issue 18)
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+def varied_batches(n: int, T: int, K: int, head, chunk: int) -> list[dict]:
+    """n batches of 2 rows × T packed from samples of random lengths and prompt lengths, so
+    each has its own number of loss rows N and its own last-chunk size (never 1 row: dynamo
+    specialises sizes 0 and 1, one graph more, which a real run may meet once)."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    while len(out) < n:
+        rows = []
+        for _ in range(2):
+            row, free = [], T
+            while free >= 6:
+                m = int(torch.randint(6, T + 1, (1,), generator=g).clamp(max=free))
+                row.append(make_sample(m, g, int(torch.randint(0, m // 2, (1,), generator=g)),
+                                       "topk"))
+                free -= m
+            rows.append(row)
+        b = batch_of(rows, T, K=K, teacher="topk", head=head)
+        if len(b["rows"]) % chunk not in (1,) and len(b["rows"]) not in (len(x["rows"])
+                                                                       for x in out):
+            out.append(b)
+    return out
+
+
+def test_compiled_path_compiles_once_for_any_loss_rows(head):
+    """Real batches differ in their loss rows N, so the loss's last chunk has any size. Through
+    AdamW steps on batches of different N and packings, the compiled path (dynamo with
+    aot_eager: the guards and graphs inductor gets, no kernels to build on a CPU) compiles
+    during the first batch and never again, and trains as the eager path does."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    T, K, chunk = 24, 3, 16
+    data = varied_batches(6, T, K, head, chunk)
+    assert len({len(b["rows"]) % chunk for b in data}) >= 4          # tails of several sizes
+    models = {}
+    for comp in (False, True):
+        d = make_drafter()
+        ttt = TTT(d, attention="flex", compile=comp, backend="aot_eager", loss_chunk=chunk)
+        opt = torch.optim.AdamW([p for p in ttt.parameters() if p.requires_grad], lr=1e-2)
+        models[comp] = d, ttt, opt
+    graphs, losses = [], {False: [], True: []}
+    for b in data:
+        for comp, (d, ttt, opt) in models.items():
+            out = run_ttt(ttt, d, b, part0=emulated_flex(b["seq_id"]))
+            out["loss"].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[comp].append(float(out["loss"].detach()))
+        graphs.append(_graphs())
+    assert graphs[0] > 0 and graphs[-1] == graphs[0], graphs
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_compiled_flex_keeps_one_graph_across_packings(monkeypatch):
+    """flex_part0 builds a new block mask (a new mask_mod closure over seq_id) for each batch:
+    dynamo guards on their shapes, not on the packing, so one graph serves every layout
+    (forward only: CPU flex has no backward; the eager backend, same guards)."""
+    import torch._dynamo
+    from torch.nn.attention import flex_attention as fa
+
+    from drafter import ttt as ttt_mod
+    torch._dynamo.reset()
+    monkeypatch.setitem(ttt_mod._FLEX, "fn", torch.compile(fa.flex_attention, dynamic=False,
+                                                            backend="eager"))
+    g = torch.Generator().manual_seed(0)
+    B, T = 2, 256
+    q = torch.randn(B, 4, T, 16, generator=g)
+    k, v = torch.randn(B, 2, T, 16, generator=g), torch.randn(B, 2, T, 16, generator=g)
+    graphs = []
+    for cut in (T, 100, 37, 200):
+        seq = (torch.arange(T) >= cut).long().expand(B, T).clone()
+        seq[1, T - cut // 3:] = -1                                       # a padded tail
+        o, lse = flex_part0(seq, compiled=True)(q, k, v)
+        ref_o, ref_lse = emulated_flex(seq)(q, k, v)
+        real = seq >= 0                                                  # pad rows: undefined
+        assert torch.allclose(o.transpose(1, 2)[real], ref_o.transpose(1, 2)[real], atol=1e-5)
+        assert torch.allclose(lse.transpose(1, 2)[real], ref_lse.transpose(1, 2)[real],
+                              atol=1e-5)
+        graphs.append(_graphs())
+    assert graphs == [graphs[0]] * 4 and graphs[0] > 0
+
+
 # -------------------------------------------------------------------------------- save/load
 def test_save_load_round_trip(tmp_path):
     d = make_drafter(fc_norm=True, norm_output=True)

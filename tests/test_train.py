@@ -154,6 +154,24 @@ def test_loss_falls_when_overfitting(world, tmp_path):
     assert out["drafter_config"]["draft_vocab_size"] == VD
     assert out["val"]["sim_tau"] >= 1.0 and out["tokens_per_s"] > 0
     assert Path(out["last_checkpoint"]).name == f"step_{out['final_step']:06d}"
+    # issue 18: seconds of train steps only, growing; warm-up and whole run against steady state
+    elapsed = [r["elapsed_s"] for r in recs]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0 and "graphs" not in recs[0]
+    assert out["final_step"] >= 10 and 0 < out["warmup_s"] < elapsed[-1]
+    assert out["avg_tokens_per_s"] == pytest.approx(
+        sum(r["tokens"] for r in recs) / elapsed[-1], rel=1e-2)
+    assert out["avg_over_steady"] == pytest.approx(
+        out["avg_tokens_per_s"] / out["steady_tokens_per_s"], rel=1e-2)
+
+
+def test_throughput_summary():
+    """Warm-up counted in the whole run's average, steady state = the median of the last half."""
+    from drafter.metrics import throughput
+    rates = [100.0, 900.0, 1000.0, 1100.0, 1000.0, 990.0]        # per interval; the first warms up
+    out = throughput(tokens=6000, seconds=7.5, rates=rates, warmup_s=2.5)
+    assert out == {"warmup_s": 2.5, "avg_tokens_per_s": 800.0, "steady_tokens_per_s": 1000.0,
+                   "avg_over_steady": 0.8}
+    assert throughput(0, 0.0, [], None)["avg_tokens_per_s"] is None
 
 
 def test_checkpoint_layout_and_pruning(world, tmp_path):

@@ -12,8 +12,8 @@ Writes  train/step_NNNNNN/  model.safetensors + drafter_config.json (model.save_
     torchrun --nproc-per-node 8 -m drafter.cli train CONFIG [train.fsdp=true]
 
 This file is the loop, top to bottom. What it calls: drafter/batches.py (the data pipeline),
-ttt.py (the K-step unroll and its loss), checkpoint.py, metrics.py, and dist.py (torchrun's
-environment).
+trainer.py (the model set up for the ranks, one optimizer step), ttt.py (the K-step unroll and
+its loss), checkpoint.py, metrics.py, and dist.py (torchrun's environment).
 
 Data. Samples are taken in id order (so offline shards and online capture agree), shuffled with
 train.seed, and packed first-fit into rows of train.max_length tokens (a longer sample keeps its
@@ -47,11 +47,13 @@ from ..batches import Prefetch, Source, device_batch, epoch_micro_batches, host_
 from ..checkpoint import best_checkpoint, load_checkpoint, prune_checkpoints, resume_from, \
     save_checkpoint
 from ..config import ConfigError
-from ..dist import Dist, all_sum, close_dist, dist_env
-from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_writer
+from ..dist import Dist, close_dist, dist_env
+from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_writer, \
+    throughput
 from ..model import Drafter, DrafterConfig, param_count
 from ..rundir import JsonlAppender, Run, read_jsonl
-from ..ttt import TTT
+from ..trainer import WARMUP_STEPS, compiled_graphs, pick_attention, setup_model, \
+    sync_device, train_step
 
 log = logging.getLogger("drafter")
 
@@ -162,29 +164,38 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                 yield plan[1][(k * tc.grad_accum + a) * dist.world + dist.rank]
 
     make = lambda r: host_batch(train_src, r, B, T, tc, drafter.embed_tokens.weight)  # noqa
-    feed = Prefetch(make, jobs(step)) if not tc.online else None
-    it = jobs(step)
+    # online, the thread runs the target too: on a stream of its own on a GPU (issue 18)
+    feed = Prefetch(make, jobs(step), device=dev if tc.online else None)
     meter, val, last_val, last_train = Meter(K, dev), None, None, None
-    t_log = time.perf_counter()
     autocast = torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext()
     first, t_start, tokens_total = step, time.perf_counter(), 0
+    # Time in train steps only (validation and checkpoints set aside), so that tokens_per_s,
+    # elapsed_s and warmup_s measure training: issue 18 compares the whole run with steady state.
+    aside, train_s_log, warmup_s, rates = 0.0, 0.0, None, []
     try:
         while step < total:
-            micro = (device_batch(feed.next() if feed else make(next(it)), dev, head, fused)
-                     for _ in range(tc.grad_accum))
+            micro = (device_batch(feed.next(), dev, head, fused) for _ in range(tc.grad_accum))
             gnorm = train_step(model, params, opt, micro, tc, dist, autocast, meter)
             sched.step()
             step += 1
+            if step - first == WARMUP_STEPS:  # one sync: compiles and the first steps are done
+                sync_device(dev)
+                warmup_s = time.perf_counter() - t_start - aside
 
             if step % tc.log_every == 0 or step == total:
                 m = meter.read(dist, tc.ttt_decay)
                 now = time.perf_counter()
-                tok_s = m["tokens"] / max(now - t_log, 1e-9)
+                train_s = now - t_start - aside
+                tok_s = m["tokens"] / max(train_s - train_s_log, 1e-9)
                 tokens_total += m["tokens"]
-                t_log = now
+                train_s_log = train_s
+                rates.append(tok_s)
                 m.update(step=step, epoch=step / steps_per_epoch, split="train",
                          lr=sched.get_last_lr()[0], grad_norm=float(gnorm),
-                         tokens_per_s=round(tok_s, 1), time=time.time())
+                         tokens_per_s=round(tok_s, 1), elapsed_s=round(train_s, 3),
+                         time=time.time())
+                if ttt.compiled:  # a recompilation storm shows as a count that keeps rising
+                    m["graphs"] = compiled_graphs()
                 if cuda:
                     m["mem_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
                 if dist.main:
@@ -197,7 +208,12 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                         tb_write(tb, "train", step, m)
                 last_train = m
             save = step % tc.save_every == 0 or step == total
-            if val_src is not None and ((tc.eval_every and step % tc.eval_every == 0) or save):
+            evaluating = val_src is not None and ((tc.eval_every and step % tc.eval_every == 0)
+                                                  or save)
+            if evaluating or save:  # the steps queued so far count as training time
+                sync_device(dev)
+            t_aside = time.perf_counter()
+            if evaluating:
                 val = evaluate(model, val_src, dist, drafter, head, tc, B, T, fused, autocast)
                 val.update(step=step, split="val", time=time.time())
                 last_val = val
@@ -216,9 +232,9 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                 save_checkpoint(run, dist, step, drafter, ttt, opt, fsdp, state)
                 if dist.main:
                     prune_checkpoints(run, tc.keep_checkpoints)
+            aside += time.perf_counter() - t_aside
     finally:
-        if feed:
-            feed.close()
+        feed.close()
         if metrics:
             metrics.close()
         if tb:
@@ -234,70 +250,12 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                    "dropped_micro_batches_per_epoch": n_micro - steps_per_epoch * per_step},
         "final_step": step, "train": last_train if step > first else None, "val": last_val,
         "tokens_per_s": round(tokens_total / max(elapsed, 1e-9), 1) if step > first else None,
+        **throughput(tokens_total, train_s_log, rates, warmup_s),
         "drafter_config": drafter.cfg.to_dict(), "attention": attention,
         "world_size": dist.world, "fsdp": fsdp,
         "last_checkpoint": str(run.checkpoints()[-1]) if run.checkpoints() else None,
         "best_checkpoint": str(best) if best else None,
     }
-
-
-def pick_attention(tc, device) -> str:
-    if tc.attention == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
-    if tc.attention == "flex" and device.type != "cuda":
-        raise ConfigError("train.attention=flex needs a CUDA GPU (FlexAttention has no "
-                          "backward on the CPU): use sdpa or auto")
-    return tc.attention
-
-
-def setup_model(drafter: Drafter, tc, dist: Dist, attention: str):
-    """The trainable modules on the device (the embeddings stay on the CPU), wrapped for the
-    ranks (DDP, or FSDP2 with train.fsdp), and AdamW over them. -> (ttt, model, optimizer)."""
-    dev, cuda = dist.device, dist.device.type == "cuda"
-    ttt = TTT(drafter, attention=attention, compile=tc.compile and cuda).to(dev)
-    if dist.world > 1 and tc.fsdp:
-        # One unit: the one layer runs K times forward and backward, so its weights stay
-        # gathered for the whole step (ZeRO-2); gradients and AdamW state are sharded.
-        from torch.distributed.fsdp import fully_shard
-        model = fully_shard(ttt, reshard_after_forward=False)
-    elif dist.world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(ttt, device_ids=[dev.index] if cuda else None)
-    else:
-        model = ttt
-    params = [p for p in ttt.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay,
-                            fused=cuda and not (tc.fsdp and dist.world > 1))
-    return ttt, model, opt
-
-
-def train_step(model, params, opt, micro, tc, dist: Dist, autocast, meter=None):
-    """One optimizer step over `micro` (grad_accum device batches, made one at a time).
-    Returns the gradient norm before clipping (a device tensor: no host sync)."""
-    fsdp = tc.fsdp and dist.world > 1
-    n0 = torch.zeros((), dtype=torch.float64, device=dist.device)
-    for a, d in enumerate(micro):
-        n0 += d["n_valid"][0]
-        last = a == tc.grad_accum - 1  # ranks sync gradients on the last one only
-        sync = contextlib.nullcontext()
-        if fsdp:
-            model.set_requires_gradient_sync(last)
-        elif dist.world > 1 and not last:
-            sync = model.no_sync()
-        with sync:
-            with autocast:
-                out = model(**model_inputs(d))
-            out["loss"].backward()
-        if meter is not None:
-            meter.add(out, d)
-    # grads hold Σ over this rank's rows, averaged over ranks: make them Σ / N0
-    scale = dist.world / all_sum(n0, dist).clamp(min=1)
-    grads = [p.grad for p in params if p.grad is not None]
-    torch._foreach_mul_(grads, float(scale) if fsdp else scale.to(grads[0].dtype))
-    gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return gnorm
 
 
 @torch.no_grad()
