@@ -61,9 +61,8 @@ lane0() {
   mark lane0
 }
 
-single() {  # one GPU: the two lanes' work in turn, the scale run on 50,000 synthetic prompts
-  step tests 0 $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_engine.py \
-    tests/test_decode.py tests/test_model.py tests/test_extract.py
+single() {  # one GPU: the two lanes' work in turn, most wanted first, the scale run on the
+            # first $SCALE_SYNTHETIC synthetic prompts; the GPU tests after the runs
   step throughput 0 $PY benchmarks/generate_throughput.py --data ../shared/data/train \
     --prompts 10000 --batches 1024,2048,512,256 --max-new 512 --profile \
     --json "$RES/throughput.json"
@@ -76,6 +75,8 @@ single() {  # one GPU: the two lanes' work in turn, the scale run on 50,000 synt
   step scale-eval 0 $DRAFTER run $CFG "${half[@]}"
   curve 0
   step decode-speed 0 $PY benchmarks/decode_speed.py --batches 1,64 --json "$RES/decode_speed.json"
+  step tests 0 $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_engine.py \
+    tests/test_decode.py tests/test_model.py tests/test_extract.py
   step train-bench 0 $PY benchmarks/train_throughput.py ${TRAIN_BENCH:-}
   mark lane0; mark lane1
 }
