@@ -454,15 +454,29 @@ def c_norm_before_fc(x: _Ctx) -> list[Check]:
                               "the RMSNorm over the concatenated aux states")
 
 
-def c_norm_output(x: _Ctx) -> list[Check]:
-    v = x.f.get("norm_output")
+def c_feedback_post_norm(x: _Ctx) -> list[Check]:
+    v = x.f.get("feedback_post_norm")
     if v is None:
-        return [Check("norm_output", WARN, "not written: engines feed back the pre-norm state; "
-                      "write it out")]
+        return [Check("feedback_post_norm", WARN, "not written: engines feed back the pre-norm "
+                      "state; write it out")]
     if v:
-        return [Check("norm_output", WARN, "true: needs a 2026 vLLM or SGLang; llama.cpp feeds "
-                      "back the pre-norm state")]
-    return [Check("norm_output", PASS, "false")]
+        return [Check("feedback_post_norm", WARN, "true: needs a 2026 vLLM or SGLang; llama.cpp "
+                      "feeds back the pre-norm state")]
+    return [Check("feedback_post_norm", PASS, "false")]
+
+
+def c_ambiguous_keys(x: _Ctx) -> list[Check]:
+    """Keys that engines or trainers read with different meanings (engines.AMBIGUOUS)."""
+    found = []
+    for where, d in (("", x.ed.config), ("transformer_layer_config.",
+                                         x.ed.config.get("transformer_layer_config") or {})):
+        found += [f"{where}{k}={json.dumps(d[k])} ({why})" for k, why in E.AMBIGUOUS.items()
+                  if isinstance(d, dict) and k in d]
+    if found:
+        return [Check("ambiguous_keys", WARN, "; ".join(found) + ": an engine or trainer may "
+                      "read it in another meaning than the one it was written with (drafter "
+                      "writes feedback_post_norm)")]
+    return [Check("ambiguous_keys", PASS, "no key that tools read in different meanings")]
 
 
 def c_aux_ids(x: _Ctx) -> list[Check]:
@@ -562,8 +576,8 @@ def c_speculators(x: _Ctx) -> list[Check]:
 
 CHECKS = [c_format, c_weights_file, c_config_fields, c_tensor_names, c_tensor_shapes, c_dtype,
           c_d2t, c_t2d, c_lm_head, c_embed_tokens, c_tie, c_rope, c_max_pos, c_hidden, c_vocab,
-          c_norm_before_residual, c_fc_norm, c_norm_before_fc, c_norm_output, c_aux_ids,
-          c_speculators]
+          c_norm_before_residual, c_fc_norm, c_norm_before_fc, c_feedback_post_norm,
+          c_ambiguous_keys, c_aux_ids, c_speculators]
 
 
 # ---------------------------------------------------------------------------------- run them

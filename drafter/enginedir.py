@@ -174,7 +174,18 @@ def drafter_config_from_dir(ed: EngineDir, num_target_layers: int | None = None)
         rope_theta=theta if theta is not None else 10000.0, rope_scaling=scaling,
         max_position_embeddings=int(f.get("max_position_embeddings") or 2048),
         norm_before_residual=bool(nbr), fc_norm=bool(f.get("fc_norm", False)),
-        norm_output=bool(f.get("norm_output", False)), norm_before_fc=False)
+        norm_output=_feedback_post_norm(ed), norm_before_fc=False)
+
+
+def _feedback_post_norm(ed: EngineDir) -> bool:
+    """EAGLE-3.1's "feed back the post-norm state": `feedback_post_norm`; in our own exports
+    from before that key (drafter.json present), `norm_output`. Another dir's `norm_output` is
+    not read: SpecForge means by it the final norm before lm_head, which this drafter always
+    applies (`drafter check` warns about it)."""
+    f = ed.flat
+    if "feedback_post_norm" in f:
+        return bool(f["feedback_post_norm"])
+    return bool(f.get("norm_output", False)) if ed.meta is not None else False
 
 
 def _target_embeddings(target: TargetInfo | None, V: int, H: int) -> torch.Tensor:

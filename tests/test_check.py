@@ -283,8 +283,12 @@ BROKEN = [
      _tensors(lambda sd: sd.__setitem__("input_norm.weight", torch.ones(192))), "norm_before_fc",
      FAIL),
     ("norm_before_fc_missing", S, _del("norm_before_fc", "top"), "norm_before_fc", WARN),
-    ("norm_output_missing", N, _del("norm_output"), "norm_output", WARN),
-    ("norm_output_true", S, _set("norm_output", True, "top"), "norm_output", WARN),
+    ("feedback_post_norm_missing", N, _del("feedback_post_norm"), "feedback_post_norm", WARN),
+    ("feedback_post_norm_true", S, _set("feedback_post_norm", True, "top"),
+     "feedback_post_norm", WARN),
+    # a key SpecForge reads as "final norm before lm_head" and EAGLE-3.1 as "post-norm feedback"
+    ("norm_output_ambiguous", N, _set("norm_output", False), "ambiguous_keys", WARN),
+    ("norm_output_ambiguous_layer", S, _set("norm_output", True), "ambiguous_keys", WARN),
     # --- tensor names, shapes, dtypes
     ("tensor_unknown", N, _tensors(lambda sd: sd.__setitem__("midlayer.extra.weight",
                                                              torch.zeros(2))),
