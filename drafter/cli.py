@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train EAGLE-3 drafters for any LLM, end to end, from one config file.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="`drafter run --help` lists every config key with its default and doc.")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an internal "
+                   "error (also accepted after the command)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def with_config(sp):
@@ -186,7 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("check", help="lint an EAGLE-3 checkpoint dir for acceptance killers")
     sp.add_argument("dir", help="native or speculators EAGLE-3 directory")
-    sp.add_argument("--target", help="target model (id, folder, gguf, builtin:) or config.json")
+    sp.add_argument("--target", help="target model (id, folder, gguf, builtin:) or config.json; "
+                    "a model also runs the acceptance smoke test")
+    sp.add_argument("--no-smoke", action="store_true", help="skip the acceptance smoke test "
+                    "(it loads the target's weights)")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(fn=cmd_check)
 
