@@ -342,12 +342,13 @@ class _Where:
         for k in sorted(self.overrides, key=len, reverse=True):
             if key == k or key.startswith((k + ".", k + "[")):
                 return f"override '{self.overrides[k]}'"
-        line = self.lines.get(key)
-        if line is None:  # a key the file does not set: point at its section, if the file has it
-            head = re.split(r"\.|\[", key)[0]
-            line = self.lines.get(head)
-            return f"{self.file}:{line}" if line else self.file
-        return f"{self.file}:{line}"
+        # a key the file does not set: the nearest section or list item above it that it does
+        parts = key
+        while parts and parts not in self.lines:
+            cut = max(parts.rfind("."), parts.rfind("["))
+            parts = parts[:cut] if cut > 0 else ""
+        line = self.lines.get(parts)
+        return f"{self.file}:{line}" if line else self.file
 
 
 def _hints(cls) -> dict[str, Any]:
@@ -516,7 +517,11 @@ def load(path: str | Path | None = None, overrides: list[str] = (),
             node = yaml.compose(text)
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+            mark = getattr(e, "problem_mark", None)
+            at = f":{mark.line + 1}" if mark is not None else ""
+            what = " ".join(str(x) for x in (getattr(e, "context", None),
+                                             getattr(e, "problem", None)) if x) or str(e)
+            raise ConfigError(f"{path}{at}: not valid YAML: {what}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         where = _Where(str(path), node)
