@@ -37,6 +37,7 @@ from typing import Callable
 from . import DrafterError
 from . import config as C
 from .dist import agent_store, rank_world, restart_count
+from .preflight import preflight
 from .rundir import SECTIONS, SNAPSHOT_HEADER, STEPS, Damaged, DamagedInput, ForeignFolder, \
     MissingInput, Run, atomic_json, atomic_write, dir_bytes, read_json, remove_dir, sealed, \
     step_inputs
@@ -78,6 +79,11 @@ def config_hash(cfg, step: str) -> str:
 def manifest_hash(run: Run, step: str) -> str | None:
     p = run.manifest(step)
     return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.exists() else None
+
+
+# Steps whose outputs `_lead` hashes in full before skipping them (a shard or a checkpoint is
+# GBs: `status` compares sizes and times only).
+HASHED = ("extract", "train")
 
 
 def damage(run: Run, step: str, full: bool = False) -> str | None:
@@ -320,9 +326,10 @@ def _lead(cfg, run: Run, step: str, force: bool, world: int) -> dict:
     d = run.step_dir(step)
     fp = fingerprint(cfg, run, step)
     store = agent_store(RANK_WAIT_S) if world > 1 else None
-    # extract's shards are hashed in full here: a byte flipped in place (same size and time)
-    # is caught before train reads it
-    m = None if force else up_to_date(run, step, fp, full=step == "extract")
+    # extract's shards and train's last checkpoint are hashed in full here: a byte flipped in
+    # place (same size and time) is caught before a later step reads it
+    full = step in HASHED
+    m = None if force else up_to_date(run, step, fp, full=full)
     if m is not None:
         log.info("%s: up to date, skipped (use --force to redo)", step)
         if store is not None:
@@ -336,7 +343,7 @@ def _lead(cfg, run: Run, step: str, force: bool, world: int) -> dict:
     # checksums and keeps the rest.
     if d.exists():
         same = _started_fingerprint(run, step) == fp
-        why = None if force else damage(run, step, full=step == "extract")
+        why = None if force else damage(run, step, full=full)
         if same and why is not None and run.manifest(step).exists():
             log.warning("%s: %s; redoing what is damaged, keeping the rest", step, why)
             run.manifest(step).unlink()
@@ -377,97 +384,6 @@ def _lead(cfg, run: Run, step: str, force: bool, world: int) -> dict:
     run.damaged(step).unlink(missing_ok=True)
     log.info("%s: done in %.1fs %s", step, seconds, json.dumps(manifest["counts"]))
     return manifest
-
-
-# ---------------------------------------------------------------------------------- preflight
-def preflight(cfg, run: Run, step: str, upfront: bool = False) -> None:
-    """What only the files can tell about a step's config, checked before its folder (or the
-    run dir's config.yaml) is touched: sources, templates, checkpoints and prompt sets exist,
-    source names are unique, layer ids fit the target, the engine fits the sources. Raises
-    ConfigError naming the key and where it was set. `upfront` (`drafter run`, before the
-    first step): paths inside the run dir that an earlier step of this run makes are not
-    required yet."""
-    from pathlib import Path
-
-    def bad(key: str, msg: str) -> None:
-        raise C.ConfigError(f"{C.where(cfg, key)}: {key}: {msg}")
-
-    def later(path: Path) -> bool:  # made by an earlier step of this `drafter run`
-        return upfront and run.root.resolve() in path.resolve().parents
-
-    if step == "prepare":
-        from .sources import BUILTINS, DATA_SUFFIXES, source_name
-
-        names = [source_name(src) for src in cfg.prepare.sources]
-        for i, (src, name) in enumerate(zip(cfg.prepare.sources, names)):
-            key = f"prepare.sources[{i}]"
-            if names.index(name) != i:
-                bad(f"{key}.name", f"'{name}' is also the name of prepare.sources"
-                    f"[{names.index(name)}]: set `name` on one of them (record ids must be "
-                    f"unique)")
-            if src.synthetic is not None:
-                continue
-            if src.path.startswith("builtin:"):
-                if src.path.split(":", 1)[1] not in BUILTINS:
-                    bad(f"{key}.path", f"unknown builtin '{src.path}'; known: "
-                        + ", ".join(f"builtin:{k}" for k in BUILTINS))
-                continue
-            path = Path(src.path).expanduser()
-            local = src.path.startswith((".", "/", "~")) or src.path.endswith(DATA_SUFFIXES) \
-                or src.path.count("/") != 1  # org/name is a hub dataset
-            if local and not path.exists():
-                bad(f"{key}.path", f"{path} not found (a file, a folder, an HF dataset org/name "
-                    f"or builtin:NAME)")
-    if step == "generate" and cfg.generate.enabled and cfg.generate.server.engine != "local":
-        for i, src in enumerate(cfg.prepare.sources):
-            if src.synthetic is not None:
-                bad("generate.server.engine", f"prepare.sources[{i}] is synthetic: the target "
-                    f"writes its user turns in-process, which needs engine local (now "
-                    f"{cfg.generate.server.engine!r})")
-    if step in ("generate", "tokenize", "evaluate") and cfg.target.chat_template:
-        if not Path(cfg.target.chat_template).expanduser().is_file():
-            bad("target.chat_template", f"{cfg.target.chat_template} is not a file")
-    if step == "extract" and cfg.extract.layer_ids and not cfg.train.online:
-        from . import target
-
-        n = target.num_layers(target.load_config(cfg.target))
-        out = [k for k in cfg.extract.layer_ids if not 0 <= k < n]
-        if out:
-            bad("extract.layer_ids", f"{out} outside 0..{n - 1} for this {n}-layer target (id "
-                f"k = HS[k], the input of layer k)")
-    if step == "train":
-        tc = cfg.train
-        if tc.attention == "flex":
-            import torch
-
-            if not torch.cuda.is_available():
-                bad("train.attention", "flex needs a CUDA GPU (FlexAttention has no backward "
-                    "on the CPU): use sdpa or auto")
-        if isinstance(tc.resume, str) and tc.resume not in ("auto", "off"):
-            ckpt = Path(tc.resume).expanduser()
-            if not later(ckpt):
-                from .checkpoint import verify_checkpoint
-
-                why = verify_checkpoint(ckpt, full=False)
-                if why is not None:
-                    bad("train.resume", f"{ckpt} is not a usable checkpoint ({why})")
-    if step == "export" and cfg.export.checkpoint not in ("last", "best"):
-        ckpt = Path(cfg.export.checkpoint).expanduser()
-        missing = [f for f in ("model.safetensors", "drafter_config.json")
-                   if not (ckpt / f).is_file()]
-        if missing and not later(ckpt):
-            bad("export.checkpoint", f"{ckpt} is not a checkpoint folder (no "
-                f"{' or '.join(missing)}); use last, best or a train/step_NNNNNN folder")
-    if step == "evaluate":
-        ev = cfg.evaluate
-        for i, ds in enumerate(ev.datasets):
-            if not ds.path.startswith("builtin:") and not Path(ds.path).expanduser().exists():
-                bad(f"evaluate.datasets[{i}].path", f"{ds.path} not found")
-        for key, spec in (("drafter", ev.drafter), ("baseline", ev.baseline)):
-            if spec and spec != "export" and not Path(spec).expanduser().exists() \
-                    and not later(Path(spec).expanduser()):
-                bad(f"evaluate.{key}", f"{spec} not found (export, a checkpoint, a train dir, "
-                    f"or a native/speculators dir)")
 
 
 def _started_fingerprint(run: Run, step: str) -> dict | None:

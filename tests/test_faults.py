@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from drafter import config as C
-from drafter import gpu, pipeline, store
+from drafter import checkpoint, gpu, pipeline, store
 from drafter.rundir import Run, atomic_json, atomic_write, read_json, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -396,6 +396,14 @@ def test_truncated_last_checkpoint_resumes_from_the_last_intact_one(world, tmp_p
     got, want = read_json(run.manifest("train")), read_json(ref.manifest("train"))
     assert got["counts"]["tokens_seen"] == want["counts"]["tokens_seen"] > 0
     assert got["counts"]["steps"] == MAX_STEPS and got["train"]["step"] == MAX_STEPS
+    # a byte rotted in place (same size and time): status cannot see it, a run hashes it
+    last = run.checkpoints()[-1]
+    _flip(last / "optimizer.pt", keep_mtime=True)
+    assert _states(run)["train"][0] == "done"
+    finish(cfg, log=log)
+    assert "optimizer.pt fails its sha256" in log.read_text()
+    assert_same(outputs(run), world["outputs"])
+    assert checkpoint.verify_checkpoint(run.checkpoints()[-1]) is None
 
 
 def test_damaged_generate_output_keeps_the_good_records_after_it(world, tmp_path):

@@ -343,7 +343,8 @@ def test_a_bad_config_change_keeps_finished_work(world, tmp_path, capsys):
     they were; a valid change then runs as before."""
     cfg = _clone(world, tmp_path)
     before = tree(tmp_path)
-    for argv in (["train", str(cfg), "train.epochs=0"], ["export", str(cfg), "export.checkpoint=lsat"],
+    for argv in (["train", str(cfg), "train.epochs=0"],
+                 ["export", str(cfg), "export.checkpoint=lsat"],
                  ["run", str(cfg), "export.checkpoint=runs/nope/step_1"]):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(pipeline, "_step_fn", _fake_step)
