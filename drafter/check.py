@@ -564,8 +564,11 @@ def c_speculators(x: _Ctx) -> list[Check]:
     if sc.get("algorithm") != "eagle3":
         problems.append(f"speculators_config.algorithm {sc.get('algorithm')!r} != 'eagle3'")
     methods = sc.get("proposal_methods") or [{}]
-    if not isinstance(methods[0].get("speculative_tokens"), int):
+    k = methods[0].get("speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool):
         problems.append("no proposal_methods[0].speculative_tokens")
+    elif k < 1:
+        problems.append(f"proposal_methods[0].speculative_tokens is {k}: nothing is drafted")
     ver = sc.get("verifier") or {}
     if not ver.get("name_or_path"):
         problems.append("no verifier.name_or_path (vLLM serves it as the target)")

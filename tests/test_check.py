@@ -317,6 +317,9 @@ BROKEN = [
      "weights_file", FAIL),
     ("speculators_no_verifier", S, _spec("verifier", None), "speculators_config", FAIL),
     ("speculators_wrong_algorithm", S, _spec("algorithm", "eagle"), "speculators_config", FAIL),
+    ("speculators_zero_tokens", S, _spec("proposal_methods", [{"proposal_type": "greedy",
+                                                              "speculative_tokens": 0}]),
+     "speculators_config", FAIL),
 ]
 
 
