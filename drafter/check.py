@@ -13,6 +13,12 @@ that is a local folder.
 
 Not checkable from a dir (say so in docs/export.md): whether the teacher used the final norm, the
 chat template at serving, and the algorithm flag of the serving command (EAGLE vs EAGLE3).
+
+With --target naming a model (not a config.json), the `acceptance` rule also runs the drafter:
+the target writes a few greedy answers to builtin prompts, and the drafter, teacher-forced on
+them, must predict the target's next tokens. It fails a drafter that predicts nothing (random
+weights, wrong aux layer ids or norms, another target) whatever its files say. `--no-smoke`
+skips it (it loads the target's weights).
 """
 from __future__ import annotations
 
@@ -454,15 +460,29 @@ def c_norm_before_fc(x: _Ctx) -> list[Check]:
                               "the RMSNorm over the concatenated aux states")
 
 
-def c_norm_output(x: _Ctx) -> list[Check]:
-    v = x.f.get("norm_output")
+def c_feedback_post_norm(x: _Ctx) -> list[Check]:
+    v = x.f.get("feedback_post_norm")
     if v is None:
-        return [Check("norm_output", WARN, "not written: engines feed back the pre-norm state; "
-                      "write it out")]
+        return [Check("feedback_post_norm", WARN, "not written: engines feed back the pre-norm "
+                      "state; write it out")]
     if v:
-        return [Check("norm_output", WARN, "true: needs a 2026 vLLM or SGLang; llama.cpp feeds "
-                      "back the pre-norm state")]
-    return [Check("norm_output", PASS, "false")]
+        return [Check("feedback_post_norm", WARN, "true: needs a 2026 vLLM or SGLang; llama.cpp "
+                      "feeds back the pre-norm state")]
+    return [Check("feedback_post_norm", PASS, "false")]
+
+
+def c_ambiguous_keys(x: _Ctx) -> list[Check]:
+    """Keys that engines or trainers read with different meanings (engines.AMBIGUOUS)."""
+    found = []
+    for where, d in (("", x.ed.config), ("transformer_layer_config.",
+                                         x.ed.config.get("transformer_layer_config") or {})):
+        found += [f"{where}{k}={json.dumps(d[k])} ({why})" for k, why in E.AMBIGUOUS.items()
+                  if isinstance(d, dict) and k in d]
+    if found:
+        return [Check("ambiguous_keys", WARN, "; ".join(found) + ": an engine or trainer may "
+                      "read it in another meaning than the one it was written with (drafter "
+                      "writes feedback_post_norm)")]
+    return [Check("ambiguous_keys", PASS, "no key that tools read in different meanings")]
 
 
 def c_aux_ids(x: _Ctx) -> list[Check]:
@@ -544,8 +564,11 @@ def c_speculators(x: _Ctx) -> list[Check]:
     if sc.get("algorithm") != "eagle3":
         problems.append(f"speculators_config.algorithm {sc.get('algorithm')!r} != 'eagle3'")
     methods = sc.get("proposal_methods") or [{}]
-    if not isinstance(methods[0].get("speculative_tokens"), int):
+    k = methods[0].get("speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool):
         problems.append("no proposal_methods[0].speculative_tokens")
+    elif k < 1:
+        problems.append(f"proposal_methods[0].speculative_tokens is {k}: nothing is drafted")
     ver = sc.get("verifier") or {}
     if not ver.get("name_or_path"):
         problems.append("no verifier.name_or_path (vLLM serves it as the target)")
@@ -562,8 +585,8 @@ def c_speculators(x: _Ctx) -> list[Check]:
 
 CHECKS = [c_format, c_weights_file, c_config_fields, c_tensor_names, c_tensor_shapes, c_dtype,
           c_d2t, c_t2d, c_lm_head, c_embed_tokens, c_tie, c_rope, c_max_pos, c_hidden, c_vocab,
-          c_norm_before_residual, c_fc_norm, c_norm_before_fc, c_norm_output, c_aux_ids,
-          c_speculators]
+          c_norm_before_residual, c_fc_norm, c_norm_before_fc, c_feedback_post_norm,
+          c_ambiguous_keys, c_aux_ids, c_speculators]
 
 
 # ---------------------------------------------------------------------------------- run them
@@ -580,16 +603,95 @@ def _hinted_target(ed: EngineDir) -> tuple[E.TargetInfo | None, str | None]:
     return None, None
 
 
+# ---------------------------------------------------------------------- the acceptance smoke test
+SMOKE_PROMPTS, SMOKE_TOKENS = 4, 48     # a few seconds for a 135M target on a CPU
+SMOKE_FAIL, SMOKE_WARN = 0.05, 0.2       # step-0 accuracy: a random drafter scores ~1/Vd
+
+
+@torch.no_grad()
+def acceptance(path, spec: str, k: int = 3, prompts: int = SMOKE_PROMPTS,
+               new_tokens: int = SMOKE_TOKENS) -> dict:
+    """Teacher-forced acceptance of the drafter in `path` on text the target `spec` writes
+    itself: greedy answers to the first `prompts` builtin quickstart prompts, captured the way
+    extract does (drafter/capture.py, at the drafter's own layer ids and vocab), scored the way
+    training scores validation (TTT metrics over the answer tokens). -> {"acc" per step,
+    "tau" (expected acceptance length of a greedy chain of k drafts), "tokens", "prompts"}."""
+    from types import SimpleNamespace
+
+    from . import target as T
+    from .batches import Source, device_batch, host_batch, model_inputs
+    from .capture import Capture
+    from .config import TargetConfig
+    from .dist import Dist
+    from .enginedir import load_drafter_dir
+    from .metrics import Meter
+    from .sources import load_prompts
+    from .ttt import TTT
+
+    tcfg = TargetConfig(model=spec)
+    device = T.pick_device(tcfg)
+    model = T.load_model(tcfg, device=device)
+    tok = T.load_tokenizer(tcfg)
+    drafter = load_drafter_dir(path, device=device, dtype=torch.float32,
+                               target=E.target_info(spec, tcfg))
+    stop = [i for i in {tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)}
+            if isinstance(i, int)]
+    samples = []
+    for rec in load_prompts("builtin:quickstart-prompts", max_n=prompts):
+        text = tok.apply_chat_template(rec["messages"], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, top_p=None,
+                             top_k=None, temperature=None, eos_token_id=stop or None,
+                             pad_token_id=tok.pad_token_id)[0].tolist()
+        n = ids.shape[1]
+        samples.append({"input_ids": out, "loss_mask": [0] * n + [1] * (len(out) - n)})
+    cap = Capture(model, drafter.cfg.aux_layer_ids, drafter.d2t.cpu(), drafter.t2d.cpu(),
+                  teacher="hidden", out_dtype=torch.float32)
+    src = Source.memory(cap(samples))
+    T_max = max(src.lengths)
+    tc = SimpleNamespace(ttt_steps=k, ttt_decay=1.0)
+    hb = host_batch(src, [[i] for i in range(len(src))], len(src), T_max, tc,
+                    drafter.embed_tokens.weight)
+    d = device_batch(hb, torch.device(device), cap.head, fused=False)
+    meter = Meter(k, torch.device(device))
+    meter.add(TTT(drafter, attention="sdpa")(**model_inputs(d)), d)
+    m = meter.read(Dist(device=torch.device(device)), 1.0)
+    return {"acc": m["acc"], "tau": m["sim_tau"], "tokens": int(d["n_lm"][0]),
+            "prompts": len(samples), "k": k}
+
+
+def c_acceptance(path, spec: str, fmt: str | None, config: dict) -> list[Check]:
+    sc = config.get("speculators_config") or {}
+    k = ((sc.get("proposal_methods") or [{}])[0]).get("speculative_tokens") or 3
+    a = acceptance(path, spec, k=int(k))
+    if not a["tokens"]:
+        return [Check("acceptance", WARN, "the target wrote no answer tokens to score")]
+    acc0 = a["acc"][0]
+    what = (f"step-0 accuracy {acc0:.2f}, expected tau {a['tau']:.2f} (greedy chain K={a['k']}, "
+            f"teacher-forced on {a['tokens']} tokens the target wrote for {a['prompts']} "
+            f"prompts)")
+    if acc0 < SMOKE_FAIL:
+        return [Check("acceptance", FAIL, f"{what}: the drafter predicts nothing (random "
+                      f"weights, wrong aux layer ids or norms, or trained for another target)")]
+    if acc0 < SMOKE_WARN:
+        return [Check("acceptance", WARN, f"{what}: low, engines will accept few drafts "
+                      f"(undertrained, or trained on other text than this target writes)")]
+    return [Check("acceptance", PASS, what)]
+
+
 def run_checks(path, target: E.TargetInfo | str | None = None,
-               serving_context: int | None = None) -> Report:
+               serving_context: int | None = None, smoke: bool = False) -> Report:
     """Every check on one dir. `target`: a TargetInfo, a spec for drafter.target / a config.json
-    path, or None (use the dir's hints). A dir that cannot be read gives one failed check."""
+    path, or None (use the dir's hints). `smoke`: with a target spec that names a model, also
+    the acceptance smoke test (loads the target). A dir that cannot be read gives one failed
+    check."""
     path = Path(path)
     try:
         ed = read_dir(path)
     except E.EngineDirError as e:
         return Report(str(path), None, None, None, [Check("format", FAIL, str(e))])
-    source = None
+    source, spec = None, target if isinstance(target, str) else None
     if isinstance(target, str):
         target, source = E.target_info(target), "--target"
     elif target is not None:
@@ -604,6 +706,16 @@ def run_checks(path, target: E.TargetInfo | str | None = None,
         except Exception as e:  # noqa: BLE001 - one broken field must not hide the other checks
             checks.append(Check(fn.__name__[2:], FAIL, f"could not be checked: "
                                 f"{type(e).__name__}: {e}"))
+    if smoke and spec is not None:
+        if Path(spec).expanduser().suffix == ".json":
+            checks.append(Check("acceptance", WARN, f"{spec} is a config.json: no weights to "
+                                "run (give the model to measure acceptance)"))
+        else:
+            try:
+                checks += c_acceptance(path, spec, ed.fmt, ed.config)
+            except Exception as e:  # noqa: BLE001 - a drafter that cannot run predicts nothing
+                checks.append(Check("acceptance", FAIL, f"the drafter cannot run on the target: "
+                                    f"{type(e).__name__}: {e}"))
     return Report(str(path), ed.fmt, target.to_dict() if target else None, source, checks)
 
 
@@ -620,8 +732,9 @@ def format_report(r: Report) -> str:
 
 
 def main(args) -> int:
-    """CLI entry: args.dir, args.target, args.json. Returns 1 when any check fails."""
-    report = run_checks(args.dir, args.target)
+    """CLI entry: args.dir, args.target, args.json, args.no_smoke. Returns 1 when any check
+    fails."""
+    report = run_checks(args.dir, args.target, smoke=not getattr(args, "no_smoke", False))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -9,6 +9,10 @@
     drafter doctor [CONFIG] [--json]                the machine: versions, GPUs, disk, engines
     drafter check DIR [--target M] [--json]         lint an EAGLE-3 checkpoint directory
     drafter report RUN_DIR                          print the evaluation report
+
+Exit status: 0 done; 2 an error you can act on (one line naming the key, file:line or step);
+1 a bug (one line; `--debug` anywhere on the command line, or DRAFTER_DEBUG=1, shows the
+traceback); 128 + N when stopped by signal N.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import errno
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -132,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train EAGLE-3 drafters for any LLM, end to end, from one config file.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="`drafter run --help` lists every config key with its default and doc.")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an internal "
+                   "error (also accepted after the command)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def with_config(sp):
@@ -181,7 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("check", help="lint an EAGLE-3 checkpoint dir for acceptance killers")
     sp.add_argument("dir", help="native or speculators EAGLE-3 directory")
-    sp.add_argument("--target", help="target model (id, folder, gguf, builtin:) or config.json")
+    sp.add_argument("--target", help="target model (id, folder, gguf, builtin:) or config.json; "
+                    "a model also runs the acceptance smoke test")
+    sp.add_argument("--no-smoke", action="store_true", help="skip the acceptance smoke test "
+                    "(it loads the target's weights)")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(fn=cmd_check)
 
@@ -220,7 +230,28 @@ def setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+# OSErrors a user causes with a path (a read-only or foreign run dir, a file where a folder
+# belongs): one line naming the file, never a traceback.
+_PATH_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR,
+                errno.ENAMETOOLONG, errno.ELOOP, errno.EEXIST}
+
+
+def _path_error(e: BaseException | None) -> str | None:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _PATH_ERRORS:
+            where = f" {e.filename}" if e.filename else ""
+            return (f"cannot use{where}: {e.strerror}. Check the path and its permissions (the "
+                    f"run directory must be a folder you can write)")
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("DRAFTER_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # overrides after an option (`drafter run CFG --until train a.b=1`): argparse stops the
@@ -244,13 +275,22 @@ def main(argv: list[str] | None = None) -> int:
                   f"to resume", file=sys.stderr)
             return 128 + sig
         full = _disk_full(e)
-        if full is None:
+        if full is not None:
+            # a full disk (or RLIMIT_FSIZE): every write is atomic, so only complete files remain
+            print(f"drafter: error: {full}. The run directory holds only complete files: free "
+                  f"space (or move run_dir), then rerun the same command to resume; `drafter "
+                  f"plan CONFIG` estimates the space a run needs.", file=sys.stderr)
+            return 2
+        path = _path_error(e)
+        if path is not None:
+            print(f"drafter: error: {path}", file=sys.stderr)
+            return 2
+        if debug:
             raise
-        # a full disk (or RLIMIT_FSIZE): every write is atomic, so only complete files remain
-        print(f"drafter: error: {full}. The run directory holds only complete files: free "
-              f"space (or move run_dir), then rerun the same command to resume; `drafter plan "
-              f"CONFIG` estimates the space a run needs.", file=sys.stderr)
-        return 2
+        # anything else is a bug: one line here, the traceback behind --debug
+        print(f"drafter: internal error: {type(e).__name__}: {e}\n(a bug in drafter: rerun "
+              f"with --debug for the traceback, and please report it)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         # the step's folder is consistent (temp files go, completed parts stay): a rerun resumes
         print(f"drafter: {e or 'interrupted'}; rerun the same command to resume", file=sys.stderr)

@@ -96,9 +96,14 @@ def read_dir(path) -> EngineDir:
                 if (path / "drafter_config.json").exists() else "")
         raise EngineDirError(f"{cfg_path}: not found{hint}")
     try:
-        config = json.loads(cfg_path.read_text())
+        config = json.loads(cfg_path.read_bytes())
     except json.JSONDecodeError as e:
         raise EngineDirError(f"{cfg_path}:{e.lineno}: not valid JSON: {e.msg}") from None
+    except ValueError as e:  # not UTF-8
+        raise EngineDirError(f"{cfg_path}: not a JSON text ({e})") from None
+    if not isinstance(config, dict):
+        raise EngineDirError(f"{cfg_path}: holds a JSON {type(config).__name__}, expected an "
+                             f"object of config fields")
     fmt = detect_format(config)
     if fmt is None:
         raise EngineDirError(f"{cfg_path}: architectures {config.get('architectures')} is not an "
@@ -114,7 +119,11 @@ def read_dir(path) -> EngineDir:
     for index, single in (("model.safetensors.index.json", WEIGHTS_FILE),
                           ("pytorch_model.bin.index.json", "pytorch_model.bin")):
         if (path / index).is_file():
-            files = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
+            try:
+                files = sorted(set(json.loads((path / index).read_bytes())["weight_map"]
+                                   .values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise EngineDirError(f"{path / index}: not a weight index ({e})") from None
             ed.weight_files = [path / f for f in files]
         elif (path / single).is_file():
             ed.weight_files = [path / single]
@@ -134,9 +143,10 @@ def read_dir(path) -> EngineDir:
             raise EngineDirError(f"{f}: not a readable safetensors file: {e}") from None
     if (path / META_FILE).is_file():
         try:
-            ed.meta = json.loads((path / META_FILE).read_text())
-        except json.JSONDecodeError:
-            ed.meta = None
+            meta = json.loads((path / META_FILE).read_bytes())
+        except ValueError:
+            meta = None
+        ed.meta = meta if isinstance(meta, dict) else None
     return ed
 
 
@@ -174,7 +184,18 @@ def drafter_config_from_dir(ed: EngineDir, num_target_layers: int | None = None)
         rope_theta=theta if theta is not None else 10000.0, rope_scaling=scaling,
         max_position_embeddings=int(f.get("max_position_embeddings") or 2048),
         norm_before_residual=bool(nbr), fc_norm=bool(f.get("fc_norm", False)),
-        norm_output=bool(f.get("norm_output", False)), norm_before_fc=False)
+        norm_output=_feedback_post_norm(ed), norm_before_fc=False)
+
+
+def _feedback_post_norm(ed: EngineDir) -> bool:
+    """EAGLE-3.1's "feed back the post-norm state": `feedback_post_norm`; in our own exports
+    from before that key (drafter.json present), `norm_output`. Another dir's `norm_output` is
+    not read: SpecForge means by it the final norm before lm_head, which this drafter always
+    applies (`drafter check` warns about it)."""
+    f = ed.flat
+    if "feedback_post_norm" in f:
+        return bool(f["feedback_post_norm"])
+    return bool(f.get("norm_output", False)) if ed.meta is not None else False
 
 
 def _target_embeddings(target: TargetInfo | None, V: int, H: int) -> torch.Tensor:

@@ -58,14 +58,24 @@ SPECULATORS_ARCHS = ("Eagle3Speculator", "Eagle3DraftModel")
 PREFIX = {NATIVE: "midlayer.", SPECULATORS: "layers.0."}
 CONFIG_FILE, WEIGHTS_FILE, README_FILE, META_FILE = \
     "config.json", "model.safetensors", "README.md", "drafter.json"
-NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+# The norm flags an export writes. Ours for EAGLE-3.1's "feed back the post-norm state" is
+# `feedback_post_norm`: exports before it wrote `norm_output`, a key SpecForge reads as "apply
+# the final norm before lm_head" (default true), so a false there dropped the norm (AMBIGUOUS).
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "feedback_post_norm")
+# Keys that engines or trainers read with different meanings: never written by an export;
+# `drafter check` warns when a dir has one.
+AMBIGUOUS = {
+    "norm_output": "SpecForge reads it as 'apply the final norm before lm_head' (default "
+                   "true); EAGLE-3.1 engines and drafter exports before feedback_post_norm as "
+                   "'feed back the post-norm state' (default false)",
+}
 # What an engine assumes when a flag is absent (ENGINES.md; sources above).
 FLAG_DEFAULTS = {
     (NATIVE, "norm_before_residual"): False,       # vLLM native getattr(..., False); SGLang: False
     (SPECULATORS, "norm_before_residual"): True,   # vLLM update_eagle3: .get(..., True)
 }
 # Top-level keys of a speculators config that vLLM copies over transformer_layer_config.
-EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", *NORM_FLAGS,
+EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", *NORM_FLAGS, "norm_output",
               "eagle_aux_hidden_state_layer_ids")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -311,7 +321,7 @@ def llama_layer_config(c: DrafterConfig, dtype: torch.dtype, max_position_embedd
 def _flags(c: DrafterConfig) -> dict:
     return {"norm_before_residual": bool(c.norm_before_residual),
             "norm_before_fc": bool(c.norm_before_fc), "fc_norm": bool(c.fc_norm),
-            "norm_output": bool(c.norm_output)}
+            "feedback_post_norm": bool(c.norm_output)}
 
 
 def native_config(c: DrafterConfig, dtype: torch.dtype, max_position_embeddings: int) -> dict:
@@ -429,8 +439,9 @@ def readme(fmt: str, out_dir: Path, c: DrafterConfig, target: TargetInfo, k: int
         notes.append("norm_before_residual is true: SGLang implements only false and will accept "
                      "less; serve with vLLM.")
     if c.fc_norm or c.norm_output:
-        notes.append("EAGLE-3.1 options (fc_norm / norm_output) need an engine version that "
-                     "implements them (vLLM and SGLang from 2026); llama.cpp does not.")
+        notes.append("EAGLE-3.1 options (fc_norm / feedback_post_norm: feed back the post-norm "
+                     "state) need an engine version that implements them (vLLM and SGLang from "
+                     "2026); llama.cpp does not.")
     notes.append("Serve with the same chat template the training data was rendered with"
                  + (f" ({chat_template})." if chat_template else " (the target's own)."))
     lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]

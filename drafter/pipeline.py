@@ -37,8 +37,10 @@ from typing import Callable
 from . import DrafterError
 from . import config as C
 from .dist import agent_store, rank_world, restart_count
-from .rundir import SECTIONS, STEPS, MissingInput, Run, atomic_json, atomic_write, dir_bytes, \
-    read_json, remove_dir, step_inputs
+from .preflight import preflight
+from .rundir import SECTIONS, SNAPSHOT_HEADER, STEPS, Damaged, DamagedInput, ForeignFolder, \
+    MissingInput, Run, atomic_json, atomic_write, dir_bytes, read_json, remove_dir, sealed, \
+    step_inputs
 
 log = logging.getLogger("drafter")
 
@@ -79,6 +81,41 @@ def manifest_hash(run: Run, step: str) -> str | None:
     return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.exists() else None
 
 
+# Steps whose outputs `_lead` hashes in full before skipping them (a shard or a checkpoint is
+# GBs: `status` compares sizes and times only).
+HASHED = ("extract", "train")
+
+
+def damage(run: Run, step: str, full: bool = False) -> str | None:
+    """Why a step's finished output cannot be trusted, or None: its manifest is torn or fails
+    its checksum, a later step found it damaged (damaged.json), or (extract) a shard is missing,
+    resized or rewritten since the index (`full`: its sha256 differs), or (train) the last
+    checkpoint fails its checksums. Cheap unless `full`."""
+    try:
+        m = run.read_manifest(step)
+    except Damaged as e:
+        return str(e)
+    if m is None:
+        return None
+    if run.damaged(step).exists():
+        try:
+            return str(read_json(run.damaged(step)).get("reason"))
+        except (OSError, ValueError):
+            return f"{run.damaged(step)} marks it damaged"
+    if step == "extract" and m.get("mode") != "online":  # online: nothing stored
+        from . import store
+
+        bad = store.verify_extract(run, full=full)
+        return "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "") \
+            if bad else None
+    if step == "train":
+        from .checkpoint import verify_checkpoint
+
+        last = run.checkpoints()
+        return verify_checkpoint(last[-1], full=full) if last else None
+    return None
+
+
 def fingerprint(cfg, run: Run, step: str) -> dict:
     inputs = {}
     for dep in step_inputs(cfg, step):
@@ -87,6 +124,11 @@ def fingerprint(cfg, run: Run, step: str) -> dict:
             raise MissingInput(f"step '{step}' needs the output of '{dep}', which is not in "
                                f"{run.root}: run `drafter {dep} CONFIG` first "
                                f"(or `drafter run CONFIG`)")
+        why = damage(run, dep)
+        if why is not None:
+            raise DamagedInput(f"step '{step}' needs the output of '{dep}', which is damaged "
+                               f"({why}): run `drafter {dep} CONFIG` (it redoes what is "
+                               f"damaged and keeps the rest), or `drafter run CONFIG`")
         inputs[dep] = h
     return {"config": config_hash(cfg, step), "inputs": inputs}
 
@@ -100,13 +142,15 @@ def state(cfg, run: Run, step: str, _memo: dict | None = None, running: bool = F
     if run.failed(step).exists():
         try:
             s = "interrupted" if read_json(run.failed(step)).get("interrupted") else "failed"
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError, AttributeError):
             s = "failed"
     elif not run.manifest(step).exists():
         # started.json without a manifest: the step runs now, or its process was killed
         s = ("running" if running else "interrupted") if run.started(step).exists() else "pending"
+    elif damage(run, step) is not None:
+        s = "damaged"
     else:
-        m = read_json(run.manifest(step))
+        m = run.read_manifest(step) or {}
         try:
             fp = fingerprint(cfg, run, step)
         except MissingInput:
@@ -249,11 +293,15 @@ def _release_memory() -> None:
         torch.cuda.ipc_collect()
 
 
-def up_to_date(run: Run, step: str, fp: dict) -> dict | None:
-    """The step's manifest when it matches `fp` and the step has not failed since, else None."""
+def up_to_date(run: Run, step: str, fp: dict, full: bool = False) -> dict | None:
+    """The step's manifest when it matches `fp`, the step has not failed since and its output
+    is intact (`damage`; `full` hashes every shard), else None."""
     if run.manifest(step).exists() and not run.failed(step).exists():
-        m = read_json(run.manifest(step))
-        if m.get("fingerprint") == fp:
+        try:
+            m = run.read_manifest(step)
+        except Damaged:
+            return None
+        if m.get("fingerprint") == fp and damage(run, step, full=full) is None:
             return m
     return None
 
@@ -269,6 +317,7 @@ def run_step(cfg, step: str, force: bool = False) -> dict:
     rank, world = rank_world()
     if rank != 0:
         return _follow(cfg, run, step, force)
+    preflight(cfg, run, step)  # nothing in the run dir is touched before this passes
     with run_lock(run):
         return _lead(cfg, run, step, force, world)
 
@@ -277,24 +326,35 @@ def _lead(cfg, run: Run, step: str, force: bool, world: int) -> dict:
     d = run.step_dir(step)
     fp = fingerprint(cfg, run, step)
     store = agent_store(RANK_WAIT_S) if world > 1 else None
-    m = None if force else up_to_date(run, step, fp)
+    # extract's shards and train's last checkpoint are hashed in full here: a byte flipped in
+    # place (same size and time) is caught before a later step reads it
+    full = step in HASHED
+    m = None if force else up_to_date(run, step, fp, full=full)
     if m is not None:
         log.info("%s: up to date, skipped (use --force to redo)", step)
         if store is not None:
             store.set(_rank_key(step), "skip")
         return m
+    _check_owned(run, step)
+    _verify_inputs(cfg, run, step)
     _clean_trash(run)
     # A partial folder belongs to this fingerprint only if started.json says so; else clear it.
+    # A finished one whose output is damaged resumes too: the step redoes what fails its
+    # checksums and keeps the rest.
     if d.exists():
-        same = run.started(step).exists() and read_json(run.started(step)).get("fingerprint") == fp
-        if force or not same or run.manifest(step).exists():
+        same = _started_fingerprint(run, step) == fp
+        why = None if force else damage(run, step, full=full)
+        if same and why is not None and run.manifest(step).exists():
+            log.warning("%s: %s; redoing what is damaged, keeping the rest", step, why)
+            run.manifest(step).unlink()
+        elif force or not same or run.manifest(step).exists():
             _clear(run, step)
         else:
             log.info("%s: resuming the partial output in %s", step, d)
     d.mkdir(parents=True, exist_ok=True)
     run.failed(step).unlink(missing_ok=True)
     atomic_json(run.started(step), {"fingerprint": fp, "time": time.time(), "pid": os.getpid()})
-    atomic_write(run.config_snapshot(), C.dump(cfg))
+    atomic_write(run.config_snapshot(), SNAPSHOT_HEADER + C.dump(cfg))
     if store is not None:
         store.set(_rank_key(step), "run")
     _install_signal_handlers()
@@ -303,6 +363,8 @@ def _lead(cfg, run: Run, step: str, force: bool, world: int) -> dict:
     try:
         result = _step_fn(step)(cfg) or {}
     except BaseException as e:
+        if isinstance(e, Damaged) and e.step in STEPS and e.step != step:
+            _mark_damaged(run, e)
         _write_failed(run, step, e)
         raise
     finally:
@@ -317,10 +379,64 @@ def _lead(cfg, run: Run, step: str, force: bool, world: int) -> dict:
         "seconds": round(seconds, 3),
         "versions": versions(),
     }
-    atomic_json(run.manifest(step), manifest)
+    atomic_json(run.manifest(step), sealed(manifest))
     run.failed(step).unlink(missing_ok=True)
+    run.damaged(step).unlink(missing_ok=True)
     log.info("%s: done in %.1fs %s", step, seconds, json.dumps(manifest["counts"]))
     return manifest
+
+
+def _started_fingerprint(run: Run, step: str) -> dict | None:
+    try:
+        return read_json(run.started(step)).get("fingerprint")
+    except (OSError, ValueError, AttributeError):  # absent or torn: not this fingerprint's
+        return None
+
+
+def _check_owned(run: Run, step: str) -> None:
+    """Refuse to clear or write into what drafter did not write: a step folder of the user's
+    (no started.json, manifest.json or failed.json in it), or a config.yaml of theirs."""
+    names = run.foreign(step)
+    if names:
+        shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+        raise ForeignFolder(
+            f"{run.step_dir(step)} holds files drafter did not write ({shown}); drafter keeps "
+            f"the {step} step's output there and would replace them. Move them away or choose "
+            f"another run_dir; nothing was changed.")
+    if not run.snapshot_is_ours():
+        raise ForeignFolder(
+            f"{run.config_snapshot()} was not written by drafter; drafter keeps the resolved "
+            f"config of each command there. Move it away or choose another run_dir; nothing "
+            f"was changed.")
+
+
+def _mark_damaged(run: Run, e: Damaged) -> None:
+    """A step found an earlier step's output damaged: record it in that step's folder, so that
+    `status` shows it and the next run redoes it (keeping what verifies)."""
+    try:
+        atomic_json(run.damaged(e.step), {"reason": str(e), "path": e.path, "time": time.time()})
+    except OSError as err:
+        log.warning("could not write %s: %s", run.damaged(e.step), err)
+
+
+def _verify_inputs(cfg, run: Run, step: str) -> None:
+    """Offline train reads every shard: hash them all before the train folder is touched, so
+    that a corrupt shard is redone by extract, never trained on."""
+    if step != "train" or cfg.train.online:
+        return
+    with contextlib.suppress(Damaged):
+        m = run.read_manifest("extract")
+        if m is None or m.get("mode") == "online":  # nothing stored: train says what to run
+            return
+    from . import store
+
+    bad = store.verify_extract(run, full=True)
+    if bad:
+        e = Damaged(f"{'; '.join(bad[:3])}", "extract", run.step_dir("extract"))
+        _mark_damaged(run, e)
+        raise DamagedInput(f"train needs the output of extract, which is damaged ({e}): run "
+                           f"`drafter extract CONFIG` (it redoes only the damaged shards), or "
+                           f"`drafter run CONFIG`")
 
 
 def _follow(cfg, run: Run, step: str, force: bool) -> dict:
@@ -332,11 +448,13 @@ def _follow(cfg, run: Run, step: str, force: bool) -> dict:
         fp = fingerprint(cfg, run, step)
         decision = "run" if force or up_to_date(run, step, fp) is None else "skip"
     if decision == "skip":
-        return read_json(run.manifest(step))
+        return run.read_manifest(step)
     _install_signal_handlers()
     try:
         result = _step_fn(step)(cfg) or {}
     except BaseException as e:
+        if isinstance(e, Damaged) and e.step in STEPS and e.step != step:
+            _mark_damaged(run, e)
         if not run.failed(step).exists():  # rank 0's own error, if any, says more
             _write_failed(run, step, e)
         raise
@@ -447,6 +565,8 @@ def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[di
     run = Run.of(cfg)
     out = []
     baseline = None
+    for step in steps or STEPS:  # the whole config, before any step touches the run dir
+        preflight(cfg, run, step, upfront=True)
     with run_lock(run):
         for step in steps or STEPS:
             will_run = force or _will_run(cfg, run, step)
@@ -474,23 +594,28 @@ def status(run_dir) -> dict:
     A running step's seconds are the time since it started (this invocation)."""
     run = Run(run_dir)
     snap = run.config_snapshot()
-    if not snap.exists():
+    if not snap.is_file():
         raise FileNotFoundError(f"{run.root} is not a drafter run directory (no config.yaml)")
-    cfg = C.load(snap)
+    # the ranges are not checked again: a snapshot written by an older drafter still reads
+    cfg = C.load(snap, validate=False)
     pid = lock_holder(run)
     memo: dict = {}
     rows = []
     for step in STEPS:
-        m = read_json(run.manifest(step)) if run.manifest(step).exists() else {}
+        try:
+            m = run.read_manifest(step) or {}
+        except Damaged:
+            m = {}
         st = state(cfg, run, step, memo, running=pid is not None)
         # The public state is one of done / stale / pending / failed; `activity` says more:
-        # "running" (pending: a drafter process works on it now) or "interrupted" (failed: a
-        # signal or a kill stopped it; a rerun resumes it).
-        activity = st if st in ("running", "interrupted") else None
-        st = {"running": "pending", "interrupted": "failed"}.get(st, st)
+        # "running" (pending: a drafter process works on it now), "interrupted" (failed: a
+        # signal or a kill stopped it; a rerun resumes it) or "damaged" (stale: an output fails
+        # its checksum; a rerun redoes what is damaged and keeps the rest).
+        activity = st if st in ("running", "interrupted", "damaged") else None
+        st = {"running": "pending", "interrupted": "failed", "damaged": "stale"}.get(st, st)
         started = m.get("started")
         if not m and run.started(step).exists():
-            with contextlib.suppress(OSError, json.JSONDecodeError):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
                 started = read_json(run.started(step)).get("time")
         seconds = m.get("seconds")
         if activity == "running" and started:
@@ -502,8 +627,10 @@ def status(run_dir) -> dict:
         if tps:
             row["tokens_per_s"] = tps
         if run.failed(step).exists():
-            with contextlib.suppress(OSError, json.JSONDecodeError):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
                 row["error"] = read_json(run.failed(step)).get("error")
+        elif activity == "damaged":
+            row["error"] = damage(run, step)
         rows.append(row)
     return {"run_dir": str(run.root), "running_pid": pid,
             "bytes": sum(r["bytes"] for r in rows),

@@ -70,6 +70,43 @@ class MissingInput(DrafterError, FileNotFoundError):
     """An input of a step is absent; the message names the step that produces it."""
 
 
+class Damaged(DrafterError):
+    """A finished output fails its checksum (or cannot be read): `step` redoes what is damaged
+    and keeps the rest when it runs again. Raised by readers; the pipeline records it."""
+
+    def __init__(self, message: str, step: str | None = None, path: str | Path | None = None):
+        super().__init__(message)
+        self.step, self.path = step, (str(path) if path is not None else None)
+
+
+class DamagedInput(MissingInput):
+    """An input of a step exists but is damaged; the message names the step that redoes it."""
+
+
+class ForeignFolder(DrafterError):
+    """A run dir holds a file or folder drafter did not write where it would write."""
+
+
+# The first line of RUN_DIR/config.yaml: only a file that starts with it (or one in a run dir
+# whose steps drafter ran) is ever overwritten; a user's own config.yaml there is not.
+SNAPSHOT_HEADER = "# drafter: the resolved config of the last command run in this directory\n"
+# Files only drafter's pipeline writes in a step folder: a folder with one of them is drafter's.
+PIPELINE_FILES = ("started.json", "manifest.json", "failed.json", "damaged.json")
+# What each step writes in its folder (besides temp names): a folder without a pipeline file
+# that holds anything else is not drafter's, and is never cleared.
+OUTPUTS: dict[str, tuple[str, ...]] = {
+    "prepare": ("conversations.jsonl", "rejects.jsonl", ".staging-*"),
+    "generate": ("conversations.jsonl", "errors.jsonl", "synthetic_rejects.jsonl", "server*.log"),
+    "tokenize": ("train.parquet", "val.parquet"),
+    "vocab": ("vocab.safetensors", "vocab.json"),
+    "extract": ("train", "val", "head.safetensors"),
+    "train": ("step_[0-9]*", "metrics.jsonl", "tb"),
+    "export": ("native", "speculators"),
+    "evaluate": ("metrics.json", "report.md", "*.png", "passes"),
+}
+TEMP_NAMES = (".tmp-*", ".tmp*", ".old-*")
+
+
 class Run:
     """Paths of one run directory."""
 
@@ -94,8 +131,54 @@ class Run:
     def started(self, step: str) -> Path:
         return self.step_dir(step) / "started.json"
 
+    def damaged(self, step: str) -> Path:
+        """Written by the pipeline when a later step found this step's output damaged."""
+        return self.step_dir(step) / "damaged.json"
+
     def config_snapshot(self) -> Path:
         return self.root / "config.yaml"
+
+    def read_manifest(self, step: str) -> dict | None:
+        """The step's manifest, None when there is none; Damaged when it cannot be read or
+        fails its checksum (a torn or edited file: the step is then not done)."""
+        p = self.manifest(step)
+        if not p.exists():
+            return None
+        try:
+            m = read_json(p)
+        except (OSError, ValueError) as e:
+            raise Damaged(f"{p} is unreadable ({e})", step, p) from None
+        if not isinstance(m, dict) or not seal_ok(m):
+            raise Damaged(f"{p} fails its checksum", step, p)
+        return m
+
+    def foreign(self, step: str) -> list[str]:
+        """What in the step's folder drafter did not write (a user's own `train/`): [] for a
+        missing folder, a folder holding one of the pipeline's files, or one holding only
+        names the step writes (OUTPUTS)."""
+        from fnmatch import fnmatch
+
+        d = self.step_dir(step)
+        if not d.is_dir():
+            return [d.name] if d.exists() else []
+        names = sorted(p.name for p in d.iterdir())
+        if any(n in PIPELINE_FILES for n in names):
+            return []
+        return [n for n in names
+                if not any(fnmatch(n, pat) for pat in OUTPUTS[step] + TEMP_NAMES)]
+
+    def snapshot_is_ours(self) -> bool:
+        """RUN_DIR/config.yaml may be overwritten: absent, written by drafter (its header), or
+        in a run dir where drafter ran a step (snapshots from before the header)."""
+        p = self.config_snapshot()
+        if not p.exists():
+            return True
+        if p.is_file():
+            with open(p, "rb") as f:
+                if f.read(len(SNAPSHOT_HEADER)) == SNAPSHOT_HEADER.encode():
+                    return True
+        return p.is_file() and any((self.step_dir(s) / n).exists()
+                                   for s in STEPS for n in PIPELINE_FILES)
 
     def lock(self) -> Path:
         """flock'ed by the drafter process working in this run dir; holds its PID."""
@@ -293,23 +376,55 @@ def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text())
 
 
+# ---------------------------------------------------------------------------------- checksums
+def _seal_digest(body: dict) -> str:
+    import hashlib
+
+    # the JSON text as written and read back (int keys become strings, tuples lists), so that
+    # the digest of a read-back file equals the one computed before writing it
+    norm = json.loads(json.dumps(body, default=str))
+    return hashlib.sha256(json.dumps(norm, sort_keys=True).encode()).hexdigest()
+
+
+def sealed(obj: dict) -> dict:
+    """`obj` with a "checksum" key: the sha256 of the rest. Manifests and shard indexes carry
+    one; `seal_ok` verifies it when they are read."""
+    body = {k: v for k, v in obj.items() if k != "checksum"}
+    return {**body, "checksum": "sha256:" + _seal_digest(body)}
+
+
+def seal_ok(obj: dict) -> bool:
+    """The checksum matches; a file written before checksums existed (no key) passes."""
+    c = obj.get("checksum")
+    if c is None:
+        return True
+    return c == "sha256:" + _seal_digest({k: v for k, v in obj.items() if k != "checksum"})
+
+
 # ------------------------------------------------------------------------------ append-only JSONL
-def read_jsonl(path: str | Path, repair: bool = False) -> list[dict]:
-    """Records of a JSONL file written by `JsonlAppender`. A torn last line (a kill mid-write) is
-    ignored, and cut off the file when `repair` is true, so that appending can resume."""
+def read_jsonl(path: str | Path, repair: bool = False, bad: list | None = None) -> list[dict]:
+    """Records of a JSONL file written by `JsonlAppender`. A torn last line (a kill mid-write:
+    no newline) is ignored, and cut off the file when `repair` is true, so that appending can
+    resume. A damaged line inside the file (not JSON, not UTF-8, not an object) is skipped and
+    the records after it are kept; `bad` receives its line number."""
     path = Path(path)
     if not path.exists():
         return []
     out, good_bytes = [], 0
     with open(path, "rb") as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             if not line.endswith(b"\n"):
-                break  # torn tail
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
+                break  # torn tail: the only thing a kill leaves
             good_bytes += len(line)
+            try:
+                rec = json.loads(line)
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError
+                rec = None
+            if isinstance(rec, dict):
+                out.append(rec)
+            elif line.strip():
+                if bad is not None:
+                    bad.append(n)
     if repair and good_bytes != path.stat().st_size:
         with open(path, "r+b") as f:
             f.truncate(good_bytes)

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .config import is_local_host
 from .supervisor import ManagedServer, ServerError, free_port
 
 log = logging.getLogger("drafter")
@@ -326,6 +327,10 @@ def servers(cfg, log_path: Path):
             raise ServerError("generate.server.engine=local runs in-process: there is no server "
                               "to start")
         else:
+            if not is_local_host(s.host):  # allowed by generate.server.allow_remote (config.py)
+                log.warning("generate.server.host=%s: the %s server accepts requests from other "
+                            "machines (generate.server.allow_remote is true); anyone who "
+                            "reaches %s can use the target", s.host, s.engine, s.host)
             model = _target_args(cfg)["model"] if s.command is None else None
             groups = _gpu_groups(s.replicas)
             for i, gpus in enumerate(groups):

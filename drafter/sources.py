@@ -62,8 +62,9 @@ class Reject:
     source: str
     file: str
     line: int
-    # reason, a short code: bad_json, not_an_object, missing_field, bad_message, unknown_role,
-    # non_string_content, empty_content, no_user_turn, no_assistant_turn
+    # reason, a short code: bad_json, bad_encoding (not UTF-8), not_an_object, missing_field,
+    # bad_message, unknown_role, non_string_content, empty_content, no_user_turn,
+    # no_assistant_turn
     reason: str
     detail: str
 
@@ -136,34 +137,54 @@ def _is_data_file(p: Path) -> bool:
     return p.name.endswith(DATA_SUFFIXES)
 
 
-def _open_text(p: Path):
-    return gzip.open(p, "rt", encoding="utf-8") if p.name.endswith(".gz") else \
-        open(p, encoding="utf-8")
+def _open_bytes(p: Path):
+    return gzip.open(p, "rb") if p.name.endswith(".gz") else open(p, "rb")
+
+
+def _not_utf8(blob: bytes, e: UnicodeDecodeError) -> str:
+    col = e.start - blob.rfind(b"\n", 0, e.start)
+    return f"not UTF-8: byte 0x{blob[e.start]:02x} at column {col}"
 
 
 def _iter_json_file(p: Path) -> Iterator[tuple[str, int, Any]]:
-    """(file, line, object or _Bad) for JSON lines, or for the elements of one JSON array."""
-    with _open_text(p) as f:
-        head = f.read(4096)
-        if head.lstrip().startswith("["):
-            text = head + f.read()
-        else:
-            for n, line in enumerate(_lines(head, f), 1):
-                if not line.strip():
-                    continue  # blank lines are not records
-                try:
-                    yield str(p), n, json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield str(p), n, _Bad("bad_json", f"not valid JSON: {e.msg} (column {e.colno})")
-            return
+    """(file, line, object or _Bad) for JSON lines, or for the elements of one JSON array. Lines
+    are decoded one by one: a line that is not UTF-8 is one malformed record, not the end."""
+    try:
+        with _open_bytes(p) as f:
+            head = f.read(4096)
+            if head.lstrip().startswith(b"["):
+                blob = head + f.read()
+            else:
+                for n, line in enumerate(_lines(head, f), 1):
+                    if not line.strip():
+                        continue  # blank lines are not records
+                    try:
+                        text = line.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        yield str(p), n, _Bad("bad_encoding", _not_utf8(line, e))
+                        continue
+                    try:
+                        yield str(p), n, json.loads(text)
+                    except json.JSONDecodeError as e:
+                        yield str(p), n, _Bad("bad_json",
+                                              f"not valid JSON: {e.msg} (column {e.colno})")
+                return
+    except (OSError, EOFError) as e:  # a torn .gz, an unreadable file
+        raise SourceError(f"{p}: cannot read it: {e}") from None
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = blob.count(b"\n", 0, e.start) + 1
+        raise SourceError(f"{p}:{line}: {_not_utf8(blob, e)}; a JSON array must be valid as a "
+                          f"whole (JSON lines, .jsonl, skip bad lines one by one)") from None
     yield from _iter_json_array(p, text)
 
 
-def _lines(head: str, f) -> Iterator[str]:
+def _lines(head: bytes, f) -> Iterator[bytes]:
     """Lines of `head` + the rest of `f`, read in chunks (never the whole file at once)."""
     buf = head
     while True:
-        *lines, buf = buf.split("\n")
+        *lines, buf = buf.split(b"\n")
         yield from lines
         chunk = f.read(1 << 20)
         if not chunk:
@@ -214,13 +235,17 @@ def _iter_json_array(p: Path, text: str) -> Iterator[tuple[str, int, Any]]:
 
 
 def _iter_parquet(p: Path) -> Iterator[tuple[str, int, Any]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     row = 0
-    for batch in pq.ParquetFile(str(p)).iter_batches(batch_size=1024):
-        for rec in batch.to_pylist():
-            row += 1
-            yield str(p), row, rec
+    try:
+        for batch in pq.ParquetFile(str(p)).iter_batches(batch_size=1024):
+            for rec in batch.to_pylist():
+                row += 1
+                yield str(p), row, rec
+    except (pa.ArrowException, OSError) as e:
+        raise SourceError(f"{p}: not a readable Parquet file (after row {row}): {e}") from None
 
 
 def _iter_file(p: Path) -> Iterator[tuple[str, int, Any]]:

@@ -42,7 +42,7 @@ import torch
 
 from . import DrafterError
 from .capture import Head
-from .rundir import atomic_write, read_json
+from .rundir import Damaged, atomic_write, read_json, seal_ok, sealed
 
 log = logging.getLogger("drafter")
 
@@ -53,6 +53,10 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 class ShardError(DrafterError):
     """A shard or index is missing, corrupt, or from another format version."""
+
+
+class CorruptShard(ShardError, Damaged):
+    """A shard fails its sha256: extract redoes it (and keeps the others) when it runs again."""
 
 
 # --------------------------------------------------------------------------------- the formula
@@ -319,12 +323,19 @@ class ShardWriter:
 
 # ---------------------------------------------------------------------------------- the index
 def write_index(path: Path, info: dict, entries: list[dict], head_sha256: str | None) -> dict:
+    """The split's index (sealed with its own checksum). `mtime_ns` records each shard's
+    modification time beside its size, so that a shard rewritten in place since (same size)
+    is seen without hashing it (`verify_extract`)."""
+    path = Path(path)
     n_tok = sum(e["num_tokens"] for e in entries)
     n_bytes = sum(e["bytes"] for e in entries)
     index = {"format": FORMAT, "version": VERSION, "info": info,
              "num_samples": sum(e["num_samples"] for e in entries), "num_tokens": n_tok,
              "bytes": n_bytes, "bytes_per_token": round(n_bytes / n_tok, 2) if n_tok else None,
-             "head_sha256": head_sha256, "shards": entries}
+             "head_sha256": head_sha256, "shards": entries,
+             "mtime_ns": {e["file"]: (path.parent / e["file"]).stat().st_mtime_ns
+                          for e in entries if (path.parent / e["file"]).exists()}}
+    index = sealed(index)
     atomic_write(path, json.dumps(index, indent=1) + "\n")
     return index
 
@@ -332,13 +343,71 @@ def write_index(path: Path, info: dict, entries: list[dict], head_sha256: str | 
 def read_index(path: Path) -> dict:
     try:
         index = read_json(path)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:
         raise ShardError(f"{path}: unreadable index ({e}): rerun `drafter extract CONFIG`") \
             from None
+    if not isinstance(index, dict) or not seal_ok(index):
+        raise ShardError(f"{path}: the index fails its checksum: rerun `drafter extract "
+                         f"CONFIG`")
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise ShardError(f"{path}: format {index.get('format')} v{index.get('version')}, this "
                          f"drafter reads {FORMAT} v{VERSION}: rerun `drafter extract --force`")
     return index
+
+
+_VERIFIED: set = set()   # (path, size, mtime_ns, sha256) hashed in full by this process
+
+
+def verify_extract(run, full: bool = False) -> list[str]:
+    """What is wrong with extract's finished output, one line each ([] when intact): an index
+    that is unreadable or fails its checksum; a shard missing, of another size, or modified
+    since the index was written. `full` also hashes every shard and the head (sha256, several
+    files at once; a file already hashed by this process unchanged since is not read again)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    problems, todo = [], []
+    for split in ("train", "val"):
+        ip = run.shard_index(split)
+        if not ip.exists():
+            if split == "train":
+                problems.append(f"{ip} missing")
+            continue
+        try:
+            index = read_index(ip)
+        except ShardError as e:
+            problems.append(str(e))
+            continue
+        times = index.get("mtime_ns") or {}
+        for e in index["shards"]:
+            p = ip.parent / e["file"]
+            try:
+                st = p.stat()
+            except OSError:
+                problems.append(f"{p} missing")
+                continue
+            if st.st_size != e["bytes"] or times.get(e["file"], st.st_mtime_ns) != st.st_mtime_ns:
+                problems.append(f"{p} changed since extract wrote it")
+            elif full:
+                todo.append((p, st, e["sha256"]))
+        head = run.extract_head()
+        if full and index.get("head_sha256") and head.exists():
+            todo.append((head, head.stat(), index["head_sha256"]))
+    todo = list({str(p): (p, st, sha) for p, st, sha in todo}.values())
+
+    def ok(item) -> bool:
+        p, st, sha = item
+        key = (str(p), st.st_size, st.st_mtime_ns, sha)
+        if key not in _VERIFIED:
+            if file_sha256(p) != sha:
+                return False
+            _VERIFIED.add(key)
+        return True
+
+    with ThreadPoolExecutor(max_workers=8) as pool:  # hashlib releases the GIL
+        for (p, _, _), good in zip(todo, pool.map(ok, todo)):
+            if not good:
+                problems.append(f"{p} fails its sha256")
+    return problems
 
 
 def save_head(path: Path, head: Head, info: dict) -> str:
@@ -402,9 +471,9 @@ class Reader:
         if verify:
             bad = self.verify()
             if bad:
-                raise ShardError(f"corrupt shards (sha256 mismatch): {', '.join(map(str, bad))}; "
-                                 f"rerun `drafter extract CONFIG` after deleting "
-                                 f"{run.manifest('extract')} to redo them")
+                raise CorruptShard(f"corrupt shards (sha256 mismatch): "
+                                   f"{', '.join(map(str, bad))}; rerun `drafter extract CONFIG`: "
+                                   f"it redoes them and keeps the others", "extract", bad[0])
 
     def __len__(self) -> int:
         return len(self._where)

@@ -10,8 +10,12 @@
 
 Materialising a GGUF: transformers loads it (dequantised) but refuses to save_pretrained a
 GGUF-quantised model, so we load in float32, drop the quantizer marks, set `architectures`, and
-save in bf16 with the tokenizer and its chat template. A file lock plus a rename into place make
-two concurrent materialisations produce one good folder.
+save in bf16 with the tokenizer and its chat template. The tokenizer splits text before BPE the
+way llama.cpp does for the GGUF's `tokenizer.ggml.pre` (transformers has no rule for "smollm":
+without it a newline, four spaces and "0" became 3 pieces, the last space apart, where
+llama.cpp keeps the newline and the four spaces as one). A file
+lock plus a rename into place make two concurrent materialisations produce one good folder;
+MATERIALISE_VERSION in the folder name makes a fixed materialisation replace an older one.
 
 `target_embeddings` reads the input embedding table from the target's safetensors files, without
 loading the model (training copies it into the drafter).
@@ -60,10 +64,42 @@ def builtin_file(name: str) -> Path:
     return files[0]
 
 
+# Bumped whenever materialising changes what it writes (2: llama.cpp's pre-tokenizer).
+MATERIALISE_VERSION = 2
+
+# llama.cpp's pre-tokenizers (src/llama-vocab.cpp) that split every digit off before the GPT-2
+# regex: `tokenizer.ggml.pre` values of LLAMA_VOCAB_PRE_TYPE_SMOLLM, _STARCODER and _REFACT,
+# whose regex_exprs are {"\\p{N}", the GPT-2 regex}.
+DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact")
+
+
 def _gguf_key(path: Path) -> str:
     st = path.stat()
-    blob = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()
+    blob = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{MATERIALISE_VERSION}".encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def gguf_pre_tokenizer(gguf: Path) -> str | None:
+    """The GGUF's `tokenizer.ggml.pre` (llama.cpp's name of its pre-tokenizer), or None."""
+    from gguf import GGUFReader
+
+    f = GGUFReader(str(gguf)).fields.get("tokenizer.ggml.pre")
+    return bytes(f.parts[f.data[0]]).decode() if f is not None and f.data else None
+
+
+def match_llama_cpp_split(tok, pre: str | None) -> None:
+    """Give the tokenizer llama.cpp's pre-tokenizer for `pre`: for the digit-split family each
+    \\p{N} character is its own piece (tokenizers' Digits: Rust's is_numeric is \\p{N}), then
+    the GPT-2 regex runs on each piece (ByteLevel's regex is llama.cpp's GPT-2 one), so a run of
+    spaces before a digit stays whole. Other pre-tokenizers are left as transformers built
+    them."""
+    if pre not in DIGIT_SPLIT_PRE:
+        return
+    from tokenizers import pre_tokenizers
+
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
 
 
 @contextlib.contextmanager
@@ -97,6 +133,7 @@ def materialise_gguf(gguf: Path, out_root: Path | None = None) -> Path:
                                                      dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         _align_special_tokens(tok, model.config)
+        match_llama_cpp_split(tok, gguf_pre_tokenizer(gguf))
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.hf_quantizer = None

@@ -283,8 +283,12 @@ BROKEN = [
      _tensors(lambda sd: sd.__setitem__("input_norm.weight", torch.ones(192))), "norm_before_fc",
      FAIL),
     ("norm_before_fc_missing", S, _del("norm_before_fc", "top"), "norm_before_fc", WARN),
-    ("norm_output_missing", N, _del("norm_output"), "norm_output", WARN),
-    ("norm_output_true", S, _set("norm_output", True, "top"), "norm_output", WARN),
+    ("feedback_post_norm_missing", N, _del("feedback_post_norm"), "feedback_post_norm", WARN),
+    ("feedback_post_norm_true", S, _set("feedback_post_norm", True, "top"),
+     "feedback_post_norm", WARN),
+    # a key SpecForge reads as "final norm before lm_head" and EAGLE-3.1 as "post-norm feedback"
+    ("norm_output_ambiguous", N, _set("norm_output", False), "ambiguous_keys", WARN),
+    ("norm_output_ambiguous_layer", S, _set("norm_output", True), "ambiguous_keys", WARN),
     # --- tensor names, shapes, dtypes
     ("tensor_unknown", N, _tensors(lambda sd: sd.__setitem__("midlayer.extra.weight",
                                                              torch.zeros(2))),
@@ -313,6 +317,9 @@ BROKEN = [
      "weights_file", FAIL),
     ("speculators_no_verifier", S, _spec("verifier", None), "speculators_config", FAIL),
     ("speculators_wrong_algorithm", S, _spec("algorithm", "eagle"), "speculators_config", FAIL),
+    ("speculators_zero_tokens", S, _spec("proposal_methods", [{"proposal_type": "greedy",
+                                                              "speculative_tokens": 0}]),
+     "speculators_config", FAIL),
 ]
 
 
@@ -387,7 +394,8 @@ def _cli(*args):
 
 
 def test_cli_exit_codes_and_json(good, tiny_target, tmp_path):
-    p = _cli(str(good[N]), "--target", str(tiny_target), "--json")
+    # --no-smoke: `good` is a random drafter, which the acceptance smoke test fails (below)
+    p = _cli(str(good[N]), "--target", str(tiny_target), "--json", "--no-smoke")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["ok"] and out["format"] == N and out["counts"]["fail"] == 0
@@ -397,3 +405,72 @@ def test_cli_exit_codes_and_json(good, tiny_target, tmp_path):
     p = _cli(str(d))
     assert p.returncode == 1
     assert "FAIL  d2t" in p.stdout and "vLLM maps draft id i to target id i" in p.stdout
+
+
+# ----------------------------------------------------------------- the acceptance smoke test
+TOKEN = 1000  # an ordinary SmolLM2 token (ids below ~20 are special)
+
+
+def constant_target(root: Path, smollm2_dir: Path) -> Path:
+    """A tiny Llama whose greedy answer is TOKEN, always: its layers add nothing to the
+    residual stream, dimension 0 of every embedding is positive, and lm_head reads only that
+    dimension into TOKEN's logit."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny import make_tiny
+
+    path = make_tiny("llama", root, tokenizer_dir=smollm2_dir, num_hidden_layers=8)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 5.0
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[TOKEN, 0] = 1.0
+    model.save_pretrained(path)
+    return path
+
+
+def vocab_from(m, first: int):
+    """The drafter's draft vocab: `first` as draft id 0, then 511 larger ids."""
+    g = torch.Generator().manual_seed(0)
+    rest = torch.randperm(m.cfg.vocab_size - first - 1, generator=g)[:m.cfg.draft_vocab_size - 1]
+    targets = torch.cat([torch.tensor([first]), torch.sort(rest + first + 1).values])
+    t2d = torch.zeros(m.cfg.vocab_size, dtype=torch.bool)
+    t2d[targets] = True
+    m.set_vocab(targets - torch.arange(m.cfg.draft_vocab_size), t2d)
+    return m
+
+
+def test_acceptance_smoke_test_fails_a_drafter_that_predicts_nothing(tmp_path, smollm2_dir):
+    """With --target, the drafter runs teacher-forced on answers the target wrote itself: one
+    that always predicts the target's token passes with accuracy 1 and tau K+1; a random one,
+    whose files pass every other check, fails; so does one built for another target."""
+    target = constant_target(tmp_path, smollm2_dir)
+    t = E.target_info(str(target))
+    good_m = vocab_from(make_drafter(target, seed=3), TOKEN)
+    with torch.no_grad():
+        good_m.norm.weight.zero_()  # logits all 0: argmax is draft id 0, target id TOKEN
+    bad_m = vocab_from(make_drafter(target, seed=4), TOKEN)
+    dirs = {}
+    for name, m in (("good", good_m), ("random", bad_m)):
+        d = tmp_path / name
+        d.mkdir()
+        E.write_dir(m, d, E.NATIVE, target=t, dtype=torch.float32, final_dir=d)
+        dirs[name] = d
+    r = run_checks(dirs["good"], str(target), smoke=True)
+    assert r.status("acceptance") == PASS, format_report(r)
+    reason = next(c.reason for c in r.checks if c.name == "acceptance")
+    assert "step-0 accuracy 1.00, expected tau 4.00" in reason and "K=3" in reason
+    r = run_checks(dirs["random"], str(target), smoke=True)
+    assert r.status("acceptance") == FAIL and "predicts nothing" in format_report(r)
+    assert [c.name for c in r.checks if c.status == FAIL] == ["acceptance"]  # files look fine
+    assert run_checks(dirs["random"], str(target)).status("acceptance") is None  # API: opt-in
+    # --target as a config.json: no weights, nothing to run
+    r = run_checks(dirs["good"], str(target / "config.json"), smoke=True)
+    assert r.status("acceptance") == WARN
+    # the CLI runs it with --target and exits 1 on the random drafter
+    p = _cli(str(dirs["random"]), "--target", str(target))
+    assert p.returncode == 1 and "FAIL  acceptance" in p.stdout, p.stdout + p.stderr

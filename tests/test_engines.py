@@ -173,7 +173,8 @@ def test_speculators_layout_is_exactly_the_contract(tiny_target, tmp_path):
     assert cfg["draft_vocab_size"] == 512 and cfg["target_hidden_size"] == 64
     assert {f: cfg[f] for f in E.NORM_FLAGS} == {"norm_before_residual": False,
                                                  "norm_before_fc": False, "fc_norm": True,
-                                                 "norm_output": True}
+                                                 "feedback_post_norm": True}
+    assert "norm_output" not in cfg and "norm_output" not in cfg["transformer_layer_config"]
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]   # vLLM meaning (HS)
     assert cfg["speculators_config"] == {
         "algorithm": "eagle3",
@@ -270,6 +271,24 @@ def test_loader_reads_published_layouts(tiny_target, tmp_path):
     del cfg["norm_before_residual"]
     (s / "config.json").write_text(json.dumps(cfg))
     assert load_drafter_dir(s).cfg.norm_before_residual is True
+
+
+def test_feedback_flag_is_not_norm_output(tiny_target, tmp_path):
+    """Exports write feedback_post_norm, never norm_output (SpecForge reads that key as "apply
+    the final norm before lm_head"). Our own older exports (drafter.json present) still load
+    their norm_output; another dir's norm_output is not taken for post-norm feedback."""
+    trained = make_drafter(tiny_target, seed=5, norm_output=True)
+    t = E.target_info(str(tiny_target))
+    for fmt in E.FORMATS:
+        d = write(trained, tmp_path / fmt, fmt, t, dtype=torch.float32)
+        cfg = json.loads((d / "config.json").read_text())
+        assert cfg["feedback_post_norm"] is True and "norm_output" not in json.dumps(cfg)
+        assert load_drafter_dir(d).cfg.norm_output is True
+        cfg["norm_output"] = cfg.pop("feedback_post_norm")          # as exports wrote it before
+        (d / "config.json").write_text(json.dumps(cfg))
+        assert load_drafter_dir(d).cfg.norm_output is True
+        (d / "drafter.json").unlink()                                # not ours: SpecForge's key
+        assert load_drafter_dir(d, target=t).cfg.norm_output is False
 
 
 def test_loader_reads_sharded_and_pickled_weights(tiny_target, tmp_path):

@@ -197,8 +197,12 @@ def test_config_errors_name_the_key(smollm2_dir, tmp_path):
 
     with pytest.raises(E.EvaluateError, match="temperatures must include 0"):
         E.main(cfg("evaluate.temperatures=[0.7]"))
+    # refused when the config loads; the step keeps its own check for configs built otherwise
+    with pytest.raises(C.ConfigError, match=r"evaluate\.methods\[0\]: must be chain or tree"):
+        cfg("evaluate.methods=[beam]")
     with pytest.raises(E.EvaluateError, match="unknown method 'beam'"):
-        E.main(cfg("evaluate.methods=[beam]"))
+        E.main(C.load(None, [f"run_dir={tmp_path / 'run'}", f"target.model={smollm2_dir}",
+                             "evaluate.methods=[beam]"], validate=False))
     with pytest.raises(E.EvaluateError, match="evaluate.drafter: .*nowhere not found"):
         E.main(cfg(f"evaluate.drafter={tmp_path / 'nowhere'}"))
     with pytest.raises(Exception, match="drafter export CONFIG"):   # MissingInput: run export

@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from drafter import config as C
-from drafter import gpu, pipeline, store
+from drafter import checkpoint, gpu, pipeline, store
 from drafter.rundir import Run, atomic_json, atomic_write, read_json, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -321,6 +321,114 @@ def test_full_disk_is_a_clear_error_and_leaves_no_torn_file(world, tmp_path):
     got = {f"{s}/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest()
            for s in ("train", "val") for p in sorted(run.shards(s).glob("shard_*.safetensors"))}
     assert got == world["outputs"]["shards"]
+
+
+# ------------------------------------------------------------- corruption of finished outputs
+def _copy_run(ref: Run, dst: Path) -> Run:
+    """The finished reference run at dst (file times kept, as `cp -a` or `mv` keep them)."""
+    shutil.copytree(ref.root, dst)
+    return Run(dst)
+
+
+def _flip(path: Path, keep_mtime: bool = False) -> None:
+    st = path.stat()
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x5A
+    path.write_bytes(bytes(blob))
+    if keep_mtime:  # bit rot: same size, same time; only the sha256 tells
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _states(run: Run) -> dict:
+    return {s["name"]: (s["state"], s["activity"], s.get("error"))
+            for s in pipeline.status(run.root)["steps"]}
+
+
+def test_corrupt_shard_of_a_finished_run_is_redone_never_trained_on(world, tmp_path):
+    """A flipped byte in a finished extract: status shows extract damaged (not done), `drafter
+    train` refuses before touching train/ and names the shard; a shard rotted in place (same
+    size and time, which only its sha256 tells) is caught when a run hashes the shards; the
+    rerun redoes exactly those shards, keeps the others, and ends with the reference's shards
+    and final checkpoint."""
+    run = _copy_run(world["ref"], tmp_path / "run")
+    cfg = write_cfg(tmp_path / "cfg.yaml", run.root, world["model"])
+    bad = run.shard("train", 1)
+    _flip(bad)
+    st = _states(run)
+    assert st["extract"][:2] == ("stale", "damaged") and bad.name in st["extract"][2]
+    assert st["train"][0] == "stale" and st["tokenize"][0] == "done"
+    train_before = {p: p.read_bytes() for p in run.step_dir("train").rglob("*") if p.is_file()}
+    p = subprocess.run([sys.executable, "-m", "drafter.cli", "train", str(cfg)], cwd=REPO,
+                       env=ENV, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "which is damaged" in p.stderr and "drafter extract" in p.stderr
+    assert {p: p.read_bytes() for p in run.step_dir("train").rglob("*") if p.is_file()} == \
+        train_before
+    rot = run.shard("val", 0)
+    _flip(rot, keep_mtime=True)
+    assert store.verify_extract(run) == [f"{bad} changed since extract wrote it"]
+    assert f"{rot} fails its sha256" in store.verify_extract(run, full=True)
+    finish(cfg, log=tmp_path / "rerun.log")
+    m = read_json(run.manifest("extract"))["counts"]
+    assert m["shards_redone"] == 2 and m["shards_kept"] == m["shards"] - 2
+    assert_same(outputs(run), world["outputs"])
+    assert [s for s, (state, _, _) in _states(run).items() if state != "done"] == \
+        ["export", "evaluate"]
+
+
+def test_truncated_last_checkpoint_resumes_from_the_last_intact_one(world, tmp_path):
+    """A torn file in the newest checkpoint: status shows train damaged, the rerun warns and
+    resumes from the checkpoint before it (with its optimizer, RNG and data position), ends
+    on the reference's final weights, and counts every token in tokens_seen."""
+    ref = world["ref"]
+    run = _copy_run(ref, tmp_path / "run")
+    cfg = write_cfg(tmp_path / "cfg.yaml", run.root, world["model"])
+    last = run.checkpoints()[-1]
+    f = last / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    st = _states(run)
+    assert st["train"][:2] == ("stale", "damaged") and "model.safetensors" in st["train"][2]
+    log = tmp_path / "rerun.log"
+    finish(cfg, log=log)
+    text = log.read_text()
+    assert f"checkpoint {last.name} is damaged" in text and "resuming from the one before" in text
+    assert_same(outputs(run), world["outputs"])
+    got, want = read_json(run.manifest("train")), read_json(ref.manifest("train"))
+    assert got["counts"]["tokens_seen"] == want["counts"]["tokens_seen"] > 0
+    assert got["counts"]["steps"] == MAX_STEPS and got["train"]["step"] == MAX_STEPS
+    # a byte rotted in place (same size and time): status cannot see it, a run hashes it
+    last = run.checkpoints()[-1]
+    _flip(last / "optimizer.pt", keep_mtime=True)
+    assert _states(run)["train"][0] == "done"
+    finish(cfg, log=log)
+    assert "optimizer.pt fails its sha256" in log.read_text()
+    assert_same(outputs(run), world["outputs"])
+    assert checkpoint.verify_checkpoint(run.checkpoints()[-1]) is None
+
+
+def test_damaged_generate_output_keeps_the_good_records_after_it(world, tmp_path):
+    """A partial generate/conversations.jsonl with a line of garbage and a 0xff byte in the
+    middle, and a torn last line: the rerun keeps every good record, before and after the
+    damage, regenerates only the damaged ones, and ends with the reference's conversations."""
+    ref = world["ref"]
+    run_dir = tmp_path / "run"
+    _prestate(ref, run_dir, "generate")
+    run = Run(run_dir)
+    cfg = write_cfg(tmp_path / "cfg.yaml", run_dir, world["model"])
+    lines = ref.conversations("generate").read_bytes().splitlines(keepends=True)
+    assert len(lines) == N_SAMPLES
+    lines[2] = b'{"id": "not json\n'
+    lines[5] = lines[5].replace(b'"content": "', b'"content": "\xff', 1)
+    out = lines[:-1] + [lines[-1][:20]]            # the last one torn by a kill
+    run.step_dir("generate").mkdir()
+    run.conversations("generate").write_bytes(b"".join(out))
+    fp = pipeline.fingerprint(C.load(cfg), run, "generate")
+    atomic_json(run.started("generate"), {"fingerprint": fp, "time": time.time()})
+    finish(cfg, log=tmp_path / "rerun.log", until="generate")
+    m = read_json(run.manifest("generate"))["counts"]
+    assert (m["resumed"], m["generated"], m["ok"]) == (N_SAMPLES - 3, 3, N_SAMPLES)
+    assert run.conversations("generate").read_bytes() == ref.conversations("generate")\
+        .read_bytes()
 
 
 # ---------------------------------------------------------------- the lifecycle between steps

@@ -480,3 +480,21 @@ def test_local_engine(tmp_path, smollm2_dir):
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert out[1]["meta"]["turns"][1]["prompt_tokens"] == len(tok(text, add_special_tokens=False)
                                                               ["input_ids"])
+
+
+def test_a_prompt_over_the_context_is_rejected_per_record(fake, tmp_path):
+    """HTTP engines: a prompt whose rendered length + max_tokens exceeds the target's context
+    (SmolLM2: 8192) is a permanent error of its record, counted as too_long and never sent, so
+    one 60,000-word prompt cannot kill a `transformers serve` worker; the rest are answered."""
+    huge = "word " * 60_000
+    records = [conv(0, "q0"), conv(1, huge), conv(2, "q2")]
+    cfg = fake_cfg(tmp_path, records, [fake.url], **{"generate.max_tokens": 64})
+    m = pipeline.run_step(cfg, "generate")
+    out, m = check_invariants(cfg, records)
+    assert [r["id"] for r in out] == ["t:000", "t:002"]
+    errs = errors(cfg)
+    assert [(e["id"], e["kind"]) for e in errs] == [("t:001", "permanent")]
+    assert errs[0]["reason"].startswith("prompt too long:") and "8192" in errs[0]["reason"]
+    assert m["counts"]["too_long"] == 1 and m["counts"]["errors"] == 1
+    assert all(len(json.dumps(b)) < 10_000 for b in fake.requests)   # never sent
+    assert m["counts"]["ok"] == 2

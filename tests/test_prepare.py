@@ -8,6 +8,7 @@ from drafter import DrafterError
 from drafter import config as C
 from drafter import pipeline
 from drafter.rundir import Run, read_jsonl
+from drafter.sources import SourceError, read_source
 from drafter.steps import prepare as P
 
 README_TRAIN = {"gsm8k_train.jsonl": 7473, "codealpaca_4k.json": 4535, "codealpaca_2k.json": 2017,
@@ -132,3 +133,34 @@ def test_config_and_source_errors(tmp_path):
              {"path": "builtin:quickstart-prompts", "name": "again"}]
     c = P.main(cfg_for(tmp_path, twice))["counts"]
     assert c["read"] == 160 and c["duplicates"] == 80
+
+
+def test_a_line_that_is_not_utf8_is_one_reject_with_file_and_line(tmp_path):
+    """A 0xff byte in one line of a source (JSONL, gzipped too) is a reject naming the file and
+    line; the lines after it are read; a JSON array with such a byte is one error naming them.
+    Too many of them fail the step with exit 2 and the same file:line."""
+    import gzip
+
+    from drafter import cli
+
+    lines = [json.dumps({"question": f"q{i}"}).encode() for i in range(10)]
+    lines[4] = b'{"question": "caf\xff"}'
+    blob = b"\n".join(lines) + b"\n"
+    for name, data in (("mixed.jsonl", blob), ("mixed.jsonl.gz", gzip.compress(blob))):
+        p = tmp_path / name
+        p.write_bytes(data)
+        cfg = cfg_for(tmp_path, [{"path": str(p)}], "prepare.max_bad_fraction=0.2",
+                      name=f"run-{name}")
+        c = P.main(cfg)["counts"]
+        assert (c["read"], c["kept"], c["rejected_bad_encoding"]) == (10, 9, 1)
+        rej = read_jsonl(Run.of(cfg).rejects())
+        assert [(r["file"], r["line"], r["reason"]) for r in rej] == [(str(p), 5, "bad_encoding")]
+        assert "byte 0xff at column 18" in rej[0]["detail"]
+    arr = tmp_path / "array.json"
+    arr.write_bytes(b'[{"question": "a"},\n {"question": "caf\xff"}]')
+    with pytest.raises(SourceError, match=r"array\.json:2: not UTF-8: byte 0xff"):
+        list(read_source(C.SourceConfig(path=str(arr))))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"run_dir: {tmp_path / 'run-cli'}\nprepare:\n  sources:\n"
+                   f"    - path: {tmp_path / 'mixed.jsonl'}\n")
+    assert cli.main(["prepare", str(bad)]) == 2   # 1 of 10 > max_bad_fraction 0.01

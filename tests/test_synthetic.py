@@ -126,9 +126,10 @@ def test_synthetic_needs_the_local_engine(tmp_path):
 
     with pytest.raises(generate.GenerateError, match=r"prepare.sources\[0\] is synthetic"):
         generate.main(cfg)
-    bad = _config(tmp_path, **{"prepare.sources": [{"synthetic": {"count": 0}}]})
-    with pytest.raises(C.ConfigError, match="synthetic.count must be >= 1"):
-        pipeline.run_step(bad, "prepare", force=True)
+    # a bad synthetic section is refused when the config loads, before any step runs
+    with pytest.raises(C.ConfigError, match=r"prepare.sources\[0\].synthetic.count: must be "
+                                            r">= 1, got 0"):
+        _config(tmp_path, **{"prepare.sources": [{"synthetic": {"count": 0}}]})
 
 
 @pytest.mark.slow

@@ -76,3 +76,79 @@ def test_bad_target_specs(tmp_path):
 def test_default_layer_ids():
     assert T.default_layer_ids(30) == [2, 15, 27]
     assert T.default_layer_ids(61) == [2, 30, 58]
+
+
+# --------------------------------------------------------- the tokenizer against llama.cpp's
+def _gguf_strings(reader, key: str) -> list[str]:
+    f = reader.fields[key]
+    return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+
+
+class LlamaCppBPE:
+    """llama.cpp's tokenizer for this GGUF, written out from its source: the "smollm"
+    pre-tokenizer (src/llama-vocab.cpp: regex_exprs {"\\p{N}", the GPT-2 regex}, applied in
+    turn, each keeping the text between its matches), byte-to-unicode encoding, then BPE over
+    the GGUF's own `tokenizer.ggml.merges` (lowest rank first, leftmost on ties) and its
+    `tokenizer.ggml.tokens` as the ids."""
+
+    GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+    def __init__(self, gguf: Path):
+        import regex
+        from gguf import GGUFReader
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        r = GGUFReader(str(gguf))
+        assert _gguf_strings(r, "tokenizer.ggml.pre") == ["smollm"]
+        self.ids = {t: i for i, t in enumerate(_gguf_strings(r, "tokenizer.ggml.tokens"))}
+        self.ranks = {tuple(m.split(" ")): i
+                      for i, m in enumerate(_gguf_strings(r, "tokenizer.ggml.merges"))}
+        self.digit, self.gpt2 = regex.compile(r"\p{N}"), regex.compile(self.GPT2)
+        self.byte = bytes_to_unicode()
+
+    def pieces(self, text: str) -> list[str]:
+        frags, at = [], 0
+        for m in self.digit.finditer(text):       # first split: every \p{N} on its own
+            frags += [text[at:m.start()], m.group()]
+            at = m.end()
+        frags.append(text[at:])
+        return [w for f in frags if f for w in self.gpt2.findall(f)]
+
+    def tokenize(self, text: str) -> list[str]:
+        out = []
+        for w in self.pieces(text):
+            parts = [self.byte[b] for b in w.encode("utf-8")]
+            while len(parts) > 1:
+                rank, i = min((self.ranks.get((a, b), 1 << 30), i)
+                              for i, (a, b) in enumerate(zip(parts, parts[1:])))
+                if rank == 1 << 30:
+                    break
+                parts[i:i + 2] = [parts[i] + parts[i + 1]]
+            out += parts
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        return [self.ids[t] for t in self.tokenize(text)]
+
+
+TEXTS = ["\n    0", "12345", "abc 123", "x = 10.5;", "def f(x):\n    return x ** 2\n",
+         "Price: $1,299.99 in 2024!", "  multiple   spaces  ", "tabs\tand\nnewlines\n\n",
+         "naïve café — 3½ ⅓", "I'm sure they'll say it's 42.", "for i in range(10):\n\t\tpass",
+         "    0    1\n\n  2", "1st 2nd 3rd 10th", "a\n\n\n   \n b", "emoji 🙂 9"]
+
+
+def test_tokenizer_matches_llama_cpp_on_the_gguf_vocabulary(smollm2_dir):
+    """The materialised tokenizer gives llama.cpp's tokens for the GGUF ("smollm": digits one by
+    one, a whitespace run before a digit kept whole), checked against a reference built from the
+    GGUF's own vocabulary and merges; before the fix "\\n    0" was '\\n   ', ' ', '0'."""
+    ref = LlamaCppBPE(T.builtin_file("smollm2-135m-instruct"))
+    tok = T.load_tokenizer(C.TargetConfig())
+    assert tok.tokenize("\n    0") == ["ĊĠĠĠĠ", "0"] == ref.tokenize("\n    0")
+    assert tok.tokenize("12345") == ["1", "2", "3", "4", "5"]
+    assert tok.tokenize("abc 123") == ["abc", "Ġ", "1", "2", "3"]
+    for text in TEXTS:
+        assert tok(text, add_special_tokens=False)["input_ids"] == ref.encode(text), text
+        assert tok.decode(ref.encode(text)) == text
+    assert json.loads((smollm2_dir / "tokenizer.json").read_text())["pre_tokenizer"][
+        "pretokenizers"][0] == {"type": "Digits", "individual_digits": True}
+    assert T.MATERIALISE_VERSION >= 2  # caches of the old tokenizer are materialised again

@@ -20,6 +20,7 @@ from pathlib import Path
 from .. import DrafterError
 from .. import engines as E
 from ..check import format_report, run_checks
+from ..checkpoint import intact, verify_checkpoint
 from ..model import load_drafter, param_count
 from ..rundir import MissingInput, Run, atomic_dir, dir_bytes, read_json
 
@@ -37,12 +38,15 @@ def choose_checkpoint(run: Run, which: str) -> tuple[Path, dict]:
         for f in ("model.safetensors", "drafter_config.json"):
             if not (p / f).is_file():
                 raise ExportError(f"export.checkpoint: {p / f} not found")
+        why = verify_checkpoint(p) if (p / "COMPLETE").exists() else None
+        if why is not None:
+            raise ExportError(f"export.checkpoint: {why}")
         state = read_json(p / "state.json") if (p / "state.json").exists() else {}
         return p, state
-    ckpts = run.checkpoints()
+    ckpts = intact(run, full=True)  # a damaged one is skipped with a warning
     if not ckpts:
-        raise MissingInput(f"no complete checkpoint in {run.step_dir('train')}: run "
-                           "`drafter train CONFIG` first (or `drafter run CONFIG`)")
+        raise MissingInput(f"no complete checkpoint that verifies in {run.step_dir('train')}: "
+                           "run `drafter train CONFIG` first (or `drafter run CONFIG`)")
     states = [read_json(p / "state.json") if (p / "state.json").exists() else {} for p in ckpts]
     if which == "last":
         return ckpts[-1], states[-1]

@@ -250,7 +250,48 @@ def _parse(resp: dict) -> dict:
             "usage": resp.get("usage") or {}, "tool_calls": msg.get("tool_calls")}
 
 
-async def _answer(conv: _Conversation, client, model: str, g, sink: _Sink) -> None:
+class _Fits:
+    """The HTTP engines' guard on the target's context: a request whose prompt (rendered with
+    the target's chat template) + generate.max_tokens exceeds max_position_embeddings is a
+    permanent error of its record, never sent (one 60,000-word prompt kills a `transformers
+    serve` worker, and every later request gets 503). Without the target's tokenizer or
+    context length the server is left to judge."""
+
+    def __init__(self, cfg):
+        from .. import target
+
+        self.tok, self.ctx = None, None
+        self.max_tokens, self.kw = cfg.generate.max_tokens, cfg.generate.chat_template_kwargs
+        try:
+            tconf = target.text_config(target.load_config(cfg.target))
+            self.ctx = getattr(tconf, "max_position_embeddings", None)
+            if self.ctx:
+                self.tok = target.load_tokenizer(cfg.target)
+        except Exception as e:  # noqa: BLE001 - an external server's model may not be local
+            log.warning("generate: cannot read the target's tokenizer or context (%s): prompt "
+                        "lengths are not checked before sending", e)
+
+    def __call__(self, messages: list[dict], tools) -> str | None:
+        """Why the request cannot fit, or None."""
+        if self.tok is None:
+            return None
+        budget = self.ctx - self.max_tokens
+        try:
+            text = self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                add_generation_prompt=True, **self.kw)
+        except Exception:  # noqa: BLE001 - the server renders (and judges) it then
+            return None
+        if len(text.encode()) <= budget:  # a token holds at least one byte: it fits
+            return None
+        n = len(self.tok(text, add_special_tokens=False)["input_ids"])
+        if n <= budget:
+            return None
+        return (f"prompt too long: {n} tokens + generate.max_tokens {self.max_tokens} exceed the "
+                f"target's context of {self.ctx} tokens (max_position_embeddings); not sent")
+
+
+async def _answer(conv: _Conversation, client, model: str, g, sink: _Sink,
+                  fits: _Fits | None = None) -> None:
     from ..client import RequestError
 
     try:
@@ -259,6 +300,9 @@ async def _answer(conv: _Conversation, client, model: str, g, sink: _Sink) -> No
         while not conv.done:
             body = request_body(g, model, conv.next_messages(),
                                 request_seed(g.seed, conv.id, conv.turn), conv.tools)
+            why = fits(body["messages"], conv.tools) if fits is not None else None
+            if why is not None:
+                raise _Permanent(why)
             try:
                 out = _parse(await client.chat(body))
             except RequestError as e:
@@ -276,7 +320,8 @@ async def _answer(conv: _Conversation, client, model: str, g, sink: _Sink) -> No
         sink.add_ok(conv)
 
 
-async def _run_http(g, pool, records: Iterator[dict], sink: _Sink) -> None:
+async def _run_http(g, pool, records: Iterator[dict], sink: _Sink,
+                    fits: _Fits | None = None) -> None:
     from ..client import ChatClient
 
     client = ChatClient(pool, g.request_timeout, g.max_retries, g.retry_backoff,
@@ -297,7 +342,7 @@ async def _run_http(g, pool, records: Iterator[dict], sink: _Sink) -> None:
             except _Permanent as e:
                 sink.add_error(rec["id"], "permanent", str(e), 0)
                 continue
-            await _answer(conv, client, pool.model, g, sink)
+            await _answer(conv, client, pool.model, g, sink, fits)
 
     tasks = [asyncio.create_task(producer())] + [asyncio.create_task(worker())
                                                  for _ in range(n_workers)]
@@ -471,8 +516,11 @@ def _synthetic_stats(run: Run) -> dict:
         with open(path, "rb") as f:
             for line in f:
                 if b'"synthetic"' in line:
-                    rec = json.loads(line)
-                    if rec.get("synthetic"):
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:  # a damaged line (_scan_output skips it too)
+                        continue
+                    if isinstance(rec, dict) and rec.get("synthetic"):
                         convs += 1
                         turns += sum(m["role"] == "user" for m in rec["messages"])
     seen = {(e["id"], e["turn"], e["attempt"]): e["reason"]
@@ -492,7 +540,7 @@ def _input_ids(src: Path) -> list[str]:
                 continue
             try:
                 rid = json.loads(line)["id"]
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError):  # not JSON, not UTF-8, no id
                 raise GenerateError(f"{src}:{n}: not a conversation record with an 'id' "
                                     f"(rerun `drafter prepare CONFIG --force`)") from None
             if rid in seen:
@@ -511,23 +559,36 @@ def _iter_records(src: Path, wanted: set[str]) -> Iterator[dict]:
                     yield rec
 
 
-def _scan_output(path: Path, repair: bool) -> list[tuple[str, int, int, dict]]:
-    """(id, offset, length, meta) per complete line of the output, in file order. Like
-    rundir.read_jsonl(repair=True), a torn last line (a kill mid-write) is cut off, but records
-    are not all kept in memory (the output can hold many GB of answers)."""
-    out, good = [], 0
+def _scan_output(path: Path, repair: bool, bad: list | None = None
+                 ) -> list[tuple[str, int, int, dict]]:
+    """(id, offset, length, meta) per good line of the output, in file order. Like
+    rundir.read_jsonl(repair=True), a torn last line (a kill mid-write) is cut off, and a
+    damaged line inside the file (not JSON, not UTF-8, no id) is skipped, keeping the records
+    after it (`bad` gets its line number; its conversation is generated again); records are not
+    all kept in memory (the output can hold many GB of answers)."""
+    out, good, damaged = [], 0, []
     if not path.exists():
         return out
     with open(path, "rb") as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             if not line.endswith(b"\n"):
-                break
+                break  # torn tail: the only thing a kill leaves
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            out.append((rec.get("id"), good, len(line), rec.get("meta") or {}))
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError
+                rec = None
+            if isinstance(rec, dict) and isinstance(rec.get("id"), str):
+                meta = rec.get("meta")
+                out.append((rec["id"], good, len(line), meta if isinstance(meta, dict) else {}))
+            elif line.strip():
+                damaged.append(n)
             good += len(line)
+    if damaged:
+        log.warning("generate: %s: line(s) %s damaged (not a conversation record): skipped, "
+                    "their conversations are generated again", path,
+                    ", ".join(map(str, damaged[:10])) + (" ..." if len(damaged) > 10 else ""))
+        if bad is not None:
+            bad.extend(damaged)
     if repair and good != path.stat().st_size:
         log.info("generate: cutting a torn last line off %s (interrupted write)", path)
         with open(path, "r+b") as f:
@@ -545,14 +606,15 @@ def _finalise(run: Run, ids: list[str]) -> dict:
     """Rewrite the output in input order without duplicates (atomically, only when needed),
     compact errors.jsonl to the ids still failed, and sum the stats of the whole output."""
     out_path, err_path = run.conversations("generate"), run.generate_errors()
-    rows = _scan_output(out_path, repair=True)
+    damaged: list[int] = []
+    rows = _scan_output(out_path, repair=True, bad=damaged)
     order = {rid: i for i, rid in enumerate(ids)}
     first: dict[str, tuple[int, int, dict]] = {}
     for rid, off, n, meta in rows:
         if rid in order and rid not in first:
             first[rid] = (off, n, meta)
     kept = sorted(first, key=order.__getitem__)
-    if [r[0] for r in rows] != kept:
+    if damaged or [r[0] for r in rows] != kept:  # the rewrite drops damaged lines too
         with open(out_path, "rb") as src, atomic_open(out_path, "wb") as dst:
             for rid in kept:
                 off, n, _ = first[rid]
@@ -620,11 +682,12 @@ def main(cfg) -> dict:
         else:
             from .. import serve
 
+            fits = _Fits(cfg)
             with serve.servers(cfg, run.server_log()) as pool:
                 server.update(urls=pool.urls, model=pool.model)
                 sink = _Sink(run, len(pending), model=pool.model)
                 try:
-                    asyncio.run(_run_http(g, pool, records, sink))
+                    asyncio.run(_run_http(g, pool, records, sink, fits))
                 finally:
                     sink.close()
                     server["restarts"] = sum(e.restarts for e in pool.endpoints)
@@ -641,7 +704,9 @@ def main(cfg) -> dict:
         kinds["transient" if e.get("kind") == "transient" else "permanent"] += 1
     counts = {"input": len(ids), "ok": fin["ok"], "errors": len(errors), "skipped": 0,
               "generated": generated, "resumed": fin["ok"] - generated, "retried": retried,
-              "truncated": fin["stats"]["truncated"], "turns": fin["stats"]["turns"]}
+              "truncated": fin["stats"]["truncated"], "turns": fin["stats"]["turns"],
+              "too_long": sum(str(e.get("reason", "")).startswith("prompt too long")
+                              for e in errors.values())}
     if counts["ok"] + counts["errors"] + counts["skipped"] != counts["input"]:
         raise GenerateError(f"generate: ok {counts['ok']} + errors {counts['errors']} != input "
                             f"{counts['input']} (a bug: please report it with {run.root})")

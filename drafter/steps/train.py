@@ -45,7 +45,7 @@ from .. import DrafterError, store, target, tokens
 from ..batches import Prefetch, Source, device_batch, epoch_micro_batches, host_batch, \
     model_inputs, pack
 from ..checkpoint import best_checkpoint, load_checkpoint, prune_checkpoints, resume_from, \
-    save_checkpoint
+    save_checkpoint, tokens_seen
 from ..config import ConfigError
 from ..dist import Dist, close_dist, dist_env
 from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_writer, \
@@ -135,16 +135,18 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, total))
 
     # resume
-    step, metrics_path, metrics, tb = 0, run.train_metrics(), None, None
+    step, metrics_path, metrics, tb, state0, seen0 = 0, run.train_metrics(), None, None, {}, 0
     ckpt = resume_from(run, tc)
     if ckpt is not None:
-        step = load_checkpoint(ckpt, dist, ttt, opt, sched, fsdp)["step"]
+        state0 = load_checkpoint(ckpt, dist, ttt, opt, sched, fsdp)
+        step = state0["step"]
         log.info("train: resumed from %s (step %d)", ckpt, step)
     if dist.main:  # the metrics of steps after the checkpoint are redone
         for pattern in (".tmp-step_*", ".old-step_*"):  # what a kill in a save or prune leaves
             for junk in run.step_dir("train").glob(pattern):
                 shutil.rmtree(junk, ignore_errors=True)
         kept = [r for r in read_jsonl(metrics_path, repair=True) if r.get("step", 0) <= step]
+        seen0 = tokens_seen(state0, kept) if ckpt is not None else 0  # before this run
         atomic_json_lines(metrics_path, kept)
         metrics = JsonlAppender(metrics_path)
         tb = tensorboard_writer(run, step) if tc.tensorboard else None
@@ -228,7 +230,9 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                          "val": val if val is not None and val["step"] == step else None,
                          "train": last_train, "scheduler": sched.state_dict(),
                          "world_size": dist.world, "grad_accum": tc.grad_accum,
-                         "drafter_config": drafter.cfg.to_dict()}
+                         "drafter_config": drafter.cfg.to_dict(),  # + tokens not logged yet:
+                         "tokens_seen": seen0 + tokens_total + int(all_sum(
+                             meter.sums[5, 0].clone(), dist))}
                 save_checkpoint(run, dist, step, drafter, ttt, opt, fsdp, state)
                 if dist.main:
                     prune_checkpoints(run, tc.keep_checkpoints)
@@ -245,7 +249,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         "counts": {"steps": step, "epochs": round(step / steps_per_epoch, 3),
                    "train_samples": len(train_src), "train_tokens": sum(train_src.lengths),
                    "val_samples": len(val_src) if val_src is not None else 0,
-                   "tokens_seen": tokens_total,
+                   "tokens_seen": seen0 + tokens_total,
                    "truncated_samples": sum(n > T for n in train_src.lengths),
                    "dropped_micro_batches_per_epoch": n_micro - steps_per_epoch * per_step},
         "final_step": step, "train": last_train if step > first else None, "val": last_val,
