@@ -47,7 +47,7 @@ from ..batches import Prefetch, Source, device_batch, epoch_micro_batches, host_
 from ..checkpoint import best_checkpoint, load_checkpoint, prune_checkpoints, resume_from, \
     save_checkpoint, tokens_seen
 from ..config import ConfigError
-from ..dist import Dist, close_dist, dist_env
+from ..dist import Dist, all_sum, close_dist, dist_env
 from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_writer, \
     throughput
 from ..model import Drafter, DrafterConfig, param_count
