@@ -139,7 +139,8 @@ class GenerateConfig:
     chat_template_kwargs: dict[str, Any] = doc(
         {}, "sent with each request, e.g. {enable_thinking: true}; keep it equal to what "
         "tokenize renders with")
-    batch_size: int = doc(64, "sequences per batch for engine=local")
+    batch_size: int = doc(1024, "engine=local: rows decoded together per GPU; memory is "
+                          "planned, so a large value waits for KV pages, never runs out")
 
 
 # ------------------------------------------------------------------------------------------- tokenize
@@ -198,14 +199,15 @@ class TrainConfig:
     attention: Literal["auto", "sdpa", "flex"] = doc(
         "auto", "TTT attention: sdpa (exact, CPU/GPU) or flex (fast GPU); auto picks")
     compile: bool = doc(True, "torch.compile the fast path's layer and loss pieces (GPU only)")
-    lr: float = doc(1e-4, "peak learning rate (AdamW)")
+    lr: float = doc(6e-4, "peak learning rate (AdamW); 6e-4: the best measured SmolLM2 run "
+                    "(BENCHMARKS.md, issue 15)")
     min_lr_ratio: float = doc(0.0, "final lr as a share of the peak (cosine)")
-    warmup_ratio: float = doc(0.015, "share of steps spent in linear warmup")
+    warmup_ratio: float = doc(0.02, "share of steps spent in linear warmup")
     weight_decay: float = doc(0.0, "AdamW weight decay")
     grad_clip: float = doc(0.5, "max grad norm")
     epochs: int = doc(1, "passes over the training data")
     max_steps: int | None = doc(None, "stop after this many optimizer steps")
-    batch_tokens: int = doc(8192, "tokens per micro-batch per rank (packed)")
+    batch_tokens: int = doc(16384, "tokens per micro-batch per rank (packed)")
     max_length: int = doc(2048, "max tokens per packed sequence")
     grad_accum: int = doc(1, "micro-batches per optimizer step")
     dtype: Literal["auto", "bfloat16", "float32"] = doc(

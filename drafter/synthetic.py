@@ -5,6 +5,7 @@
     f = PromptFilter(min_chars=16, max_chars=2000)
     why = f.check(text, finish)                  # None: kept (and remembered), else the reason
     stats = diversity(texts)                     # distinct n-grams, near duplicates, lengths
+    turns = UserTurns(cfg, tokenizer, run)       # the generate step's writer of user turns
 
 The "pre-query template" (Magpie, Xu et al. 2024): an aligned chat model, given its template up to
 where a user message begins, writes a plausible user message, because that is what followed such a
@@ -26,10 +27,14 @@ through the duplicate filters; follow-ups depend on their conversation.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import unicodedata
 from collections import Counter
+from pathlib import Path
 from typing import Iterable
+
+from .rundir import JsonlAppender, read_jsonl
 
 SENTINEL = "\u2063drafter-user-turn\u2063"
 REASONS = ("empty", "truncated", "too_short", "too_long", "not_text", "template", "duplicate",
@@ -174,3 +179,87 @@ def diversity(texts: Iterable[str], near_dup: float = 0.8, num_perm: int = 64) -
             "exact_duplicate_rate": round(dup / n, 4), "near_duplicate_rate": round(near / n, 4),
             "words_p10": q(0.1), "words_p50": q(0.5), "words_p90": q(0.9),
             "words_mean": round(sum(lengths) / n, 1)}
+
+
+# ------------------------------------------------------------ the generate step's side
+class UserTurns:
+    """The generate step's writer of synthetic user turns: the pre-query prompt, the filter of
+    each synthetic source, the rejected samples (generate/synthetic_rejects.jsonl). A
+    conversation is the step's (`rec`, `id`, `turn`, `attempts`, `user_history()`,
+    `add_user(text)`)."""
+
+    def __init__(self, cfg, tok, run):
+        from .config import SyntheticConfig
+        from .sources import source_name
+
+        self.cfgs = {source_name(s): s.synthetic for s in cfg.prepare.sources if s.synthetic}
+        self.default = SyntheticConfig()
+        self.pq = PreQuery(tok, cfg.generate.chat_template_kwargs)
+        self.filters = {n: PromptFilter(sc.min_chars, sc.max_chars, sc.near_dup)
+                        for n, sc in self.cfgs.items()}
+        self.tok = tok
+        self.rejects = JsonlAppender(run.synthetic_rejects(), fsync=False)
+        self._remember(run.conversations("generate"))
+
+    def _remember(self, path: Path) -> None:
+        """A resumed run: the first user turns already kept count as seen."""
+        if not path.exists():
+            return
+        with open(path, "rb") as f:
+            for line in f:
+                if b'"synthetic"' not in line or not line.endswith(b"\n"):
+                    continue
+                rec = json.loads(line)
+                user = next((m["content"] for m in rec["messages"] if m["role"] == "user"), None)
+                if user is not None:
+                    self.filter(rec["source"]).remember(user)
+
+    def settings(self, conv):
+        return self.cfgs.get(conv.rec.get("source"), self.default)
+
+    def filter(self, source: str):
+        if source not in self.filters:
+            self.filters[source] = PromptFilter()
+        return self.filters[source]
+
+    def request(self, conv) -> tuple[list[int], int, float]:
+        sc = self.settings(conv)
+        return self.pq.ids(conv.user_history()), sc.max_tokens, sc.temperature
+
+    def accept(self, conv, ids: list[int], finish: str) -> str | None:
+        """Keep the written user turn (None) or say why not (and log the rejected sample)."""
+        text = self.tok.decode(ids, skip_special_tokens=True).strip()
+        why = self.filter(conv.rec.get("source")).check(text, finish, dedup=conv.turn == 0)
+        if why is None:
+            conv.add_user(text)
+            return None
+        conv.attempts += 1
+        self.rejects.write({"id": conv.id, "turn": conv.turn, "attempt": conv.attempts,
+                            "reason": why, "text": text[:500]})
+        return why
+
+    def close(self) -> None:
+        self.rejects.close()
+
+
+def synthetic_stats(run) -> dict:
+    """Synthetic conversations in the output, the user turns the target wrote for them, and the
+    samples rejected by reason over the whole run (a sample resumed after a kill counts once)."""
+    convs = turns = 0
+    path = run.conversations("generate")
+    if path.exists():
+        with open(path, "rb") as f:
+            for line in f:
+                if b'"synthetic"' in line:
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:  # a damaged line (_scan_output skips it too)
+                        continue
+                    if isinstance(rec, dict) and rec.get("synthetic"):
+                        convs += 1
+                        turns += sum(m["role"] == "user" for m in rec["messages"])
+    seen = {(e["id"], e["turn"], e["attempt"]): e["reason"]
+            for e in read_jsonl(run.synthetic_rejects(), repair=True) if "reason" in e}
+    by = Counter(seen.values())
+    return {"conversations": convs, "user_turns_kept": turns, "rejected": sum(by.values()),
+            "rejected_by_reason": dict(sorted(by.items()))}

@@ -137,6 +137,7 @@ def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
     # the serving setting: chains K=1..2 and the drafter's tree, at batch 1 and 2
     rec = s["recommended"]
     assert set(rec["by_batch"]) == {"1", "2"} and rec["calibration"]["spec_ratio"] > 0
+    assert rec["calibration"]["static_batch_efficiency"] > 0
     for r in rec["by_batch"].values():
         assert [x["setting"] for x in r["settings"]] == \
             ["chain K=1", "chain K=2", "tree depth=2 topk=2 tokens=3"]

@@ -34,12 +34,12 @@ import os
 import sys
 import time
 import zlib
-from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
 from .. import DrafterError
 from ..rundir import JsonlAppender, Run, atomic_open, read_jsonl
+from ..synthetic import UserTurns, synthetic_stats
 
 log = logging.getLogger("drafter")
 
@@ -356,66 +356,6 @@ async def _run_http(g, pool, records: Iterator[dict], sink: _Sink,
 
 
 # ----------------------------------------------------------------------------- local generation
-class _Synthetic:
-    """The user turns of synthetic conversations (drafter.synthetic): the pre-query prompt, the
-    filter of each synthetic source, the rejected samples (generate/synthetic_rejects.jsonl)."""
-
-    def __init__(self, cfg, tok, run: Run):
-        from ..config import SyntheticConfig
-        from ..sources import source_name
-        from ..synthetic import PreQuery, PromptFilter
-
-        self.cfgs = {source_name(s): s.synthetic for s in cfg.prepare.sources if s.synthetic}
-        self.default = SyntheticConfig()
-        self.pq = PreQuery(tok, cfg.generate.chat_template_kwargs)
-        self.filters = {n: PromptFilter(sc.min_chars, sc.max_chars, sc.near_dup)
-                        for n, sc in self.cfgs.items()}
-        self.tok = tok
-        self.rejects = JsonlAppender(run.synthetic_rejects(), fsync=False)
-        self._remember(run.conversations("generate"))
-
-    def _remember(self, path: Path) -> None:
-        """A resumed run: the first user turns already kept count as seen."""
-        if not path.exists():
-            return
-        with open(path, "rb") as f:
-            for line in f:
-                if b'"synthetic"' not in line or not line.endswith(b"\n"):
-                    continue
-                rec = json.loads(line)
-                user = next((m["content"] for m in rec["messages"] if m["role"] == "user"), None)
-                if user is not None:
-                    self.filter(rec["source"]).remember(user)
-
-    def settings(self, conv: _Conversation):
-        return self.cfgs.get(conv.rec.get("source"), self.default)
-
-    def filter(self, source: str):
-        if source not in self.filters:
-            from ..synthetic import PromptFilter
-            self.filters[source] = PromptFilter()
-        return self.filters[source]
-
-    def request(self, conv: _Conversation) -> tuple[list[int], int, float]:
-        sc = self.settings(conv)
-        return self.pq.ids(conv.user_history()), sc.max_tokens, sc.temperature
-
-    def accept(self, conv: _Conversation, ids: list[int], finish: str) -> str | None:
-        """Keep the written user turn (None) or say why not (and log the rejected sample)."""
-        text = self.tok.decode(ids, skip_special_tokens=True).strip()
-        why = self.filter(conv.rec.get("source")).check(text, finish, dedup=conv.turn == 0)
-        if why is None:
-            conv.add_user(text)
-            return None
-        conv.attempts += 1
-        self.rejects.write({"id": conv.id, "turn": conv.turn, "attempt": conv.attempts,
-                            "reason": why, "text": text[:500]})
-        return why
-
-    def close(self) -> None:
-        self.rejects.close()
-
-
 def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> None:
     """engine=local: render with the target tokenizer, decode the next turn of a pool of
     conversations in one call (LocalGenerator: batch_size rows, refilled as answers end),
@@ -428,7 +368,7 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> None:
     g = cfg.generate
     tok = load_tokenizer(cfg.target)
     gen = LocalGenerator(cfg.target, g.batch_size)
-    syn = _Synthetic(cfg, tok, run) if any(s.synthetic for s in cfg.prepare.sources) else None
+    syn = UserTurns(cfg, tok, run) if any(s.synthetic for s in cfg.prepare.sources) else None
     stop = sorted(set(gen.stop_ids) | set(syn.pq.stop_ids if syn else ()))
     # Several batches per call (per GPU): rows refill from the pool as answers end, and only
     # its last answers decode in a draining batch; a kill loses at most this pool's work.
@@ -505,29 +445,6 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> None:
     finally:
         if syn is not None:
             syn.close()
-
-
-def _synthetic_stats(run: Run) -> dict:
-    """Synthetic conversations in the output, the user turns the target wrote for them, and the
-    samples rejected by reason over the whole run (a sample resumed after a kill counts once)."""
-    convs = turns = 0
-    path = run.conversations("generate")
-    if path.exists():
-        with open(path, "rb") as f:
-            for line in f:
-                if b'"synthetic"' in line:
-                    try:
-                        rec = json.loads(line)
-                    except ValueError:  # a damaged line (_scan_output skips it too)
-                        continue
-                    if isinstance(rec, dict) and rec.get("synthetic"):
-                        convs += 1
-                        turns += sum(m["role"] == "user" for m in rec["messages"])
-    seen = {(e["id"], e["turn"], e["attempt"]): e["reason"]
-            for e in read_jsonl(run.synthetic_rejects(), repair=True) if "reason" in e}
-    by = Counter(seen.values())
-    return {"conversations": convs, "user_turns_kept": turns, "rejected": sum(by.values()),
-            "rejected_by_reason": dict(sorted(by.items()))}
 
 
 # ------------------------------------------------------------------------------------ the files
@@ -727,7 +644,7 @@ def main(cfg) -> dict:
                        "completion_tokens": completion_tokens,
                        "completion_tokens_per_s": round(completion_tokens / max(seconds, 1e-9), 1)},
         "errors_by_kind": kinds,
-        **({"synthetic": _synthetic_stats(run)} if synthetic else {}),
+        **({"synthetic": synthetic_stats(run)} if synthetic else {}),
         "server": server,
         "sampling": {"temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_tokens,
                      "seed": g.seed},
