@@ -42,12 +42,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .paged import PagedCache, paged_context, triton_available, unsupported, use_paged_attention
 from .static import Graphs
-from .tree import DecodeError, _gumbel_like
+from .tree import DecodeError, _gumbel_like, nucleus
 
 log = logging.getLogger("drafter")
 
@@ -66,6 +65,20 @@ class _Request:
     ids: list[int]
     max_new: int
     temperature: float
+
+
+def _requests(prompts, max_new, temperature) -> list[_Request]:
+    """One request per prompt; max_new and temperature: one value, or one per prompt."""
+    n = len(prompts)
+    mx = list(max_new) if isinstance(max_new, Sequence) else [max_new] * n
+    tp = list(temperature) if isinstance(temperature, Sequence) else [temperature] * n
+    reqs = [_Request(i, list(map(int, p)), int(m), float(t))
+            for i, (p, m, t) in enumerate(zip(prompts, mx, tp))]
+    if any(not q.ids for q in reqs):
+        raise DecodeError("empty prompt: every prompt needs at least one token")
+    if any(q.max_new < 1 for q in reqs):
+        raise DecodeError("max_new must be >= 1")
+    return reqs
 
 
 class _Queue:
@@ -165,12 +178,7 @@ class Engine:
         greedy = logits.argmax(-1)
         if not sampling:
             return greedy
-        lg = logits / temp.clamp(min=1e-6)[:, None]
-        if top_p < 1.0:
-            srt, idx = lg.sort(dim=-1, descending=True)
-            pr = F.softmax(srt, dim=-1)
-            drop = (pr.cumsum(-1) - pr) > top_p                 # keep the smallest nucleus
-            lg = torch.full_like(lg, -math.inf).scatter(-1, idx, srt.masked_fill(drop, -math.inf))
+        lg = nucleus(logits / temp.clamp(min=1e-6)[:, None], top_p)
         return torch.where(temp > 0, (lg + _gumbel_like(lg)).argmax(-1), greedy)
 
     def _step(self, b: int, top_p: float, sampling: bool) -> None:
@@ -298,15 +306,8 @@ class Engine:
                  top_p: float = 1.0, progress=None) -> list[Result]:
         """Decode each prompt (token ids) for up to max_new new tokens (one value, or one per
         prompt), stopping at a stop id. Results come back in prompt order."""
-        n = len(prompts)
-        mx = list(max_new) if isinstance(max_new, Sequence) else [max_new] * n
-        tp = list(temperature) if isinstance(temperature, Sequence) else [temperature] * n
-        reqs = [_Request(i, list(map(int, p)), int(m), float(t))
-                for i, (p, m, t) in enumerate(zip(prompts, mx, tp))]
-        if any(not q.ids for q in reqs):
-            raise DecodeError("empty prompt: every prompt needs at least one token")
-        if any(q.max_new < 1 for q in reqs):
-            raise DecodeError("max_new must be >= 1")
+        reqs = _requests(prompts, max_new, temperature)
+        n = len(reqs)
         results: list[Result | None] = [None] * n
         self.run(_Queue(reqs), results, stop_ids, top_p, progress)
         return results  # type: ignore[return-value]
@@ -337,6 +338,7 @@ class Engine:
         if stop_ids:
             r.stop[:len(stop_ids)] = torch.tensor(list(stop_ids), device=self.device)
         sampling = any(q.temperature > 0 for q in reqs)
+        stops = set(int(s) for s in stop_ids)
         free_pages = list(range(pages - 1, 0, -1))                 # page 0: the sink
         free_rows = list(range(B - 1, -1, -1))
         live: dict[int, tuple[_Request, list[int]]] = {}
@@ -373,13 +375,17 @@ class Engine:
                             break
                         row = free_rows.pop()
                         pg = [free_pages.pop() for _ in range(need)]
-                        r.table[row].zero_()
-                        r.table[row, :need] = torch.tensor(pg, dtype=torch.int32)
                         live[row] = (q, pg)
                         adm_rows.append(row)
                         adm.append(q)
                     if adm:
                         t0 = time.perf_counter()
+                        tab = torch.zeros(len(adm), W, dtype=torch.int32)    # one copy for all
+                        for j, row in enumerate(adm_rows):
+                            pg = live[row][1]
+                            tab[j, :len(pg)] = torch.tensor(pg, dtype=torch.int32)
+                        r.table.index_copy_(0, torch.tensor(adm_rows, device=self.device),
+                                            tab.to(self.device))
                         self._prefill(adm_rows, adm, top_p, sampling)
                         last["prefill_seconds"] += time.perf_counter() - t0
                 if not live:
@@ -401,7 +407,6 @@ class Engine:
                     n_out = r.n_out[idx].tolist()
                     width = max(n_out)
                     outs = r.out[idx, :width].tolist()
-                    stops = set(int(s) for s in stop_ids)
                     for row, k, toks in zip(ended, n_out, outs):
                         q, pg = live.pop(row)
                         toks = toks[:min(k, q.max_new)]
@@ -482,20 +487,15 @@ class LocalGenerator:
 
         from tqdm import tqdm
 
-        n = len(prompts)
+        reqs = _requests(prompts, max_new_tokens, temperature)
+        n = len(reqs)
         stop = list(self.stop_ids if stop_ids is None else stop_ids)
-        mx = list(max_new_tokens) if isinstance(max_new_tokens, Sequence) else \
-            [max_new_tokens] * n
-        tp = list(temperature) if isinstance(temperature, Sequence) else [temperature] * n
         bar = tqdm(total=n, desc="generate (local)", unit="prompt", disable=n <= self.batch_size)
         results: list = [None] * n
         if not isinstance(self.engines[0], Engine):
-            outs = self._static(prompts, mx, tp, top_p, seed, bar, stop)
+            outs = self._static(reqs, top_p, seed, bar, stop)
         else:
-            queue = _Queue([_Request(i, list(map(int, p)), int(m), float(t))
-                            for i, (p, m, t) in enumerate(zip(prompts, mx, tp))])
-            if any(not q.ids for q in queue.reqs) or any(q.max_new < 1 for q in queue.reqs):
-                raise DecodeError("every prompt needs a token and max_new_tokens >= 1")
+            queue = _Queue(reqs)
 
             def work(i):
                 eng = self.engines[i]
@@ -517,17 +517,17 @@ class LocalGenerator:
             outs = results
         return [(o.tokens[:-1] if o.finish == "stop" else o.tokens, o.finish) for o in outs]
 
-    def _static(self, prompts, mx, tp, top_p, seed, bar, stop) -> list[Result]:
+    def _static(self, reqs: list[_Request], top_p, seed, bar, stop) -> list[Result]:
         """The static decoder (one device): batches of equal max_new and temperature."""
         dec = self.engines[0]
-        res: list = [None] * len(prompts)
+        res: list = [None] * len(reqs)
         groups: dict = {}
-        for i, key in enumerate(zip(mx, tp)):
-            groups.setdefault(key, []).append(i)
+        for q in reqs:
+            groups.setdefault((q.max_new, q.temperature), []).append(q.index)
         torch.manual_seed(seed)
         try:
             for (m, t), idx in groups.items():
-                outs = dec.generate([prompts[i] for i in idx], m, stop_ids=stop,
+                outs = dec.generate([reqs[i].ids for i in idx], m, stop_ids=stop,
                                     temperature=t, top_p=top_p, progress=bar)
                 for i, o in zip(idx, outs):
                     res[i] = Result(o.tokens, o.finish)

@@ -102,9 +102,6 @@ def _paged_cache_class():
         def get_seq_length(self, layer_idx: int = 0) -> int:
             return 0  # positions are always given explicitly
 
-        def nbytes(self) -> int:
-            return sum(b.numel() * b.element_size() for s in (self.k, self.v) for b in s.values())
-
     return PagedCache
 
 

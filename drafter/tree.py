@@ -222,17 +222,22 @@ def verify_sample(tokens: Tensor, parent_full: Tensor, valid: Tensor, depth_full
     return _path(anc, cur, depth_full, D), n_acc, bonus
 
 
+def nucleus(lg: Tensor, top_p: float) -> Tensor:
+    """Logits [B, V] with everything outside the smallest top_p nucleus set to -inf."""
+    if top_p >= 1.0:
+        return lg
+    srt, idx = lg.sort(dim=-1, descending=True)
+    pr = F.softmax(srt, dim=-1)
+    drop = (pr.cumsum(-1) - pr) > top_p                        # keep the smallest nucleus
+    return torch.full_like(lg, -math.inf).scatter(-1, idx, srt.masked_fill(drop, -math.inf))
+
+
 def pick(logits: Tensor, temperature: float, top_p: float = 1.0) -> Tensor:
     """Next token from logits [B, V]: argmax at temperature 0, else a nucleus sample (Gumbel-max,
     no host sync, capturable)."""
     if temperature <= 0:
         return logits.argmax(-1)
-    lg = logits.float() / temperature
-    if top_p < 1.0:
-        srt, idx = lg.sort(dim=-1, descending=True)
-        pr = F.softmax(srt, dim=-1)
-        drop = (pr.cumsum(-1) - pr) > top_p                    # keep the smallest nucleus
-        lg = torch.full_like(lg, -math.inf).scatter(-1, idx, srt.masked_fill(drop, -math.inf))
+    lg = nucleus(logits.float() / temperature, top_p)
     return (lg + _gumbel_like(lg)).argmax(-1)
 
 
