@@ -150,6 +150,9 @@ class TokenizeConfig:
     overflow: Literal["truncate", "drop"] = doc("truncate", "what to do past max_length")
     drop_truncated: bool = doc(False, "skip conversations with an answer cut at "
                                "generate.max_tokens (they are kept on disk: no regeneration)")
+    max_loop_tokens: int | None = doc(None, "cut a conversation inside an answer after this "
+                                      "many tokens of a repetition loop (a 16-token window "
+                                      "seen earlier in the answer); None keeps loops whole")
     enable_thinking: bool | None = doc(None, "passed to chat templates that take it (Qwen3)")
     template_kwargs: dict[str, Any] = doc(
         {}, "more variables for the chat template, e.g. {thinking: true} (DeepSeek-V3.1)")
@@ -638,6 +641,7 @@ def check_values(cfg: Config, where: _Where | None = None) -> None:
             "it, or use 127.0.0.1")
 
     ge("tokenize.max_length", cfg.tokenize.max_length, 4)
+    ge("tokenize.max_loop_tokens", cfg.tokenize.max_loop_tokens, 0)
     ge("tokenize.batch_size", cfg.tokenize.batch_size, 1)
     ge("tokenize.workers", cfg.tokenize.workers, 0)
     ge("vocab.draft_vocab_size", cfg.vocab.draft_vocab_size, 1)

@@ -38,9 +38,9 @@ from . import DrafterError
 from . import config as C
 from .dist import agent_store, rank_world, restart_count
 from .preflight import preflight
-from .rundir import SECTIONS, SNAPSHOT_HEADER, STEPS, Damaged, DamagedInput, ForeignFolder, \
-    MissingInput, Run, atomic_json, atomic_write, dir_bytes, read_json, remove_dir, sealed, \
-    step_inputs
+from .rundir import NEUTRAL, SECTIONS, SNAPSHOT_HEADER, STEPS, Damaged, DamagedInput, \
+    ForeignFolder, MissingInput, Run, atomic_json, atomic_write, dir_bytes, read_json, \
+    remove_dir, sealed, step_inputs
 
 log = logging.getLogger("drafter")
 
@@ -73,6 +73,13 @@ def _section_value(cfg, dotted: str):
 
 def config_hash(cfg, step: str) -> str:
     parts = {s: C.to_dict(_section_value(cfg, s)) for s in SECTIONS[step]}
+    for dotted, value in NEUTRAL.items():  # new fields at their neutral value: as if absent
+        section, *path = dotted.split(".")
+        d = parts.get(section)
+        for key in path[:-1]:
+            d = d.get(key) if isinstance(d, dict) else None
+        if isinstance(d, dict) and path and path[-1] in d and d[path[-1]] == value:
+            del d[path[-1]]
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 

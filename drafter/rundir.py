@@ -65,6 +65,15 @@ SECTIONS: dict[str, list[str]] = {
     "evaluate": ["target", "evaluate"],
 }
 
+# Fields added after runs existed, left out of the hash while they hold these values: a new
+# field at its neutral value must not make finished steps stale (a 4-minute generate redone
+# because a later release added a security switch). Add every new hashed field here, with the
+# value that reproduces the behaviour from before it existed.
+NEUTRAL: dict[str, object] = {
+    "generate.server.allow_remote": False,
+    "tokenize.max_loop_tokens": None,
+}
+
 
 class MissingInput(DrafterError, FileNotFoundError):
     """An input of a step is absent; the message names the step that produces it."""

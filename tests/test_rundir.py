@@ -76,6 +76,30 @@ def test_skip_force_and_stale(tmp_path, monkeypatch):
     assert Run.of(cfg2).conversations("generate").read_text() == "seed=7\n"
 
 
+def test_new_fields_at_their_neutral_value_keep_fingerprints(tmp_path):
+    """A field added by a later release, at the value that behaves as before, leaves the hash
+    of a step finished before it existed unchanged (no 4-minute generate redone)."""
+    import hashlib
+
+    from drafter.rundir import NEUTRAL, SECTIONS
+
+    for dotted, value in NEUTRAL.items():
+        section, *path = dotted.split(".")
+        step = next(s for s, secs in SECTIONS.items() if section in secs)
+        cfg = cfg_for(tmp_path)
+        parts = {s: C.to_dict(getattr(cfg, s)) for s in SECTIONS[step]}
+        d = parts[section]
+        for key in path[:-1]:
+            d = d[key]
+        assert d[path[-1]] == value          # the default is the neutral value
+        del d[path[-1]]                      # the config as written before the field existed
+        before = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+        assert pipeline.config_hash(cfg, step) == before
+        other = {"generate.server.allow_remote": "true", "tokenize.max_loop_tokens": "64"}
+        assert pipeline.config_hash(cfg_for(tmp_path, f"{dotted}={other[dotted]}"), step) \
+            != before
+
+
 def test_missing_input_names_the_producer(tmp_path, monkeypatch):
     fake_steps(monkeypatch)
     cfg = cfg_for(tmp_path)

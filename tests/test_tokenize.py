@@ -338,6 +338,61 @@ def test_process_counts_skips_and_length(tok):
     assert [x[1] for x in rows] == ["e", "f"]
 
 
+def repeated(ids, mask, n=T.LOOP_NGRAM):
+    """Brute force: per answer (run of mask 1), the tokens closing a window seen before in it."""
+    out, start = [], 0
+    for t in range(len(ids)):
+        if not mask[t]:
+            start = t + 1
+        elif t - start + 1 >= n and any(ids[t - n + 1:t + 1] == ids[a - n + 1:a + 1]
+                                        for a in range(start + n - 1, t)):
+            out.append(t)
+    return out
+
+
+def test_loop_cut_keeps_the_first_repeats_of_each_answer():
+    prompt, text = list(range(1000, 1010)), list(range(100, 130))   # 30 tokens, no repeat
+    loop = [7, 8, 9, 10, 11] * 40                                   # a 5-token cycle
+    ids = prompt + text + loop + [2]
+    mask = [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+    for limit in (0, 8, 50):
+        cut = T.loop_cut(ids, mask, limit)
+        rep = repeated(ids, mask)
+        assert cut == rep[limit]                 # the (limit+1)-th repeated token is cut
+        assert len(repeated(ids[:cut], mask[:cut])) == limit
+        assert ids[:len(prompt) + len(text)] == (prompt + text)  # what precedes the loop stays
+    assert T.loop_cut(ids, mask, len(repeated(ids, mask))) is None   # fewer repeats than limit
+    assert T.loop_cut(prompt + text, [0] * 10 + [1] * 30, 0) is None  # no loop
+    # an answer repeating an earlier answer is not a loop: windows are per answer
+    two = prompt + text + [1] + prompt + text
+    assert T.loop_cut(two, [0] * 10 + [1] * 30 + [0] * 11 + [1] * 30, 0) is None
+    assert T.loop_cut(two, [0] * 10 + [1] * 71, 0) is not None      # one answer: it repeats
+
+
+def test_process_trims_loops_and_counts(tok):
+    r = renderer(tok, CHATML)
+    words = " ".join(f"w{i}" for i in range(40))
+    loopy = {"id": "a", "split": "train", "messages": [
+        {"role": "user", "content": "Say something."},
+        {"role": "assistant", "content": words + " It is a test." * 60},
+        {"role": "user", "content": "More."}, {"role": "assistant", "content": "Sure."}]}
+    whole, _, _ = T.process(r, [(1, line(loopy))], "f", 10_000, "truncate")
+    rows, counts, _ = T.process(r, [(1, line(loopy))], "f", 10_000, "truncate",
+                                max_loop_tokens=32)
+    ids, mask = rows[0][2], rows[0][3]
+    assert counts["loop_trimmed"] == 1
+    assert counts["loop_trimmed_tokens"] == len(whole[0][2]) - len(ids) > 100
+    assert ids == whole[0][2][:len(ids)] and mask == whole[0][3][:len(ids)]
+    assert len(repeated(ids, mask)) == 32 and mask[-1] == 1        # cut inside the answer
+    assert tok.decode(ids).count(words) == 1 and "More." not in tok.decode(ids)
+    # no loop: nothing changes
+    calm = {**loopy, "messages": loopy["messages"][:1] + [{"role": "assistant",
+                                                           "content": words}]}
+    a, c, _ = T.process(r, [(1, line(calm))], "f", 10_000, "truncate", max_loop_tokens=0)
+    b, _, _ = T.process(r, [(1, line(calm))], "f", 10_000, "truncate")
+    assert a == b and c["loop_trimmed"] == 0
+
+
 def test_reasoning_not_rendered_is_counted(tok):
     r = renderer(tok, CHATML)
     rows, counts, _ = T.process(r, [(1, line({"id": "a", "split": "train",

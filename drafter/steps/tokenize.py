@@ -27,6 +27,14 @@ generation), a template error, a template that renders history inconsistently, n
 Long conversations are truncated at max_length (or dropped), and counted. With drop_truncated,
 conversations with an answer that generate cut at generate.max_tokens (meta.finish_reason
 "length": mostly repetition loops) are skipped too (reason truncated_answer).
+
+Repetition loops. A small target decoding greedily often ends an answer in a loop that repeats
+to max_tokens (SmolLM2 on the scale run's data: 45% of answer words close an 8-word window seen
+earlier in the same answer). With tokenize.max_loop_tokens = M, a conversation is cut inside an
+answer at the token where M of that answer's tokens have closed a LOOP_NGRAM-token window seen
+earlier in it: the loop's first M repeated tokens stay (the drafter still learns to follow a
+loop, which the target also does at serving time), the rest of the loop and the turns after it
+go (counted: loop_trimmed conversations, loop_trimmed_tokens).
 """
 from __future__ import annotations
 
@@ -51,6 +59,7 @@ log = logging.getLogger("drafter")
 PROBE_U, PROBE_A = "drafter probe question", "drafter probe answer"
 PROBE_R = "drafter probe thought"
 MAX_EXAMPLES = 20  # skipped conversations listed in the manifest
+LOOP_NGRAM = 16    # tokens in the window whose repetition marks a loop (max_loop_tokens)
 
 
 class TemplateError(DrafterError):
@@ -265,8 +274,32 @@ def _usable(rec: dict, counts: Counter) -> list[dict]:
             for m in msgs[:last + 1]]
 
 
+def loop_cut(ids: list[int], mask: list[int], limit: int, n: int = LOOP_NGRAM) -> int | None:
+    """Where to cut for tokenize.max_loop_tokens: the first position at which `limit + 1`
+    tokens of one answer (a run of mask 1) have closed an n-token window already seen in that
+    answer, so that ids[:cut] keeps `limit` repeated tokens of the loop; None if none does."""
+    seen: set[tuple[int, ...]] = set()
+    start = repeated = 0
+    for t, m in enumerate(mask):
+        if not m:
+            start = t + 1
+            continue
+        if t == start:                                        # a new answer
+            seen, repeated = set(), 0
+        if t - start + 1 >= n:
+            window = tuple(ids[t - n + 1:t + 1])
+            if window in seen:
+                repeated += 1
+                if repeated > limit:
+                    return t
+            else:
+                seen.add(window)
+    return None
+
+
 def process(renderer: Renderer, lines: list[tuple[int, bytes]], file: str, max_length: int,
-            overflow: str, drop_truncated: bool = False) -> tuple[list[tuple], Counter, list[dict]]:
+            overflow: str, drop_truncated: bool = False, max_loop_tokens: int | None = None
+            ) -> tuple[list[tuple], Counter, list[dict]]:
     """Raw JSONL lines -> ([(split, id, input_ids, loss_mask)], counts, skipped examples)."""
     counts, skipped, items, meta = Counter(), [], [], []
     for line_no, line in lines:
@@ -295,6 +328,11 @@ def process(renderer: Renderer, lines: list[tuple[int, bytes]], file: str, max_l
         meta.append((split, rid, line_no))
     rows = []
     for (split, rid, line_no), (ids, mask) in zip(meta, renderer.encode(items)):
+        cut = loop_cut(ids, mask, max_loop_tokens) if max_loop_tokens is not None else None
+        if cut is not None:
+            counts["loop_trimmed"] += 1
+            counts["loop_trimmed_tokens"] += len(ids) - cut
+            ids, mask = ids[:cut], mask[:cut]
         if len(ids) > max_length:
             if overflow == "drop":
                 counts["skipped_too_long"] += 1
@@ -361,7 +399,8 @@ def _init_worker(cfg) -> None:
 def _work(args):
     lines, file = args
     tc = _W["cfg"].tokenize
-    return process(_W["r"], lines, file, tc.max_length, tc.overflow, tc.drop_truncated)
+    return process(_W["r"], lines, file, tc.max_length, tc.overflow, tc.drop_truncated,
+                   tc.max_loop_tokens)
 
 
 def _ordered(pool, tasks, window: int):
@@ -409,8 +448,8 @@ def main(cfg) -> dict:
             stack.callback(_W.clear)
             results = _ordered(pool, chunks, 2 * workers)
         else:
-            results = (process(renderer, c, f, tc.max_length, tc.overflow, tc.drop_truncated)
-                       for c, f in chunks)
+            results = (process(renderer, c, f, tc.max_length, tc.overflow, tc.drop_truncated,
+                               tc.max_loop_tokens) for c, f in chunks)
         for rows, c, sk in results:
             for split, rid, ids, mask in rows:
                 writers[split].write(rid, ids, mask)

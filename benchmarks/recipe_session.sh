@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# One H200 session for issue 15's recipe: the best drafter so far and the comparisons behind it,
+# on the conversations the scale run regenerated (restored, not regenerated), in three lanes on
+# one GPU at once (the steps are launch-bound: the lanes fill each other's gaps).
+#
+#   bash benchmarks/recipe_session.sh start     # starts the lanes as a daemon (setsid), returns
+#   bash benchmarks/recipe_session.sh wait N    # waits up to N seconds for the lanes, collects
+#   bash benchmarks/recipe_session.sh collect   # results into $OUT (at most 8 files of 16 MiB)
+#   CHECK=1 bash benchmarks/recipe_session.sh all   # here, without a GPU: every run's overrides
+#                                                   # resolved (`drafter config`), nothing run
+#
+# Needs runs/scale/{prepare,generate} (the 55,002 conversations, 21.3M tokens, of the scale
+# run: `xz -dc scale-generate.tar.xz | tar -xf - -C runs`) and runs/synthetic-100k.jsonl.gz.
+# Every run hard-links that prepare (and generate, when its answers are reused) into its own
+# run dir. Short runs stop at $SHORT_STEPS optimizer steps (the cosine schedule ends there:
+# 250 x 16,384 = 4.1M tokens) and are evaluated with chain K=5 at T=0 (MT-bench 160,
+# HumanEval 164, GSM8K 200); their speed figures are not clean (lanes share the GPU).
+#
+#   lane a: main   loops trimmed (tokenize.max_loop_tokens=64), 2 epochs, online -> export,
+#                  evaluate (chain + tree, T 0 and 1) -> its epoch-1 checkpoint (chain, T=0)
+#                  -> when b and c are done: decode step times alone (issue 16)
+#   lane b: short  loops kept (the scale run's data as it was) | loops trimmed | trimmed +
+#                  draft vocab 16,384 | trimmed + lr 1.2e-3
+#   lane c: t08    the same prompts answered at temperature 0.8 (generate), trimmed, short
+#                  -> trimmed + fc_norm -> trimmed, 60 steps (1M tokens: the curve's first point)
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cd "$REPO"
+RES=$REPO/runs/gpu-out
+OUT=${OUT:-$REPO/runs/out}
+mkdir -p "$OUT" "$RES" runs
+[ -n "${CHECK:-}" ] || source benchmarks/gpu_env.sh
+PY=${PY:-python3}
+DRAFTER="$PY -m drafter.cli"
+CFG=configs/scale-smollm2.yaml
+SHORT=${SHORT_STEPS:-250}
+BASE=("prepare.sources[6].max_samples=40000" "tokenize.workers=6")
+TRIM=("tokenize.max_loop_tokens=64")
+CHAIN=("evaluate.methods=[chain]" "evaluate.temperatures=[0.0]")
+
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$RES/phases.log"; }
+mark() { touch "$RES/$1.done"; }
+await() { while [ ! -f "$RES/$1.done" ]; do sleep 2; done; }
+step() {  # step NAME CMD...: run, log to runs/gpu-out/NAME.log, never stop the lane
+  local name=$1; shift
+  log "$name: start"
+  if [ -n "${CHECK:-}" ]; then  # resolve the config only: `drafter.cli CMD` -> `config`
+    local args=() prev="" a
+    for a in "$@"; do
+      [ "$prev" = drafter.cli ] && a=config
+      args+=("$a"); prev=$a
+    done
+    [ "$prev" != "" ] && [[ " $* " == *" drafter.cli "* ]] || { log "$name: skipped"; return; }
+    "${args[@]}" > /dev/null 2>> "$RES/$name.log"
+  else
+    "$@" >> "$RES/$name.log" 2>&1
+  fi
+  log "$name: exit $?"
+}
+seed() {  # seed NAME STEPS...: the restored steps hard-linked into runs/NAME
+  local name=$1; shift
+  mkdir -p "runs/$name"
+  for s in "$@"; do
+    [ -e "runs/$name/$s" ] || cp -al "runs/scale/$s" "runs/$name/$s"
+  done
+}
+short() {  # short NAME [STEPS] OVERRIDES...: a short run on the restored answers, chain T=0
+  local name=$1 steps=$SHORT; shift
+  [[ "${1:-}" =~ ^[0-9]+$ ]] && { steps=$1; shift; }
+  seed "$name" ${SEED_STEPS:-prepare generate}   # SEED_STEPS=prepare: answered again
+  step "$name" $DRAFTER run $CFG "${BASE[@]}" "run_dir=runs/$name" "train.max_steps=$steps" \
+    train.save_every=100000 "${CHAIN[@]}" "$@"
+}
+
+lane_a() {
+  seed main prepare generate
+  step main $DRAFTER run $CFG "${BASE[@]}" "${TRIM[@]}" run_dir=runs/main train.epochs=2 \
+    train.save_every=470
+  local half
+  half=$(ls -d runs/main/train/step_* 2>/dev/null | sort | awk '{a[NR]=$0} END {print a[int(NR/2)]}')
+  [ -n "$half" ] && step main-epoch1 $DRAFTER evaluate $CFG "${BASE[@]}" \
+    run_dir=runs/main-epoch1 "evaluate.drafter=$half" "${CHAIN[@]}"
+  await lane_b; await lane_c
+  step decode-speed $PY benchmarks/decode_speed.py --batches 1,64 --json "$RES/decode_speed.json"
+  mark lane_a
+}
+
+lane_b() {
+  short keep
+  short trim "${TRIM[@]}"
+  short vocab16k "${TRIM[@]}" vocab.draft_vocab_size=16384
+  short lr12 "${TRIM[@]}" train.lr=1.2e-3
+  mark lane_b
+}
+
+lane_c() {
+  SEED_STEPS=prepare short t08 "${TRIM[@]}" generate.temperature=0.8
+  short fcnorm "${TRIM[@]}" train.fc_norm=true
+  short trim60 60 "${TRIM[@]}"
+  mark lane_c
+}
+
+collect() {
+  for d in runs/*/; do
+    name=$(basename "$d")
+    [ -f "$d/config.yaml" ] || continue
+    [ -n "${CHECK:-}" ] || $DRAFTER status "$d" --json > "$RES/$name.status.json" 2>/dev/null
+    for f in evaluate/metrics.json evaluate/report.md evaluate/acceptance.png \
+             train/metrics.jsonl generate/manifest.json tokenize/manifest.json \
+             vocab/manifest.json train/manifest.json; do
+      [ -f "$d/$f" ] && cp "$d/$f" "$RES/$name.$(dirname "$f").$(basename "$f")"
+    done
+  done
+  tar -czf "$OUT/results.tar.gz" -C "$RES" .
+  cp "$RES/phases.log" "$OUT/phases.log" 2>/dev/null
+  # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
+  if [ -f runs/t08/generate/manifest.json ] && [ ! -f "$OUT/t08-generate.tar.xz.aa" ]; then
+    tar -cf - -C runs t08/config.yaml t08/prepare t08/generate | xz -6 -T8 \
+      | split -b 15M - "$OUT/t08-generate.tar.xz."
+  fi
+  log "collect: $(ls "$RES" | wc -l) files in results.tar.gz; $(ls "$OUT" | wc -l) files out"
+}
+
+case "${1:-}" in
+  start)
+    [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
+    for l in lane_a lane_b lane_c; do
+      setsid bash "$0" "$l" < /dev/null > "$RES/$l.out" 2>&1 &
+    done
+    sleep 2; log "lanes started" ;;
+  all) lane_b; lane_c; lane_a ;;   # in turn (CHECK=1 here)
+  lane_a) lane_a ;;
+  lane_b) lane_b ;;
+  lane_c) lane_c ;;
+  wait)
+    end=$(( $(date +%s) + ${2:-500} ))
+    while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$RES/lane_a.done" ]; do sleep 5; done
+    collect; tail -n 40 "$RES/phases.log"
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
+  collect) collect ;;
+  *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
+esac
