@@ -71,6 +71,18 @@ class Output:
 NEAR = 8   # runners-up recorded per token for the lossless check (bf16 logits tie several ways)
 
 
+def runners_up(lg: Tensor, picked: Tensor) -> tuple[Tensor, Tensor]:
+    """The NEAR best tokens of logits lg [B, V] other than the picked one [B], best first, and
+    the picked token's logit minus each: gaps [B, NEAR] float, ids [B, NEAR] long. The picked
+    token is left out by id, not by rank: among exactly tied logits (frequent in bf16) topk's
+    order need not put argmax's choice first, and a runner-up tied with it must stay listed."""
+    top = lg.topk(NEAR + 1, dim=-1)                                      # [B, NEAR + 1]
+    other = (top.indices != picked[:, None]).to(torch.int8)
+    order = torch.argsort(other, dim=-1, descending=True, stable=True)[:, :NEAR]
+    ids = top.indices.gather(1, order)                                   # [B, NEAR]
+    return lg.gather(1, picked[:, None]) - top.values.gather(1, order), ids
+
+
 class _State:
     """Persistent per-batch tensors (updated in place: captured graphs read them)."""
 
@@ -312,9 +324,7 @@ class Decoder:
         lg = logits[:, -1].float()                                                  # [B, V]
         first = pick(lg, temperature, top_p)
         if record_gaps:
-            top = lg.topk(NEAR + 1, dim=-1)
-            st.gap[:, 0] = top.values[:, :1] - top.values[:, 1:]
-            st.second[:, 0] = top.indices[:, 1:]
+            st.gap[:, 0], st.second[:, 0] = runners_up(lg, first)
         st.pending.copy_(first)
         st.out[:, 0] = first
         st.n_out.fill_(1)
@@ -358,10 +368,10 @@ class Decoder:
         lg = logits[:, -1].float()
         nxt = pick(lg, temperature, top_p)
         if record_gaps:
-            top = lg.topk(NEAR + 1, dim=-1)
+            gap, near = runners_up(lg, nxt)
             col = torch.where(st.finished, st.W - 1, st.n_out)[:, None, None].expand(-1, 1, NEAR)
-            st.gap.scatter_(1, col, (top.values[:, :1] - top.values[:, 1:])[:, None])
-            st.second.scatter_(1, col, top.indices[:, None, 1:])
+            st.gap.scatter_(1, col, gap[:, None])
+            st.second.scatter_(1, col, near[:, None])
         self._commit(st, nxt[:, None], torch.zeros_like(nxt), nxt)
 
     def _spec_step(self, st, span, P, tree: TreeSpec, temperature):

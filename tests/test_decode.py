@@ -217,6 +217,23 @@ def smol(smollm2_dir):
             "ref": _ref(prompts, plain), "stop": [tok.eos_token_id]}
 
 
+def test_runners_up_leave_out_the_picked_token_among_ties():
+    """bf16 logits tie exactly; argmax's choice need not come first in topk's order. The
+    runner-up tied with the picked token stays listed at gap 0 (the lossless check then calls a
+    flip between them a tie), and the picked token is never its own runner-up."""
+    from drafter.decode import NEAR, runners_up
+
+    lg = torch.tensor([[1.0, 5.0, 5.0, 2.0] + [0.0] * 12,
+                       [3.0, 1.0, 0.5, 9.0] + [-1.0] * 12])
+    for picked in ([1, 3], [2, 3]):                      # either tied token as argmax's choice
+        gaps, ids = runners_up(lg, torch.tensor(picked))
+        assert ids.shape == gaps.shape == (2, NEAR)
+        assert picked[0] not in ids[0].tolist() and 3 - picked[0] == ids[0, 0]   # the other tie
+        assert gaps[0, 0] == 0 and gaps[0, 1] == 3.0 and ids[0, 1] == 3
+        assert ids[1, :3].tolist() == [0, 1, 2] and gaps[1, :3].tolist() == [6.0, 8.0, 8.5]
+        assert (gaps[:, 1:] >= gaps[:, :-1]).all()       # best first
+
+
 def test_plain_decoding_matches_hf_generate(smol):
     """Left-padded batch of two prompt lengths, static cache == transformers' own generate, also
     with the prefill cut into chunks of 16 tokens."""

@@ -22,8 +22,9 @@ Lossless check (temperature 0): each speculative output must equal the plain one
 In float32 (CPU) any difference fails the step. In 16-bit the verification forward (N+1 tokens)
 and the plain one (1 token) round differently, so a near-tie can flip the argmax (bf16 logits are
 coarse: several tokens often share the top value): a divergence where the speculative token is
-one of the plain run's 8 runners-up and its logit is within `evaluate.tie_tolerance` of the top
-one is counted as a tie and reported, not failed. Anything else fails.
+one of the plain run's 8 runners-up (the best tokens other than the picked one: decode.runners_up)
+and its logit is within `evaluate.tie_tolerance` of the top one is counted as a tie and reported,
+not failed. Anything else fails.
 """
 from __future__ import annotations
 
