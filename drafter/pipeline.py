@@ -515,38 +515,63 @@ def _gpu_snapshot():
     return gpu.devices()
 
 
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:  # gone, or not ours to ask
+        return None
+
+
 def wait_gpu_released(baseline: list, timeout: float, what: str = "the next step",
                       snapshot: Callable | None = None, poll: float = 1.0,
-                      sleep: Callable | None = None, own: set[int] | None = None) -> dict:
+                      sleep: Callable | None = None, own: set[int] | None = None,
+                      started: set[int] | None = None,
+                      session: Callable[[int], int | None] | None = None) -> dict:
     """Wait (at most `timeout` s) until every GPU of `baseline` (gpu.devices() taken before
     generate started its server) is back at its used memory (+GPU_SLACK, not counting this
-    process's own) and no process that appeared since holds memory. Returns the last check;
-    raises GpuNotReleased naming the PIDs. Never kills anything."""
+    process's own) and no leftover of a server drafter started holds memory. Returns the last
+    check; raises GpuNotReleased naming the PIDs. Never kills anything.
+
+    A process that appeared since the baseline is a leftover when its session is one drafter
+    started a server in (`started`: supervisor.STARTED_SESSIONS; a server's workers keep its
+    session when it dies first). Another new holder is someone else's job (a second run on the
+    same GPU): it is named in a warning and its memory is not counted, when NVML says how much
+    it holds; where NVML cannot tell (containers, MIG), every new holder is waited for."""
     from . import gpu
+    from .supervisor import STARTED_SESSIONS
 
     snapshot = snapshot or _gpu_snapshot
     sleep = sleep or time.sleep
     own = gpu.related_pids() if own is None else own
+    started = STARTED_SESSIONS if started is None else started
+    session = session or _session
     base = {g.index: g for g in baseline}
     base_pids = {p.pid for g in baseline for p in g.processes}
     waited = 0.0  # counted in polls, not wall time: NVML calls are quick
     while True:
-        problems = []
+        problems, others = [], []
         for g in snapshot():
             b = base.get(g.index)
             if b is None:
                 continue
             ours = sum(p.used_bytes or 0 for p in g.processes if p.pid in own)
             new = [p for p in g.processes if p.pid not in base_pids and p.pid not in own]
-            extra = g.used - ours - b.used
+            theirs = [p for p in new if p.used_bytes is not None and session(p.pid) not in started]
+            new = [p for p in new if p not in theirs]
+            others += [(g.index, p) for p in theirs]
+            extra = g.used - ours - sum(p.used_bytes for p in theirs) - b.used
             if new or extra > GPU_SLACK:
                 problems.append({"gpu": g.index, "extra_bytes": extra, "holders": [
                     {"pid": p.pid, "name": p.name, "bytes": p.used_bytes, "new": p in new}
-                    for p in g.processes if p.pid not in own]})
+                    for p in g.processes if p.pid not in own and p not in theirs]})
         if not problems:
             if waited:
                 log.info("GPU memory back at its level before generate after %.0fs", waited)
-            return {"ok": True, "waited": waited}
+            for i, p in others:
+                log.warning("GPU %d: PID %d (%s) started during generate and holds %.1f GiB: not "
+                            "a process drafter started; left alone and not counted", i, p.pid,
+                            p.name, p.used_bytes / gpu.GiB)
+            return {"ok": True, "waited": waited, "others": [p.pid for _, p in others]}
         if waited >= timeout:
             lines = []
             for pr in problems:

@@ -36,6 +36,11 @@ log = logging.getLogger("drafter")
 
 # How many log lines an error shows.
 TAIL_LINES = 40
+# Sessions of the servers this process started (start_new_session: a server's pid is its session
+# id, and its workers inherit it even when the server dies first): after generate, a GPU holder
+# in one of these is a leftover of ours; any other new holder is someone else's
+# (pipeline.wait_gpu_released).
+STARTED_SESSIONS: set[int] = set()
 
 
 class ServerError(DrafterError):
@@ -175,6 +180,7 @@ class ManagedServer:
             except OSError as e:
                 raise ServerError(f"cannot start the {self.name}: {e}") from None
             self.pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
+            STARTED_SESSIONS.add(self.proc.pid)
             logf.write(f"==== drafter: pid={self.proc.pid} pgid={self.pgid} url={self.url}\n"
                        .encode())
         self.generation += 1
