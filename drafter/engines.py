@@ -442,6 +442,10 @@ def readme(fmt: str, out_dir: Path, c: DrafterConfig, target: TargetInfo, k: int
         notes.append("EAGLE-3.1 options (fc_norm / feedback_post_norm: feed back the post-norm "
                      "state) need an engine version that implements them (vLLM and SGLang from "
                      "2026); llama.cpp does not.")
+    notes.append(f"K = {k} here is the export's default (export.speculative_tokens). Which K, or "
+                 "which tree, serves this drafter best at your batch size is measured by "
+                 "`drafter evaluate`: the 'Serving setting' section of its report (`drafter "
+                 "report RUN_DIR`) gives the expected speedup of each and the engine flags.")
     notes.append("Serve with the same chat template the training data was rendered with"
                  + (f" ({chat_template})." if chat_template else " (the target's own)."))
     lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
