@@ -10,7 +10,7 @@
 # device calls as long as the machine stays held: each later call `wait`s and collects, so
 # whatever finished comes back even if the machine is lost after it. Logs: runs/gpu-out/.
 # On one GPU (`single`) the same work runs in turn, without the pools-only comparisons, the
-# scale run on the first $SCALE_SYNTHETIC (50,000) synthetic prompts.
+# scale run on the first $SCALE_SYNTHETIC (40,000, as the config) synthetic prompts.
 #
 #   lane 0 (GPU 0): GPU tests -> data engine throughput, 10,000 prompts, batch 1024/2048/512/256
 #                   (+ kernel profile) -> [2 GPUs: the same on both GPUs; the scale run's
@@ -24,19 +24,14 @@
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
-RES=$REPO/runs/gpu-out
-OUT=${OUT:-$REPO/runs/out}
-mkdir -p "$OUT" "$RES" runs
+source benchmarks/lanes.sh
 source benchmarks/gpu_env.sh
 DRAFTER="$PY -m drafter.cli"
 CFG=configs/scale-smollm2.yaml
 CURVE_EVAL=("evaluate.methods=[chain]" "evaluate.temperatures=[0.0]")
-# checkpoints of the one-pass scale run (16,384 tokens a step): ~1M, 3M, 10M, 20M tokens seen
-CURVE_STEPS=${CURVE_STEPS:-60 180 600 1200}
+# checkpoints of the scale run (save_every 470 steps of 16,384 tokens: ~7.7M tokens apart)
+CURVE_STEPS=${CURVE_STEPS:-470 940 1410}
 
-log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$RES/phases.log"; }
-mark() { touch "$RES/$1.done"; }
-await() { while [ ! -f "$RES/$1.done" ]; do sleep 2; done; }
 step() {  # step NAME GPUS CMD...: run, log to runs/gpu-out/NAME.log, never stop the lane
   local name=$1 gpus=$2; shift 2
   log "$name: start (GPU $gpus)"
@@ -69,7 +64,7 @@ single() {  # one GPU: the two lanes' work in turn, most wanted first, the scale
   step synthetic 0 $PY benchmarks/synthetic_prompts.py --count 100000 --batch 2048 \
     --max-tokens 128 --out runs/synthetic-100k.jsonl.gz --compare ../shared/data/train \
     --json "$RES/synthetic.json"
-  local half=("prepare.sources[6].max_samples=${SCALE_SYNTHETIC:-50000}")
+  local half=("prepare.sources[6].max_samples=${SCALE_SYNTHETIC:-40000}")
   step scale-generate 0 $DRAFTER run $CFG "${half[@]}" --until generate
   step scale-train 0 $DRAFTER run $CFG "${half[@]}" --until train
   step scale-eval 0 $DRAFTER run $CFG "${half[@]}"

@@ -26,9 +26,7 @@
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
-RES=$REPO/runs/gpu-out
-OUT=${OUT:-$REPO/runs/out}
-mkdir -p "$OUT" "$RES" runs
+source benchmarks/lanes.sh
 [ -n "${CHECK:-}" ] || source benchmarks/gpu_env.sh
 PY=${PY:-python3}
 DRAFTER="$PY -m drafter.cli"
@@ -38,9 +36,6 @@ BASE=("prepare.sources[6].max_samples=40000" "tokenize.workers=6")
 TRIM=("tokenize.max_loop_tokens=64")
 CHAIN=("evaluate.methods=[chain]" "evaluate.temperatures=[0.0]")
 
-log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$RES/phases.log"; }
-mark() { touch "$RES/$1.done"; }
-await() { while [ ! -f "$RES/$1.done" ]; do sleep 2; done; }
 step() {  # step NAME CMD...: run, log to runs/gpu-out/NAME.log, never stop the lane
   local name=$1; shift
   log "$name: start"
@@ -86,7 +81,7 @@ lane_a() {
 }
 
 lane_b() {
-  short keep
+  short keep tokenize.max_loop_tokens=null
   short trim "${TRIM[@]}"
   short vocab16k "${TRIM[@]}" vocab.draft_vocab_size=16384
   short lr12 "${TRIM[@]}" train.lr=1.2e-3

@@ -150,9 +150,10 @@ class TokenizeConfig:
     overflow: Literal["truncate", "drop"] = doc("truncate", "what to do past max_length")
     drop_truncated: bool = doc(False, "skip conversations with an answer cut at "
                                "generate.max_tokens (they are kept on disk: no regeneration)")
-    max_loop_tokens: int | None = doc(None, "cut a conversation inside an answer after this "
+    max_loop_tokens: int | None = doc(64, "cut a conversation inside an answer after this "
                                       "many tokens of a repetition loop (a 16-token window "
-                                      "seen earlier in the answer); None keeps loops whole")
+                                      "seen earlier in the answer); None keeps loops whole. "
+                                      "64: tau +4% at equal steps on SmolLM2 (BENCHMARKS.md)")
     enable_thinking: bool | None = doc(None, "passed to chat templates that take it (Qwen3)")
     template_kwargs: dict[str, Any] = doc(
         {}, "more variables for the chat template, e.g. {thinking: true} (DeepSeek-V3.1)")
@@ -202,13 +203,13 @@ class TrainConfig:
     attention: Literal["auto", "sdpa", "flex"] = doc(
         "auto", "TTT attention: sdpa (exact, CPU/GPU) or flex (fast GPU); auto picks")
     compile: bool = doc(True, "torch.compile the fast path's layer and loss pieces (GPU only)")
-    lr: float = doc(6e-4, "peak learning rate (AdamW); 6e-4: the best measured SmolLM2 run "
-                    "(BENCHMARKS.md, issue 15)")
+    lr: float = doc(1.2e-3, "peak learning rate (AdamW); 1.2e-3: tau +5% over 6e-4 at 250 "
+                    "steps on SmolLM2 (BENCHMARKS.md, issue 15)")
     min_lr_ratio: float = doc(0.0, "final lr as a share of the peak (cosine)")
     warmup_ratio: float = doc(0.02, "share of steps spent in linear warmup")
     weight_decay: float = doc(0.0, "AdamW weight decay")
     grad_clip: float = doc(0.5, "max grad norm")
-    epochs: int = doc(1, "passes over the training data")
+    epochs: int = doc(2, "passes over the training data (2: the best measured SmolLM2 drafter)")
     max_steps: int | None = doc(None, "stop after this many optimizer steps")
     batch_tokens: int = doc(16384, "tokens per micro-batch per rank (packed)")
     max_length: int = doc(2048, "max tokens per packed sequence")

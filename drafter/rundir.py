@@ -71,7 +71,6 @@ SECTIONS: dict[str, list[str]] = {
 # value that reproduces the behaviour from before it existed.
 NEUTRAL: dict[str, object] = {
     "generate.server.allow_remote": False,
-    "tokenize.max_loop_tokens": None,
 }
 
 
