@@ -3,6 +3,7 @@
     python benchmarks/decode_speed.py                      # SmolLM2-135M on the GPU (the goals)
     python benchmarks/decode_speed.py --tiny               # a tiny random target on CPU (smoke)
     python benchmarks/decode_speed.py --drafter runs/x/export/native --json out.json
+    python benchmarks/decode_speed.py --tiny --ops         # + aten ops per step (kernel count)
 
 Measures, on whatever device the target loads to (CUDA graphs on when there is a GPU):
   - plain decode step at batch 1 (ms per token);
@@ -54,6 +55,39 @@ def random_drafter(config, draft_vocab: int):
                                              default_layer_ids(num_layers(config))))
 
 
+def ops_rows(model, P, prompt, k: int, tree: TreeSpec, row) -> None:
+    """Aten ops dispatched per decode step, eagerly (graphs off): each is one kernel or more
+    that a captured step replays, so the count is the launch-bound part of a step. Per step =
+    the difference between two generate calls of different lengths (the prefill cancels)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    dec = Decoder(model, max_batch=1, cuda_graphs=False)
+
+    def per_step(**kw) -> float:
+        counts = []
+        for n in (8, 24):
+            Count.n = 0
+            with Count():
+                dec.generate([prompt], n, **kw)
+            counts.append((Count.n, dec.last["iterations"]))
+        (c1, i1), (c2, i2) = counts
+        return (c2 - c1) / (i2 - i1)
+
+    row("aten ops per step: plain", round(per_step()), "ops")
+    for fast in (False, True):
+        dec.fast_chain = fast
+        row(f"aten ops per step: chain K={k}, {'chain step' if fast else 'general tree step'}",
+            round(per_step(proposer=P, tree=TreeSpec.chain(k))), "ops")
+    row(f"aten ops per step: {tree.label()}", round(per_step(proposer=P, tree=tree)), "ops")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", default="builtin:smollm2-135m-instruct")
@@ -66,6 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1", help="rows decoded together, e.g. 1,64")
     ap.add_argument("--profile", action="store_true", help="top CUDA kernels of a chain step")
     ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs")
+    ap.add_argument("--ops", action="store_true",
+                    help="aten ops per step (plain, greedy chain: general tree step and its "
+                         "chain step, tree): the kernels a graph replays, counted eagerly")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
     tmp = None
@@ -73,7 +110,6 @@ def main(argv=None) -> int:
         tmp = tempfile.TemporaryDirectory()
         a.target = tiny_target(Path(tmp.name) / "tiny")
         a.prompt_tokens, a.new_tokens = 16, 8
-        a.k, a.tree = 3, "3,2,5"
     depth, topk, tokens = (int(x) for x in a.tree.split(","))
     graphs = not a.no_graphs
 
@@ -130,6 +166,9 @@ def main(argv=None) -> int:
                       f"{dec.last['iterations']} steps")
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
         del dec
+
+    if a.ops:
+        ops_rows(model, P, prompt, a.k, TreeSpec(depth, topk, tokens), row)
 
     dev_name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"\ndecode speed: {a.target} on {dev_name} ({dtype}), CUDA graphs "

@@ -304,6 +304,42 @@ def test_partial_acceptance_on_trees_is_lossless(tiny_llama):
     assert hists[2][3] > 0
 
 
+def test_greedy_chain_step_equals_the_general_tree_step(tiny_llama, smol):
+    """Decoder._chain_step (greedy chains) against the general tree step on the same chain: the
+    same tokens and, step by step, the same acceptance (noisy oracle: partial acceptance; a
+    random EAGLE-3 drafter: its real static cache and feedback)."""
+    def both(t, make, K):
+        res = []
+        for fast in (True, False):
+            t["dec"].fast_chain = fast
+            try:
+                res.append(t["dec"].generate(t["prompts"], 2 * MAX_NEW, stop_ids=t["stop"],
+                                             proposer=make(), tree=TreeSpec.chain(K)))
+            finally:
+                t["dec"].fast_chain = True
+        (a, b) = res
+        assert [o.tokens for o in a] == [o.tokens for o in b]
+        assert [(o.hist, o.steps) for o in a] == [(o.hist, o.steps) for o in b]
+        return a
+
+    V = tiny_llama["model"].config.vocab_size
+    outs = both(tiny_llama, lambda: RefDrafter(tiny_llama["ref"], V, "noisy"), 4)
+    assert 0 < sum(o.hist[0] for o in outs) < sum(o.steps for o in outs)  # partial acceptance
+    dr = _tiny_drafter(smol["model"].config, Vd=2048, intermediate_size=256)
+    calls = []
+
+    class Recorded(EagleDraft):  # the drafts the drafter is asked to score, and what it returns
+        def score(self, depth, ids, parent, pos, slots, vis):
+            out = super().score(depth, ids, parent, pos, slots, vis)
+            calls.append((depth, ids.tolist(), pos.tolist(), slots.tolist(),
+                          out.argmax(-1).tolist()))
+            return out
+
+    both(smol, lambda: Recorded(dr), 3)
+    half = len(calls) // 2
+    assert half > 0 and calls[:half] == calls[half:]
+
+
 @pytest.mark.parametrize("tree", [TreeSpec.chain(3), TreeSpec(3, 3, 8)], ids=["chain", "tree"])
 def test_eagle_drafter_is_lossless_and_samples(smol, tree):
     """A random EAGLE-3 drafter (real static-cache drafting path, aux hooks, d2t) on SmolLM2:
