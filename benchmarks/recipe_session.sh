@@ -23,6 +23,15 @@
 #                  draft vocab 16,384 | trimmed + lr 1.2e-3
 #   lane c: t08    the same prompts answered at temperature 0.8 (generate), trimmed, short
 #                  -> trimmed + fc_norm -> trimmed, 60 steps (1M tokens: the curve's first point)
+#
+#   bash benchmarks/recipe_session.sh start-next   # the next session's runs (not run yet; also
+#                                                  # needs runs/t08 from .carry_c/t08-generate.tar.xz)
+#   lane n1: decode steps alone first (the greedy chain step, issue 16) -> mixed: the greedy and
+#            the T=0.8 answers together, one pass (configs/scale-smollm2-mixed.yaml) -> its
+#            evaluate (chain + tree, T 0 and 1: issue 15's T=1 goal, the bf16 tree check)
+#   lane n2: after the decode steps: storage, online against offline fp8 aux + top-k teacher
+#            (250 steps each, lr 1.2e-3: issue 15's +-1% question) -> batch 32,768 tokens
+#            (125 steps: the same 4M tokens as `trim`)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -95,6 +104,22 @@ lane_c() {
   mark lane_c
 }
 
+lane_n1() {
+  step decode-speed $PY benchmarks/decode_speed.py --batches 1,64 --json "$RES/decode_speed.json"
+  mark decoded
+  step mixed $DRAFTER run configs/scale-smollm2-mixed.yaml tokenize.workers=6
+  mark lane_n1
+}
+
+lane_n2() {
+  await decoded
+  short store-online "${TRIM[@]}" train.lr=1.2e-3
+  short store-fp8 "${TRIM[@]}" train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
+    extract.teacher=topk
+  short batch32k 125 "${TRIM[@]}" train.batch_tokens=32768
+  mark lane_n2
+}
+
 collect() {
   for d in runs/*/; do
     name=$(basename "$d")
@@ -123,13 +148,25 @@ case "${1:-}" in
       setsid bash "$0" "$l" < /dev/null > "$RES/$l.out" 2>&1 &
     done
     sleep 2; log "lanes started" ;;
+  start-next)
+    for d in runs/scale/generate runs/t08/generate; do
+      [ -f $d/manifest.json ] || { echo "$d is missing"; exit 3; }
+    done
+    for l in lane_n1 lane_n2; do
+      setsid bash "$0" "$l" < /dev/null > "$RES/$l.out" 2>&1 &
+    done
+    sleep 2; log "next lanes started" ;;
   all) lane_b; lane_c; lane_a ;;   # in turn (CHECK=1 here)
+  all-next) lane_n1; lane_n2 ;;
+  lane_n1) lane_n1 ;;
+  lane_n2) lane_n2 ;;
   lane_a) lane_a ;;
   lane_b) lane_b ;;
   lane_c) lane_c ;;
   wait)
     end=$(( $(date +%s) + ${2:-500} ))
-    while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$RES/lane_a.done" ]; do sleep 5; done
+    while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$RES/lane_a.done" ] \
+      && ! { [ -f "$RES/lane_n1.done" ] && [ -f "$RES/lane_n2.done" ]; }; do sleep 5; done
     collect; tail -n 40 "$RES/phases.log"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   collect) collect ;;
