@@ -81,11 +81,14 @@ def ops_rows(model, P, prompt, k: int, tree: TreeSpec, row) -> None:
         return (c2 - c1) / (i2 - i1)
 
     row("aten ops per step: plain", round(per_step()), "ops")
-    for fast in (False, True):
-        dec.fast_chain = fast
-        row(f"aten ops per step: chain K={k}, {'chain step' if fast else 'general tree step'}",
-            round(per_step(proposer=P, tree=TreeSpec.chain(k))), "ops")
-    row(f"aten ops per step: {tree.label()}", round(per_step(proposer=P, tree=tree)), "ops")
+    for T in (0.0, 1.0):
+        for fast in (False, True):
+            dec.fast_chain = fast
+            torch.manual_seed(0)
+            row(f"aten ops per step: chain K={k}, T={T:g}, "
+                f"{'chain step' if fast else 'general tree step'}",
+                round(per_step(proposer=P, tree=TreeSpec.chain(k), temperature=T)), "ops")
+    row(f"aten ops per step: {tree.label()}, T=0", round(per_step(proposer=P, tree=tree)), "ops")
 
 
 def main(argv=None) -> int:

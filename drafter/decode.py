@@ -45,12 +45,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .static import Graphs, StaticTarget, round_up
 # the drafting half of speculative decoding; EagleDraft and the tree helpers are re-exported here
 from .tree import (DecodeError, DraftModel, EagleDraft, TreeSpec,  # noqa: F401
-                   ancestors, build_tree, pick, verify_greedy, verify_sample)
+                   _gumbel_like, ancestors, build_tree, pick, verify_chain_sample, verify_greedy,
+                   verify_sample)
 
 log = logging.getLogger("drafter")
 
@@ -117,7 +119,7 @@ class Decoder:
         # steps replayed between two reads of the batch's state: each read is a host sync that
         # leaves the GPU idle while Python decides; finished rows idle through the extra steps
         self.sync_every = max(1, sync_every)
-        self.fast_chain = True  # greedy chains take _chain_step (False: the general tree step)
+        self.fast_chain = True  # chains take _chain_step (False: the general tree step)
         self.max_batch = max_batch
         self.graphs = Graphs(cuda_graphs and self.target.device.type == "cuda")
         self.span_bucket, self.prefill_tokens = span_bucket, prefill_tokens
@@ -375,12 +377,13 @@ class Decoder:
             st.second.scatter_(1, col, near[:, None])
         self._commit(st, nxt[:, None], torch.zeros_like(nxt), nxt)
 
-    def _chain_step(self, st, span, P, K: int):
-        """A greedy chain of K (what engines serve and evaluate's first run): the tree step's
+    def _chain_step(self, st, span, P, K: int, temperature: float):
+        """A chain of K (what engines serve and evaluate's first run): the tree step's
         arithmetic on TreeSpec.chain(K) with one child per node written out. The general step
         spends hundreds of small kernels a step on ancestor matrices, candidate top-k, sort and
-        path gathers that a chain does not need (issue 16); the drafts, the cache writes and the
-        accepted tokens are the same (tests/test_decode.py compares the two)."""
+        path gathers that a chain does not need (issue 16). Greedy: the same drafts, cache
+        writes and accepted tokens as the general step (tests/test_decode.py compares them);
+        sampling: the same distribution (verify_chain_sample), another draw of it."""
         dev, tgt, B = self.device, self.target, st.B
         L, start = st.L, st.start
         s = torch.arange(span, device=dev)
@@ -388,29 +391,50 @@ class Decoder:
         rel = (s[None] - L[:, None])[:, None]                                       # [B, 1, S]
         pos = (L - start)[:, None]                                                  # [B, 1]
         first = torch.zeros(B, 1, dtype=torch.long, device=dev)       # each node's parent: 0
-        tok = st.root.argmax(-1, keepdim=True)                                      # [B, 1]
-        drafts = [tok]
+
+        def draw(lg):  # [B, Vd] -> draft id [B, 1], its log-probs [B, Vd] (sampling)
+            if temperature == 0:
+                return lg.argmax(-1, keepdim=True), None
+            lq = F.log_softmax(lg.float() / temperature, dim=-1)
+            return (lq + _gumbel_like(lq)).argmax(-1, keepdim=True), lq
+
+        tok, lq = draw(st.root)
+        drafts, logqs = [tok], [lq]
         for i in range(1, K):  # node i in the drafter's slot L + i - 1 sees the nodes before it
             lg = P.score(i, P.to_target(tok), first, pos + i - 1, L[:, None] + i - 1,
                          committed[:, None] | ((rel >= 0) & (rel < i)))             # [B, 1, Vd]
-            tok = lg[:, 0].float().argmax(-1, keepdim=True)
+            tok, lq = draw(lg[:, 0].float())
             drafts.append(tok)
-        toks = P.to_target(torch.cat(drafts, 1))                                    # [B, K]
+            logqs.append(lq)
+        d_ids = torch.cat(drafts, 1)                                                # [B, K]
+        toks = P.to_target(d_ids)
         j = torch.arange(K + 1, device=dev)
         vis = committed[:, None] | ((rel >= 0) & (rel <= j[None, :, None]))         # [B, K+1, S]
         logits, aux = tgt.forward(torch.cat([st.pending[:, None], toks], 1), pos + j,
                                   L[:, None] + j, vis, start)
-        y = logits.argmax(-1)                                                       # [B, K+1]
-        n_acc = (toks == y[:, :K]).long().cumprod(1).sum(1)                         # [B]
-        bonus = y.gather(1, n_acc[:, None]).squeeze(1)
+        if temperature == 0:
+            y = logits.argmax(-1)                                                   # [B, K+1]
+            n_acc = (toks == y[:, :K]).long().cumprod(1).sum(1)                     # [B]
+            bonus = y.gather(1, n_acc[:, None]).squeeze(1)
+        else:
+            logq = torch.stack(logqs, 1)                                            # [B, K, Vd]
+            t_ids = P.to_target(torch.arange(logq.shape[-1], device=dev)).expand(B, -1)
+
+            def q_row(n):  # the draft distribution at chain position n, in the target vocab
+                q = logq.gather(1, n[:, None, None].expand(B, 1, logq.shape[-1])).squeeze(1)
+                return torch.zeros(B, logits.shape[-1], device=dev).scatter_(1, t_ids, q.exp())
+
+            n_acc, bonus = verify_chain_sample(
+                toks, logits, logq.gather(2, d_ids[..., None]).squeeze(2).exp(), q_row,
+                temperature)
         emitted = torch.cat([toks, bonus[:, None]], 1).scatter(1, n_acc[:, None], bonus[:, None])
         # the drafter reads the committed tokens (past n_acc: slots the next step overwrites)
         root = P.observe(emitted, aux, pos + j, L[:, None] + j, vis, n_acc)
         self._commit(st, emitted, n_acc, bonus, root)
 
     def _spec_step(self, st, span, P, tree: TreeSpec, temperature):
-        if tree.is_chain and temperature == 0 and self.fast_chain:
-            return self._chain_step(st, span, P, tree.depth)
+        if tree.is_chain and self.fast_chain:
+            return self._chain_step(st, span, P, tree.depth, temperature)
         dev, tgt = self.device, self.target
         B, D, k, N = st.B, tree.depth, tree.topk, tree.nodes
         L, start = st.L, st.start

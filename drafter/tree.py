@@ -222,6 +222,28 @@ def verify_sample(tokens: Tensor, parent_full: Tensor, valid: Tensor, depth_full
     return _path(anc, cur, depth_full, D), n_acc, bonus
 
 
+def verify_chain_sample(tokens: Tensor, logits: Tensor, q_tok: Tensor, q_row, temperature: float
+                        ) -> tuple[Tensor, Tensor]:
+    """Rejection sampling for a chain (Leviathan et al.): draft i (tokens [B, K], target ids) is
+    accepted with probability min(1, p_i / q_i) while every earlier one was; at the first
+    rejection the step's last token is drawn from norm(max(0, p - q)) there, after K
+    acceptances from p_K. logits [B, K+1, V] of the verify forward; q_tok [B, K] the draft
+    probability of each drafted token; q_row(n [B]) -> [B, V] the draft distribution at position
+    n in the target vocab (one row: only where the chain stopped). Returns accepted count [B]
+    and the last token [B]. verify_sample's arithmetic with one child a node."""
+    B, K = tokens.shape
+    p = F.softmax(logits.float() / temperature, dim=-1)                             # [B, K+1, V]
+    p_tok = p[:, :K].gather(2, tokens[..., None]).squeeze(2)                        # [B, K]
+    ok = torch.rand(B, K, device=tokens.device) * q_tok < p_tok
+    n_acc = ok.long().cumprod(1).sum(1)                                             # [B]
+    p_n = p.gather(1, n_acc[:, None, None].expand(B, 1, p.shape[-1])).squeeze(1)  # [B, V]
+    res = (p_n - q_row(n_acc.clamp(max=K - 1))).clamp(min=0)
+    s = res.sum(-1, keepdim=True)
+    rejected = (n_acc < K)[:, None] & (s > 0)
+    dist = torch.where(rejected, res / s.clamp(min=torch.finfo(torch.float32).tiny), p_n)
+    return n_acc, (torch.log(dist) + _gumbel_like(dist)).argmax(-1)
+
+
 def nucleus(lg: Tensor, top_p: float) -> Tensor:
     """Logits [B, V] with everything outside the smallest top_p nucleus set to -inf."""
     if top_p >= 1.0:

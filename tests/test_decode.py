@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from drafter.decode import (Decoder, EagleDraft, TreeSpec, acceptance_stats, ancestors,
-                            build_tree, verify_sample)
+                            build_tree, verify_chain_sample, verify_sample)
 from drafter.model import Drafter, DrafterConfig
 
 from tests.tiny import make_tiny
@@ -126,18 +126,36 @@ def test_build_tree_is_eagle2_greedy_and_ancestor_closed():
     assert chain.parent.tolist() == [[0, 1, 2]] * B and chain.depth.tolist() == [[1, 2, 3]] * B
 
 
-@pytest.mark.parametrize("spec", [TreeSpec.chain(3), TreeSpec(3, 3, 8)], ids=["chain", "tree"])
+@pytest.mark.parametrize("spec", [TreeSpec.chain(3), TreeSpec(3, 3, 8), "chain step"],
+                         ids=["chain", "tree", "chain-step"])
 def test_rejection_sampling_preserves_the_target_distribution(spec):
     """Tiny vocab, a target p(x_t | x_{t-1}) and a different drafter q: the first two tokens
     emitted by speculative sampling (two steps when the first step accepts nothing) follow
-    p(a | x0) p(b | a). Chi-square over the 25 cells; a 3% perturbation of p must be rejected."""
+    p(a | x0) p(b | a). Chi-square over the 25 cells; a 3% perturbation of p must be rejected.
+    "chain step": a chain of 3 drawn token by token and verified by verify_chain_sample
+    (Decoder._chain_step's sampler)."""
     torch.manual_seed(0)
     V, n = 5, 60_000
     P = torch.distributions.Dirichlet(torch.ones(V)).sample((V,))
     Q = torch.distributions.Dirichlet(torch.full((V,), 0.7)).sample((V,))
     logP, logQ = P.log(), Q.log()
 
+    def chain_step(x0, K=3):
+        full = [x0]
+        for _ in range(K):  # each draft sampled from q given the one before
+            lq = logQ[full[-1]]
+            full.append((lq - torch.log(-torch.log(torch.rand_like(lq)))).argmax(-1))
+        full = torch.stack(full, 1)                                                 # [n, K+1]
+        toks = full[:, 1:]
+        q_tok = Q[full[:, :-1], toks]                                               # [n, K]
+        n_acc, last = verify_chain_sample(toks, logP[full], q_tok,
+                                          lambda m: Q[full.gather(1, m[:, None])[:, 0]], 1.0)
+        return torch.cat([toks, last[:, None]], 1).scatter(1, n_acc[:, None], last[:, None]), \
+            n_acc
+
     def step(x0):  # one speculative step from the token x0 [n]: emitted tokens [n, D+1], count
+        if spec == "chain step":
+            return chain_step(x0)
         d = build_tree(logQ[x0], lambda i, ids, parent: logQ[ids], spec, 1.0)
         pf = torch.cat([torch.zeros(n, 1, dtype=torch.long), d.parent], 1)
         df = torch.cat([torch.zeros(n, 1, dtype=torch.long), d.depth], 1)
