@@ -154,6 +154,8 @@ class TokenizeConfig:
                                       "many tokens of a repetition loop (a 16-token window "
                                       "seen earlier in the answer); None keeps loops whole. "
                                       "64: tau +4% at equal steps on SmolLM2 (BENCHMARKS.md)")
+    loop_copies: int = doc(3, "a passage's copy from which its tokens count as a loop (3: said "
+                           "twice is not a loop, e.g. code restated after a fix)")
     enable_thinking: bool | None = doc(None, "passed to chat templates that take it (Qwen3)")
     template_kwargs: dict[str, Any] = doc(
         {}, "more variables for the chat template, e.g. {thinking: true} (DeepSeek-V3.1)")
@@ -643,6 +645,7 @@ def check_values(cfg: Config, where: _Where | None = None) -> None:
 
     ge("tokenize.max_length", cfg.tokenize.max_length, 4)
     ge("tokenize.max_loop_tokens", cfg.tokenize.max_loop_tokens, 0)
+    ge("tokenize.loop_copies", cfg.tokenize.loop_copies, 2)
     ge("tokenize.batch_size", cfg.tokenize.batch_size, 1)
     ge("tokenize.workers", cfg.tokenize.workers, 0)
     ge("vocab.draft_vocab_size", cfg.vocab.draft_vocab_size, 1)

@@ -338,14 +338,15 @@ def test_process_counts_skips_and_length(tok):
     assert [x[1] for x in rows] == ["e", "f"]
 
 
-def repeated(ids, mask, n=T.LOOP_NGRAM):
-    """Brute force: per answer (run of mask 1), the tokens closing a window seen before in it."""
+def repeated(ids, mask, copies=3, n=T.LOOP_NGRAM):
+    """Brute force: per answer (run of mask 1), the tokens closing a window seen at least
+    copies - 1 times before in it."""
     out, start = [], 0
     for t in range(len(ids)):
         if not mask[t]:
             start = t + 1
-        elif t - start + 1 >= n and any(ids[t - n + 1:t + 1] == ids[a - n + 1:a + 1]
-                                        for a in range(start + n - 1, t)):
+        elif t - start + 1 >= n and sum(ids[t - n + 1:t + 1] == ids[a - n + 1:a + 1]
+                                        for a in range(start + n - 1, t)) >= copies - 1:
             out.append(t)
     return out
 
@@ -356,17 +357,22 @@ def test_loop_cut_keeps_the_first_repeats_of_each_answer():
     ids = prompt + text + loop + [2]
     mask = [0] * len(prompt) + [1] * (len(ids) - len(prompt))
     for limit in (0, 8, 50):
-        cut = T.loop_cut(ids, mask, limit)
-        rep = repeated(ids, mask)
-        assert cut == rep[limit]                 # the (limit+1)-th repeated token is cut
-        assert len(repeated(ids[:cut], mask[:cut])) == limit
-        assert ids[:len(prompt) + len(text)] == (prompt + text)  # what precedes the loop stays
+        for copies in (2, 3):
+            cut = T.loop_cut(ids, mask, limit, copies)
+            rep = repeated(ids, mask, copies)
+            assert cut == rep[limit]                 # the (limit+1)-th looping token is cut
+            assert len(repeated(ids[:cut], mask[:cut], copies)) == limit
+            assert ids[:len(prompt) + len(text)] == (prompt + text)  # what precedes stays
     assert T.loop_cut(ids, mask, len(repeated(ids, mask))) is None   # fewer repeats than limit
     assert T.loop_cut(prompt + text, [0] * 10 + [1] * 30, 0) is None  # no loop
-    # an answer repeating an earlier answer is not a loop: windows are per answer
-    two = prompt + text + [1] + prompt + text
-    assert T.loop_cut(two, [0] * 10 + [1] * 30 + [0] * 11 + [1] * 30, 0) is None
-    assert T.loop_cut(two, [0] * 10 + [1] * 71, 0) is not None      # one answer: it repeats
+    # a passage said twice is not a loop (code restated after a fix), a third time it is
+    twice, thrice = text + [1] + text, text + [1] + text + [1] + text
+    assert T.loop_cut(prompt + twice, [0] * 10 + [1] * len(twice), 0) is None
+    assert T.loop_cut(prompt + thrice, [0] * 10 + [1] * len(thrice), 0) == 10 + 2 * 31 + 15
+    assert T.loop_cut(prompt + twice, [0] * 10 + [1] * len(twice), 0, copies=2) == 10 + 31 + 15
+    # windows are counted per answer: three answers saying the same are not a loop
+    three = prompt + text + prompt + text + prompt + text
+    assert T.loop_cut(three, ([0] * 10 + [1] * 30) * 3, 0) is None
 
 
 def test_process_trims_loops_and_counts(tok):

@@ -31,10 +31,11 @@ conversations with an answer that generate cut at generate.max_tokens (meta.fini
 Repetition loops. A small target decoding greedily often ends an answer in a loop that repeats
 to max_tokens (SmolLM2 on the scale run's data: 45% of answer words close an 8-word window seen
 earlier in the same answer). With tokenize.max_loop_tokens = M, a conversation is cut inside an
-answer at the token where M of that answer's tokens have closed a LOOP_NGRAM-token window seen
-earlier in it: the loop's first M repeated tokens stay (the drafter still learns to follow a
-loop, which the target also does at serving time), the rest of the loop and the turns after it
-go (counted: loop_trimmed conversations, loop_trimmed_tokens).
+answer at the token where M + 1 of that answer's tokens have closed a LOOP_NGRAM-token window
+seen tokenize.loop_copies - 1 times before in it, i.e. (default 3) from a passage's third copy
+on: a passage said twice (code restated after a fix) is not a loop. The loop's first M such tokens stay (the
+drafter still learns to follow a loop, which the target also does at serving time), the rest of
+the loop and the turns after it go (counted: loop_trimmed conversations, loop_trimmed_tokens).
 """
 from __future__ import annotations
 
@@ -274,32 +275,34 @@ def _usable(rec: dict, counts: Counter) -> list[dict]:
             for m in msgs[:last + 1]]
 
 
-def loop_cut(ids: list[int], mask: list[int], limit: int, n: int = LOOP_NGRAM) -> int | None:
+def loop_cut(ids: list[int], mask: list[int], limit: int, copies: int = 3,
+             n: int = LOOP_NGRAM) -> int | None:
     """Where to cut for tokenize.max_loop_tokens: the first position at which `limit + 1`
-    tokens of one answer (a run of mask 1) have closed an n-token window already seen in that
-    answer, so that ids[:cut] keeps `limit` repeated tokens of the loop; None if none does."""
-    seen: set[tuple[int, ...]] = set()
+    tokens of one answer (a run of mask 1) have closed an n-token window seen `copies - 1`
+    times or more earlier in that answer (a passage's `copies`-th copy on), so that ids[:cut]
+    keeps `limit` looping tokens; None if none does. With copies=3 a passage said twice (code
+    restated after a fix, a quoted answer) is not a loop."""
+    seen: Counter = Counter()
     start = repeated = 0
     for t, m in enumerate(mask):
         if not m:
             start = t + 1
             continue
         if t == start:                                        # a new answer
-            seen, repeated = set(), 0
+            seen, repeated = Counter(), 0
         if t - start + 1 >= n:
             window = tuple(ids[t - n + 1:t + 1])
-            if window in seen:
+            if seen[window] >= copies - 1:
                 repeated += 1
                 if repeated > limit:
                     return t
-            else:
-                seen.add(window)
+            seen[window] += 1
     return None
 
 
 def process(renderer: Renderer, lines: list[tuple[int, bytes]], file: str, max_length: int,
-            overflow: str, drop_truncated: bool = False, max_loop_tokens: int | None = None
-            ) -> tuple[list[tuple], Counter, list[dict]]:
+            overflow: str, drop_truncated: bool = False, max_loop_tokens: int | None = None,
+            loop_copies: int = 3) -> tuple[list[tuple], Counter, list[dict]]:
     """Raw JSONL lines -> ([(split, id, input_ids, loss_mask)], counts, skipped examples)."""
     counts, skipped, items, meta = Counter(), [], [], []
     for line_no, line in lines:
@@ -328,7 +331,8 @@ def process(renderer: Renderer, lines: list[tuple[int, bytes]], file: str, max_l
         meta.append((split, rid, line_no))
     rows = []
     for (split, rid, line_no), (ids, mask) in zip(meta, renderer.encode(items)):
-        cut = loop_cut(ids, mask, max_loop_tokens) if max_loop_tokens is not None else None
+        cut = loop_cut(ids, mask, max_loop_tokens, loop_copies) \
+            if max_loop_tokens is not None else None
         if cut is not None:
             counts["loop_trimmed"] += 1
             counts["loop_trimmed_tokens"] += len(ids) - cut
@@ -400,7 +404,7 @@ def _work(args):
     lines, file = args
     tc = _W["cfg"].tokenize
     return process(_W["r"], lines, file, tc.max_length, tc.overflow, tc.drop_truncated,
-                   tc.max_loop_tokens)
+                   tc.max_loop_tokens, tc.loop_copies)
 
 
 def _ordered(pool, tasks, window: int):
@@ -449,7 +453,7 @@ def main(cfg) -> dict:
             results = _ordered(pool, chunks, 2 * workers)
         else:
             results = (process(renderer, c, f, tc.max_length, tc.overflow, tc.drop_truncated,
-                               tc.max_loop_tokens) for c, f in chunks)
+                               tc.max_loop_tokens, tc.loop_copies) for c, f in chunks)
         for rows, c, sk in results:
             for split, rid, ids, mask in rows:
                 writers[split].write(rid, ids, mask)
