@@ -533,18 +533,21 @@ def wait_gpu_released(baseline: list, timeout: float, what: str = "the next step
     check; raises GpuNotReleased naming the PIDs. Never kills anything.
 
     A process that appeared since the baseline is a leftover when its session is one drafter
-    started a server in (`started`: supervisor.STARTED_SESSIONS; a server's workers keep its
-    session when it dies first). Another new holder is someone else's job (a second run on the
+    started a server in, or drafter's own (`started`: supervisor.STARTED_SESSIONS and this
+    process's session; a server's workers keep its session when it dies first). Another new holder is someone else's job (a second run on the
     same GPU): it is named in a warning and its memory is not counted, when NVML says how much
-    it holds; where NVML cannot tell (containers, MIG), every new holder is waited for."""
+    it holds and its session can be read; otherwise (containers, MIG, another PID namespace) it
+    is waited for like a leftover."""
     from . import gpu
     from .supervisor import STARTED_SESSIONS
 
     snapshot = snapshot or _gpu_snapshot
     sleep = sleep or time.sleep
     own = gpu.related_pids() if own is None else own
-    started = STARTED_SESSIONS if started is None else started
     session = session or _session
+    # this process's own session counts as started: children it spawned without one of their
+    # own (a local engine's workers) are ours too
+    started = (STARTED_SESSIONS | {session(os.getpid())}) if started is None else started
     base = {g.index: g for g in baseline}
     base_pids = {p.pid for g in baseline for p in g.processes}
     waited = 0.0  # counted in polls, not wall time: NVML calls are quick
@@ -556,7 +559,8 @@ def wait_gpu_released(baseline: list, timeout: float, what: str = "the next step
                 continue
             ours = sum(p.used_bytes or 0 for p in g.processes if p.pid in own)
             new = [p for p in g.processes if p.pid not in base_pids and p.pid not in own]
-            theirs = [p for p in new if p.used_bytes is not None and session(p.pid) not in started]
+            theirs = [p for p in new if p.used_bytes is not None
+                      and session(p.pid) not in started | {None}]  # None: cannot tell
             new = [p for p in new if p not in theirs]
             others += [(g.index, p) for p in theirs]
             extra = g.used - ours - sum(p.used_bytes for p in theirs) - b.used

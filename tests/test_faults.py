@@ -487,6 +487,9 @@ def test_gpu_wait_leaves_other_jobs_alone(caplog):
     unsized = [_gpu(0, 18 * gpu.GiB, [(111, "other", gpu.GiB), (549, "python3", None)])]
     with pytest.raises(pipeline.GpuNotReleased, match="PID 549"):
         wait(snapshot=lambda: unsized)
+    unknown = [_gpu(0, 14 * gpu.GiB, [(111, "other", gpu.GiB), (8000, "python3", 13 * gpu.GiB)])]
+    with pytest.raises(pipeline.GpuNotReleased, match="PID 8000"):   # its session unreadable
+        wait(snapshot=lambda: unknown)
     leftover = [_gpu(0, 18 * gpu.GiB, [(111, "other", gpu.GiB), (549, "python3", 13 * gpu.GiB),
                                        (7000, "vllm-worker", 4 * gpu.GiB)])]
     with pytest.raises(pipeline.GpuNotReleased) as e:
