@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
-from . import DrafterError
+from . import DrafterError, not_utf8
 
 
 class ConfigError(DrafterError, ValueError):
@@ -520,9 +520,8 @@ def load(path: str | Path | None = None, overrides: list[str] = (),
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            line = raw.count(b"\n", 0, e.start) + 1
-            raise ConfigError(f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x}): save the "
-                              f"config as UTF-8 text") from None
+            line, what = not_utf8(raw, e)
+            raise ConfigError(f"{path}:{line}: {what}: save the config as UTF-8 text") from None
         try:
             node = yaml.compose(text)
             data = yaml.safe_load(text) or {}

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import DrafterError
+from . import DrafterError, not_utf8
 
 log = logging.getLogger("drafter")
 
@@ -141,11 +141,6 @@ def _open_bytes(p: Path):
     return gzip.open(p, "rb") if p.name.endswith(".gz") else open(p, "rb")
 
 
-def _not_utf8(blob: bytes, e: UnicodeDecodeError) -> str:
-    col = e.start - blob.rfind(b"\n", 0, e.start)
-    return f"not UTF-8: byte 0x{blob[e.start]:02x} at column {col}"
-
-
 def _iter_json_file(p: Path) -> Iterator[tuple[str, int, Any]]:
     """(file, line, object or _Bad) for JSON lines, or for the elements of one JSON array. Lines
     are decoded one by one: a line that is not UTF-8 is one malformed record, not the end."""
@@ -161,7 +156,7 @@ def _iter_json_file(p: Path) -> Iterator[tuple[str, int, Any]]:
                     try:
                         text = line.decode("utf-8")
                     except UnicodeDecodeError as e:
-                        yield str(p), n, _Bad("bad_encoding", _not_utf8(line, e))
+                        yield str(p), n, _Bad("bad_encoding", not_utf8(line, e)[1])
                         continue
                     try:
                         yield str(p), n, json.loads(text)
@@ -174,8 +169,8 @@ def _iter_json_file(p: Path) -> Iterator[tuple[str, int, Any]]:
     try:
         text = blob.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = blob.count(b"\n", 0, e.start) + 1
-        raise SourceError(f"{p}:{line}: {_not_utf8(blob, e)}; a JSON array must be valid as a "
+        line, what = not_utf8(blob, e)
+        raise SourceError(f"{p}:{line}: {what}; a JSON array must be valid as a "
                           f"whole (JSON lines, .jsonl, skip bad lines one by one)") from None
     yield from _iter_json_array(p, text)
 

@@ -164,6 +164,10 @@ CASES = [
     ("tok_batch_0", "tokenize", ["tokenize.batch_size=0"], r"tokenize\.batch_size: must be >= 1"),
     ("tok_workers_neg", "tokenize", ["tokenize.workers=-2"], r"tokenize\.workers: must be >= 0"),
     ("tok_overflow", "tokenize", ["tokenize.overflow=wrap"], r"tokenize\.overflow: must be one"),
+    ("tok_loop_neg", "tokenize", ["tokenize.max_loop_tokens=-1"],
+     r"tokenize\.max_loop_tokens: must be >= 0"),
+    ("tok_loop_copies_1", "tokenize", ["tokenize.loop_copies=1"],
+     r"tokenize\.loop_copies: must be >= 2"),
     ("chat_template_missing", "tokenize", ["target.chat_template=/nonexistent.jinja"],
      r"target\.chat_template: /nonexistent\.jinja is not a file"),
     ("draft_vocab_0", "vocab", ["vocab.draft_vocab_size=0"],
@@ -255,7 +259,8 @@ def test_bad_value_is_refused_and_nothing_changes(world, capsys, case):
 # --------------------------------------------------------------- bad values (the config file)
 FILES = [
     ("yaml_syntax", "train:\n  lr: [1\n", r"cfg\.yaml:3: not valid YAML: while parsing"),
-    ("not_utf8", b"train:\n  lr: 0.1\n  # caf\xe9\n", r"cfg\.yaml:3: not UTF-8 \(byte 0xe9\)"),
+    ("not_utf8", b"train:\n  lr: 0.1\n  # caf\xe9\n",
+     r"cfg\.yaml:3: not UTF-8: byte 0xe9 at column 8"),
     ("top_is_list", "- train\n- lr\n", r"cfg\.yaml: the top level must be a mapping"),
     ("section_scalar", "train: 5\n", r"cfg\.yaml:1: train: expected a mapping"),
     ("range_in_file", "run_dir: {run}\ntrain:\n  max_length: 128\n  epochs: 0\n",
