@@ -22,6 +22,20 @@ def _cache_dir(tmp_path_factory):
     yield
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`):
+    tiny shapes and decoding's many small ops gain nothing from a second thread, OpenMP threads
+    spinning against each other make them 10x slower on a busy 2-core machine, and one thread
+    is one fixed order of float reductions. Subprocesses get the same through their env."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir(_cache_dir) -> Path:
     """The builtin target as an HF folder (materialised once per session)."""

@@ -10,14 +10,7 @@ from drafter import capture as C
 from tests.tiny import ARCHS, make_tiny
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny forwards gain nothing from a second thread, and on a busy 2-core machine OpenMP's
-    spinning threads make them 10x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def draft_vocab(V: int, vd: int = 2000, seed: int = 0):

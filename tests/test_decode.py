@@ -15,14 +15,7 @@ from tests.tiny import make_tiny
 MAX_NEW = 9  # 1 token from the prefill + 2 full chain steps of K=3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Decoding is many small ops: one intra-op thread avoids OpenMP spin-waits that make a
-    shared 2-core CI box 10x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class RefDrafter:

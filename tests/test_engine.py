@@ -19,12 +19,7 @@ from drafter.paged import paged_attention_reference
 from tests.tiny import make_tiny
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(arch, tmp_path, **kw):

@@ -19,13 +19,7 @@ from drafter.steps import evaluate as E
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread: decoding is many small ops (see tests/test_decode.py)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _drafter_dir(target_dir, out: Path, seed: int, native: bool = False) -> Path:

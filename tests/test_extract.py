@@ -30,13 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """In-process runs use one thread like the subprocesses (see ENV)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_config(path: Path, run_dir: Path, model: Path, shared_data: Path, **extract) -> Path:

@@ -35,11 +35,7 @@ def make_run(root: Path, records: list[dict], **overrides) -> C.Config:
     atomic_json(run.manifest("prepare"), {"step": "prepare", "counts": {"ok": len(records)}})
     data = {"run_dir": str(root)}
     for k, v in overrides.items():
-        node = data
-        *head, last = k.split(".")
-        for h in head:
-            node = node.setdefault(h, {})
-        node[last] = v
+        C._set(data, k.split("."), v, k)  # the dotted overrides of C.load, with values as given
     (root / "cfg.yaml").write_text(yaml.safe_dump(data))
     return C.load(root / "cfg.yaml")
 

@@ -17,15 +17,7 @@ from drafter.ttt import TTT, dense_mask, doc_causal, flex_part0, head_loss, merg
 V, VD, HT = 96, 40, 24
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes gain nothing from intra-op threads, and on a busy 2-core machine OpenMP
-    threads spinning against each other make them 10x slower; one thread is also one fixed
-    order of float reductions."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(**kw) -> DrafterConfig:

@@ -76,11 +76,7 @@ def _config(root: Path, **over) -> C.Config:
         "generate": {"server": {"engine": "local"}, "max_tokens": 12, "batch_size": 4},
     }
     for k, v in over.items():
-        node = data
-        *head, last = k.split(".")
-        for h in head:
-            node = node.setdefault(h, {})
-        node[last] = v
+        C._set(data, k.split("."), v, k)  # the dotted overrides of C.load, with values as given
     (root / "cfg.yaml").write_text(yaml.safe_dump(data))
     return C.load(root / "cfg.yaml")
 

@@ -27,15 +27,7 @@ from tests.tiny import make_tiny
 VOCAB, VD = 512, 256
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes gain nothing from intra-op threads, and on a busy 2-core machine OpenMP
-    threads spinning against each other make them 10x slower; one thread is also one fixed
-    order of float reductions."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------- the alignment
