@@ -339,9 +339,6 @@ class Drafter(nn.Module):
         """Draft vocab ids -> target vocab ids (target = i + d2t[i])."""
         return draft_ids + self.d2t[draft_ids]
 
-    def trainable_parameters(self):
-        return [p for p in self.parameters() if p.requires_grad]
-
 
 def param_count(model: nn.Module, trainable_only: bool = True) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

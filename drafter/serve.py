@@ -185,10 +185,6 @@ class Endpoint:
     inflight: int = 0
     restarts: int = 0
 
-    @property
-    def chat_url(self) -> str:
-        return f"{self.url}/v1/chat/completions"
-
 
 @dataclass
 class Pool:
