@@ -107,17 +107,7 @@ lane1() {
 }
 
 collect() {
-  for d in runs/*/; do
-    name=$(basename "$d")
-    [ -f "$d/config.yaml" ] || continue
-    $DRAFTER status "$d" --json > "$RES/$name.status.json" 2>/dev/null
-    for f in evaluate/metrics.json evaluate/report.md evaluate/acceptance.png train/metrics.jsonl \
-             generate/manifest.json tokenize/manifest.json train/manifest.json; do
-      [ -f "$d/$f" ] && cp "$d/$f" "$RES/$name.$(dirname "$f").$(basename "$f")"
-    done
-  done
-  tar -czf "$OUT/results.tar.gz" -C "$RES" .
-  cp "$RES/phases.log" "$OUT/phases.log" 2>/dev/null
+  collect_runs
   [ -f runs/synthetic-100k.jsonl.gz ] && cp runs/synthetic-100k.jsonl.gz "$OUT/"
   # the regenerated conversations, for a later session (in parts: 16 MiB a file comes back)
   if [ -f runs/scale/generate/manifest.json ] && [ ! -f "$OUT/scale-generate.tar.gz.aa" ]; then

@@ -42,7 +42,6 @@ DRAFTER="$PY -m drafter.cli"
 CFG=configs/scale-smollm2.yaml
 SHORT=${SHORT_STEPS:-250}
 BASE=("prepare.sources[6].max_samples=40000" "tokenize.workers=6")
-TRIM=("tokenize.max_loop_tokens=64")
 CHAIN=("evaluate.methods=[chain]" "evaluate.temperatures=[0.0]")
 
 step() {  # step NAME CMD...: run, log to runs/gpu-out/NAME.log, never stop the lane
@@ -78,8 +77,7 @@ short() {  # short NAME [STEPS] OVERRIDES...: a short run on the restored answer
 
 lane_a() {
   seed main prepare generate
-  step main $DRAFTER run $CFG "${BASE[@]}" "${TRIM[@]}" run_dir=runs/main train.epochs=2 \
-    train.save_every=470
+  step main $DRAFTER run $CFG "${BASE[@]}" run_dir=runs/main
   local half
   half=$(ls -d runs/main/train/step_* 2>/dev/null | sort | awk '{a[NR]=$0} END {print a[int(NR/2)]}')
   [ -n "$half" ] && step main-epoch1 $DRAFTER evaluate $CFG "${BASE[@]}" \
@@ -91,16 +89,16 @@ lane_a() {
 
 lane_b() {
   short keep tokenize.max_loop_tokens=null
-  short trim "${TRIM[@]}"
-  short vocab16k "${TRIM[@]}" vocab.draft_vocab_size=16384
-  short lr12 "${TRIM[@]}" train.lr=1.2e-3
+  short trim
+  short vocab16k vocab.draft_vocab_size=16384
+  short lr12 train.lr=1.2e-3
   mark lane_b
 }
 
 lane_c() {
-  SEED_STEPS=prepare short t08 "${TRIM[@]}" generate.temperature=0.8
-  short fcnorm "${TRIM[@]}" train.fc_norm=true
-  short trim60 60 "${TRIM[@]}"
+  SEED_STEPS=prepare short t08 generate.temperature=0.8
+  short fcnorm train.fc_norm=true
+  short trim60 60
   mark lane_c
 }
 
@@ -113,26 +111,15 @@ lane_n1() {
 
 lane_n2() {
   await decoded
-  short store-online "${TRIM[@]}" train.lr=1.2e-3
-  short store-fp8 "${TRIM[@]}" train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
+  short store-online train.lr=1.2e-3
+  short store-fp8 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
     extract.teacher=topk
-  short batch32k 125 "${TRIM[@]}" train.batch_tokens=32768
+  short batch32k 125 train.batch_tokens=32768
   mark lane_n2
 }
 
 collect() {
-  for d in runs/*/; do
-    name=$(basename "$d")
-    [ -f "$d/config.yaml" ] || continue
-    [ -n "${CHECK:-}" ] || $DRAFTER status "$d" --json > "$RES/$name.status.json" 2>/dev/null
-    for f in evaluate/metrics.json evaluate/report.md evaluate/acceptance.png \
-             train/metrics.jsonl generate/manifest.json tokenize/manifest.json \
-             vocab/manifest.json train/manifest.json; do
-      [ -f "$d/$f" ] && cp "$d/$f" "$RES/$name.$(dirname "$f").$(basename "$f")"
-    done
-  done
-  tar -czf "$OUT/results.tar.gz" -C "$RES" .
-  cp "$RES/phases.log" "$OUT/phases.log" 2>/dev/null
+  collect_runs
   # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
   if [ -f runs/t08/generate/manifest.json ] && [ ! -f "$OUT/t08-generate.tar.xz.aa" ]; then
     tar -cf - -C runs t08/config.yaml t08/prepare t08/generate | xz -6 -T8 \
