@@ -24,8 +24,8 @@
 #   lane c: t08    the same prompts answered at temperature 0.8 (generate), trimmed, short
 #                  -> trimmed + fc_norm -> trimmed, 60 steps (1M tokens: the curve's first point)
 #
-#   bash benchmarks/recipe_session.sh start-next   # the next session's runs (not run yet; also
-#                                                  # needs runs/t08 from .carry_c/t08-generate.tar.xz)
+#   bash benchmarks/recipe_session.sh start-next   # the next session's runs (not run yet);
+#     also needs runs/t08: xz -dc .carry_c/t08-generate.tar.xz | tar -xf - -C runs
 #   lane n1: decode steps alone first (the greedy chain step, issue 16) -> mixed: the greedy and
 #            the T=0.8 answers together, one pass (configs/scale-smollm2-mixed.yaml) -> its
 #            evaluate (chain + tree, T 0 and 1: issue 15's T=1 goal, the bf16 tree check)
@@ -79,7 +79,8 @@ lane_a() {
   seed main prepare generate
   step main $DRAFTER run $CFG "${BASE[@]}" run_dir=runs/main
   local half
-  half=$(ls -d runs/main/train/step_* 2>/dev/null | sort | awk '{a[NR]=$0} END {print a[int(NR/2)]}')
+  half=$(ls -d runs/main/train/step_* 2>/dev/null | sort \
+    | awk '{a[NR]=$0} END {print a[int(NR/2)]}')   # the middle checkpoint: about epoch 1
   [ -n "$half" ] && step main-epoch1 $DRAFTER evaluate $CFG "${BASE[@]}" \
     run_dir=runs/main-epoch1 "evaluate.drafter=$half" "${CHAIN[@]}"
   await lane_b; await lane_c
