@@ -346,9 +346,7 @@ def online_source(model, c: DrafterConfig, lengths: list[int], teacher: str, k: 
 def batch_stats(hb: dict) -> dict:
     """Per micro-batch: real tokens, Σ causal keys of them, and loss rows (for the FLOP count),
     counted on the thread that built it, so the training loop never waits for them."""
-    real = hb["seq_id"] >= 0
-    return {"tokens": hb["tokens"], "keys": int((hb["position_ids"] + 1)[real].sum()),
-            "head_rows": int(hb["rows"].numel())}
+    return {"tokens": hb["tokens"], "keys": hb["keys"], "head_rows": int(hb["rows"].numel())}
 
 
 def bench_real(name: str, args, dist, attention: str, teacher: str,
@@ -379,10 +377,12 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
         torch.cuda.reset_peak_memory_stats(dist.device)
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
         marks[0].record()
-    t0, wall, stats, graphs_warm = time.perf_counter(), [], [], None
+    t0, wall, stats, graphs_warm, waited = time.perf_counter(), [], [], None, 0.0
     try:
         for j in range(args.steps):
+            t_wait = time.perf_counter()
             hb = feed.next()
+            waited += time.perf_counter() - t_wait
             stats.append(hb.pop("stats"))
             micro = iter([batches.device_batch(hb, dist.device, head, fused)])
             trainer.train_step(S["model"], S["params"], S["opt"], micro, tc, dist, S["amp"])
@@ -410,6 +410,9 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
     return {**r, **summary, "source": "online" if online else "offline", "steps": args.steps,
             "step_ms": 1e3 * statistics.median(step_s[len(step_s) // 2:]),
             "fill": n_tok / (len(stats) * B * T), "graphs": graphs - graphs0,
+            # the training thread's seconds blocked on the next batch (the prefetch thread
+            # behind: online, the target's forward and the batch's assembly)
+            "feed_wait_s": waited, "run_s": time.perf_counter() - t0,
             "graphs_after_warmup": graphs - graphs_warm if graphs_warm is not None else None}
 
 
@@ -488,7 +491,8 @@ def describe(r: dict) -> str:
                 f"{_f(r['avg_tokens_per_s'], ',.0f')} tokens/s, steady {_f(r['tok_s'], ',.0f')} "
                 f"(avg/steady {_f(r['avg_over_steady'], '.2f')}), {r['graphs']} graphs, "
                 f"{_f(r['graphs_after_warmup'], 'd')} after warm-up, rows "
-                f"{r['fill']:.0%} full")
+                f"{r['fill']:.0%} full, waited for batches {r['feed_wait_s']:.1f} of "
+                f"{r['run_s']:.1f} s")
     msg = (f"{r['tok_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step, "
            f"warm-up {r['warmup_s']:.1f}s")
     if r["check"] is not None:
@@ -527,7 +531,13 @@ def main(argv=None):
     p.add_argument("--measured-tflops", type=float, default=790.0,
                    help="measured matmul rate for the second MFU (H200 bf16)")
     p.add_argument("--peak-tflops-cpu", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--switch-interval", type=float,
+                   help="sys.setswitchinterval seconds (Python's default 0.005): how long a "
+                   "thread keeps the GIL while the other waits (online: the prefetch thread "
+                   "runs the target's Python while the training thread launches kernels)")
     args = p.parse_args(argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     args.real = args.real or args.online
     args.steps = args.steps or (200 if args.real else 20)
     dist = dist_env()

@@ -78,25 +78,31 @@ def epoch_micro_batches(rows: list[list[int]], B: int, seed: int, epoch: int) ->
     return [[rows[j] for j in order[a:a + B]] for a in range(0, len(order), B)]
 
 
+# the token fields: built on the host (pinned when a GPU is there), from the samples' token ids
+HOST_KEYS = ("input_ids", "loss_mask", "seq_id", "position_ids")
+
+
 def collate(rows: list[list[dict]], B: int, T: int) -> dict:
     """Samples packed into B rows of T tokens (row b holds rows[b] in order; missing rows are
-    padding): input_ids, loss_mask, in_vocab, seq_id (-1 = padding), position_ids [B, T];
-    aux [B, T, L, Ht]; teacher_hidden [B, T, Ht] or teacher_topk_ids/_logp [B, T, k]."""
+    padding): input_ids, loss_mask, seq_id (-1 = padding), position_ids [B, T] on the host;
+    in_vocab [B, T], aux [B, T, L, Ht] and teacher_hidden [B, T, Ht] or teacher_topk_ids/_logp
+    [B, T, k] where the samples' features are (the GPU when online: capture's outputs)."""
     first = rows[0][0]
     dev = first["aux"].device
-    pin = dev.type == "cpu" and torch.cuda.is_available()
+    cuda = torch.cuda.is_available()
 
-    def new(shape, dtype, fill=0):
-        return torch.full(shape, fill, dtype=dtype, device=dev, pin_memory=pin)
+    def new(shape, dtype, fill=0, device=torch.device("cpu")):
+        return torch.full(shape, fill, dtype=dtype, device=device,
+                          pin_memory=cuda and device.type == "cpu")
 
     out = {"input_ids": new((B, T), torch.long), "loss_mask": new((B, T), torch.long),
-           "in_vocab": new((B, T), torch.bool), "seq_id": new((B, T), torch.long, -1),
-           "position_ids": new((B, T), torch.long),
-           "aux": new((B, T, *first["aux"].shape[1:]), first["aux"].dtype)}
+           "seq_id": new((B, T), torch.long, -1), "position_ids": new((B, T), torch.long),
+           "in_vocab": new((B, T), torch.bool, device=dev),
+           "aux": new((B, T, *first["aux"].shape[1:]), first["aux"].dtype, device=dev)}
     teacher = [k for k in ("teacher_hidden", "teacher_topk_ids", "teacher_topk_logp") if k in first]
     for k in teacher:
         fill = -math.inf if k == "teacher_topk_logp" else 0
-        out[k] = new((B, T, first[k].shape[-1]), first[k].dtype, fill)
+        out[k] = new((B, T, first[k].shape[-1]), first[k].dtype, fill, device=dev)
     for b, row in enumerate(rows):
         o = 0
         for j, s in enumerate(row):
@@ -139,22 +145,31 @@ def align(seq_id: torch.Tensor, loss_mask: torch.Tensor, in_vocab: torch.Tensor,
     row_step = rows // (B * T)
     base = torch.arange(B, device=dev)[:, None] * T
     trows = (src + base).reshape(-1)[rows]
-    weights = torch.tensor([decay ** i for i in range(steps)], device=dev)[row_step]
+    # decay**i in float64 as Python computes it, made on the device (no host-to-device copy)
+    weights = torch.full_like(row_step, 0, dtype=torch.float64).add_(decay).pow_(row_step).float()
     return {"src": src, "rows": rows, "trows": trows, "weights": weights, "row_step": row_step,
             "n_valid": valid.sum((1, 2)), "n_lm": lm.sum((1, 2))}
 
 
 def host_batch(src: Source, rows: list[list[int]], B: int, T: int, tc, emb_table) -> dict:
     """One micro-batch, before the device: collated, aligned, embedded (the frozen table lives
-    on the CPU, so only [B, T, H] crosses to the GPU)."""
+    on the CPU, so only [B, T, H] crosses to the GPU). Online, the features are on the GPU
+    already: the token fields follow them there (pinned, non-blocking) and are aligned there.
+    Nothing here waits on the GPU but align's nonzero (pinned): see Capture.run for why."""
     it = iter(src.load([i for r in rows for i in r]))
     out = collate([[next(it) for _ in r] for r in rows], B, T)
-    out.update(align(out["seq_id"], out["loss_mask"], out["in_vocab"], tc.ttt_steps,
-                     tc.ttt_decay))
-    out["emb"] = emb_table[out["input_ids"].cpu()]                       # [B, T, H]
+    real = out["seq_id"] >= 0
+    out["tokens"] = int(real.sum())
+    out["keys"] = int((out["position_ids"] + 1)[real].sum())  # Σ causal keys (FLOP counts)
+    out["emb"] = emb_table[out["input_ids"]]                              # [B, T, H]
     if torch.cuda.is_available():  # pinned: the copy to the GPU does not block this thread
         out["emb"] = out["emb"].pin_memory()
-    out["tokens"] = int((out["seq_id"] >= 0).sum())
+    dev = out["in_vocab"].device
+    if dev.type == "cuda":
+        for k in HOST_KEYS:
+            out[k] = out[k].to(dev, non_blocking=True)
+    out.update(align(out["seq_id"], out["loss_mask"], out["in_vocab"], tc.ttt_steps,
+                     tc.ttt_decay))
     return out
 
 

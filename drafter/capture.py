@@ -263,7 +263,12 @@ class Capture:
             input_ids [N] int64, offsets [B+1] int64 (sample b = rows offsets[b]:offsets[b+1]),
             aux [N, L, Ht] out_dtype, in_vocab [N] bool, and teacher_hidden [N, Ht] out_dtype or
             teacher_topk_ids [N, k] int64 + teacher_topk_logp [N, k] float32.
-        All on the target's (first) device."""
+        All on the target's (first) device but offsets, which stay on the host (known there).
+
+        No transfer here waits on the GPU: host tensors go up pinned and without blocking, and
+        nothing comes back. Online training runs this on its prefetch thread, and a copy to or
+        from pageable memory would hold up the training thread's kernel launches until the
+        target's forward is done (pytorch/pytorch#143825): the overlap would be lost."""
         ids = [torch.as_tensor(x, dtype=torch.long).cpu() for x in input_ids]  # built on host
         lens = torch.tensor([len(x) for x in ids])
         if not ids or (lens == 0).any():
@@ -271,20 +276,20 @@ class Capture:
         offsets = torch.zeros(len(ids) + 1, dtype=torch.long)
         offsets[1:] = lens.cumsum(0)
         n_tok = int(offsets[-1])
-        flat = torch.cat(ids).to(self.device)                                   # [N]
+        flat = self._to_device(torch.cat(ids))                                   # [N]
         if self.packed:
             batch = flat[None]                                                  # [1, N]
-            pos = torch.cat([torch.arange(int(n)) for n in lens])[None].to(self.device)
+            pos = self._to_device(torch.cat([torch.arange(int(n)) for n in lens])[None])
             index = None
         else:
             S = int(lens.max())
             batch = torch.full((len(ids), S), self.pad_id, dtype=torch.long)    # [B, S]
             for b, x in enumerate(ids):
                 batch[b, :len(x)] = x
-            batch = batch.to(self.device)
+            batch = self._to_device(batch)
             pos = torch.arange(S, device=self.device)[None].expand(len(ids), S)  # [B, S]
             valid = torch.arange(S)[None] < lens[:, None]                        # [B, S]
-            index = valid.reshape(-1).nonzero()[:, 0].to(self.device)            # [N]
+            index = self._to_device(valid.reshape(-1).nonzero()[:, 0])          # [N]
         aux = torch.empty(n_tok, len(self.layer_ids), self.hidden_size, dtype=self.out_dtype,
                           device=self.device)                                   # [N, L, Ht]
         with self._lock, self._hooks(aux, index):  # hooks on shared layers: one forward at once
@@ -292,9 +297,15 @@ class Capture:
         h = _full(h).reshape(-1, self.hidden_size).to(self.device)               # [B*S, Ht]
         if index is not None:
             h = h.index_select(0, index)                                         # [N, Ht]
-        out = {"input_ids": flat, "offsets": offsets.to(self.device), "aux": aux}
+        out = {"input_ids": flat, "offsets": offsets, "aux": aux}
         out.update(self._teacher(h))
         return out
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the target's device: pinned and non-blocking to a GPU."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _teacher(self, h: torch.Tensor) -> dict:
         """in_vocab and the teacher of final hidden states h [N, Ht], chunk by chunk."""
@@ -321,17 +332,20 @@ class Capture:
 
     def __call__(self, samples: Sequence[dict], batch_tokens: int | None = None) -> list[dict]:
         """Per-sample dicts (docs/internals.md) for samples with `input_ids` and `loss_mask`,
-        in the given order; forwards are grouped by length under `batch_tokens`."""
+        in the given order; forwards are grouped by length under `batch_tokens`. input_ids and
+        loss_mask are host tensors, the captured fields are on the target's device."""
         lens = [len(s["input_ids"]) for s in samples]
         order = length_order(lens)
         result: list[dict | None] = [None] * len(samples)
         for group in plan_batches([lens[i] for i in order], batch_tokens or self.batch_tokens,
                                   self.packed):
             idx = [order[g] for g in group]
-            flat = self.run([samples[i]["input_ids"] for i in idx])
-            for i, s in zip(idx, split(flat)):
-                s["loss_mask"] = torch.as_tensor(samples[i]["loss_mask"],
-                                                 dtype=torch.long).to(s["input_ids"].device)
+            ids = [torch.as_tensor(samples[i]["input_ids"], dtype=torch.long) for i in idx]
+            flat = self.run(ids)
+            for i, x, s in zip(idx, ids, split(flat)):
+                # the token fields stay on the host (batches.collate builds the rows there)
+                s["input_ids"] = x
+                s["loss_mask"] = torch.as_tensor(samples[i]["loss_mask"], dtype=torch.long)
                 result[i] = s
         return result  # type: ignore[return-value]
 

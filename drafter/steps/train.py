@@ -174,9 +174,17 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     # Time in train steps only (validation and checkpoints set aside), so that tokens_per_s,
     # elapsed_s and warmup_s measure training: issue 18 compares the whole run with steady state.
     aside, train_s_log, warmup_s, rates = 0.0, 0.0, None, []
+    waited = [0.0]  # seconds this thread blocked on the prefetch thread since the last log
+
+    def take() -> dict:
+        t = time.perf_counter()
+        hb = feed.next()
+        waited[0] += time.perf_counter() - t
+        return hb
+
     try:
         while step < total:
-            micro = (device_batch(feed.next(), dev, head, fused) for _ in range(tc.grad_accum))
+            micro = (device_batch(take(), dev, head, fused) for _ in range(tc.grad_accum))
             gnorm = train_step(model, params, opt, micro, tc, dist, autocast, meter)
             sched.step()
             step += 1
@@ -195,7 +203,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                 m.update(step=step, epoch=step / steps_per_epoch, split="train",
                          lr=sched.get_last_lr()[0], grad_norm=float(gnorm),
                          tokens_per_s=round(tok_s, 1), elapsed_s=round(train_s, 3),
-                         time=time.time())
+                         data_wait_s=round(waited[0], 3), time=time.time())
+                waited[0] = 0.0
                 if ttt.compiled:  # a recompilation storm shows as a count that keeps rising
                     m["graphs"] = compiled_graphs()
                 if cuda:
