@@ -29,6 +29,7 @@
 #   lane n1: decode steps alone first (the greedy chain step, issue 16) -> mixed: the greedy and
 #            the T=0.8 answers together, one pass (configs/scale-smollm2-mixed.yaml) -> its
 #            evaluate (chain + tree, T 0 and 1: issue 15's T=1 goal, the bf16 tree check)
+#            -> when n2 is done: its speedup alone at batch 1 (30 prompts) and 64 (64 prompts)
 #   lane n2: after the decode steps: storage, online against offline fp8 aux + top-k teacher
 #            (250 steps each, lr 1.2e-3: issue 15's +-1% question) -> batch 32,768 tokens
 #            (125 steps: the same 4M tokens as `trim`)
@@ -107,7 +108,19 @@ lane_n1() {
   step decode-speed $PY benchmarks/decode_speed.py --batches 1,64 --json "$RES/decode_speed.json"
   mark decoded
   step mixed $DRAFTER run configs/scale-smollm2-mixed.yaml tokenize.workers=6
+  await lane_n2
+  speed 1 10 10 10; speed 64 22 21 21
   mark lane_n1
+}
+
+speed() {  # speed BATCH N1 N2 N3: the mixed drafter's speedup alone on the GPU (issue 16),
+  # chain and tree at T=0 on the first N prompts of each eval set, decoded BATCH at a time
+  [ -n "${CHECK:-}" ] || [ -d runs/mixed/export/native ] || { log "speed-b$1: no export"; return; }
+  step "speed-b$1" $DRAFTER evaluate configs/scale-smollm2-mixed.yaml "run_dir=runs/speed-b$1" \
+    evaluate.drafter=runs/mixed/export/native "evaluate.batch_size=$1" \
+    "evaluate.methods=[chain,tree]" "evaluate.temperatures=[0.0]" \
+    "evaluate.datasets[0].max_prompts=$2" "evaluate.datasets[1].max_prompts=$3" \
+    "evaluate.datasets[2].max_prompts=$4"
 }
 
 lane_n2() {
