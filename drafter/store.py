@@ -250,8 +250,8 @@ def to_host(tensors: dict) -> tuple[dict, object]:
     """Start copying device tensors to pinned host memory on a side stream, so that the next
     forward runs while they travel. Returns (host tensors, event to wait on before reading them;
     None for CPU tensors, which are returned as they are)."""
-    devs = {v.device for v in tensors.values()}
-    if all(d.type != "cuda" for d in devs):
+    devs = {v.device for v in tensors.values() if v.is_cuda}
+    if not devs:
         return tensors, None
     dev = next(iter(devs))
     stream = _copy_streams.get(dev)
@@ -261,6 +261,9 @@ def to_host(tensors: dict) -> tuple[dict, object]:
     out = {}
     with torch.cuda.stream(stream):
         for k, v in tensors.items():
+            if not v.is_cuda:  # capture's offsets are made on the host and stay there
+                out[k] = v
+                continue
             h = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
             h.copy_(v, non_blocking=True)
             v.record_stream(stream)  # the allocator keeps v until the copy is done

@@ -227,7 +227,8 @@ def test_to_host_copies_on_a_side_stream(tmp_path):
     """On a GPU: encoded batches travel to pinned host memory asynchronously; the writer waits
     for them and the shard equals one written from a synchronous copy."""
     flat, mask = fake_capture([9, 4], "topk")
-    gpu_flat = {k: v.cuda() for k, v in flat.items()}
+    # as Capture.run gives them: the features on the GPU, the offsets on the host
+    gpu_flat = {k: v if k == "offsets" else v.cuda() for k, v in flat.items()}
     parts = [store.to_host(store.encode(gpu_flat, mask.cuda(), "fp8", VD))]
     assert parts[0][1] is not None and parts[0][0]["aux"].is_pinned()
     w = store.ShardWriter({})
