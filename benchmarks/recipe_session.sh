@@ -38,6 +38,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 source benchmarks/lanes.sh
 [ -n "${CHECK:-}" ] || source benchmarks/gpu_env.sh
+export DRAFTER_DEBUG=1   # an internal error's traceback goes into the run's log
 PY=${PY:-python3}
 DRAFTER="$PY -m drafter.cli"
 CFG=configs/scale-smollm2.yaml
@@ -126,8 +127,9 @@ speed() {  # speed BATCH N1 N2 N3: the mixed drafter's speedup alone on the GPU 
 lane_n2() {
   await decoded
   short store-online train.lr=1.2e-3
+  # preflight=warn: the mixed run's online training holds GPU memory beside this extract
   short store-fp8 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
-    extract.teacher=topk
+    extract.teacher=topk extract.preflight=warn
   short batch32k 125 train.batch_tokens=32768
   mark lane_n2
 }
