@@ -61,6 +61,7 @@ otherwise a line says why it was skipped, and the ratio is to the figures issue 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -329,7 +330,8 @@ def load_target(name: str, args, device):
 
 def online_source(model, c: DrafterConfig, lengths: list[int], teacher: str, k: int):
     """The samples as train.online sees them: token rows through the target (Capture), so
-    every micro-batch runs the target's forward; nothing stored. -> (Source, teacher head)."""
+    every micro-batch runs the target's forward; nothing stored. -> (Source, teacher head,
+    the capture's lock: held while torch.compile compiles, as train holds it)."""
     from drafter.capture import Capture
     d2t = torch.zeros(c.draft_vocab_size, dtype=torch.long)        # draft id j = target id j
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
@@ -340,7 +342,7 @@ def online_source(model, c: DrafterConfig, lengths: list[int], teacher: str, k: 
              "loss_mask": [0] * p + [1] * (n - p)}
             for n, p in zip(lengths, prompt_lengths(lengths, 0))]
     return batches.Source([f"{i:09d}" for i in range(len(rows))], lengths,
-                          lambda idx: cap([rows[j] for j in idx])), cap.head
+                          lambda idx: cap([rows[j] for j in idx])), cap.head, cap.lock
 
 
 def batch_stats(hb: dict) -> dict:
@@ -361,8 +363,10 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
     tc, cuda, fused, head = S["tc"], S["cuda"], S["fused"], S["head"]
     emb = S["drafter"].embed_tokens.weight
     online = target_model is not None
+    hold = contextlib.nullcontext()
     if online:
-        src, head = online_source(target_model, c, lengths, teacher, args.topk)
+        src, head, lock = online_source(target_model, c, lengths, teacher, args.topk)
+        hold = trainer.compiles_hold(lock)
     else:
         src = batches.Source.memory(chat_samples(c, lengths, teacher, args.topk, seed=0))
     mbs = batches.epoch_micro_batches(batches.pack(src.lengths, T, tc.seed), B, tc.seed, 0)
@@ -378,22 +382,23 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
         marks[0].record()
     t0, wall, stats, graphs_warm, waited = time.perf_counter(), [], [], None, 0.0
-    try:
-        for j in range(args.steps):
-            t_wait = time.perf_counter()
-            hb = feed.next()
-            waited += time.perf_counter() - t_wait
-            stats.append(hb.pop("stats"))
-            micro = iter([batches.device_batch(hb, dist.device, head, fused)])
-            trainer.train_step(S["model"], S["params"], S["opt"], micro, tc, dist, S["amp"])
-            if cuda:
-                marks[j + 1].record()  # no wait: the GPU stamps the end of each step
-            else:
-                wall.append(time.perf_counter() - t0)
-            if j + 1 == trainer.WARMUP_STEPS:
-                graphs_warm = trainer.compiled_graphs()
-    finally:
-        feed.close()
+    with hold:
+        try:
+            for j in range(args.steps):
+                t_wait = time.perf_counter()
+                hb = feed.next()
+                waited += time.perf_counter() - t_wait
+                stats.append(hb.pop("stats"))
+                micro = iter([batches.device_batch(hb, dist.device, head, fused)])
+                trainer.train_step(S["model"], S["params"], S["opt"], micro, tc, dist, S["amp"])
+                if cuda:
+                    marks[j + 1].record()  # no wait: the GPU stamps the end of each step
+                else:
+                    wall.append(time.perf_counter() - t0)
+                if j + 1 == trainer.WARMUP_STEPS:
+                    graphs_warm = trainer.compiled_graphs()
+        finally:
+            feed.close()
     trainer.sync_device(dist.device)
     if cuda:
         wall = [marks[0].elapsed_time(m) / 1e3 for m in marks[1:]]  # seconds since the start

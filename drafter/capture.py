@@ -211,8 +211,9 @@ class Capture:
         self.packed = packing == "packed" or (packing == "auto" and "flash" in attn)
         self.pad_id = 0
         self._head: Head | None = None
-        # online training captures on a prefetch thread while validation captures on the main one
-        self._lock = threading.Lock()
+        # online training captures on a prefetch thread while validation captures on the main
+        # one; training also holds it while torch.compile traces (trainer.compiles_hold)
+        self.lock = threading.RLock()
 
     # -- the head (draft-vocab rows of lm_head); a collective under tensor parallelism
     @property
@@ -292,7 +293,7 @@ class Capture:
             index = self._to_device(valid.reshape(-1).nonzero()[:, 0])          # [N]
         aux = torch.empty(n_tok, len(self.layer_ids), self.hidden_size, dtype=self.out_dtype,
                           device=self.device)                                   # [N, L, Ht]
-        with self._lock, self._hooks(aux, index):  # hooks on shared layers: one forward at once
+        with self.lock, self._hooks(aux, index):  # hooks on shared layers: one forward at once
             h = self.decoder(input_ids=batch, position_ids=pos, use_cache=False).last_hidden_state
         h = _full(h).reshape(-1, self.hidden_size).to(self.device)               # [B*S, Ht]
         if index is not None:

@@ -35,6 +35,37 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+@contextlib.contextmanager
+def compiles_hold(lock):
+    """Hold `lock` (online training: the capture's, taken around every target forward) while
+    torch.compile compiles, so that no target forward runs on the prefetch thread meanwhile.
+    Compilation traces with torch.fx tracers, which patch torch.nn.Module.__call__ for the whole
+    process while they run (inductor lowers FlexAttention's mask and score subgraphs with one);
+    a target layer called on another thread in that window goes through the patch and fails
+    with "NameError: module is not installed as a submodule" (seen once on the H200, in a
+    32,768-token run's warm-up). Dynamo's compile callbacks mark the span; without them (a torch
+    that lacks the module) this does nothing."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:  # pragma: no cover - every supported torch has it
+        yield
+        return
+
+    def start(*_):
+        lock.acquire()
+
+    def end(*_):
+        lock.release()
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+    try:
+        yield
+    finally:
+        callback_handler.remove_start_callback(start)
+        callback_handler.remove_end_callback(end)
+
+
 def pick_attention(tc, device) -> str:
     if tc.attention == "auto":
         return "flex" if device.type == "cuda" else "sdpa"

@@ -4,6 +4,7 @@ memory); then on SmolLM2 behind the real prepare/tokenize/vocab/extract steps: `
 2 gloo ranks × batch b == 1 rank × accumulation 2 (DDP and FSDP2), and offline == online."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -382,3 +383,55 @@ def test_prune_keeps_the_newest_and_the_best(tmp_path):
     assert sorted(p.name for p in run.step_dir("train").iterdir()) == \
         ["step_000002", "step_000004", "step_000005"]
     assert train.best_checkpoint(run).name == "step_000002"
+
+
+# ------------------------------------------- online: target forwards and torch.compile's tracers
+def _trace_while_a_module_runs(hold: bool) -> list:
+    """A torch.compile backend traces with torch.fx (as inductor's subgraph lowering does) and,
+    inside that trace, lets another thread run an nn.Linear (as online training's prefetch
+    thread runs the target) under `lock`, waiting for it at most 0.5 s. Returns what the
+    other thread's forward gave: a tensor, or the exception it raised."""
+    import threading
+
+    from drafter import trainer
+
+    lock, layer, out = threading.RLock(), torch.nn.Linear(4, 4), []
+    ran = threading.Event()
+
+    def forward():
+        try:
+            with lock, torch.no_grad():
+                out.append(layer(torch.ones(1, 4)))
+        except Exception as e:  # noqa: BLE001 - what the test looks at
+            out.append(e)
+        ran.set()
+
+    def traced(x):
+        t = threading.Thread(target=forward)
+        t.start()
+        ran.wait(0.5)  # with the hold, the forward waits for the lock: the trace goes on
+        return x + 1
+
+    def backend(gm, inputs):
+        torch.fx.symbolic_trace(traced)   # patches nn.Module.__call__ process-wide meanwhile
+        return gm.forward
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * 2, backend=backend)
+    with trainer.compiles_hold(lock) if hold else contextlib.nullcontext():
+        f(torch.ones(3))
+    assert ran.wait(5)
+    torch._dynamo.reset()
+    return out
+
+
+def test_a_module_called_during_an_fx_trace_fails_on_another_thread():
+    """Why compiles_hold exists: torch.fx's tracer patches nn.Module.__call__ for every thread."""
+    out = _trace_while_a_module_runs(hold=False)
+    assert isinstance(out[0], NameError) and "not installed as a submodule" in str(out[0])
+
+
+def test_compiles_hold_keeps_target_forwards_out_of_compiles():
+    """With the capture's lock held over every compile, the forward waits and then runs."""
+    out = _trace_while_a_module_runs(hold=True)
+    assert torch.is_tensor(out[0]) and out[0].shape == (1, 4)

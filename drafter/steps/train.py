@@ -52,8 +52,8 @@ from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_
     throughput
 from ..model import Drafter, DrafterConfig, param_count
 from ..rundir import JsonlAppender, Run, read_jsonl
-from ..trainer import WARMUP_STEPS, compiled_graphs, pick_attention, setup_model, \
-    sync_device, train_step
+from ..trainer import WARMUP_STEPS, compiled_graphs, compiles_hold, pick_attention, \
+    setup_model, sync_device, train_step
 
 log = logging.getLogger("drafter")
 
@@ -321,6 +321,7 @@ def _main(cfg, dist: Dist) -> dict:
             val_src = Source.offline(vr) if len(vr) else None
     embeddings = target.target_embeddings(cfg.target)  # from its files in both modes: the same table
     drafter = build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings)
-    out = fit(cfg, run, dist, drafter, train_src, val_src, head)
+    with compiles_hold(cap.lock) if tc.online else contextlib.nullcontext():
+        out = fit(cfg, run, dist, drafter, train_src, val_src, head)
     out["target"] = target.resolve(cfg.target.model)
     return out
