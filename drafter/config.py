@@ -129,6 +129,9 @@ class GenerateConfig:
     server: ServerConfig = doc(ServerConfig(), "the generation server")
     concurrency: int = doc(16, "requests in flight per server")
     temperature: float = doc(0.0, "sampling temperature")
+    extra_temperatures: list[float] = doc(
+        [], "answer every conversation again at each of these temperatures (id ID@tT): [0.8] "
+        "beside greedy answers trains on sampled contexts too (chain τ at T=1 1.77 -> 2.00)")
     top_p: float = doc(1.0, "nucleus sampling threshold")
     max_tokens: int = doc(512, "max new tokens per answer")
     seed: int = doc(0, "sampling seed sent with each request")
@@ -622,6 +625,13 @@ def check_values(cfg: Config, where: _Where | None = None) -> None:
     for f in ("concurrency", "max_tokens", "batch_size"):
         ge(f"generate.{f}", getattr(g, f), 1)
     ge("generate.temperature", g.temperature, 0)
+    for i, temp in enumerate(g.extra_temperatures):
+        ge(f"generate.extra_temperatures[{i}]", temp, 0)
+    temps = [g.temperature, *g.extra_temperatures]
+    if len({f"{t:g}" for t in temps}) != len(temps):
+        bad("generate.extra_temperatures", g.extra_temperatures,
+            f"must differ from each other and from generate.temperature ({g.temperature:g}): "
+            f"each temperature answers every conversation once")
     within("generate.top_p", g.top_p, 0, 1, lo_open=True)
     ge("generate.max_retries", g.max_retries, 0)
     ge("generate.retry_backoff", g.retry_backoff, 0)

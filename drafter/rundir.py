@@ -71,6 +71,7 @@ SECTIONS: dict[str, list[str]] = {
 # value that reproduces the behaviour from before it existed.
 NEUTRAL: dict[str, object] = {
     "generate.server.allow_remote": False,
+    "generate.extra_temperatures": [],
 }
 
 

@@ -478,6 +478,40 @@ def test_local_engine(tmp_path, smollm2_dir):
                                                               ["input_ids"])
 
 
+def test_extra_temperatures_answer_every_conversation_again(tmp_path, smollm2_dir):
+    """generate.extra_temperatures: each conversation is answered at generate.temperature under
+    its id and once more per extra temperature as ID@tT (same split, its temperature in meta),
+    in input order; a rerun with the copies done generates nothing; the greedy answers are the
+    ones a run without copies writes."""
+    records = [conv(0, "Say hi."), {**conv(1, "Name a color."), "split": "val"}]
+    kw = {"generate.server.engine": "local", "generate.max_tokens": 6,
+          "generate.batch_size": 4, "target.device": "cpu"}
+    cfg = make_run(tmp_path / "a", records, **kw, **{"generate.extra_temperatures": [1.5]})
+    m = pipeline.run_step(cfg, "generate")
+    out = output(cfg)
+    assert [r["id"] for r in out] == ["t:000", "t:000@t1.5", "t:001", "t:001@t1.5"]
+    assert [r["split"] for r in out] == ["train", "train", "val", "val"]
+    assert [r["meta"].get("generate_temperature") for r in out] == [None, 1.5, None, 1.5]
+    assert m["counts"]["input"] == m["counts"]["ok"] == 4
+    assert m["sampling"]["extra_temperatures"] == [1.5]
+    again = generate.main(cfg)
+    assert again["counts"]["generated"] == 0 and again["counts"]["ok"] == 4
+    plain = make_run(tmp_path / "b", records, **kw)
+    pipeline.run_step(plain, "generate")
+    greedy = {r["id"]: r["messages"] for r in output(plain)}
+    assert {r["id"]: r["messages"] for r in out if "@" not in r["id"]} == greedy
+    assert any(r["messages"] != greedy[r["id"].split("@")[0]] for r in out if "@" in r["id"])
+    # the body an HTTP engine gets carries the copy's temperature
+    g = plain.generate
+    assert generate.request_body(g, "m", [], 0)["temperature"] == g.temperature == 0.0
+    assert generate.request_body(g, "m", [], 0, temperature=1.5)["temperature"] == 1.5
+
+
+def test_extra_temperatures_must_differ(tmp_path):
+    with pytest.raises(C.ConfigError, match="extra_temperatures"):
+        make_run(tmp_path, [conv(0, "q")], **{"generate.extra_temperatures": [0.0]})
+
+
 def test_a_prompt_over_the_context_is_rejected_per_record(fake, tmp_path):
     """HTTP engines: a prompt whose rendered length + max_tokens exceeds the target's context
     (SmolLM2: 8192) is a permanent error of its record, counted as too_long and never sent, so

@@ -83,19 +83,23 @@ def test_new_fields_at_their_neutral_value_keep_fingerprints(tmp_path):
 
     from drafter.rundir import NEUTRAL, SECTIONS
 
-    for dotted, value in NEUTRAL.items():
-        section, *path = dotted.split(".")
-        step = next(s for s, secs in SECTIONS.items() if section in secs)
+    for dotted in NEUTRAL:
+        step = next(s for s, secs in SECTIONS.items() if dotted.split(".")[0] in secs)
         cfg = cfg_for(tmp_path)
         parts = {s: C.to_dict(getattr(cfg, s)) for s in SECTIONS[step]}
-        d = parts[section]
-        for key in path[:-1]:
-            d = d[key]
-        assert d[path[-1]] == value          # the default is the neutral value
-        del d[path[-1]]                      # the config as written before the field existed
+        for name, value in NEUTRAL.items():  # the config as written before these fields existed
+            section, *path = name.split(".")
+            if section not in parts:
+                continue
+            d = parts[section]
+            for key in path[:-1]:
+                d = d[key]
+            assert d[path[-1]] == value      # the default is the neutral value
+            del d[path[-1]]
         before = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
         assert pipeline.config_hash(cfg, step) == before
-        other = "true" if value is False else "1"
+        value = NEUTRAL[dotted]
+        other = "[0.5]" if isinstance(value, list) else "true" if value is False else "1"
         assert pipeline.config_hash(cfg_for(tmp_path, f"{dotted}={other}"), step) != before
 
 

@@ -13,6 +13,11 @@ as one) is answered in order with the regenerated history before it. Reasoning i
 off inline `<think>...</think>`), never inline, so that tokenize renders it through the chat
 template as the model produced it. `meta` records finish_reason and token usage per turn.
 
+Temperatures: every conversation is answered at generate.temperature under its own id, and once
+more at each generate.extra_temperatures entry T as a copy with id `ID@tT` (its temperature in
+meta.generate_temperature; the same split). Greedy answers alone give a drafter greedy contexts
+only; sampled copies beside them raised its T=1 acceptance (BENCHMARKS.md, issue 15).
+
 Engines: a server drafter starts (transformers, vllm, sglang: drafter/serve.py), external URLs
 (load-balanced), or `local` (in-process: drafter.engine.LocalGenerator, paged KV cache and
 continuous batching).
@@ -81,6 +86,10 @@ def request_seed(seed: int, conv_id: str, turn: int) -> int:
     return zlib.crc32(f"{seed}:{conv_id}:{turn}".encode()) & 0x7FFFFFFF
 
 
+# meta key of a copy's temperature (generate.extra_temperatures), in the input and output records
+TEMPERATURE_KEY = "generate_temperature"
+
+
 class _Conversation:
     """One conversation being regenerated: the system/user turns, the answers so far. A synthetic
     one (prepare: `synthetic` source) starts without user turns: the target writes each of its
@@ -89,6 +98,10 @@ class _Conversation:
     def __init__(self, rec: dict):
         self.rec = rec
         self.id = rec["id"]
+        # a copy for generate.extra_temperatures answers at its own temperature (None: the
+        # configured generate.temperature)
+        t = (rec.get("meta") or {}).get(TEMPERATURE_KEY)
+        self.temperature = None if t is None else float(t)
         msgs = rec.get("messages")
         if not isinstance(msgs, list):
             raise _Permanent("record has no messages list")
@@ -227,10 +240,12 @@ class _Sink:
 
 # ------------------------------------------------------------------------------ HTTP generation
 def request_body(g, model: str, messages: list[dict], seed: int,
-                 tools: list | None = None) -> dict:
-    """The chat completion request of one turn: sampling settings from the config."""
+                 tools: list | None = None, temperature: float | None = None) -> dict:
+    """The chat completion request of one turn: sampling settings from the config (the
+    temperature from a copy's own when given)."""
     body = {"model": model, "messages": messages, "max_tokens": g.max_tokens,
-            "temperature": g.temperature, "top_p": g.top_p, "seed": seed, "stream": False}
+            "temperature": g.temperature if temperature is None else temperature,
+            "top_p": g.top_p, "seed": seed, "stream": False}
     if tools:
         body["tools"] = tools
     if g.chat_template_kwargs:
@@ -299,7 +314,8 @@ async def _answer(conv: _Conversation, client, model: str, g, sink: _Sink,
             raise _Permanent("no user turn to answer")
         while not conv.done:
             body = request_body(g, model, conv.next_messages(),
-                                request_seed(g.seed, conv.id, conv.turn), conv.tools)
+                                request_seed(g.seed, conv.id, conv.turn), conv.tools,
+                                conv.temperature)
             why = fits(body["messages"], conv.tools) if fits is not None else None
             if why is not None:
                 raise _Permanent(why)
@@ -405,7 +421,8 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> None:
                                                    add_generation_prompt=True, tokenize=False,
                                                    **g.chat_template_kwargs)
                     ids, cap, temp = (tok(text, add_special_tokens=False)["input_ids"],
-                                      g.max_tokens, g.temperature)
+                                      g.max_tokens, g.temperature if conv.temperature is None
+                                      else conv.temperature)
                 prompts.append(ids)
                 caps.append(cap)
                 temps.append(temp)
@@ -467,13 +484,26 @@ def _input_ids(src: Path) -> list[str]:
     return ids
 
 
-def _iter_records(src: Path, wanted: set[str]) -> Iterator[dict]:
+def copies(g) -> list[tuple[str, float | None]]:
+    """(id suffix, temperature) of the answers every conversation gets: itself at
+    generate.temperature, then one copy per generate.extra_temperatures entry, ID@tT."""
+    return [("", None)] + [(f"@t{t:g}", float(t)) for t in g.extra_temperatures]
+
+
+def _iter_records(src: Path, wanted: set[str], versions=(("", None),)) -> Iterator[dict]:
+    """The input records whose ids (with a copy's suffix) are wanted; a copy carries its
+    temperature in meta (TEMPERATURE_KEY), which the output record keeps."""
     with open(src, "rb") as f:
         for line in f:
             if line.strip():
                 rec = json.loads(line)
-                if rec["id"] in wanted:
-                    yield rec
+                for suffix, temp in versions:
+                    if rec["id"] + suffix in wanted:
+                        if not suffix:
+                            yield rec
+                            continue
+                        meta = {**(rec.get("meta") or {}), TEMPERATURE_KEY: temp}
+                        yield {**rec, "id": rec["id"] + suffix, "meta": meta}
 
 
 def _scan_output(path: Path, repair: bool, bad: list | None = None
@@ -569,7 +599,8 @@ def main(cfg) -> dict:
                  "own answers", n)
         return {"counts": {"input": n, "ok": 0, "errors": 0, "skipped": n}, "enabled": False}
 
-    ids = _input_ids(src)
+    versions = copies(g)
+    ids = [rid + suffix for rid in _input_ids(src) for suffix, _ in versions]
     done = {r[0] for r in _scan_output(run.conversations("generate"), repair=True)}
     old_errors = _errors(run.generate_errors())
     final = {k for k, e in old_errors.items() if e.get("kind") == "permanent" and k not in done}
@@ -589,7 +620,7 @@ def main(cfg) -> dict:
     generated = 0
     completion_tokens = 0
     if pending:
-        records = _iter_records(src, pending)
+        records = _iter_records(src, pending, versions)
         if g.server.engine == "local":
             sink = _Sink(run, len(pending), model=cfg.target.model)
             try:
@@ -646,7 +677,7 @@ def main(cfg) -> dict:
         "errors_by_kind": kinds,
         **({"synthetic": synthetic_stats(run)} if synthetic else {}),
         "server": server,
-        "sampling": {"temperature": g.temperature, "top_p": g.top_p, "max_tokens": g.max_tokens,
-                     "seed": g.seed},
+        "sampling": {"temperature": g.temperature, "extra_temperatures": g.extra_temperatures,
+                     "top_p": g.top_p, "max_tokens": g.max_tokens, "seed": g.seed},
         "enabled": True,
     }
