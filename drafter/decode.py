@@ -148,6 +148,19 @@ class Decoder:
             self._allocated[id(proposer)] = (proposer, self.cap)
             self._reset_graphs()
 
+    @staticmethod
+    def _extra(proposer, tree) -> int:
+        """Slots a step may write past the sequence: the verified tree, the drafts' frontier."""
+        if proposer is None:
+            return 1
+        D, k, N = tree.depth, tree.topk, tree.nodes
+        return max(N + 1, (D - 1) * k, D + 1)
+
+    def _slots(self, Tp: int, max_new: int, proposer, tree) -> int:
+        """Cache slots a batch of prompts up to Tp tokens needs for max_new new tokens."""
+        D = tree.depth if proposer is not None else 0
+        return Tp + max_new + self._extra(proposer, tree) + D + 2
+
     def _reset_graphs(self):
         self.graphs.clear()
 
@@ -176,6 +189,13 @@ class Decoder:
         self.target.claim()
         self.last = {"seconds": 0.0, "capture_seconds": 0.0, "prefill_seconds": 0.0,
                      "iterations": 0}
+        # The caches for the longest prompt, before any batch is timed: grown batch by batch,
+        # each growth would reallocate them and recapture every graph inside `seconds` (at batch
+        # 1, a longer prompt every few prompts)
+        if prompts:
+            self._ensure(min(self.max_batch, len(prompts)),
+                         self._slots(max(len(p) for p in prompts), max_new_tokens, proposer,
+                                     tree), proposer)
         cap0 = self.graphs.capture_seconds
         outs: list[Output] = []
         for b0 in range(0, len(prompts), self.max_batch):
@@ -198,10 +218,9 @@ class Decoder:
         B, Tp = len(prompts), max(len(p) for p in prompts)
         dev = self.device
         spec = proposer is not None
-        D, k = (tree.depth, tree.topk) if spec else (0, 1)
-        N = tree.nodes if spec else 0
-        extra = max(N + 1, (D - 1) * k, D + 1) if spec else 1
-        self._ensure(B, Tp + max_new + extra + D + 2, proposer)
+        D = tree.depth if spec else 0
+        extra = self._extra(proposer, tree)
+        self._ensure(B, self._slots(Tp, max_new, proposer, tree), proposer)
         self.target.set_aux(proposer.aux_layer_ids if spec else None)
         Vd = proposer.vocab_size if spec else 0
         st = self._state(B, round_up(max_new + D + 2, 64), D, Vd, max(1, len(stop_ids)))

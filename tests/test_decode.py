@@ -292,6 +292,21 @@ def tiny_llama(tmp_path_factory):
             "ref": _ref(prompts, plain)}
 
 
+def test_caches_are_sized_for_the_longest_prompt_before_timing(tiny_llama):
+    """At batch 1 with prompts growing in length, the caches are allocated once, before the
+    first batch (each growth inside the timed loop reallocated them and recaptured every CUDA
+    graph, time that evaluate's step_ms counted: issue 16), and the tokens do not change."""
+    prompts = sorted(tiny_llama["prompts"], key=len)          # 9, 16, 23 tokens
+    dec = Decoder(tiny_llama["model"], max_batch=1, span_bucket=8)  # caps round up to 8 slots
+    calls = []
+    real = dec.target.allocate
+    dec.target.allocate = lambda *a: (calls.append(a), real(*a))[1]
+    out = dec.generate(prompts, MAX_NEW)
+    assert len(calls) == 1 and calls[0][0] == 1 and calls[0][1] >= 23 + MAX_NEW
+    by_prompt = {tuple(p): o.tokens for p, o in zip(tiny_llama["prompts"], tiny_llama["plain"])}
+    assert [o.tokens for o in out] == [by_prompt[tuple(p)][:MAX_NEW] for p in prompts]
+
+
 def test_oracle_and_wrong_drafters_on_a_tree(tiny_llama):
     t = dict(tiny_llama, plain=[type(o)(o.tokens[:MAX_NEW], "length", 0)
                                 for o in tiny_llama["plain"]])
