@@ -373,8 +373,9 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
     jobs = [mbs[j * dist.world + dist.rank] for j in range(args.steps)]
 
     def make(r):
+        t = time.perf_counter()
         hb = batches.host_batch(src, r, B, T, tc, emb)
-        return {**hb, "stats": batch_stats(hb)}
+        return {**hb, "stats": {**batch_stats(hb), "make_s": time.perf_counter() - t}}
 
     feed = batches.Prefetch(make, jobs, device=dist.device if online else None)
     if cuda:
@@ -382,9 +383,12 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
         marks[0].record()
     t0, wall, stats, graphs_warm, waited = time.perf_counter(), [], [], None, 0.0
+    prof = Profile(args.profile, f"{name}-{teacher}-{'online' if online else 'offline'}",
+                   start=min(30, args.steps // 2), steps=5)
     with hold:
         try:
             for j in range(args.steps):
+                prof.step(j)
                 t_wait = time.perf_counter()
                 hb = feed.next()
                 waited += time.perf_counter() - t_wait
@@ -399,6 +403,7 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
                     graphs_warm = trainer.compiled_graphs()
         finally:
             feed.close()
+            prof.close()
     trainer.sync_device(dist.device)
     if cuda:
         wall = [marks[0].elapsed_time(m) / 1e3 for m in marks[1:]]  # seconds since the start
@@ -418,7 +423,59 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
             # the training thread's seconds blocked on the next batch (the prefetch thread
             # behind: online, the target's forward and the batch's assembly)
             "feed_wait_s": waited, "run_s": time.perf_counter() - t0,
+            # the prefetch thread's seconds per batch (online: the target's forward included)
+            "make_ms": 1e3 * statistics.median(s["make_s"] for s in stats[len(stats) // 2:]),
             "graphs_after_warmup": graphs - graphs_warm if graphs_warm is not None else None}
+
+
+class Profile:
+    """--profile PREFIX: torch.profiler over `steps` train steps from step `start` of a --real
+    run: the training thread's CPU ops (the profiler sees the thread that starts it) and the GPU
+    kernels of every stream, so the prefetch thread's target forward shows on a stream of its
+    own beside the training step. PREFIX-NAME.txt gets the top ops by GPU and by CPU time,
+    PREFIX-NAME.json.gz the trace (chrome://tracing, Perfetto)."""
+
+    def __init__(self, prefix: str | None, name: str, start: int, steps: int):
+        self.prefix, self.name, self.start, self.end, self.prof = prefix, name, start, \
+            start + steps, None
+
+    def step(self, j: int) -> None:
+        if self.prefix is None:
+            return
+        if j == self.start:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+        elif j == self.end:
+            self.close()
+
+    def close(self) -> None:
+        if self.prof is None:
+            return
+        import gzip
+        import shutil
+
+        trainer.sync_device(torch.device("cuda") if torch.cuda.is_available()
+                            else torch.device("cpu"))
+        prof, self.prof = self.prof, None
+        prof.__exit__(None, None, None)
+        base = Path(f"{self.prefix}-{self.name}")
+        base.parent.mkdir(parents=True, exist_ok=True)
+        ka = prof.key_averages()
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        text = (f"{self.name}: steps {self.start}..{self.end - 1}\n"
+                + ka.table(sort_by=sort, row_limit=30)
+                + ka.table(sort_by="self_cpu_time_total", row_limit=30))
+        base.with_suffix(".txt").write_text(text)
+        raw = base.with_suffix(".json")
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        raw.unlink()
+        print(f"{self.name}: profile of steps {self.start}..{self.end - 1} in {base}.txt "
+              f"and {raw}.gz", flush=True)
 
 
 # ------------------------------------------------------------------------------- the anchor
@@ -497,7 +554,7 @@ def describe(r: dict) -> str:
                 f"(avg/steady {_f(r['avg_over_steady'], '.2f')}), {r['graphs']} graphs, "
                 f"{_f(r['graphs_after_warmup'], 'd')} after warm-up, rows "
                 f"{r['fill']:.0%} full, waited for batches {r['feed_wait_s']:.1f} of "
-                f"{r['run_s']:.1f} s")
+                f"{r['run_s']:.1f} s, {r['make_ms']:.0f} ms a batch on the prefetch thread")
     msg = (f"{r['tok_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step, "
            f"warm-up {r['warmup_s']:.1f}s")
     if r["check"] is not None:
@@ -536,6 +593,9 @@ def main(argv=None):
     p.add_argument("--measured-tflops", type=float, default=790.0,
                    help="measured matmul rate for the second MFU (H200 bf16)")
     p.add_argument("--peak-tflops-cpu", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile", metavar="PREFIX",
+                   help="--real: torch.profiler over 5 steady steps of each run: PREFIX-NAME.txt "
+                   "(top ops by GPU and CPU time) and PREFIX-NAME.json.gz (the trace)")
     p.add_argument("--switch-interval", type=float,
                    help="sys.setswitchinterval seconds (Python's default 0.005): how long a "
                    "thread keeps the GIL while the other waits (online: the prefetch thread "
