@@ -33,6 +33,14 @@
 #   lane n2: after the decode steps: storage, online against offline fp8 aux + top-k teacher
 #            (250 steps each, lr 1.2e-3: issue 15's +-1% question) -> batch 32,768 tokens
 #            (125 steps: the same 4M tokens as `trim`)
+#
+#   bash benchmarks/recipe_session.sh start-final  # what the third session left (not run yet);
+#     needs runs/scale only, and SpecForge on PYTHONPATH for the anchor (pip install --no-deps
+#     --target /tmp/sf .whl/specforge-*.whl; export PYTHONPATH=$PYTHONPATH:/tmp/sf)
+#   lane f1: alone on the GPU: online training profiled (issue 18: what holds the prefetch
+#            thread) -> the Llama-3.1-8B shape at seq 2048 and 4096 beside SpecForge
+#   lanes f2, f3 after f1: store-fp8 again (evaluate's tau against store-online's 1.594: issue
+#            15's +-1%) | batch 32,768 tokens, 125 steps (the run the compile race stopped)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -134,6 +142,27 @@ lane_n2() {
   mark lane_n2
 }
 
+lane_f1() {
+  local tt=benchmarks/train_throughput.py
+  step tt-online-profile $PY $tt --online --shape smollm2 --no-anchor --profile "$RES/prof"
+  step tt-llama8b-2048 $PY $tt --shape llama8b --seq 2048 --teacher topk,hidden
+  step tt-llama8b-4096 $PY $tt --shape llama8b --seq 4096 --teacher topk,hidden
+  mark lane_f1
+}
+
+lane_f2() {
+  await lane_f1
+  short store-fp8 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
+    extract.teacher=topk extract.preflight=warn
+  mark lane_f2
+}
+
+lane_f3() {
+  await lane_f1
+  short batch32k 125 train.batch_tokens=32768
+  mark lane_f3
+}
+
 collect() {
   collect_runs
   # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
@@ -159,7 +188,17 @@ case "${1:-}" in
       setsid bash "$0" "$l" < /dev/null > "$RES/$l.out" 2>&1 &
     done
     sleep 2; log "next lanes started" ;;
+  start-final)
+    [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
+    for l in lane_f1 lane_f2 lane_f3; do
+      setsid bash "$0" "$l" < /dev/null > "$RES/$l.out" 2>&1 &
+    done
+    sleep 2; log "final lanes started" ;;
   all) lane_b; lane_c; lane_a ;;   # in turn (CHECK=1 here)
+  all-final) lane_f1; lane_f2; lane_f3 ;;
+  lane_f1) lane_f1 ;;
+  lane_f2) lane_f2 ;;
+  lane_f3) lane_f3 ;;
   all-next) lane_n1; lane_n2 ;;
   lane_n1) lane_n1 ;;
   lane_n2) lane_n2 ;;
@@ -169,7 +208,8 @@ case "${1:-}" in
   wait)
     end=$(( $(date +%s) + ${2:-500} ))
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$RES/lane_a.done" ] \
-      && ! { [ -f "$RES/lane_n1.done" ] && [ -f "$RES/lane_n2.done" ]; }; do sleep 5; done
+      && ! { [ -f "$RES/lane_n1.done" ] && [ -f "$RES/lane_n2.done" ]; } \
+      && ! { [ -f "$RES/lane_f2.done" ] && [ -f "$RES/lane_f3.done" ]; }; do sleep 5; done
     collect; tail -n 40 "$RES/phases.log"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   collect) collect ;;
