@@ -194,6 +194,11 @@ def data_counts(cfg, run: Run) -> dict:
         n, val = st["samples"], round(st["samples"] * cfg.prepare.val_fraction)
         samples_src = "measured (sources, before dedup)"
 
+    # generate.extra_temperatures: every conversation answered once more per extra temperature
+    copies = 1 + len(g.extra_temperatures) if g.enabled else 1
+    if copies > 1 and not (where and "generate" in where):  # generate's output has them already
+        n, val = n * copies, val * copies
+        samples_src += f" x {copies} (generate.extra_temperatures)"
     turns = st["user_turns"] / max(st["samples"], 1) if st else 1.0
     if p.answer_tokens_per_sample is not None:
         answer, answer_src = float(p.answer_tokens_per_sample), "config (plan.answer_tokens_per_sample)"

@@ -206,3 +206,22 @@ def test_no_data_and_remote_sources_is_a_clear_error(tmp_path):
                         "prepare.sources=[{path: some-org/some-dataset}]"])
     with pytest.raises(PlanError, match="plan.samples"):
         P.make_plan(cfg)
+
+
+def test_extra_temperatures_multiply_the_conversations(tmp_path):
+    """generate.extra_temperatures answers every conversation once more per entry: the plan
+    counts the copies (from plan.samples here; from prepare's output or the sources alike)."""
+    from drafter.counts import data_counts
+
+    def counts(*over):
+        cfg = C.load(KIMI_YAML, [f"run_dir={tmp_path / 'run'}", *over])
+        return data_counts(cfg, Run.of(cfg))
+
+    one, two = counts(), counts("generate.extra_temperatures=[0.8]")
+    assert two["samples"] == 2 * one["samples"] == 20_000
+    assert two["val"]["samples"] == 2 * one["val"]["samples"]
+    assert two["tokens"] == 2 * one["tokens"]
+    assert two["generated_tokens"] == 2 * one["generated_tokens"]
+    assert "x 2 (generate.extra_temperatures)" in two["source"]
+    off = counts("generate.extra_temperatures=[0.8]", "generate.enabled=false")
+    assert off["samples"] == one["samples"]
