@@ -91,6 +91,58 @@ def ops_rows(model, P, prompt, k: int, tree: TreeSpec, row) -> None:
     row(f"aten ops per step: {tree.label()}, T=0", round(per_step(proposer=P, tree=tree)), "ops")
 
 
+def phase_profile(model, P, prompts, tree: TreeSpec, steps: int = 16) -> str:
+    """Where a speculative step's time goes: the step run eagerly (graphs off: the same kernels,
+    launched one by one) under torch.profiler, its parts marked with record_function (the
+    drafter forwards, the tree's construction around them, the verification forward, the
+    acceptance, the drafter's re-read of the committed tokens, the commit). Returns a table of
+    GPU and CPU milliseconds per step by part, then the top kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from drafter import decode
+
+    dec = Decoder(model, max_batch=len(prompts), cuda_graphs=False)
+    dec.generate(prompts, 8, proposer=P, tree=tree)                       # warm-up
+    parts = [(decode, "build_tree", "draft: build_tree (with its drafter forwards)"),
+             (P, "score", "draft: drafter forward"),
+             (dec.target, "forward", "verify: target forward"),
+             (decode, "verify_greedy", "accept"), (decode, "verify_chain_sample", "accept"),
+             (P, "observe", "observe: drafter re-reads the committed tokens"),
+             (dec, "_commit", "commit")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in parts]
+
+    def marked(fn, label):
+        def run(*args, **kw):
+            with record_function(label):
+                return fn(*args, **kw)
+        return run
+
+    for (obj, name, fn), (_, _, label) in zip(saved, parts):
+        setattr(obj, name, marked(fn, label))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                     else [])
+    try:
+        with profile(activities=acts) as prof:
+            with record_function("step (all)"):
+                dec.generate(prompts, steps, proposer=P, tree=tree)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    n = max(dec.last["iterations"], 1)
+    ka = prof.key_averages()
+    labels = ["step (all)"] + [label for _, _, label in parts]
+    lines = [f"{tree.label()}, batch {len(prompts)}: ms per step over {n} eager steps "
+             f"(prefill included in 'step (all)')",
+             "| part | GPU ms | CPU ms |", "|---|---:|---:|"]
+    for e in sorted((e for e in ka if e.key in labels), key=lambda e: labels.index(e.key)):
+        gpu = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))
+        lines.append(f"| {e.key} | {gpu / 1e3 / n:.3f} | {e.cpu_time_total / 1e3 / n:.3f} |")
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return "\n".join(lines) + "\n" + ka.table(sort_by=sort, row_limit=15)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", default="builtin:smollm2-135m-instruct")
@@ -101,7 +153,9 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=5, help="chain length K")
     ap.add_argument("--tree", default="6,8,48", help="depth,topk,tokens")
     ap.add_argument("--batches", default="1", help="rows decoded together, e.g. 1,64")
-    ap.add_argument("--profile", action="store_true", help="top CUDA kernels of a chain step")
+    ap.add_argument("--profile", action="store_true",
+                    help="top CUDA kernels of a chain step (graphs on), and per batch size the "
+                    "chain's and the tree's time by part (eager steps, record_function ranges)")
     ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs")
     ap.add_argument("--ops", action="store_true",
                     help="aten ops per step (plain, greedy chain: general tree step and its "
@@ -168,6 +222,8 @@ def main(argv=None) -> int:
                 print(f"-- chain step, batch {B}: top kernels over "
                       f"{dec.last['iterations']} steps")
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+            if a.profile:
+                print(phase_profile(model, P, prompts, tree))
         del dec
 
     if a.ops:

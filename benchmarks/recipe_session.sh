@@ -38,7 +38,8 @@
 #     needs runs/scale only, and SpecForge on PYTHONPATH for the anchor (pip install --no-deps
 #     --target /tmp/sf .whl/specforge-*.whl; export PYTHONPATH=$PYTHONPATH:/tmp/sf)
 #   lane f1: alone on the GPU: online training profiled (issue 18: what holds the prefetch
-#            thread) -> the Llama-3.1-8B shape at seq 2048 and 4096 beside SpecForge
+#            thread) -> the decode steps' time by part (issue 16: the tree step's overhead)
+#            -> the Llama-3.1-8B shape at seq 2048 and 4096 beside SpecForge
 #   lanes f2, f3 after f1: store-fp8 again (evaluate's tau against store-online's 1.594: issue
 #            15's +-1%) | batch 32,768 tokens, 125 steps (the run the compile race stopped)
 set -uo pipefail
@@ -145,6 +146,7 @@ lane_n2() {
 lane_f1() {
   local tt=benchmarks/train_throughput.py
   step tt-online-profile $PY $tt --online --shape smollm2 --no-anchor --profile "$RES/prof"
+  step decode-profile $PY benchmarks/decode_speed.py --batches 1,64 --profile   # issue 16: tree
   step tt-llama8b-2048 $PY $tt --shape llama8b --seq 2048 --teacher topk,hidden
   step tt-llama8b-4096 $PY $tt --shape llama8b --seq 4096 --teacher topk,hidden
   mark lane_f1
