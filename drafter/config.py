@@ -131,7 +131,7 @@ class GenerateConfig:
     temperature: float = doc(0.0, "sampling temperature")
     extra_temperatures: list[float] = doc(
         [], "answer every conversation again at each of these temperatures (id ID@tT): [0.8] "
-        "beside greedy answers trains on sampled contexts too (chain τ at T=1 1.77 -> 2.00)")
+        "beside greedy answers trains on sampled contexts too (docs/generate.md)")
     top_p: float = doc(1.0, "nucleus sampling threshold")
     max_tokens: int = doc(512, "max new tokens per answer")
     seed: int = doc(0, "sampling seed sent with each request")

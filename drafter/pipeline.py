@@ -534,10 +534,10 @@ def wait_gpu_released(baseline: list, timeout: float, what: str = "the next step
 
     A process that appeared since the baseline is a leftover when its session is one drafter
     started a server in, or drafter's own (`started`: supervisor.STARTED_SESSIONS and this
-    process's session; a server's workers keep its session when it dies first). Another new holder is someone else's job (a second run on the
-    same GPU): it is named in a warning and its memory is not counted, when NVML says how much
-    it holds and its session can be read; otherwise (containers, MIG, another PID namespace) it
-    is waited for like a leftover."""
+    process's session; a server's workers keep its session when it dies first). Another new
+    holder is someone else's job (a second run on the same GPU): it is named in a warning and
+    its memory is not counted, when NVML says how much it holds and its session can be read;
+    otherwise (containers, MIG, another PID namespace) it is waited for like a leftover."""
     from . import gpu
     from .supervisor import STARTED_SESSIONS
 

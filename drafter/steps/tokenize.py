@@ -30,12 +30,13 @@ conversations with an answer that generate cut at generate.max_tokens (meta.fini
 
 Repetition loops. A small target decoding greedily often ends an answer in a loop that repeats
 to max_tokens (SmolLM2 on the scale run's data: 42% of its answers reach max_tokens, and the cut
-below removes 28% of the tokens). With tokenize.max_loop_tokens = M, a conversation is cut inside an
-answer at the token where M + 1 of that answer's tokens have closed a LOOP_NGRAM-token window
-seen tokenize.loop_copies - 1 times before in it, i.e. (default 3) from a passage's third copy
-on: a passage said twice (code restated after a fix) is not a loop. The loop's first M such tokens stay (the
-drafter still learns to follow a loop, which the target also does at serving time), the rest of
-the loop and the turns after it go (counted: loop_trimmed conversations, loop_trimmed_tokens).
+below removes 28% of the tokens). With tokenize.max_loop_tokens = M, a conversation is cut
+inside an answer at the token where M + 1 of that answer's tokens have closed a
+LOOP_NGRAM-token window seen tokenize.loop_copies - 1 times before in it, i.e. (default 3)
+from a passage's third copy on: a passage said twice (code restated after a fix) is not a
+loop. The loop's first M such tokens stay (the drafter still learns to follow a loop, which
+the target also does at serving time), the rest of the loop and the turns after it go
+(counted: loop_trimmed conversations, loop_trimmed_tokens).
 """
 from __future__ import annotations
 
@@ -400,11 +401,17 @@ def _init_worker(cfg) -> None:
     _W["cfg"] = cfg
 
 
+def _options(tc) -> dict:
+    """process()'s settings from the tokenize config (workers and the main process alike)."""
+    return {"max_length": tc.max_length, "overflow": tc.overflow,
+            "drop_truncated": tc.drop_truncated, "max_loop_tokens": tc.max_loop_tokens,
+            "loop_copies": tc.loop_copies}
+
+
 def _work(args):
     lines, file = args
     tc = _W["cfg"].tokenize
-    return process(_W["r"], lines, file, tc.max_length, tc.overflow, tc.drop_truncated,
-                   tc.max_loop_tokens, tc.loop_copies)
+    return process(_W["r"], lines, file, **_options(tc))
 
 
 def _ordered(pool, tasks, window: int):
@@ -452,8 +459,7 @@ def main(cfg) -> dict:
             stack.callback(_W.clear)
             results = _ordered(pool, chunks, 2 * workers)
         else:
-            results = (process(renderer, c, f, tc.max_length, tc.overflow, tc.drop_truncated,
-                               tc.max_loop_tokens, tc.loop_copies) for c, f in chunks)
+            results = (process(renderer, c, f, **_options(tc)) for c, f in chunks)
         for rows, c, sk in results:
             for split, rid, ids, mask in rows:
                 writers[split].write(rid, ids, mask)
