@@ -384,7 +384,7 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
         marks[0].record()
     t0, wall, stats, graphs_warm, waited = time.perf_counter(), [], [], None, 0.0
     prof = Profile(args.profile, f"{name}-{teacher}-{'online' if online else 'offline'}",
-                   start=min(30, args.steps // 2), steps=5)
+                   start=min(30, args.steps // 2), steps=5, device=dist.device)
     with hold:
         try:
             for j in range(args.steps):
@@ -435,47 +435,38 @@ class Profile:
     own beside the training step. PREFIX-NAME.txt gets the top ops by GPU and by CPU time,
     PREFIX-NAME.json.gz the trace (chrome://tracing, Perfetto)."""
 
-    def __init__(self, prefix: str | None, name: str, start: int, steps: int):
-        self.prefix, self.name, self.start, self.end, self.prof = prefix, name, start, \
-            start + steps, None
+    def __init__(self, prefix: str | None, name: str, start: int, steps: int, device):
+        self.prefix, self.name, self.device = prefix, name, device
+        self.start, self.end, self.prof = start, start + steps, None
 
     def step(self, j: int) -> None:
         if self.prefix is None:
             return
         if j == self.start:
             acts = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
+            if self.device.type == "cuda":
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=acts)
-            self.prof.__enter__()
+            self.prof.start()
         elif j == self.end:
             self.close()
 
     def close(self) -> None:
         if self.prof is None:
             return
-        import gzip
-        import shutil
-
-        trainer.sync_device(torch.device("cuda") if torch.cuda.is_available()
-                            else torch.device("cpu"))
+        trainer.sync_device(self.device)
         prof, self.prof = self.prof, None
-        prof.__exit__(None, None, None)
-        base = Path(f"{self.prefix}-{self.name}")
-        base.parent.mkdir(parents=True, exist_ok=True)
+        prof.stop()
+        base = f"{self.prefix}-{self.name}"
+        Path(base).parent.mkdir(parents=True, exist_ok=True)
         ka = prof.key_averages()
-        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        text = (f"{self.name}: steps {self.start}..{self.end - 1}\n"
-                + ka.table(sort_by=sort, row_limit=30)
-                + ka.table(sort_by="self_cpu_time_total", row_limit=30))
-        base.with_suffix(".txt").write_text(text)
-        raw = base.with_suffix(".json")
-        prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb") as g:
-            shutil.copyfileobj(f, g)
-        raw.unlink()
-        print(f"{self.name}: profile of steps {self.start}..{self.end - 1} in {base}.txt "
-              f"and {raw}.gz", flush=True)
+        sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        Path(f"{base}.txt").write_text(f"{self.name}: steps {self.start}..{self.end - 1}\n"
+                                       + ka.table(sort_by=sort, row_limit=30)
+                                       + ka.table(sort_by="self_cpu_time_total", row_limit=30))
+        prof.export_chrome_trace(f"{base}.json.gz")
+        print(f"{self.name}: profile of steps {self.start}..{self.end - 1} in {base}.txt and "
+              f"{base}.json.gz", flush=True)
 
 
 # ------------------------------------------------------------------------------- the anchor
