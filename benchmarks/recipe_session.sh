@@ -39,9 +39,11 @@
 #     --target /tmp/sf .whl/specforge-*.whl; export PYTHONPATH=$PYTHONPATH:/tmp/sf)
 #   lane f1: alone on the GPU: online training profiled (issue 18: what holds the prefetch
 #            thread) -> the decode steps' time by part (issue 16: the tree step's overhead)
-#            -> the Llama-3.1-8B shape at seq 2048 and 4096 beside SpecForge
 #   lanes f2, f3 after f1: store-fp8 again (evaluate's tau against store-online's 1.594: issue
-#            15's +-1%) | batch 32,768 tokens, 125 steps (the run the compile race stopped)
+#            15's +-1%) | batch 32,768 tokens, 125 steps (the run the compile race stopped);
+#            then, alone, store-fp8's drafter (tau ~1.6) at batch 1 and 64 (issue 16's
+#            reference-drafter speedups)
+#   (the Llama-3.1-8B shape needs no model: a call of its own, BENCHMARKS.md gives it)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -125,9 +127,14 @@ lane_n1() {
 
 speed() {  # speed BATCH N1 N2 N3: the mixed drafter's speedup alone on the GPU (issue 16),
   # chain and tree at T=0 on the first N prompts of each eval set, decoded BATCH at a time
-  [ -n "${CHECK:-}" ] || [ -d runs/mixed/export/native ] || { log "speed-b$1: no export"; return; }
-  step "speed-b$1" $DRAFTER evaluate configs/scale-smollm2-mixed.yaml "run_dir=runs/speed-b$1" \
-    evaluate.drafter=runs/mixed/export/native "evaluate.batch_size=$1" \
+  speed_of speed mixed configs/scale-smollm2-mixed.yaml "$@"
+}
+
+speed_of() {  # speed_of PREFIX RUN CONFIG BATCH N1 N2 N3: runs/RUN's exported drafter, alone
+  local prefix=$1 run=$2 cfg=$3; shift 3
+  [ -n "${CHECK:-}" ] || [ -d "runs/$run/export/native" ] || { log "$prefix-b$1: no export"; return; }
+  step "$prefix-b$1" $DRAFTER evaluate "$cfg" "run_dir=runs/$prefix-b$1" \
+    "evaluate.drafter=runs/$run/export/native" "evaluate.batch_size=$1" \
     "evaluate.methods=[chain,tree]" "evaluate.temperatures=[0.0]" \
     "evaluate.datasets[0].max_prompts=$2" "evaluate.datasets[1].max_prompts=$3" \
     "evaluate.datasets[2].max_prompts=$4"
@@ -147,8 +154,6 @@ lane_f1() {
   local tt=benchmarks/train_throughput.py
   step tt-online-profile $PY $tt --online --shape smollm2 --no-anchor --profile "$RES/prof"
   step decode-profile $PY benchmarks/decode_speed.py --batches 1,64 --profile   # issue 16: tree
-  step tt-llama8b-2048 $PY $tt --shape llama8b --seq 2048 --teacher topk,hidden
-  step tt-llama8b-4096 $PY $tt --shape llama8b --seq 4096 --teacher topk,hidden
   mark lane_f1
 }
 
@@ -156,6 +161,9 @@ lane_f2() {
   await lane_f1
   short store-fp8 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
     extract.teacher=topk extract.preflight=warn
+  await lane_f3
+  # issue 16's reference-drafter goals (tau ~1.7, weights not kept): this tau ~1.6 drafter alone
+  speed_of ref store-fp8 $CFG 1 10 10 10; speed_of ref store-fp8 $CFG 64 22 21 21
   mark lane_f2
 }
 
