@@ -152,7 +152,8 @@ lane_n2() {
 
 lane_f1() {
   local tt=benchmarks/train_throughput.py
-  step tt-online-profile $PY $tt --online --shape smollm2 --no-anchor --profile "$RES/prof"
+  [ "${PROFILE_ONLINE:-1}" = 0 ] ||   # PROFILE_ONLINE=0: already profiled (a second machine)
+    step tt-online-profile $PY $tt --online --shape smollm2 --no-anchor --profile "$RES/prof"
   step decode-profile $PY benchmarks/decode_speed.py --batches 1,64 --profile   # issue 16: tree
   mark lane_f1
 }

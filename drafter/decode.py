@@ -39,6 +39,7 @@ drafting half (tree building, verification, `DraftModel`, `EagleDraft`) lives in
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ from .tree import (DecodeError, DraftModel, EagleDraft, TreeSpec,  # noqa: F401
                    verify_sample)
 
 log = logging.getLogger("drafter")
-
+_ALLOC_SERIAL = itertools.count(1)  # each proposer allocation's number (Decoder._ensure)
 
 
 # ------------------------------------------------------------------------------- the decoder
@@ -125,8 +126,9 @@ class Decoder:
         self.span_bucket, self.prefill_tokens = span_bucket, prefill_tokens
         self.cap = (0, 0)
         self._states: dict = {}
-        self._allocated: dict[int, tuple] = {}   # id -> (proposer, capacity): holds a reference,
-        self.last: dict = {}                      # so that an id (a graph key) is never reused
+        self._allocated: dict[int, tuple] = {}   # id -> (proposer, capacity, serial): holds a
+        # reference, so that an id (a graph key) is never reused
+        self.last: dict = {}
 
     @property
     def device(self):
@@ -139,13 +141,19 @@ class Decoder:
             self._reset_graphs()
             self.target.allocate(*cap)
             self.cap, self._allocated = cap, {}
-        if proposer is not None and self._allocated.get(id(proposer), (None, None))[1] != self.cap:
+        # A proposer shared by two Decoders (evaluate's and a benchmark's) is reallocated by the
+        # other one: its serial tells, and this Decoder's graphs, captured on the old buffers,
+        # go with them
+        seen = self._allocated.get(id(proposer), (None, None, None))
+        if proposer is not None and (seen[1] != self.cap
+                                     or seen[2] != getattr(proposer, "_alloc_serial", None)):
             try:
                 proposer.allocate(*self.cap, self.device, self.target.dtype)
             except torch.cuda.OutOfMemoryError as e:
                 raise DecodeError(f"drafter cache for {self.cap[0]} rows x {self.cap[1]} slots "
                                   f"does not fit: lower the batch size ({e})") from None
-            self._allocated[id(proposer)] = (proposer, self.cap)
+            proposer._alloc_serial = serial = next(_ALLOC_SERIAL)
+            self._allocated[id(proposer)] = (proposer, self.cap, serial)
             self._reset_graphs()
 
     @staticmethod

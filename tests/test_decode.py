@@ -462,3 +462,23 @@ def test_gqa_sdpa_equals_transformers_sdpa():
     out, _ = _gqa_sdpa(mod, q, k, v, mask, scaling=0.3)
     assert out.shape == (B, T, nh, hd)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_proposer_shared_by_two_decoders_is_reallocated_for_each(tiny_llama):
+    """One drafter behind two Decoders (evaluate's and a benchmark's): the second one's smaller
+    caches replaced the drafter's, and the first Decoder, which still believed them its own,
+    failed on a tree step ("expanded size 512 must match 256", decode_speed --profile on the
+    H200), or with CUDA graphs would have replayed onto freed buffers. Each Decoder now
+    reallocates the drafter when another one did, and the tokens stay the plain ones."""
+    t = tiny_llama
+    cfg = t["model"].config
+    P = EagleDraft(_tiny_drafter(cfg, Vd=cfg.vocab_size))
+    tree = TreeSpec(3, 2, 5)
+    big = Decoder(t["model"], max_batch=3, span_bucket=8)
+    small = Decoder(t["model"], max_batch=1, span_bucket=8)
+    big.generate(t["prompts"], 3 * MAX_NEW, proposer=P, tree=tree)
+    small.generate(t["prompts"][1:2], 2, proposer=P, tree=tree)   # 9 tokens: fewer slots, 1 row
+    assert P.kc.shape[0] == 1
+    outs = big.generate(t["prompts"], 3 * MAX_NEW, proposer=P, tree=tree)
+    assert P.kc.shape[0] == 3 and P.kc.shape[2] == big.cap[1]
+    assert [o.tokens for o in outs] == [o.tokens for o in t["plain"]]
