@@ -46,6 +46,22 @@ def tiny_target(out: Path) -> str:
     return str(out)
 
 
+def random_smollm2(out: Path) -> str:
+    """SmolLM2-135M-Instruct's shape (its config.json's sizes) with random weights and no
+    tokenizer: step times need no trained weights, so a machine without the model files (the
+    GGUF) measures them too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5,
+                      rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    return str(out)
+
+
 def random_drafter(config, draft_vocab: int):
     from drafter.model import Drafter, DrafterConfig
     from drafter.target import default_layer_ids, num_layers
@@ -148,6 +164,9 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default="builtin:smollm2-135m-instruct")
     ap.add_argument("--drafter", help="drafter dir (checkpoint, native or speculators)")
     ap.add_argument("--tiny", action="store_true", help="tiny random target, small sizes (CPU)")
+    ap.add_argument("--random-target", action="store_true",
+                    help="SmolLM2-135M's shape with random weights instead of --target (no model "
+                    "files needed; the step times are the real model's, tau is not)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=5, help="chain length K")
@@ -167,6 +186,9 @@ def main(argv=None) -> int:
         tmp = tempfile.TemporaryDirectory()
         a.target = tiny_target(Path(tmp.name) / "tiny")
         a.prompt_tokens, a.new_tokens = 16, 8
+    elif a.random_target:
+        tmp = tempfile.TemporaryDirectory()
+        a.target = random_smollm2(Path(tmp.name) / "smollm2-random")
     depth, topk, tokens = (int(x) for x in a.tree.split(","))
     graphs = not a.no_graphs
 

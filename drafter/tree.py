@@ -89,32 +89,34 @@ def build_tree(root_logits: Tensor, scorer, spec: TreeSpec, temperature: float) 
     if k > Vd:
         raise DecodeError(f"tree topk {k} exceeds the draft vocab ({Vd})")
 
-    def dist_of(logits):
-        return F.log_softmax(logits.float() / (temperature if sample else 1.0), dim=-1)
+    def expand(logits):  # [..., Vd] -> children's ids, log-probs [..., k]; the log-probs
+        if sample:           # [..., Vd] they are drawn from (sampling only)
+            lq = F.log_softmax(logits.float() / temperature, dim=-1)
+            return (lq + _gumbel_like(lq)).topk(k, dim=-1).indices, \
+                lq.topk(k, dim=-1).values, lq
+        # Greedy: the k largest logits are the k largest log-probs, so topk reads the logits in
+        # their own dtype (bf16: half the bytes, half the radix passes of the fp32 log-probs;
+        # topk was a tenth of the tree step at batch 64 on the H200), and log_softmax reads them
+        # once more, in float32 inside the kernel (no float32 copy first)
+        ids = logits.topk(k, dim=-1).indices
+        return ids, F.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, ids), None
 
-    def children(logq):                                  # [..., Vd] -> ids, scores [..., k]
-        top = logq.topk(k, dim=-1)
-        if not sample:
-            return top.indices, top.values
-        return (logq + _gumbel_like(logq)).topk(k, dim=-1).indices, top.values
-
-    lq = dist_of(root_logits)                                                       # [B, Vd]
-    ids, sc = children(lq)                                                          # [B, k]
+    ids, sc, lq = expand(root_logits)                                               # [B, k]
     c_ids, c_sc, c_par = [ids], [sc], [torch.full_like(ids, -1)]
-    logqs = [lq[:, None]]
+    logqs = [lq[:, None]] if sample else []
     f_ids, f_sc, f_par = ids, sc, torch.zeros_like(ids)
     f_cand = torch.arange(k, device=dev).expand(B, k)
     fronts, offset = [], k
     for i in range(1, D):
         fronts.append(f_cand)
-        lq = dist_of(scorer(i, f_ids, f_par))                                       # [B, k, Vd]
-        cid, csc = children(lq)                                                     # [B, k, k]
+        cid, csc, lq = expand(scorer(i, f_ids, f_par))                     # [B, k, k]; [B, k, Vd]
         tot = (f_sc[:, :, None] + csc).flatten(1)                                   # [B, k·k]
         cid = cid.flatten(1)
         c_ids.append(cid)
         c_sc.append(tot)
         c_par.append(f_cand[:, :, None].expand(B, k, k).flatten(1))
-        logqs.append(lq)
+        if sample:
+            logqs.append(lq)
         if i < D - 1:
             top = tot.topk(k, dim=-1)
             f_par = top.indices // k
