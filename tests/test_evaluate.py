@@ -123,6 +123,12 @@ def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
             assert d["drafted"] == d["steps"] * (r.get("k") or r["tokens"])
             assert d["lossless"]["mismatch"] == 0 and d["lossless"]["compared"] == d["prompts"]
             assert d["tokens_per_s"] > 0 and d["plain_tokens_per_s"] > 0 and d["speedup"] > 0
+            # a step's own time leaves the prefills out; the end-to-end figures keep them
+            assert 0 < d["prefill_seconds"] < d["seconds"]
+            assert d["decode_step_ms"] == pytest.approx(
+                1000 * (d["seconds"] - d["prefill_seconds"]) / d["iterations"],
+                abs=0.1 / d["iterations"] + 1e-3)   # both seconds rounded to 1e-4
+            assert d["decode_step_ms"] < d["step_ms"] and d["plain_decode_step_ms"] > 0
         assert r["timing"]["verify_ms"] > 0 and 0 < r["timing"]["c"]
         ov = r["datasets"]["overall"]
         assert ov["prompts"] == 4
@@ -140,7 +146,7 @@ def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
     report = run.eval_report().read_text()
     assert "## Serving setting" in report and "**(best)**" in report
     assert "Lossless: PASS" in report and "| drafter: tree depth=2 topk=2 tokens=3, T=0 |" in report
-    assert "baseline: chain K=2, T=0" in report
+    assert "baseline: chain K=2, T=0" in report and "| decode ms | plain decode ms |" in report
     for name in ("acceptance", "tau"):
         assert run.eval_plot(name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -164,10 +164,11 @@ class _Prompts:
 def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tree=None,
             desc: str = ""):
     """Decode every round (building later rounds from these answers when `rounds` is None).
-    Returns ([(record, round, Output)], seconds, iterations)."""
+    Returns ([(record, round, Output)], seconds, iterations, prefill seconds): seconds include
+    the prefills (the tokens/s a user waits for), iterations are decode steps only."""
     from tqdm import tqdm
 
-    outs, seconds, iters = [], 0.0, 0
+    outs, seconds, iters, prefill = [], 0.0, 0, 0.0
     answers: dict[int, list[str]] = {}
     r = 0
     bar = tqdm(total=sum(prompts.n_turns(rec) for rec in prompts.records), desc=desc,
@@ -183,6 +184,7 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
                            progress=bar)
         seconds += dec.last["seconds"]
         iters += dec.last["iterations"]
+        prefill += dec.last["prefill_seconds"]
         for (i, _), o in zip(batch, res):
             outs.append((i, r, o))
             text = prompts.tok.decode(o.tokens, skip_special_tokens=True)
@@ -191,7 +193,7 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
         if rounds is not None and r >= len(rounds):
             break
     bar.close()
-    return outs, seconds, iters
+    return outs, seconds, iters, prefill
 
 
 def _pass(run: Run, key: str, prompts: _Prompts, fn):
@@ -209,13 +211,14 @@ def _pass(run: Run, key: str, prompts: _Prompts, fn):
                 prompts.rounds[:] = [[(i, ids) for i, ids in b] for b in d["rounds"]]
                 prompts.truncated = d["truncated"]
             log.info("evaluate: %s: kept from the interrupted run", key)
-            return [(i, r, Output(**o)) for i, r, o in d["outs"]], d["seconds"], d["iterations"]
+            return [(i, r, Output(**o)) for i, r, o in d["outs"]], d["seconds"], \
+                d["iterations"], d.get("prefill_seconds")  # absent in older passes
     built = not prompts.rounds
-    outs, secs, it = fn()
-    atomic_json(p, {"key": key, "seconds": secs, "iterations": it,
+    outs, secs, it, pre = fn()
+    atomic_json(p, {"key": key, "seconds": secs, "iterations": it, "prefill_seconds": pre,
                     "rounds": prompts.rounds if built else None, "truncated": prompts.truncated,
                     "outs": [(i, r, dataclasses.asdict(o)) for i, r, o in outs]})
-    return outs, secs, it
+    return outs, secs, it, pre
 
 
 def compare(plain, spec, tol: float) -> tuple[str, dict | None]:
@@ -237,10 +240,17 @@ def compare(plain, spec, tol: float) -> tuple[str, dict | None]:
 
 
 # -------------------------------------------------------------------------------------- metrics
-def _speed(new: int, seconds: float, iterations: int) -> dict:
-    return {"new_tokens": new, "seconds": round(seconds, 4), "iterations": iterations,
-            "tokens_per_s": round(new / seconds, 2) if seconds > 0 else None,
-            "step_ms": _r(1000 * seconds / iterations) if iterations else None}
+def _speed(new: int, seconds: float, iterations: int, prefill: float | None = None) -> dict:
+    """tokens/s and step_ms over all seconds, prefills included (what a user waits for);
+    decode_step_ms without them: the figure to set beside a captured step's time
+    (benchmarks/decode_speed.py), a prefill being a forward over the whole prompt at batch 1."""
+    m = {"new_tokens": new, "seconds": round(seconds, 4), "iterations": iterations,
+         "tokens_per_s": round(new / seconds, 2) if seconds > 0 else None,
+         "step_ms": _r(1000 * seconds / iterations) if iterations else None}
+    if prefill is not None:
+        m["prefill_seconds"] = round(prefill, 4)
+        m["decode_step_ms"] = _r(1000 * (seconds - prefill) / iterations) if iterations else None
+    return m
 
 
 def _accept(hist: list[int], tree) -> dict:
@@ -254,10 +264,10 @@ def _accept(hist: list[int], tree) -> dict:
             "acceptance_conditional": st["acceptance_conditional"], "accept_hist": hist}
 
 
-def _summary(outs, seconds, iterations, tree=None, plain_outs=None, tol=0.0,
+def _summary(outs, seconds, iterations, prefill=None, tree=None, plain_outs=None, tol=0.0,
              records=None) -> dict:
     m = {"prompts": len(outs), "records": len({i for i, _, _ in outs}),
-         **_speed(sum(len(o.tokens) for _, _, o in outs), seconds, iterations)}
+         **_speed(sum(len(o.tokens) for _, _, o in outs), seconds, iterations, prefill)}
     if tree is not None:
         m.update(_accept([sum(o.hist[a] for _, _, o in outs) for a in range(tree.depth + 1)],
                          tree))
@@ -282,6 +292,8 @@ def _summary(outs, seconds, iterations, tree=None, plain_outs=None, tol=0.0,
 def _with_speed(m: dict, plain: dict) -> dict:
     m["plain_tokens_per_s"] = plain.get("tokens_per_s")
     m["plain_step_ms"] = plain.get("step_ms")
+    if plain.get("decode_step_ms") is not None:
+        m["plain_decode_step_ms"] = plain["decode_step_ms"]
     if m.get("tokens_per_s") and plain.get("tokens_per_s"):
         m["speedup"] = round(m["tokens_per_s"] / plain["tokens_per_s"], 3)
     return m
@@ -330,9 +342,9 @@ def main(cfg) -> dict:
         for name, path, recs in datasets:
             torch.manual_seed(ev.seed)
             prompts[name] = pr = _Prompts(tok, recs, max_len, ev.max_new_tokens)
-            outs, secs, it = _pass(run, f"plain T={T:g} {name}", pr, lambda: _decode(
+            outs, secs, it, pre = _pass(run, f"plain T={T:g} {name}", pr, lambda: _decode(
                 dec, pr, None, ev.max_new_tokens, stop, T, desc=f"plain T={T:g} {name}"))
-            plain[name] = (outs, _summary(outs, secs, it))
+            plain[name] = (outs, _summary(outs, secs, it, pre))
             ds_info[name] = {"path": path, "records": len(recs),
                              "prompts": sum(len(r) for r in prompts[name].rounds),
                              "truncated_prompts": prompts[name].truncated}
@@ -359,10 +371,10 @@ def main(cfg) -> dict:
                     torch.manual_seed(ev.seed)
                     desc = f"{what} {tree.label()} T={T:g} {name}"
                     pr = prompts[name]
-                    outs, secs, it = _pass(run, desc, pr, lambda: _decode(
+                    outs, secs, it, pre = _pass(run, desc, pr, lambda: _decode(
                         dec, pr, pr.rounds, ev.max_new_tokens, stop, T, prop, tree, desc=desc))
-                    m = _summary(outs, secs, it, tree, plain[name][0] if T == 0 else None, tol,
-                                 prompts[name].records)
+                    m = _summary(outs, secs, it, pre, tree, plain[name][0] if T == 0 else None,
+                                 tol, prompts[name].records)
                     per[name] = _with_speed(m, ps[name])
                     log.info("evaluate: %s %s T=%g %s: tau %.3f, %.1f tokens/s (plain %.1f)",
                              what, tree.label(), T, name, m["tau"] or 0, m["tokens_per_s"] or 0,
@@ -468,7 +480,9 @@ def _overall(per: dict, tree) -> dict:
     items = [d for n, d in per.items() if n != "overall"]
     m = {"prompts": sum(d["prompts"] for d in items),
          **_speed(sum(d["new_tokens"] for d in items), sum(d["seconds"] for d in items),
-                  sum(d["iterations"] for d in items))}
+                  sum(d["iterations"] for d in items),
+                  sum(d["prefill_seconds"] for d in items)
+                  if all("prefill_seconds" in d for d in items) else None)}
     if tree is not None:
         m.update(_accept([sum(d["accept_hist"][a] for d in items) for a in range(tree.depth + 1)],
                          tree))
@@ -519,16 +533,20 @@ def render_report(m: dict) -> str:
                                                   for n in names) + " |")
     L += ["", "## Speed", "",
           "Wall-clock tokens/s on this machine, plain decoding of the same prompts in the same "
-          "batches as the reference. c = one drafter forward / one verification forward.", "",
+          "batches as the reference. c = one drafter forward / one verification forward. "
+          "step ms: the seconds over the decode steps, prefills included; decode ms: without "
+          "them (the time of a step itself).", "",
           "| run | dataset | prompts | τ | tokens/s | plain tokens/s | speedup | step ms | "
-          "plain step ms |", "|---|---|---|---|---|---|---|---|---|"]
+          "plain step ms | decode ms | plain decode ms |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         for n in names:
             d = r["datasets"][n]
             L.append(f"| {r['name']} | {n} | {d['prompts']} | {_fmt(d.get('tau'))} | "
                      f"{_fmt(d.get('tokens_per_s'), 1)} | {_fmt(d.get('plain_tokens_per_s'), 1)} | "
                      f"{_fmt(d.get('speedup'))}x | {_fmt(d.get('step_ms'))} | "
-                     f"{_fmt(d.get('plain_step_ms'))} |")
+                     f"{_fmt(d.get('plain_step_ms'))} | {_fmt(d.get('decode_step_ms'))} | "
+                     f"{_fmt(d.get('plain_decode_step_ms'))} |")
     L += ["", "| run | target forward ms (1 token) | verify forward ms | drafter forward ms | c |",
           "|---|---|---|---|---|"]
     for r in runs:
