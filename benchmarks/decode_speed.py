@@ -220,6 +220,10 @@ def main(argv=None) -> int:
         plain_ms = 1000 * (dec.last["seconds"] - dec.last["prefill_seconds"]) \
             / dec.last["iterations"]
         row(f"plain decode step, batch {B}", round(plain_ms, 3), "ms")
+        # evaluate's step_ms counts the prefills (its decode_step_ms does not): at batch 1 one
+        # prompt's prefill is spread over that prompt's steps only
+        row(f"  prefill of {a.prompt_tokens} tokens x {B} (plain)",
+            round(1000 * dec.last["prefill_seconds"], 3), "ms")
         for tree in (TreeSpec.chain(a.k), TreeSpec(depth, topk, tokens)):
             dec.generate(prompts, 8, proposer=P, tree=tree)
             outs = dec.generate(prompts, n1, proposer=P, tree=tree)
@@ -228,7 +232,10 @@ def main(argv=None) -> int:
             tau = acceptance_stats(outs[0].hist)["tau"]
             row(f"speculative step, {tree.label()}, batch {B}", round(step, 3), "ms",
                 "<= 10" if B == 1 else None, step <= 10 if B == 1 else None)
+            pre = 1000 * dec.last["prefill_seconds"]
             t = dec.time_forwards(P, tree, batch=B, context=a.prompt_tokens)
+            row(f"  prefill of {a.prompt_tokens} tokens x {B} (the target and the drafter)",
+                round(pre, 3), "ms")
             row(f"  target forward 1 token / verify {tree.nodes + 1} tokens / drafter forward "
                 f"{tree.topk} tokens", " / ".join(f"{t[k]:.3f}" for k in
                                                   ("target_ms", "verify_ms", "draft_ms")), "ms")
