@@ -462,3 +462,27 @@ def test_gpu_flex_compiled_equals_sdpa(packed, head):
     assert torch.allclose(res["sdpa"][0], res["flex"][0], rtol=1e-4)
     for a, c in zip(res["sdpa"][1], res["flex"][1]):
         assert torch.allclose(a, c, rtol=1e-3, atol=1e-5 * a.abs().max())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_half_precision_products_accumulate_in_float32(device):
+    """The lm_head gradient's sum over loss chunks (FusedHeadLoss): float32 += bf16 @ bf16, one
+    GEMM into the sum on a GPU whose torch has addmm's float32 output, the product and an add
+    otherwise; either way the float64 sum of the same products, to bf16 rounding."""
+    from drafter import ttt
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    acc = torch.zeros(96, 80, device=device)
+    ref = torch.zeros(96, 80, dtype=torch.float64)
+    for _ in range(3):
+        a = torch.randn(64, 96).bfloat16().to(device).T      # a transposed view, as g.T is
+        b = torch.randn(64, 80).bfloat16().to(device)
+        ttt._accumulate(acc, a, b)
+        ref += a.cpu().double() @ b.cpu().double()
+    assert acc.dtype == torch.float32
+    err = (acc.cpu().double() - ref).abs().max() / ref.abs().max()
+    assert err < 2e-2
+    if device == "cuda":   # which way it went on this torch, for the record
+        print("float32-output addmm:", ttt._ADDMM_F32[acc.device])
