@@ -4,12 +4,17 @@
     python benchmarks/decode_speed.py --tiny               # a tiny random target on CPU (smoke)
     python benchmarks/decode_speed.py --drafter runs/x/export/native --json out.json
     python benchmarks/decode_speed.py --tiny --ops         # + aten ops per step (kernel count)
+    python benchmarks/decode_speed.py --random-target --batches 1,64 --profile   # no model files:
+                                              # SmolLM2-135M's shape, random weights; the steps'
+                                              # time by part (drafting, verify, accept, commit)
 
 Measures, on whatever device the target loads to (CUDA graphs on when there is a GPU):
   - plain decode step at batch 1 (ms per token);
   - one speculative step at batch 1, chain K and tree (depth/topk/tokens) (ms per step: drafting,
     verification, acceptance, cache commit, drafter re-read), and the parts: one target forward
-    (1 token), one verification forward, one drafter forward, c = drafter / verification.
+    (1 token), one verification forward, one drafter forward, c = drafter / verification;
+  - the prefill of the prompt (eager), which evaluate's step_ms counts and its decode_step_ms
+    does not.
 Goal (../shared/docs/REFERENCES.md, issue 8): <= 10 ms per speculative step for SmolLM2. Batched
 generation (the generate step's engine) is benchmarks/generate_throughput.py's.
 A random drafter is used unless --drafter is given (step time does not depend on its quality).
