@@ -351,6 +351,44 @@ def online_source(model, c: DrafterConfig, lengths: list[int], teacher: str, k: 
                           lambda idx: cap([rows[j] for j in idx])), cap.head, cap.lock
 
 
+# aten ops that only make a view or read metadata: no kernel behind them
+VIEW_OPS = {"view", "_unsafe_view", "slice", "select", "t", "transpose", "unsqueeze", "squeeze",
+            "expand", "as_strided", "alias", "lift_fresh", "detach", "permute", "split", "unbind",
+            "split_with_sizes", "narrow", "_reshape_alias", "view_as_real", "unfold"}
+
+
+def producer_ops(name: str, args, model, c: DrafterConfig, device) -> dict:
+    """--producer-ops: the aten ops the prefetch thread dispatches to build one online
+    micro-batch (the target's forwards, the teacher, collate, align), counted eagerly: on a GPU
+    each that is not a view is a kernel launch the thread issues while the training thread
+    launches its own (the GIL is shared). Needs no GPU: the count is the device's too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = {}
+
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            n = str(func.overloadpacket).split(".")[-1]
+            self.ops[n] = self.ops.get(n, 0) + 1
+            return func(*a, **(kw or {}))
+
+    _, B, T, K = shape_config(name, args)
+    lengths = chat_lengths(int(1.15 * 3 * B * T), seed=0)
+    src, _, _ = online_source(model, c, lengths, "topk", args.topk)
+    r = batches.epoch_micro_batches(batches.pack(src.lengths, T, 0), B, 0, 0)[0]
+    tc = C.TrainConfig(ttt_steps=K)
+    emb = torch.zeros(c.vocab_size, c.hidden_size)
+    with Count() as m:
+        batches.host_batch(src, r, B, T, tc, emb)
+    attn = sum(v for k, v in m.ops.items() if "attention" in k)
+    layers = model.config.num_hidden_layers
+    kernels = sum(v for k, v in m.ops.items() if k not in VIEW_OPS)
+    return {"samples": sum(len(x) for x in r), "ops": sum(m.ops.values()), "kernels": kernels,
+            "forwards": attn / layers, "top": sorted(m.ops.items(), key=lambda x: -x[1])[:12]}
+
+
 def batch_stats(hb: dict) -> dict:
     """Per micro-batch: real tokens, Σ causal keys of them, and loss rows (for the FLOP count),
     counted on the thread that built it, so the training loop never waits for them."""
@@ -576,6 +614,9 @@ def main(argv=None):
                    help="chat-like packed rows from a cold start: warm-up, average vs steady")
     p.add_argument("--online", action="store_true",
                    help="--real offline, then with the target in the loop (train.online)")
+    p.add_argument("--producer-ops", action="store_true",
+                   help="--online's prefetch thread: aten ops (and kernels) to build one "
+                   "micro-batch, and the target forwards in it (no timing; runs on the CPU)")
     p.add_argument("--target", default="random",
                    help="--online's target: random (SmolLM2-135M-shaped) or a target spec")
     p.add_argument("--no-check", action="store_true",
@@ -601,6 +642,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
+    args.online = args.online or args.producer_ops
     args.real = args.real or args.online
     args.steps = args.steps or (200 if args.real else 20)
     dist = dist_env()
@@ -616,6 +658,12 @@ def main(argv=None):
     rows, anchors = [], {}
     for name in names:
         target_model, c = load_target(name, args, dist.device) if args.online else (None, None)
+        if args.producer_ops:
+            po = producer_ops(name, args, target_model, c, dist.device)
+            print(f"{name}: one online micro-batch ({po['samples']} samples) dispatches "
+                  f"{po['ops']:,} aten ops, {po['kernels']:,} of them kernels, in "
+                  f"{po['forwards']:g} target forwards; most: {po['top']}", flush=True)
+            continue
         for attention in args.attention.split(","):
             for teacher in args.teacher.split(","):
                 for online in ([False, True] if args.online else [False]):
@@ -651,7 +699,7 @@ def main(argv=None):
             anchors[(name, T, B)] = (a["tok_s"], a["mem_gib"], "SpecForge here")
         elif (name, T) in ANCHOR and B == shape["batch"]:
             anchors[(name, T, B)] = (*ANCHOR[(name, T)], "issue 6")
-    if dist.main:
+    if dist.main and rows:
         print("\n" + table(rows, anchors))
     close_dist()
 
