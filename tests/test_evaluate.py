@@ -265,6 +265,10 @@ def test_a_killed_evaluate_resumes_after_its_finished_passes(smollm2_dir, shared
     proc.wait()
     kept = len(list(passes.glob("*.json")))
     assert 1 <= kept < 4                               # 4 passes: plain and chain at T=0 and 1
+    for f in passes.glob("*.json"):  # as written before passes kept their prefill seconds
+        d = json.loads(f.read_text())
+        del d["prefill_seconds"]
+        f.write_text(json.dumps(d))
 
     with caplog.at_level("INFO", logger="drafter"):
         E.main(killed)
@@ -275,6 +279,11 @@ def test_a_killed_evaluate_resumes_after_its_finished_passes(smollm2_dir, shared
         for key in ("tau", "steps", "accepted", "new_tokens", "accept_hist", "lossless"):
             assert a["datasets"]["mt_bench"].get(key) == b["datasets"]["mt_bench"].get(key), key
     assert whole["settings"]["datasets"] == again["settings"]["datasets"]
+    # an older pass has no prefill seconds: its figures go without decode_step_ms, no error
+    for r in again["runs"]:
+        for d in r["datasets"].values():
+            assert ("prefill_seconds" in d) == ("decode_step_ms" in d)
+    assert "decode_step_ms" not in again["plain"]["0.0"]["mt_bench"]   # the first pass: kept
 
 
 def test_any_drafter_evaluates_in_a_run_dir_of_its_own(smollm2_dir, shared_data, tmp_path):
