@@ -468,6 +468,14 @@ def main(cfg) -> dict:
             bar.set_postfix(ok=counts["train"] + counts["val"],
                             skipped=sum(v for k, v in counts.items() if k.startswith("skipped_")),
                             refresh=False)
+        if workers > 1:
+            # Done: the workers take their sentinels and exit. Pool.__exit__'s terminate() (kept
+            # for errors) SIGTERMs them instead, and a worker that misses the signal (one still
+            # starting up: Python clears a new child's pending signals) then waits forever on
+            # the task queue's lock, which terminate holds. Seen once: a full test run hung in
+            # test_workers_give_the_same_files, the worker blocked in SimpleQueue.get.
+            pool.close()
+            pool.join()
         for w in writers.values():
             w.close()
         usable = counts["train"] + counts["val"]
