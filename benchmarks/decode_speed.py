@@ -182,8 +182,8 @@ def main(argv=None) -> int:
                     "chain's and the tree's time by part (eager steps, record_function ranges)")
     ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs")
     ap.add_argument("--ops", action="store_true",
-                    help="aten ops per step (plain, greedy chain: general tree step and its "
-                         "chain step, tree): the kernels a graph replays, counted eagerly")
+                    help="aten ops per step (plain; chain at T=0 and T=1: general tree step "
+                         "and its chain step; tree): the kernels a graph replays, counted eagerly")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
     tmp = None

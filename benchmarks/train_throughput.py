@@ -247,10 +247,10 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
     tok_s = tokens * dist.world / dt  # ranks see equal shares of random or packed rows
     if args.profile:  # after the timed steps, the timed figures carry no profiler cost
         prof = Profile(args.profile, f"{name}-{teacher}-T{T}-fixed", 0, 3, dist.device)
-        for j in range(4):
-            prof.step(j)
-            if j < 3:
-                step()
+        prof.step(0)
+        for _ in range(3):
+            step()
+        prof.close()
     r = row(name, args, dist, S, B, T, K, "real" if args.data else teacher, tok_s,
             flops_per_token(c, T, K, teacher)[0])
     return {**r, "step_ms": 1e3 * dt / args.steps, "warmup_s": warm_s, "check": check}
@@ -357,7 +357,7 @@ VIEW_OPS = {"view", "_unsafe_view", "slice", "select", "t", "transpose", "unsque
             "split_with_sizes", "narrow", "_reshape_alias", "view_as_real", "unfold"}
 
 
-def producer_ops(name: str, args, model, c: DrafterConfig, device) -> dict:
+def producer_ops(name: str, args, model, c: DrafterConfig) -> dict:
     """--producer-ops: the aten ops the prefetch thread dispatches to build one online
     micro-batch (the target's forwards, the teacher, collate, align), counted eagerly: on a GPU
     each that is not a view is a kernel launch the thread issues while the training thread
@@ -473,11 +473,12 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
 
 
 class Profile:
-    """--profile PREFIX: torch.profiler over `steps` train steps from step `start` of a --real
-    run: the training thread's CPU ops (the profiler sees the thread that starts it) and the GPU
-    kernels of every stream, so the prefetch thread's target forward shows on a stream of its
-    own beside the training step. PREFIX-NAME.txt gets the top ops by GPU and by CPU time,
-    PREFIX-NAME.json.gz the trace (chrome://tracing, Perfetto)."""
+    """--profile PREFIX: torch.profiler over `steps` train steps from step `start` (a --real run;
+    fixed rows: three steps after the timed ones): the training thread's CPU ops (the profiler
+    sees the thread that starts it) and the GPU kernels of every stream, so the prefetch
+    thread's target forward shows on a stream of its own beside the training step.
+    PREFIX-NAME.txt gets the top ops by GPU and by CPU time, PREFIX-NAME.json.gz the trace
+    (chrome://tracing, Perfetto)."""
 
     def __init__(self, prefix: str | None, name: str, start: int, steps: int, device):
         self.prefix, self.name, self.device = prefix, name, device
@@ -659,7 +660,7 @@ def main(argv=None):
     for name in names:
         target_model, c = load_target(name, args, dist.device) if args.online else (None, None)
         if args.producer_ops:
-            po = producer_ops(name, args, target_model, c, dist.device)
+            po = producer_ops(name, args, target_model, c)
             print(f"{name}: one online micro-batch ({po['samples']} samples) dispatches "
                   f"{po['ops']:,} aten ops, {po['kernels']:,} of them kernels, in "
                   f"{po['forwards']:g} target forwards; most: {po['top']}", flush=True)

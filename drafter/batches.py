@@ -146,7 +146,7 @@ def align(seq_id: torch.Tensor, loss_mask: torch.Tensor, in_vocab: torch.Tensor,
     base = torch.arange(B, device=dev)[:, None] * T
     trows = (src + base).reshape(-1)[rows]
     # decay**i in float64 as Python computes it, made on the device (no host-to-device copy)
-    weights = torch.full_like(row_step, 0, dtype=torch.float64).add_(decay).pow_(row_step).float()
+    weights = torch.full_like(row_step, decay, dtype=torch.float64).pow_(row_step).float()
     return {"src": src, "rows": rows, "trows": trows, "weights": weights, "row_step": row_step,
             "n_valid": valid.sum((1, 2)), "n_lm": lm.sum((1, 2))}
 

@@ -126,8 +126,9 @@ class Decoder:
         self.span_bucket, self.prefill_tokens = span_bucket, prefill_tokens
         self.cap = (0, 0)
         self._states: dict = {}
-        self._allocated: dict[int, tuple] = {}   # id -> (proposer, capacity, serial): holds a
-        # reference, so that an id (a graph key) is never reused
+        # id -> (proposer, serial of the allocation this Decoder made): holds a reference, so
+        # that an id (a graph key) is never reused; emptied when the capacity grows
+        self._allocated: dict[int, tuple] = {}
         self.last: dict = {}
 
     @property
@@ -144,16 +145,16 @@ class Decoder:
         # A proposer shared by two Decoders (evaluate's and a benchmark's) is reallocated by the
         # other one: its serial tells, and this Decoder's graphs, captured on the old buffers,
         # go with them
-        seen = self._allocated.get(id(proposer), (None, None, None))
-        if proposer is not None and (seen[1] != self.cap
-                                     or seen[2] != getattr(proposer, "_alloc_serial", None)):
+        mine = self._allocated.get(id(proposer))
+        if proposer is not None and (mine is None
+                                     or mine[1] != getattr(proposer, "_alloc_serial", None)):
             try:
                 proposer.allocate(*self.cap, self.device, self.target.dtype)
             except torch.cuda.OutOfMemoryError as e:
                 raise DecodeError(f"drafter cache for {self.cap[0]} rows x {self.cap[1]} slots "
                                   f"does not fit: lower the batch size ({e})") from None
             proposer._alloc_serial = serial = next(_ALLOC_SERIAL)
-            self._allocated[id(proposer)] = (proposer, self.cap, serial)
+            self._allocated[id(proposer)] = (proposer, serial)
             self._reset_graphs()
 
     @staticmethod
