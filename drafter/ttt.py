@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from .model import Drafter, DrafterConfig, _f32, fuse
 
@@ -290,6 +291,19 @@ def head_loss(hn, weight, teacher: dict, trows, w, fused: bool, chunk: int = 0,
 
 
 # ------------------------------------------------------------------------------- the unroll
+class _Piece(nn.Module):
+    """A TTT piece (pre or post) as the forward of a module that holds the decoder layer, so
+    that torch.func.functional_call can run it with the layer's matrices replaced by their
+    casts (TTT.cast_layer). Kept out of TTT's modules: it only borrows the layer."""
+
+    def __init__(self, fn: Callable, layer: nn.Module):
+        super().__init__()
+        self.fn, self.layer = fn, layer
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
 class TTT(nn.Module):
     """The training forward: K-step unroll plus loss over a Drafter's trainable modules (shared,
     not copied). The frozen embeddings stay out: the caller passes `emb` = embed_tokens of the
@@ -304,6 +318,12 @@ class TTT(nn.Module):
       Returns loss = Σ weights·ce (differentiable) and per-row ce, correct, accept [N].
     compile: torch.compile the layer pieces, the merge and the loss chunk with `backend`
     (inductor; tests count dynamo's graphs with aot_eager, which builds no kernels).
+
+    Under autocast the layer's float32 matrices are cast once per forward (`cast_layer`) and
+    all K steps use the casts: autograd then sums the K steps' gradients of each matrix at the
+    compute dtype and casts the sum to float32 once. Eager autocast does the same through its
+    cast cache; compiled pieces would cast inside each graph, K times, and return K float32
+    gradients to add (issue 18: 4.8 ms of a 159 ms step at the Llama-8B shape, 4096 tokens).
     """
 
     def __init__(self, drafter: "Drafter", attention: str = "sdpa", compile: bool = False,
@@ -316,8 +336,16 @@ class TTT(nn.Module):
         self.norm, self.lm_head, self.rotary = drafter.norm, drafter.lm_head, drafter.rotary
         self.attention, self.loss_chunk, self.compiled = attention, loss_chunk, compile
         self.scale = attention_scale(self.cfg)
+        pieces = (_Piece(self.pre, self.midlayer), _Piece(self.post, self.midlayer))
+
+        def pre(ws, *a):
+            return functional_call(pieces[0], ws, a)
+
+        def post(ws, *a):
+            return functional_call(pieces[1], ws, a)
+
         self.pre_fn, self.post_fn, self.merge_fn, self.stats_fn = \
-            self.pre, self.post, merge_diagonal, _chunk_stats
+            pre, post, merge_diagonal, _chunk_stats
         if compile:
             # Static shapes: rows are padded to max_length and micro-batches to B rows, so the
             # layer pieces see one shape per run; the loss rows vary per batch, so the loss
@@ -327,7 +355,17 @@ class TTT(nn.Module):
             torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
             self.pre_fn, self.post_fn, self.merge_fn, self.stats_fn = (
                 torch.compile(f, dynamic=False, backend=backend)
-                for f in (self.pre, self.post, merge_diagonal, _chunk_stats))
+                for f in (pre, post, merge_diagonal, _chunk_stats))
+
+    def cast_layer(self, device_type: str) -> dict:
+        """{name: the matrix at autocast's dtype} for the layer's float32 matrices (names as
+        functional_call on a _Piece takes them); {} without autocast. The norms' vectors stay:
+        _RMSNormFn casts them itself, and their gradients are small."""
+        if not torch.is_autocast_enabled(device_type):
+            return {}
+        dt = torch.get_autocast_dtype(device_type)
+        return {f"layer.{n}": p.to(dt) for n, p in self.midlayer.named_parameters()
+                if p.ndim > 1 and p.is_floating_point() and p.dtype != dt}
 
     def pre(self, h, emb, cos, sin):
         """h, emb [B, T, H] -> q [B, nh, T, hd], k, v [B, nkv, T, hd], residual [B, T, H]."""
@@ -352,9 +390,10 @@ class TTT(nn.Module):
         else:
             part0 = part0 or flex_part0(seq_id, compiled=self.compiled or seq_id.is_cuda)
         ks, vs, outs = [], [], []
+        ws = self.cast_layer(h.device.type)                                  # once for K steps
         for i in range(K):
             emb_i = emb.gather(1, src[i].unsqueeze(-1).expand(B, T, H)).to(h.dtype)  # [B, T, H]
-            q, k, v, residual = self.pre_fn(h, emb_i, cos[:, i], sin[:, i])
+            q, k, v, residual = self.pre_fn(ws, h, emb_i, cos[:, i], sin[:, i])
             ks.append(k)
             vs.append(v)
             if self.attention == "sdpa":
@@ -362,7 +401,7 @@ class TTT(nn.Module):
             else:
                 o0, lse0 = part0(q, ks[0], vs[0])
                 o = self.merge_fn(q, o0, lse0, ks[1:], vs[1:], self.scale)
-            h_out, hn = self.post_fn(o, residual)
+            h_out, hn = self.post_fn(ws, o, residual)
             outs.append(hn.reshape(B * T, H))
             h = hn if self.cfg.norm_output else h_out  # = Drafter.feedback(h_out), norm reused
         hn_rows = torch.cat(outs, 0)[rows]                                   # [N, H]

@@ -343,6 +343,30 @@ def test_compiled_pieces_match_eager(head):
         assert torch.allclose(a, c, rtol=1e-4, atol=1e-6 * a.abs().max())
 
 
+def test_compiled_pieces_under_autocast_sum_gradients_as_eager(head):
+    """Under autocast the layer's float32 matrices are cast once per forward and every TTT step
+    uses the casts (TTT.cast_layer), as eager autocast's cast cache does: the compiled pieces
+    (dynamo, aot_eager) then give eager's loss and gradients exactly. Casting inside each graph
+    summed K float32 gradients instead (about 3e-3 apart here, and slower on the GPU)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    b = batch_of(packed_rows("topk"), 24, K=3, teacher="topk", head=head)
+    outs = {}
+    for comp in (False, True):
+        d = make_drafter()
+        ttt = TTT(d, attention="flex", compile=comp, backend="aot_eager")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert set(ttt.cast_layer("cpu")) == {
+                f"layer.{n}" for n, p in d.midlayer.named_parameters() if p.ndim == 2}
+            out = run_ttt(ttt, d, b, part0=emulated_flex(b["seq_id"]))
+        out["loss"].backward()
+        outs[comp] = out["loss"].detach(), [(n, p.grad) for n, p in ttt.named_parameters()]
+    assert ttt.cast_layer("cpu") == {}                                   # autocast off
+    assert torch.equal(outs[False][0], outs[True][0])
+    for (n, a), (_, c) in zip(outs[False][1], outs[True][1]):
+        assert a.dtype == torch.float32 and torch.equal(a, c), n
+
+
 # ------------------------------------------------------------ no recompilation (issue 18)
 def _graphs() -> int:
     from torch._dynamo.utils import counters
