@@ -201,8 +201,8 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
         mbs = batches.epoch_micro_batches(rows, B, 0, 0)
         n = args.warmup + args.steps
         mbs = [mbs[(j * dist.world + dist.rank) % len(mbs)] for j in range(n)]
-        feed = batches.Prefetch(lambda r: batches.host_batch(src, r, B, T, tc,
-                                                             drafter.embed_tokens.weight), mbs)
+        feed = batches.Prefetch(lambda r: [batches.host_batch(src, r, B, T, tc,
+                                                              drafter.embed_tokens.weight)], mbs)
         next_host = feed.next
     else:
         src = batches.Source.memory(random_samples(c, B, T, teacher, args.topk,
@@ -357,11 +357,17 @@ VIEW_OPS = {"view", "_unsafe_view", "slice", "select", "t", "transpose", "unsque
             "split_with_sizes", "narrow", "_reshape_alias", "view_as_real", "unfold"}
 
 
-def producer_ops(name: str, args, model, c: DrafterConfig) -> dict:
-    """--producer-ops: the aten ops the prefetch thread dispatches to build one online
-    micro-batch (the target's forwards, the teacher, collate, align), counted eagerly: on a GPU
-    each that is not a view is a kernel launch the thread issues while the training thread
-    launches its own (the GIL is shared). Needs no GPU: the count is the device's too."""
+def groups(args) -> list[int]:
+    """--online-group as a list of group sizes (train.online_group)."""
+    return [int(g) for g in str(args.online_group).split(",")]
+
+
+def producer_ops(name: str, args, model, c: DrafterConfig) -> list[dict]:
+    """--producer-ops: the aten ops the prefetch thread dispatches per online micro-batch (the
+    target's forwards, the teacher, collate, align) when it captures --online-group
+    micro-batches in one call, counted eagerly over the first group: on a GPU each that is not
+    a view is a kernel launch the thread issues while the training thread launches its own (the
+    GIL is shared). Needs no GPU: the count is the device's too."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -375,18 +381,23 @@ def producer_ops(name: str, args, model, c: DrafterConfig) -> dict:
             return func(*a, **(kw or {}))
 
     _, B, T, K = shape_config(name, args)
-    lengths = chat_lengths(int(1.15 * 3 * B * T), seed=0)
-    src, _, _ = online_source(model, c, lengths, "topk", args.topk)
-    r = batches.epoch_micro_batches(batches.pack(src.lengths, T, 0), B, 0, 0)[0]
-    tc = C.TrainConfig(ttt_steps=K)
-    emb = torch.zeros(c.vocab_size, c.hidden_size)
-    with Count() as m:
-        batches.host_batch(src, r, B, T, tc, emb)
-    attn = sum(v for k, v in m.ops.items() if "attention" in k)
-    layers = model.config.num_hidden_layers
-    kernels = sum(v for k, v in m.ops.items() if k not in VIEW_OPS)
-    return {"samples": sum(len(x) for x in r), "ops": sum(m.ops.values()), "kernels": kernels,
-            "forwards": attn / layers, "top": sorted(m.ops.items(), key=lambda x: -x[1])[:12]}
+    out = []
+    for G in groups(args):
+        lengths = chat_lengths(int(1.15 * (G + 2) * B * T), seed=0)
+        src, _, _ = online_source(model, c, lengths, "topk", args.topk)
+        jobs = batches.epoch_micro_batches(batches.pack(src.lengths, T, 0), B, 0, 0)[:G]
+        tc = C.TrainConfig(ttt_steps=K)
+        emb = torch.zeros(c.vocab_size, c.hidden_size)
+        with Count() as m:
+            batches.host_batches(src, jobs, B, T, tc, emb)
+        attn = sum(v for k, v in m.ops.items() if "attention" in k)
+        layers = model.config.num_hidden_layers
+        kernels = sum(v for k, v in m.ops.items() if k not in VIEW_OPS)
+        out.append({"group": G, "samples": sum(len(x) for r in jobs for x in r) / G,
+                    "ops": sum(m.ops.values()) / G, "kernels": kernels / G,
+                    "forwards": attn / layers / G,
+                    "top": sorted(m.ops.items(), key=lambda x: -x[1])[:12]})
+    return out
 
 
 def batch_stats(hb: dict) -> dict:
@@ -396,9 +407,10 @@ def batch_stats(hb: dict) -> dict:
 
 
 def bench_real(name: str, args, dist, attention: str, teacher: str,
-               c: DrafterConfig | None = None, target_model=None) -> dict:
+               c: DrafterConfig | None = None, target_model=None, group: int = 1) -> dict:
     """--steps train steps from a cold start on chat-like packed rows, each step timed; online
-    (the target in the loop, on the prefetch thread as train runs it) with target_model."""
+    (the target in the loop, on the prefetch thread as train runs it, `group` micro-batches
+    per capture call: train.online_group) with target_model."""
     c0, B, T, K = shape_config(name, args)
     c = c or c0
     lengths = chat_lengths(int(1.15 * (args.steps + 2) * B * T * dist.world), seed=0)
@@ -416,12 +428,16 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
     mbs = batches.epoch_micro_batches(batches.pack(src.lengths, T, tc.seed), B, tc.seed, 0)
     jobs = [mbs[j * dist.world + dist.rank] for j in range(args.steps)]
 
-    def make(r):
-        t = time.perf_counter()
-        hb = batches.host_batch(src, r, B, T, tc, emb)
-        return {**hb, "stats": {**batch_stats(hb), "make_s": time.perf_counter() - t}}
+    group = group if online else 1
 
-    feed = batches.Prefetch(make, jobs, device=dist.device if online else None)
+    def make(g):
+        t = time.perf_counter()
+        hbs = batches.host_batches(src, g, B, T, tc, emb)
+        make_s = (time.perf_counter() - t) / len(g)
+        return [{**hb, "stats": {**batch_stats(hb), "make_s": make_s}} for hb in hbs]
+
+    feed = batches.Prefetch(make, batches.grouped(jobs, group), depth=2 * group,
+                            device=dist.device if online else None)
     if cuda:
         torch.cuda.reset_peak_memory_stats(dist.device)
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
@@ -461,7 +477,8 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
                                  head_rows=sum(s["head_rows"] for s in stats) / n_tok)
     graphs = trainer.compiled_graphs()
     r = row(name, args, dist, S, B, T, K, teacher, summary["steady_tokens_per_s"], model_f)
-    return {**r, **summary, "source": "online" if online else "offline", "steps": args.steps,
+    return {**r, **summary, "source": f"online, group {group}" if online else "offline",
+            "steps": args.steps,
             "step_ms": 1e3 * statistics.median(step_s[len(step_s) // 2:]),
             "fill": n_tok / (len(stats) * B * T), "graphs": graphs - graphs0,
             # the training thread's seconds blocked on the next batch (the prefetch thread
@@ -618,6 +635,9 @@ def main(argv=None):
     p.add_argument("--producer-ops", action="store_true",
                    help="--online's prefetch thread: aten ops (and kernels) to build one "
                    "micro-batch, and the target forwards in it (no timing; runs on the CPU)")
+    p.add_argument("--online-group", default=str(C.TrainConfig().online_group),
+                   help="online: micro-batches per capture call (train.online_group), or a "
+                   "list, one online run each: 1,4,8")
     p.add_argument("--target", default="random",
                    help="--online's target: random (SmolLM2-135M-shaped) or a target spec")
     p.add_argument("--no-check", action="store_true",
@@ -660,18 +680,20 @@ def main(argv=None):
     for name in names:
         target_model, c = load_target(name, args, dist.device) if args.online else (None, None)
         if args.producer_ops:
-            po = producer_ops(name, args, target_model, c)
-            print(f"{name}: one online micro-batch ({po['samples']} samples) dispatches "
-                  f"{po['ops']:,} aten ops, {po['kernels']:,} of them kernels, in "
-                  f"{po['forwards']:g} target forwards; most: {po['top']}", flush=True)
+            for po in producer_ops(name, args, target_model, c):
+                print(f"{name}: an online micro-batch ({po['samples']:g} samples), "
+                      f"{po['group']} per capture call, dispatches {po['ops']:,.0f} aten ops, "
+                      f"{po['kernels']:,.0f} of them kernels, in {po['forwards']:.2f} target "
+                      f"forwards; most (whole group): {po['top']}", flush=True)
             continue
         for attention in args.attention.split(","):
             for teacher in args.teacher.split(","):
-                for online in ([False, True] if args.online else [False]):
+                off = None
+                for online in [0] + (groups(args) if args.online else []):
                     try:
                         if args.real:
                             r = bench_real(name, args, dist, attention, teacher, c,
-                                           target_model if online else None)
+                                           target_model if online else None, group=online)
                         else:
                             r = bench(name, args, dist, attention, teacher)
                     except Exception as e:  # noqa: BLE001 - one failed setting must not hide
@@ -682,11 +704,12 @@ def main(argv=None):
                     rows.append(r)
                     if dist.main:
                         print(f"{name} {attention} {teacher}: {describe(r)}", flush=True)
-                    if online and "error" not in r and "error" not in rows[-2]:
-                        off = rows[-2]
+                    if not online:
+                        off = r
+                    elif "error" not in r and "error" not in off:
                         if dist.main and off["tok_s"] and r["tok_s"]:
-                            print(f"{name} {attention} {teacher}: online / offline "
-                                  f"{r['tok_s'] / off['tok_s']:.2f} steady, "
+                            print(f"{name} {attention} {teacher}: online (group {online}) / "
+                                  f"offline {r['tok_s'] / off['tok_s']:.2f} steady, "
                                   f"{r['avg_tokens_per_s'] / off['avg_tokens_per_s']:.2f} "
                                   f"average (goal >= 0.7)", flush=True)
                     if torch.cuda.is_available():

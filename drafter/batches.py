@@ -151,26 +151,52 @@ def align(seq_id: torch.Tensor, loss_mask: torch.Tensor, in_vocab: torch.Tensor,
             "n_valid": valid.sum((1, 2)), "n_lm": lm.sum((1, 2))}
 
 
-def host_batch(src: Source, rows: list[list[int]], B: int, T: int, tc, emb_table) -> dict:
-    """One micro-batch, before the device: collated, aligned, embedded (the frozen table lives
-    on the CPU, so only [B, T, H] crosses to the GPU). Online, the features are on the GPU
-    already: the token fields follow them there (pinned, non-blocking) and are aligned there.
-    Nothing here waits on the GPU but align's nonzero (pinned): see Capture.run for why."""
-    it = iter(src.load([i for r in rows for i in r]))
-    out = collate([[next(it) for _ in r] for r in rows], B, T)
-    real = out["seq_id"] >= 0
-    out["tokens"] = int(real.sum())
-    out["keys"] = int((out["position_ids"] + 1)[real].sum())  # Σ causal keys (FLOP counts)
-    out["emb"] = emb_table[out["input_ids"]]                              # [B, T, H]
-    if torch.cuda.is_available():  # pinned: the copy to the GPU does not block this thread
-        out["emb"] = out["emb"].pin_memory()
-    dev = out["in_vocab"].device
-    if dev.type == "cuda":
-        for k in HOST_KEYS:
-            out[k] = out[k].to(dev, non_blocking=True)
-    out.update(align(out["seq_id"], out["loss_mask"], out["in_vocab"], tc.ttt_steps,
-                     tc.ttt_decay))
+def host_batches(src: Source, jobs: list[list[list[int]]], B: int, T: int, tc,
+                 emb_table) -> list[dict]:
+    """Micro-batches (each a list of rows of sample indices), before the device: collated,
+    aligned, embedded (the frozen table lives on the CPU, so only [B, T, H] crosses to the
+    GPU). Their samples are loaded in one call: online, one capture call, whose forwards group
+    the samples of all of them by length (fewer, fuller forwards than one call each: issue 18).
+    Online, the features are on the GPU already: the token fields follow them there (pinned,
+    non-blocking) and are aligned there. Nothing here waits on the GPU but align's nonzero
+    (pinned): see Capture.run for why."""
+    it = iter(src.load([i for rows in jobs for r in rows for i in r]))
+    out = []
+    for rows in jobs:
+        hb = collate([[next(it) for _ in r] for r in rows], B, T)
+        real = hb["seq_id"] >= 0
+        hb["tokens"] = int(real.sum())
+        hb["keys"] = int((hb["position_ids"] + 1)[real].sum())  # Σ causal keys (FLOP counts)
+        hb["emb"] = emb_table[hb["input_ids"]]                              # [B, T, H]
+        if torch.cuda.is_available():  # pinned: the copy to the GPU does not block this thread
+            hb["emb"] = hb["emb"].pin_memory()
+        dev = hb["in_vocab"].device
+        if dev.type == "cuda":
+            for k in HOST_KEYS:
+                hb[k] = hb[k].to(dev, non_blocking=True)
+        hb.update(align(hb["seq_id"], hb["loss_mask"], hb["in_vocab"], tc.ttt_steps,
+                        tc.ttt_decay))
+        out.append(hb)
     return out
+
+
+def host_batch(src: Source, rows: list[list[int]], B: int, T: int, tc, emb_table) -> dict:
+    """One micro-batch (host_batches of one)."""
+    return host_batches(src, [rows], B, T, tc, emb_table)[0]
+
+
+def grouped(jobs, size: int, start: int = 0):
+    """Consecutive jobs in lists of at most `size`, cut where a job's index in the whole run
+    (start + its place here) is a multiple of `size`: a run resumed at any job groups its
+    jobs, and so captures their samples, as the uninterrupted run did."""
+    group: list = []
+    for j, job in enumerate(jobs, start):
+        if group and j % size == 0:
+            yield group
+            group = []
+        group.append(job)
+    if group:
+        yield group
 
 
 def device_batch(hb: dict, device, head, fused: bool) -> dict:
@@ -201,7 +227,9 @@ def model_inputs(d: dict) -> dict:
 
 
 class Prefetch:
-    """Builds batches on a thread, `depth` ahead, in order; errors surface in next().
+    """Builds batches on a thread, in order; errors surface in next(). `make(job)` returns a
+    list of batches (several micro-batches from one capture call online: host_batches), queued
+    one by one, at most `depth` waiting.
 
     With `device` a CUDA device (online training: `make` runs the target), the thread issues its
     GPU work on a stream of its own, so the target's forward for the next micro-batch overlaps
@@ -219,10 +247,10 @@ class Prefetch:
             if stream is None:
                 return make(job), None
             with torch.cuda.stream(stream):
-                item = make(job)
+                items = make(job)
                 done = torch.cuda.Event()
                 done.record(stream)
-            return item, done
+            return items, done
 
         def loop():
             if stream is not None:
@@ -231,10 +259,14 @@ class Prefetch:
                 if self.stop:
                     return
                 try:
-                    self.q.put((*build(job), None))
+                    items, done = build(job)
                 except BaseException as e:  # noqa: BLE001 - handed to the main thread
                     self.q.put((None, None, e))
                     return
+                for item in items:
+                    if self.stop:
+                        return
+                    self.q.put((item, done, None))
         self.thread = threading.Thread(target=loop, name="train-prefetch", daemon=True)
         self.thread.start()
 

@@ -199,6 +199,9 @@ class ExtractConfig:
 @dataclass
 class TrainConfig:
     online: bool = doc(False, "run the target beside the drafter; store no hidden states")
+    online_group: int = doc(4, "online: micro-batches whose samples one call of the target "
+                            "captures (forwards grouped by length across them: fewer, fuller); "
+                            "the features of about 3x this many micro-batches sit on the GPU")
     ttt_steps: int = doc(7, "training-time-test unroll length")
     ttt_decay: float = doc(0.8, "loss weight decay per TTT step (weight 0.8**i)")
     intermediate_size: int | None = doc(None, "drafter MLP size; default: the target's")
@@ -671,7 +674,7 @@ def check_values(cfg: Config, where: _Where | None = None) -> None:
 
     tr = cfg.train
     for f in ("ttt_steps", "epochs", "grad_accum", "log_every", "save_every", "keep_checkpoints",
-              "batch_tokens", "max_steps", "eval_batches", "intermediate_size"):
+              "batch_tokens", "max_steps", "eval_batches", "intermediate_size", "online_group"):
         ge(f"train.{f}", getattr(tr, f), 1)
     ge("train.max_length", tr.max_length, 4)
     gt("train.ttt_decay", tr.ttt_decay, 0)

@@ -132,6 +132,39 @@ def losses(run_dir, split="train"):
             if r["split"] == split]
 
 
+def test_online_groups_capture_in_fewer_forwards_and_give_the_same_batches(world):
+    """train.online_group: the samples of several micro-batches go through the target in one
+    capture call, whose padded forwards sort them by length across the micro-batches: fewer
+    forwards, and each micro-batch is the one a call of its own builds. Groups are cut at
+    run-wide micro-batch numbers, so a resumed run groups as the uninterrupted one did."""
+    rows, cap = world.rows["train"], world.cap
+    src = batches.Source([r["id"] for r in rows], [len(r["input_ids"]) for r in rows],
+                         lambda idx: cap([rows[j] for j in idx], batch_tokens=100))
+    jobs = batches.epoch_micro_batches(batches.pack(src.lengths, 64, 0), 2, 0, 0)[:4]
+    tc, emb = C.TrainConfig(ttt_steps=3), world.model.get_input_embeddings().weight.detach()
+    forwards = []
+    hook = cap.decoder.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        alone = [batches.host_batch(src, j, 2, 64, tc, emb) for j in jobs]
+        n_alone = len(forwards)
+        together = batches.host_batches(src, jobs, 2, 64, tc, emb)
+    finally:
+        hook.remove()
+    assert len(forwards) - n_alone < n_alone, (n_alone, len(forwards) - n_alone)
+    assert len(together) == 4
+    for a, b in zip(alone, together):
+        assert a.keys() == b.keys() and a["tokens"] == b["tokens"] > 0
+        for k, v in a.items():
+            if torch.is_tensor(v) and v.is_floating_point():
+                # bf16 features: a rounding apart where another padded shape summed otherwise
+                x, y = v.float(), b[k].float()
+                assert torch.allclose(x, y, rtol=2 ** -7, atol=1e-4 * x.abs().max()), k
+            elif torch.is_tensor(v):
+                assert torch.equal(v, b[k]), k
+    assert list(batches.grouped(range(10), 4)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert list(batches.grouped(range(6, 10), 4, start=6)) == [[6, 7], [8, 9]]   # resumed at 6
+
+
 # --------------------------------------------------------------------------------- learning
 def test_loss_falls_when_overfitting(world, tmp_path):
     cfg = cfg_for(world, tmp_path, "train.epochs=40", "train.save_every=60")

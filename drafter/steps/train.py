@@ -42,8 +42,8 @@ import time
 import torch
 
 from .. import DrafterError, store, target, tokens
-from ..batches import Prefetch, Source, device_batch, epoch_micro_batches, host_batch, \
-    model_inputs, pack
+from ..batches import Prefetch, Source, device_batch, epoch_micro_batches, grouped, \
+    host_batch, host_batches, model_inputs, pack
 from ..checkpoint import best_checkpoint, load_checkpoint, prune_checkpoints, resume_from, \
     save_checkpoint, tokens_seen
 from ..config import ConfigError
@@ -165,9 +165,12 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
             for a in range(tc.grad_accum):
                 yield plan[1][(k * tc.grad_accum + a) * dist.world + dist.rank]
 
-    make = lambda r: host_batch(train_src, r, B, T, tc, drafter.embed_tokens.weight)  # noqa
-    # online, the thread runs the target too: on a stream of its own on a GPU (issue 18)
-    feed = Prefetch(make, jobs(step), device=dev if tc.online else None)
+    make = lambda g: host_batches(train_src, g, B, T, tc, drafter.embed_tokens.weight)  # noqa
+    # online, the thread runs the target too: on a stream of its own on a GPU, over the samples
+    # of online_group micro-batches at once (issue 18)
+    group = tc.online_group if tc.online else 1
+    feed = Prefetch(make, grouped(jobs(step), group, step * tc.grad_accum), depth=2 * group,
+                    device=dev if tc.online else None)
     meter, val, last_val, last_train = Meter(K, dev), None, None, None
     autocast = torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext()
     first, t_start, tokens_total = step, time.perf_counter(), 0
