@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import math
 import os
 import statistics
@@ -148,6 +149,7 @@ def setup(c: DrafterConfig, B: int, T: int, K: int, args, dist, attention: str) 
     head = Head((torch.randn(c.draft_vocab_size, c.target_hidden_size) * 0.05)
                 .to(torch.bfloat16)).to(dist.device)
     ttt, model, opt = trainer.setup_model(drafter, tc, dist, attention)
+    ttt.loss_chunk = getattr(args, "loss_chunk", 0)
     amp = torch.autocast(dist.device.type, dtype=torch.bfloat16) if cuda else \
         torch.autocast("cpu", enabled=False)
     return dict(tc=tc, attention=attention, drafter=drafter, head=head, model=model, opt=opt,
@@ -251,9 +253,52 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
         for _ in range(3):
             step()
         prof.close()
+    if args.memory_peak and cuda:  # after the timed steps too: the peak's owners, one step
+        print(f"{name} {teacher} T{T}: " + memory_peak(step, dist.device), flush=True)
     r = row(name, args, dist, S, B, T, K, "real" if args.data else teacher, tok_s,
             flops_per_token(c, T, K, teacher)[0])
     return {**r, "step_ms": 1e3 * dt / args.steps, "warmup_s": warm_s, "check": check}
+
+
+def memory_peak(step, device, top: int = 14) -> str:
+    """--memory-peak: run one step under the CUDA allocator's history, replay its allocations
+    and frees to the step's peak, and name what was alive then by the innermost drafter/ (or
+    torch autograd) frame that allocated it: -> one line per owner, largest first."""
+    trainer.sync_device(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc",
+                                             stacks="python")
+    step()
+    trainer.sync_device(device)
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live, cur, peak, at_peak = {}, 0, 0, {}
+    for e in snap["device_traces"][torch.cuda.current_device() if device.index is None
+                                   else device.index]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            cur += e["size"]
+            if cur > peak:
+                peak, at_peak = cur, dict(live)
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            cur -= live.pop(e["addr"])["size"]
+
+    def owner(e) -> str:
+        frames = [f for f in e.get("frames", []) if "/drafter/" in f["filename"]
+                  or "/benchmarks/" in f["filename"]]
+        f = frames[0] if frames else (e.get("frames") or [None])[0]
+        return f"{Path(f['filename']).name}:{f['line']} {f['name']}" if f else \
+            "(no Python frame: autograd's C++ engine)"
+
+    by: dict[str, list] = {}
+    for e in at_peak.values():
+        o = by.setdefault(owner(e), [0, 0])
+        o[0] += e["size"]
+        o[1] += 1
+    rows = sorted(by.items(), key=lambda x: -x[1][0])[:top]
+    return (f"peak {(base + peak) / 2**30:.2f} GiB = {base / 2**30:.2f} before the step + "
+            f"{peak / 2**30:.2f} in it; alive at the peak, by allocating frame:\n" + "\n".join(
+                f"  {b / 2**20:9.1f} MiB {n:5d} x  {o}" for o, (b, n) in rows))
 
 
 # --------------------------------------------------------------- --real and --online: chat rows
@@ -656,6 +701,11 @@ def main(argv=None):
                    help="torch.profiler over 5 steady steps of each --real run (3 steps after "
                    "the timed ones otherwise): PREFIX-NAME.txt (top ops by GPU and CPU time) "
                    "and PREFIX-NAME.json.gz (the trace)")
+    p.add_argument("--memory-peak", action="store_true",
+                   help="fixed rows: after the timed steps, one step under the allocator's "
+                   "history: what is alive at its peak, by the frame that allocated it")
+    p.add_argument("--loss-chunk", type=int, default=0,
+                   help="rows per fused-loss chunk (0: the automatic size, drafter/ttt.py)")
     p.add_argument("--switch-interval", type=float,
                    help="sys.setswitchinterval seconds (Python's default 0.005): how long a "
                    "thread keeps the GIL while the other waits (online: the prefetch thread "
@@ -712,6 +762,7 @@ def main(argv=None):
                                   f"offline {r['tok_s'] / off['tok_s']:.2f} steady, "
                                   f"{r['avg_tokens_per_s'] / off['avg_tokens_per_s']:.2f} "
                                   f"average (goal >= 0.7)", flush=True)
+                    gc.collect()  # the last run's model, optimizer and batches: not in the next peak
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
         del target_model

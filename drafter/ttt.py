@@ -291,17 +291,32 @@ def head_loss(hn, weight, teacher: dict, trows, w, fused: bool, chunk: int = 0,
 
 
 # ------------------------------------------------------------------------------- the unroll
-class _Piece(nn.Module):
-    """A TTT piece (pre or post) as the forward of a module that holds the decoder layer, so
-    that torch.func.functional_call can run it with the layer's matrices replaced by their
-    casts (TTT.cast_layer). Kept out of TTT's modules: it only borrows the layer."""
+class _Pre(nn.Module):
+    """The layer up to attention, as a module's forward over the borrowed decoder layer, so that
+    torch.func.functional_call can run it with the layer's matrices replaced by their casts
+    (TTT.cast_layer). Kept out of TTT's modules (and never referring back to TTT)."""
 
-    def __init__(self, fn: Callable, layer: nn.Module):
+    def __init__(self, layer: nn.Module):
         super().__init__()
-        self.fn, self.layer = fn, layer
+        self.layer = layer
 
-    def forward(self, *args):
-        return self.fn(*args)
+    def forward(self, h, emb, cos, sin):
+        """h, emb [B, T, H] -> q [B, nh, T, hd], k, v [B, nkv, T, hd], residual [B, T, H]."""
+        x, residual = self.layer.pre_attention(emb, h)                      # [B, T, 2H], [B, T, H]
+        return (*self.layer.self_attn.qkv(x.to(h.dtype), cos, sin), residual)
+
+
+class _Post(nn.Module):
+    """The layer after attention and the final norm (as _Pre)."""
+
+    def __init__(self, layer: nn.Module, norm: nn.Module):
+        super().__init__()
+        self.layer, self.norm = layer, norm
+
+    def forward(self, o, residual):
+        """o [B, nh, T, hd] -> h_out (layer output), hn = norm(h_out), each [B, T, H]."""
+        h_out = self.layer.post_attention(self.layer.self_attn.out(o), residual)
+        return h_out, self.norm(h_out)
 
 
 class TTT(nn.Module):
@@ -336,7 +351,7 @@ class TTT(nn.Module):
         self.norm, self.lm_head, self.rotary = drafter.norm, drafter.lm_head, drafter.rotary
         self.attention, self.loss_chunk, self.compiled = attention, loss_chunk, compile
         self.scale = attention_scale(self.cfg)
-        pieces = (_Piece(self.pre, self.midlayer), _Piece(self.post, self.midlayer))
+        pieces = (_Pre(self.midlayer), _Post(self.midlayer, self.norm))  # a tuple: unregistered
 
         def pre(ws, *a):
             return functional_call(pieces[0], ws, a)
@@ -359,23 +374,13 @@ class TTT(nn.Module):
 
     def cast_layer(self, device_type: str) -> dict:
         """{name: the matrix at autocast's dtype} for the layer's float32 matrices (names as
-        functional_call on a _Piece takes them); {} without autocast. The norms' vectors stay:
+        functional_call on _Pre and _Post takes them); {} without autocast. The norms' vectors stay:
         _RMSNormFn casts them itself, and their gradients are small."""
         if not torch.is_autocast_enabled(device_type):
             return {}
         dt = torch.get_autocast_dtype(device_type)
         return {f"layer.{n}": p.to(dt) for n, p in self.midlayer.named_parameters()
                 if p.ndim > 1 and p.is_floating_point() and p.dtype != dt}
-
-    def pre(self, h, emb, cos, sin):
-        """h, emb [B, T, H] -> q [B, nh, T, hd], k, v [B, nkv, T, hd], residual [B, T, H]."""
-        x, residual = self.midlayer.pre_attention(emb, h)                   # [B, T, 2H], [B, T, H]
-        return (*self.midlayer.self_attn.qkv(x.to(h.dtype), cos, sin), residual)
-
-    def post(self, o, residual):
-        """o [B, nh, T, hd] -> h_out (layer output), hn = norm(h_out), each [B, T, H]."""
-        h_out = self.midlayer.post_attention(self.midlayer.self_attn.out(o), residual)
-        return h_out, self.norm(h_out)
 
     def forward(self, aux, emb, position_ids, seq_id, src, rows, trows, weights, teacher,
                 part0: Callable | None = None):
