@@ -44,6 +44,13 @@
 #            then, alone, store-fp8's drafter (tau ~1.6) at batch 1 and 64 (issue 16's
 #            reference-drafter speedups)
 #   (the Llama-3.1-8B shape needs no model: a call of its own, BENCHMARKS.md gives it)
+#
+#   bash benchmarks/recipe_session.sh start-fifth  # one lane, its runs alone on the GPU in turn
+#   lane g: online-topk: online, top-64 teacher, lr 1.2e-3, 250 steps (train.online_group 4)
+#           -> store-fp8 again (offline: fp8 aux + top-64, the fourth session's exact config;
+#           tokenize and vocab linked from online-topk): issue 18's online / offline ratio,
+#           each alone, from train's own metrics; and both taus against the fourth session's
+#           1.5941 (the TTT gradients now summed at bf16: issue 18's cast-once change)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -174,6 +181,17 @@ lane_f3() {
   mark lane_f3
 }
 
+lane_g() {
+  short online-topk train.lr=1.2e-3 extract.teacher=topk
+  mkdir -p runs/store-fp8
+  for s in tokenize vocab; do   # the same tokens: not redone
+    [ -e runs/store-fp8/$s ] || [ ! -d runs/online-topk/$s ] || cp -al runs/online-topk/$s runs/store-fp8/$s
+  done
+  short store-fp8 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
+    extract.teacher=topk
+  mark lane_g
+}
+
 collect() {
   collect_runs
   # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
@@ -205,6 +223,11 @@ case "${1:-}" in
       setsid bash "$0" "$l" < /dev/null > "$RES/$l.out" 2>&1 &
     done
     sleep 2; log "final lanes started" ;;
+  start-fifth)
+    [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
+    setsid bash "$0" lane_g < /dev/null > "$RES/lane_g.out" 2>&1 &
+    sleep 2; log "fifth lane started" ;;
+  lane_g) lane_g ;;
   all) lane_b; lane_c; lane_a ;;   # in turn (CHECK=1 here)
   all-final) lane_f1; lane_f2; lane_f3 ;;
   lane_f1) lane_f1 ;;
@@ -220,7 +243,8 @@ case "${1:-}" in
     end=$(( $(date +%s) + ${2:-500} ))
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$RES/lane_a.done" ] \
       && ! { [ -f "$RES/lane_n1.done" ] && [ -f "$RES/lane_n2.done" ]; } \
-      && ! { [ -f "$RES/lane_f2.done" ] && [ -f "$RES/lane_f3.done" ]; }; do sleep 5; done
+      && ! { [ -f "$RES/lane_f2.done" ] && [ -f "$RES/lane_f3.done" ]; } \
+      && [ ! -f "$RES/lane_g.done" ]; do sleep 5; done
     collect; tail -n 40 "$RES/phases.log"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   collect) collect ;;

@@ -184,6 +184,7 @@ def test_loss_falls_when_overfitting(world, tmp_path):
     elapsed = [r["elapsed_s"] for r in recs]
     assert elapsed == sorted(elapsed) and elapsed[0] > 0 and "graphs" not in recs[0]
     assert out["final_step"] >= 10 and 0 < out["warmup_s"] < elapsed[-1]
+    assert 0 <= out["warmup_data_wait_s"] < out["warmup_s"]    # waiting for batches, of it
     assert out["avg_tokens_per_s"] == pytest.approx(
         sum(r["tokens"] for r in recs) / elapsed[-1], rel=1e-2)
     assert out["avg_over_steady"] == pytest.approx(

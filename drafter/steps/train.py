@@ -176,13 +176,16 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     first, t_start, tokens_total = step, time.perf_counter(), 0
     # Time in train steps only (validation and checkpoints set aside), so that tokens_per_s,
     # elapsed_s and warmup_s measure training: issue 18 compares the whole run with steady state.
-    aside, train_s_log, warmup_s, rates = 0.0, 0.0, None, []
-    waited = [0.0]  # seconds this thread blocked on the prefetch thread since the last log
+    aside, train_s_log, warmup_s, warmup_wait_s, rates = 0.0, 0.0, None, None, []
+    # seconds this thread blocked on the prefetch thread: since the last log, and in all
+    waited = [0.0, 0.0]
 
     def take() -> dict:
         t = time.perf_counter()
         hb = feed.next()
-        waited[0] += time.perf_counter() - t
+        dt = time.perf_counter() - t
+        waited[0] += dt
+        waited[1] += dt
         return hb
 
     try:
@@ -194,6 +197,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
             if step - first == WARMUP_STEPS:  # one sync: compiles and the first steps are done
                 sync_device(dev)
                 warmup_s = time.perf_counter() - t_start - aside
+                warmup_wait_s = waited[1]  # of it, waiting for batches (online: the target)
 
             if step % tc.log_every == 0 or step == total:
                 m = meter.read(dist, tc.ttt_decay)
@@ -267,6 +271,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         "final_step": step, "train": last_train if step > first else None, "val": last_val,
         "tokens_per_s": round(tokens_total / max(elapsed, 1e-9), 1) if step > first else None,
         **throughput(tokens_total, train_s_log, rates, warmup_s),
+        "warmup_data_wait_s": round(warmup_wait_s, 2) if warmup_wait_s is not None else None,
         "drafter_config": drafter.cfg.to_dict(), "attention": attention,
         "world_size": dist.world, "fsdp": fsdp,
         "last_checkpoint": str(run.checkpoints()[-1]) if run.checkpoints() else None,
