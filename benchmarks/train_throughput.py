@@ -488,6 +488,7 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
         marks[0].record()
     t0, wall, stats, graphs_warm, waited = time.perf_counter(), [], [], None, 0.0
+    waited_warm = None
     prof = Profile(args.profile, f"{name}-{teacher}-{'online' if online else 'offline'}",
                    start=min(30, args.steps // 2), steps=5, device=dist.device)
     with hold:
@@ -505,7 +506,7 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
                 else:
                     wall.append(time.perf_counter() - t0)
                 if j + 1 == trainer.WARMUP_STEPS:
-                    graphs_warm = trainer.compiled_graphs()
+                    graphs_warm, waited_warm = trainer.compiled_graphs(), waited
         finally:
             feed.close()
             prof.close()
@@ -529,6 +530,7 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
             # the training thread's seconds blocked on the next batch (the prefetch thread
             # behind: online, the target's forward and the batch's assembly)
             "feed_wait_s": waited, "run_s": time.perf_counter() - t0,
+            "warmup_wait_s": waited_warm,  # of the warm-up: as train's warmup_data_wait_s
             # the prefetch thread's seconds per batch (online: the target's forward included)
             "make_ms": 1e3 * statistics.median(s["make_s"] for s in stats[len(stats) // 2:]),
             "graphs_after_warmup": graphs - graphs_warm if graphs_warm is not None else None}
@@ -647,7 +649,8 @@ def describe(r: dict) -> str:
     if "error" in r:
         return r["error"]
     if "source" in r:
-        return (f"{r['source']}: warm-up {_f(r['warmup_s'], '.1f')}s, average "
+        return (f"{r['source']}: warm-up {_f(r['warmup_s'], '.1f')}s (waiting for batches "
+                f"{_f(r['warmup_wait_s'], '.1f')}s of it), average "
                 f"{_f(r['avg_tokens_per_s'], ',.0f')} tokens/s, steady {_f(r['tok_s'], ',.0f')} "
                 f"(avg/steady {_f(r['avg_over_steady'], '.2f')}), {r['graphs']} graphs, "
                 f"{_f(r['graphs_after_warmup'], 'd')} after warm-up, rows "
@@ -683,6 +686,9 @@ def main(argv=None):
     p.add_argument("--online-group", default=str(C.TrainConfig().online_group),
                    help="online: micro-batches per capture call (train.online_group), or a "
                    "list, one online run each: 1,4,8")
+    p.add_argument("--skip-offline", action="store_true",
+                   help="--online without the offline run first: the online run's warm-up "
+                   "then compiles cold, as a real online run's does")
     p.add_argument("--target", default="random",
                    help="--online's target: random (SmolLM2-135M-shaped) or a target spec")
     p.add_argument("--no-check", action="store_true",
@@ -739,7 +745,8 @@ def main(argv=None):
         for attention in args.attention.split(","):
             for teacher in args.teacher.split(","):
                 off = None
-                for online in [0] + (groups(args) if args.online else []):
+                for online in ([] if args.skip_offline else [0]) + \
+                        (groups(args) if args.online else []):
                     try:
                         if args.real:
                             r = bench_real(name, args, dist, attention, teacher, c,
@@ -756,7 +763,7 @@ def main(argv=None):
                         print(f"{name} {attention} {teacher}: {describe(r)}", flush=True)
                     if not online:
                         off = r
-                    elif "error" not in r and "error" not in off:
+                    elif off is not None and "error" not in r and "error" not in off:
                         if dist.main and off["tok_s"] and r["tok_s"]:
                             print(f"{name} {attention} {teacher}: online (group {online}) / "
                                   f"offline {r['tok_s'] / off['tok_s']:.2f} steady, "
