@@ -51,6 +51,11 @@
 #           tokenize and vocab linked from online-topk): issue 18's online / offline ratio,
 #           each alone, from train's own metrics; and both taus against the fourth session's
 #           1.5941 (the TTT gradients now summed at bf16: issue 18's cast-once change)
+#
+#   bash benchmarks/recipe_session.sh start-sixth  # not run yet; one lane, alone on the GPU
+#   lane s: store-fp8 again (a tau ~1.6 drafter: its weights are not kept between machines) ->
+#           its speedups at evaluate's recommended setting (issue 16's reference-drafter goals:
+#           chain K=2 at batch 1 and 64, as its evaluate recommended), and the tree at batch 1
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -141,7 +146,7 @@ speed_of() {  # speed_of PREFIX RUN CONFIG BATCH N1 N2 N3: runs/RUN's exported d
   local prefix=$1 run=$2 cfg=$3; shift 3
   [ -n "${CHECK:-}" ] || [ -d "runs/$run/export/native" ] || { log "$prefix-b$1: no export"; return; }
   step "$prefix-b$1" $DRAFTER evaluate "$cfg" "run_dir=runs/$prefix-b$1" \
-    "evaluate.drafter=runs/$run/export/native" "evaluate.batch_size=$1" \
+    "evaluate.drafter=runs/$run/export/native" "evaluate.batch_size=$1" "evaluate.k=${K:-5}" \
     "evaluate.methods=[chain,tree]" "evaluate.temperatures=[0.0]" \
     "evaluate.datasets[0].max_prompts=$2" "evaluate.datasets[1].max_prompts=$3" \
     "evaluate.datasets[2].max_prompts=$4"
@@ -192,6 +197,14 @@ lane_g() {
   mark lane_g
 }
 
+lane_s() {
+  short store-fp8 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
+    extract.teacher=topk
+  K=2 speed_of rec store-fp8 $CFG 1 10 10 10
+  K=2 speed_of rec store-fp8 $CFG 64 22 21 21
+  mark lane_s
+}
+
 collect() {
   collect_runs
   # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
@@ -223,6 +236,11 @@ case "${1:-}" in
       setsid bash "$0" "$l" < /dev/null > "$RES/$l.out" 2>&1 &
     done
     sleep 2; log "final lanes started" ;;
+  start-sixth)
+    [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
+    setsid bash "$0" lane_s < /dev/null > "$RES/lane_s.out" 2>&1 &
+    sleep 2; log "sixth lane started" ;;
+  lane_s) lane_s ;;
   start-fifth)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     setsid bash "$0" lane_g < /dev/null > "$RES/lane_g.out" 2>&1 &
@@ -244,7 +262,7 @@ case "${1:-}" in
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$RES/lane_a.done" ] \
       && ! { [ -f "$RES/lane_n1.done" ] && [ -f "$RES/lane_n2.done" ]; } \
       && ! { [ -f "$RES/lane_f2.done" ] && [ -f "$RES/lane_f3.done" ]; } \
-      && [ ! -f "$RES/lane_g.done" ]; do sleep 5; done
+      && [ ! -f "$RES/lane_g.done" ] && [ ! -f "$RES/lane_s.done" ]; do sleep 5; done
     collect; tail -n 40 "$RES/phases.log"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   collect) collect ;;
