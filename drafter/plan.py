@@ -14,7 +14,8 @@ section) or `estimated` (the formulas below, documented in docs/operations.md):
 - disk: store.bytes_per_token for each storage option times the tokens extract stores (train +
   val); the reference layout's 8*Ht+16 for comparison.
 - GPU memory per rank: capture.estimate_gpu_bytes for the target steps; for train, the drafter's
-  weights + grads + AdamW (16 bytes per trainable parameter, / GPUs under FSDP) + activations.
+  weights + grads + AdamW (16 bytes per trainable parameter, / GPUs under FSDP) + activations
+  (+ the target and the micro-batches' captured features in flight, online).
 - time: tokens / tokens-per-second. Prefill and training: mfu * gpu_tflops over 2 (prefill) or
   6 * ttt_steps (training) FLOPs per parameter and token. Decoding is bandwidth bound: a step of
   batch B reads the dense weights and the share 1-(1-k/E)^B of the experts it touches.
@@ -68,11 +69,14 @@ def drafter_shape(cfg, config) -> dict:
             "layer_ids": ids}
 
 
-def train_gpu_bytes(cfg, dshape: dict, gpus: int, ht: int) -> dict:
+def train_gpu_bytes(cfg, dshape: dict, gpus: int, ht: int, n_aux: int = 3) -> dict:
     """One rank of train: fp32 weights + grads + AdamW moments of the trainable parameters
     (16 bytes each, sharded over ranks under FSDP), the frozen embedding (fp32), and
     activations kept for backward over ttt_steps: per token and step ~ (10 H + 3 I) bf16 values
-    (norms, attention q/k/v/o, MLP), the aux input 3 Ht, one [tokens, Vd] fp32 teacher; +25%."""
+    (norms, attention q/k/v/o, MLP), the aux input 3 Ht, one [tokens, Vd] fp32 teacher; online,
+    the captured features of the micro-batches in flight (3 x train.online_group + 1: queued,
+    being captured, in use), bf16 aux states and the teacher as capture returns it; +25%. The
+    target's own memory is extract's estimate, added by the caller."""
     tc = cfg.train
     shard = gpus if (tc.fsdp and gpus > 1) else 1
     states = dshape["trainable"] * 16 // shard
@@ -80,9 +84,14 @@ def train_gpu_bytes(cfg, dshape: dict, gpus: int, ht: int) -> dict:
     H, I = dshape["hidden_size"], dshape["intermediate_size"]
     act = tc.batch_tokens * (tc.ttt_steps * (10 * H + 3 * I) + 3 * ht) * 2
     teacher = tc.batch_tokens * dshape["draft_vocab_size"] * 4
-    total = int((states + frozen + act + teacher) * 1.25)
+    features = 0
+    if tc.online:  # teacher: hidden bf16 [Ht], or top-k int64 ids + fp32 log-probs
+        per_token = n_aux * ht * 2 + (ht * 2 if cfg.extract.teacher == "hidden"
+                                      else cfg.extract.topk * 12)
+        features = (3 * tc.online_group + 1) * tc.batch_tokens * per_token
+    total = int((states + frozen + act + teacher + features) * 1.25)
     return {"states": states, "frozen": frozen, "activations": act, "teacher": teacher,
-            "total": total}
+            "online_features": features, "total": total}
 
 
 def decode_tokens_per_s(p, batch: int, params: dict, nbytes: int, gpus: int) -> float:
@@ -196,7 +205,7 @@ def gpu_memory(cfg, f: dict, warnings: list[str]) -> dict:
                                      f["n_aux"], tp=tp, params=total)
     ev = capture.estimate_gpu_bytes(f["config"], f["nbytes"], cfg.evaluate.max_new_tokens + 2048,
                                     f["n_aux"], tp=tp, params=total)
-    tr = train_gpu_bytes(cfg, f["drafter"], gpus, f["ht"])
+    tr = train_gpu_bytes(cfg, f["drafter"], gpus, f["ht"], f["n_aux"])
     online = cfg.train.online
     gen_tp = f["gen_tp"]
     mem = {

@@ -114,6 +114,25 @@ def test_kimi_gpu_memory_and_warnings(kimi):
     assert plan["disk"]["run_dir_free"] == pytest.approx(free, rel=0.01)
 
 
+def test_online_train_memory_counts_the_features_in_flight():
+    """Online, train holds the captured features of 3 x train.online_group + 1 micro-batches
+    (queued, being captured, in use): bf16 aux states and the teacher as capture returns it."""
+    d = {"trainable": 10_000, "total": 30_000, "hidden_size": 64, "intermediate_size": 128,
+         "draft_vocab_size": 512}
+    base = ["train.batch_tokens=4096", "train.max_length=1024"]
+    off = P.train_gpu_bytes(C.load(None, base), d, 1, ht=96)
+    assert off["online_features"] == 0
+    for teacher, per_token in (("hidden", 3 * 96 * 2 + 96 * 2), ("topk", 3 * 96 * 2 + 64 * 12)):
+        for group in (1, 4):
+            cfg = C.load(None, base + ["train.online=true", f"train.online_group={group}",
+                                       f"extract.teacher={teacher}"])
+            on = P.train_gpu_bytes(cfg, d, 1, ht=96)
+            assert on["online_features"] == (3 * group + 1) * 4096 * per_token
+            assert on["total"] == int((sum(off[k] for k in ("states", "frozen", "activations",
+                                                            "teacher"))
+                                       + on["online_features"]) * 1.25)
+
+
 def test_kimi_times(kimi):
     plan, _ = kimi
     total, routed = kimi_params()
