@@ -190,7 +190,8 @@ lane_g() {
   short online-topk train.lr=1.2e-3 extract.teacher=topk
   mkdir -p runs/store-fp8
   for s in tokenize vocab; do   # the same tokens: not redone
-    [ -e runs/store-fp8/$s ] || [ ! -d runs/online-topk/$s ] || cp -al runs/online-topk/$s runs/store-fp8/$s
+    [ -e runs/store-fp8/$s ] || [ ! -d runs/online-topk/$s ] \
+      || cp -al runs/online-topk/$s runs/store-fp8/$s
   done
   short store-fp8 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
     extract.teacher=topk
