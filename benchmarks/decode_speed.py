@@ -3,7 +3,8 @@
     python benchmarks/decode_speed.py                      # SmolLM2-135M on the GPU (the goals)
     python benchmarks/decode_speed.py --tiny               # a tiny random target on CPU (smoke)
     python benchmarks/decode_speed.py --drafter runs/x/export/native --json out.json
-    python benchmarks/decode_speed.py --tiny --ops         # + aten ops per step (kernel count)
+    python benchmarks/decode_speed.py --tiny --ops         # + aten ops per step (kernel count),
+                                                           # and by part of the step
     python benchmarks/decode_speed.py --random-target --batches 1,64 --profile   # no model files:
                                               # SmolLM2-135M's shape, random weights; the steps'
                                               # time by part (drafting, verify, accept, commit)
@@ -30,6 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from op_count import VIEW_OPS  # noqa: E402
 
 from drafter.config import TargetConfig  # noqa: E402
 from drafter.decode import Decoder, EagleDraft, TreeSpec, acceptance_stats  # noqa: E402
@@ -110,6 +114,63 @@ def ops_rows(model, P, prompt, k: int, tree: TreeSpec, row) -> None:
                 f"{'chain step' if fast else 'general tree step'}",
                 round(per_step(proposer=P, tree=TreeSpec.chain(k), temperature=T)), "ops")
     row(f"aten ops per step: {tree.label()}, T=0", round(per_step(proposer=P, tree=tree)), "ops")
+    for T, tr in ((0.0, tree), (0.0, TreeSpec.chain(k))):
+        for part, (ops, kernels) in ops_by_part(dec, P, prompt, tr, T).items():
+            row(f"  {tr.label()}, T={T:g}: {part}", f"{ops:.0f} / {kernels:.0f}",
+                "ops / kernels")
+
+
+def ops_by_part(dec, P, prompt, tree: TreeSpec, temperature: float) -> dict:
+    """Aten ops and kernels (ops that are not views) per speculative step, by the part of the
+    step that dispatched them (the parts phase_profile marks; `build_tree` without the drafter
+    forwards it calls, the rest of _spec_step as `step setup and bookkeeping`): at batch 1 a
+    captured step's time beyond its forwards is about its kernel count."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from drafter import decode
+
+    stack: list[str] = []
+    counts: dict = {}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            part = stack[-1] if stack else "step setup and bookkeeping"
+            view = str(func.overloadpacket).split(".")[-1] in VIEW_OPS
+            c = counts.setdefault(part, [0, 0])
+            c[0] += 1
+            c[1] += not view
+            return func(*args, **(kwargs or {}))
+
+    parts = [(decode, "build_tree", "tree construction (build_tree)"),
+             (P, "score", "drafter forwards"), (dec.target, "forward", "verify forward"),
+             (decode, "ancestors", "ancestors"), (decode, "verify_greedy", "accept"),
+             (P, "observe", "drafter re-read"), (dec, "_commit", "commit")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in parts]
+
+    def marked(fn, label):
+        def run(*args, **kw):
+            stack.append(label)
+            try:
+                return fn(*args, **kw)
+            finally:
+                stack.pop()
+        return run
+
+    for (obj, name, fn), (_, _, label) in zip(saved, parts):
+        setattr(obj, name, marked(fn, label))
+    runs = []
+    try:
+        for n in (8, 24):
+            counts.clear()
+            with Count():
+                dec.generate([prompt], n, proposer=P, tree=tree, temperature=temperature)
+            runs.append(({k: tuple(v) for k, v in counts.items()}, dec.last["iterations"]))
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    (c1, i1), (c2, i2) = runs
+    return {k: tuple((b - a) / (i2 - i1) for a, b in zip(c1.get(k, (0, 0)), c2[k]))
+            for k in c2}
 
 
 def phase_profile(model, P, prompts, tree: TreeSpec, steps: int = 16) -> str:
@@ -183,7 +244,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs")
     ap.add_argument("--ops", action="store_true",
                     help="aten ops per step (plain; chain at T=0 and T=1: general tree step "
-                         "and its chain step; tree): the kernels a graph replays, counted eagerly")
+                         "and its chain step; tree), and the tree's and the chain's by part of "
+                         "the step: the kernels a graph replays, counted eagerly")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
     tmp = None

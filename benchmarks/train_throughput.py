@@ -77,6 +77,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import specforge_anchor  # noqa: E402
+from op_count import VIEW_OPS  # noqa: E402
 
 from drafter import batches, trainer  # noqa: E402
 from drafter import config as C  # noqa: E402
@@ -394,12 +395,6 @@ def online_source(model, c: DrafterConfig, lengths: list[int], teacher: str, k: 
             for n, p in zip(lengths, prompt_lengths(lengths, 0))]
     return batches.Source([f"{i:09d}" for i in range(len(rows))], lengths,
                           lambda idx: cap([rows[j] for j in idx])), cap.head, cap.lock
-
-
-# aten ops that only make a view or read metadata: no kernel behind them
-VIEW_OPS = {"view", "_unsafe_view", "slice", "select", "t", "transpose", "unsqueeze", "squeeze",
-            "expand", "as_strided", "alias", "lift_fresh", "detach", "permute", "split", "unbind",
-            "split_with_sizes", "narrow", "_reshape_alias", "view_as_real", "unfold"}
 
 
 def groups(args) -> list[int]:

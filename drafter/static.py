@@ -50,21 +50,35 @@ def _slot_cache_class():
 
         Before each forward the caller sets `slots` [B, T] (where each new token goes) and `span`
         (how many leading slots attention reads). Buffers are allocated on the first write, from
-        the shapes the model hands in, so MLA latents (DeepSeek) and any head layout work."""
+        the shapes the model hands in, so MLA latents (DeepSeek) and any head layout work. A
+        layer whose keys (values) have the `pooled` (heads, dim) gets slice i of one pool
+        [layers, Bmax, heads, Smax, dim] for the keys (values) of all such layers, so that
+        copy_slots moves every layer's entries in one gather and one scatter (a tree step
+        called it per layer: 4 kernels a layer, 120 at SmolLM2's 30); others get their own."""
 
-        def __init__(self, max_batch: int, max_slots: int):
+        def __init__(self, max_batch: int, max_slots: int, num_layers: int = 0,
+                     pooled: tuple[int, int] | None = None):
             super().__init__(layers=[])
             self.max_batch, self.max_slots = max_batch, max_slots
+            self.num_layers, self.pooled = num_layers, pooled
             self.k: dict[int, Tensor] = {}
             self.v: dict[int, Tensor] = {}
+            self.pools: dict[int, Tensor] = {}  # id of the store -> [layers, Bmax, heads, S, dim]
             self.slots: Tensor | None = None
             self.rows: Tensor | None = None   # set: the batch is these cache rows (a refill)
             self.span = max_slots
 
         def _buf(self, store: dict, i: int, x: Tensor) -> Tensor:
             if i not in store:
-                store[i] = torch.zeros(self.max_batch, x.shape[1], self.max_slots, x.shape[3],
-                                       dtype=x.dtype, device=x.device)  # zeros: no NaN garbage
+                heads, dim = x.shape[1], x.shape[3]
+                shape = (self.max_batch, heads, self.max_slots, dim)
+                if (heads, dim) == self.pooled and 0 <= i < self.num_layers:
+                    if id(store) not in self.pools:
+                        self.pools[id(store)] = torch.zeros(self.num_layers, *shape,
+                                                            dtype=x.dtype, device=x.device)
+                    store[i] = self.pools[id(store)][i]
+                else:
+                    store[i] = torch.zeros(shape, dtype=x.dtype, device=x.device)  # no NaN
             return store[i]
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -89,13 +103,20 @@ def _slot_cache_class():
             """Move each row's entries at slots src [B, n] to slots dst [B, n] (all layers)."""
             B, n = src.shape
             for store in (self.k, self.v):
-                for buf in store.values():
+                pool = self.pools.get(id(store))
+                bufs = [b for b in store.values() if pool is None or b._base is not pool]
+                if pool is not None:  # all pooled layers at once: [layers, B, heads, n, dim]
+                    shape = (pool.shape[0], B, pool.shape[2], n, pool.shape[4])
+                    vals = pool[:, :B].gather(3, src[None, :, None, :, None].expand(shape))
+                    pool[:, :B].scatter_(3, dst[None, :, None, :, None].expand(shape), vals)
+                for buf in bufs:
                     shape = (B, buf.shape[1], n, buf.shape[3])
                     vals = buf[:B].gather(2, src[:, None, :, None].expand(shape))
                     buf[:B].scatter_(2, dst[:, None, :, None].expand(shape), vals)
 
         def nbytes(self) -> int:
-            return sum(b.numel() * b.element_size() for s in (self.k, self.v) for b in s.values())
+            own = [b for s in (self.k, self.v) for b in s.values() if b._base is None]
+            return sum(b.numel() * b.element_size() for b in own + list(self.pools.values()))
 
     return SlotCache
 
@@ -162,6 +183,10 @@ class StaticTarget:
         self.layers = decoder_layers(model)
         self.final_norm = getattr(model.get_decoder(), "norm", None)
         self.num_layers = len(self.layers)
+        # (heads, dim) of a standard layer's keys and values: their cache layers share a pool
+        heads = getattr(tc, "num_key_value_heads", None) or getattr(tc, "num_attention_heads", 0)
+        dim = getattr(tc, "head_dim", None) or tc.hidden_size // max(tc.num_attention_heads, 1)
+        self.kv_shape = (heads, dim)
         emb = model.get_input_embeddings().weight
         self.device, self.dtype = emb.device, emb.dtype
         params = inspect.signature(model.forward).parameters
@@ -179,7 +204,7 @@ class StaticTarget:
             self.model.set_attn_implementation(self._impl)
 
     def allocate(self, max_batch: int, max_slots: int) -> None:
-        self.cache = _slot_cache_class()(max_batch, max_slots)
+        self.cache = _slot_cache_class()(max_batch, max_slots, self.num_layers, self.kv_shape)
 
     def set_aux(self, ids: Sequence[int] | None) -> None:
         """Capture HS[k] for these layer ids on every forward (None: capture nothing)."""

@@ -482,3 +482,44 @@ def test_a_proposer_shared_by_two_decoders_is_reallocated_for_each(tiny_llama):
     outs = big.generate(t["prompts"], 3 * MAX_NEW, proposer=P, tree=tree)
     assert P.kc.shape[0] == 3 and P.kc.shape[2] == big.cap[1]
     assert [o.tokens for o in outs] == [o.tokens for o in t["plain"]]
+
+
+def test_slot_cache_moves_every_pooled_layer_in_one_gather_and_scatter():
+    """copy_slots (a tree step's accepted nodes to their final slots) gives what a loop over the
+    layers gives; the layers of the pooled (heads, dim) share one pool per store, so it costs 2
+    kernels per store for all of them, plus 2 per store for each layer of another shape (an MLA
+    latent, say), whatever the number of layers."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from drafter.static import _slot_cache_class
+
+    g = torch.Generator().manual_seed(0)
+    SlotCache = _slot_cache_class()
+    shapes = [(2, 4)] * 5 + [(1, 6)]                        # five standard layers, one other
+    cache = SlotCache(max_batch=3, max_slots=10, num_layers=6, pooled=(2, 4))
+    cache.slots = torch.arange(10).expand(2, 10)             # batch 2 fills every slot
+    for i, (h, d) in enumerate(shapes):
+        k, v = (torch.randn(2, h, 10, d, generator=g) for _ in range(2))
+        cache.update(k, v, i)
+    assert len(cache.pools) == 2                             # one for the keys, one for values
+    assert cache.k[0]._base is cache.pools[id(cache.k)] and cache.k[5]._base is None
+    before = {(n, i): b.clone() for n, s in (("k", cache.k), ("v", cache.v)) for i, b in s.items()}
+    src, dst = torch.tensor([[7, 3], [2, 9]]), torch.tensor([[4, 5], [6, 7]])
+
+    class Kernels(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket).split(".")[-1]
+            Kernels.n += name in ("gather", "scatter_", "scatter")
+            return func(*args, **(kwargs or {}))
+
+    with Kernels():
+        cache.copy_slots(src, dst)
+    assert Kernels.n == 2 * 2 + 2 * 2 * 1                   # pools: 2 per store; the other: 2x2
+    for (n, i), ref in before.items():
+        for b in range(2):
+            ref[b, :, dst[b]] = ref[b, :, src[b]].clone()
+        assert torch.equal((cache.k if n == "k" else cache.v)[i], ref), (n, i)
+    pool_bytes = 2 * 6 * 3 * 2 * 10 * 4 * 4                  # k and v pools (6 slices, float32)
+    assert cache.nbytes() == pool_bytes + 2 * 3 * 1 * 10 * 6 * 4
