@@ -469,15 +469,16 @@ class Decoder:
         s = torch.arange(span, device=dev)
         committed = (s[None] >= start[:, None]) & (s[None] < L[:, None])            # [B, S]
         fvis = None
+        slots1 = L[:, None] + torch.arange(k, device=dev)          # [B, k] depth 1's; then + k
+        pos1 = (L - start)[:, None].expand(B, k)                   # depth 1's position; then + 1
 
         def scorer(i, ids, parent):  # frontier at depth i: slots L + (i-1)k + r, position L+i-1
             nonlocal fvis
-            slots = L[:, None] + (i - 1) * k + torch.arange(k, device=dev)          # [B, k]
+            slots = slots1 + (i - 1) * k if i > 1 else slots1                      # [B, k]
             own = s[None, None] == slots[..., None]                                 # [B, k, S]
             fvis = own if i == 1 else own | fvis.gather(1, parent[..., None].expand(B, k, span))
-            pos = (L - start)[:, None] + (i - 1)
-            return P.score(i, P.to_target(ids), parent, pos.expand(B, k), slots,
-                           committed[:, None] | fvis)
+            return P.score(i, P.to_target(ids), parent, pos1 + (i - 1) if i > 1 else pos1,
+                           slots, committed[:, None] | fvis)
 
         draft = build_tree(st.root, scorer, tree, temperature)
         toks = P.to_target(draft.tokens)                                            # [B, N]

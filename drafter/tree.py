@@ -6,6 +6,7 @@ E expanded nodes, Vd draft vocab, S attention span.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -75,6 +76,19 @@ def _gumbel_like(x: Tensor) -> Tensor:
     return -torch.log(-torch.log(u))
 
 
+@functools.lru_cache(maxsize=64)
+def _layout(k: int, D: int, device: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Constants of a (topk k, depth D) tree's M = k + (D-1)·k² candidates, made once per device
+    (a captured step would rebuild them every step: a dozen kernels, at batch 1 each as slow as
+    a small matmul): the depth of each [M], its tie-break 1e-9·depth in float64 [M], and, in
+    order, the draft-distribution row 1 + i·k + r that expansion i+1 drew frontier node r's
+    children from [(D-1)·k] (row 0: the root's)."""
+    dev = torch.device(device)
+    m = torch.arange(k + (D - 1) * k * k, device=dev)
+    depth = torch.where(m < k, 1, 2 + (m - k) // (k * k))
+    return depth, 1e-9 * depth.double(), 1 + torch.arange((D - 1) * k, device=dev)
+
+
 def build_tree(root_logits: Tensor, scorer, spec: TreeSpec, temperature: float) -> Draft:
     """EAGLE-2's dynamic tree. root_logits [B, Vd]: the drafter after the last committed token.
     `scorer(i, ids [B, k], parent [B, k]) -> logits [B, k, Vd]` runs the drafter on the frontier
@@ -125,17 +139,16 @@ def build_tree(root_logits: Tensor, scorer, spec: TreeSpec, temperature: float) 
         offset += k * k
     ids, sc, par = torch.cat(c_ids, 1), torch.cat(c_sc, 1), torch.cat(c_par, 1)     # [B, M]
     M, N = ids.shape[1], spec.nodes
-    m = torch.arange(M, device=dev)  # no host->device copy: the step is graph-captured
-    depth = torch.where(m < k, 1, 2 + (m - k) // (k * k))                          # [M]
+    depth, tie, rows = _layout(k, D, str(dev))                           # [M], [M], [(D-1)·k]
     # A child scores strictly below its parent (the depth term breaks exact ties), so the N best
     # candidates are ancestor-closed; float64 keeps the 1e-9 visible at any score magnitude.
-    key = sc.double() - 1e-9 * depth.double()
+    key = sc.double() - tie
     sel = key.topk(N, dim=-1).indices.sort(dim=-1).values                           # [B, N]
     psel = par.gather(1, sel)
     parent = torch.where(psel < 0, 0, torch.searchsorted(sel, psel.clamp(min=0)) + 1)
     row = torch.full((B, M), -1, dtype=torch.long, device=dev)
-    for i, fc in enumerate(fronts):  # expansion i+1 drew frontier node r's children from row ...
-        row.scatter_(1, fc, (1 + i * k + torch.arange(k, device=dev)).expand(B, k))
+    if fronts:  # expansion i+1 drew frontier node r's children from distribution row 1+i·k+r
+        row.scatter_(1, torch.cat(fronts, 1), rows.expand(B, -1))
     dist = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), row.gather(1, sel)], 1)
     return Draft(tokens=ids.gather(1, sel), parent=parent, depth=depth[sel],
                  valid=torch.isfinite(sc.gather(1, sel)), dist=dist,
