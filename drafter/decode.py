@@ -473,12 +473,13 @@ class Decoder:
         pos1 = (L - start)[:, None].expand(B, k)                   # depth 1's position; then + 1
 
         def scorer(i, ids, parent):  # frontier at depth i: slots L + (i-1)k + r, position L+i-1
-            nonlocal fvis
+            nonlocal fvis  # what each frontier node sees: the committed slots and its ancestors'
             slots = slots1 + (i - 1) * k if i > 1 else slots1                      # [B, k]
             own = s[None, None] == slots[..., None]                                 # [B, k, S]
-            fvis = own if i == 1 else own | fvis.gather(1, parent[..., None].expand(B, k, span))
+            fvis = own | (committed[:, None] if i == 1 else
+                          fvis.gather(1, parent[..., None].expand(B, k, span)))
             return P.score(i, P.to_target(ids), parent, pos1 + (i - 1) if i > 1 else pos1,
-                           slots, committed[:, None] | fvis)
+                           slots, fvis)
 
         draft = build_tree(st.root, scorer, tree, temperature)
         toks = P.to_target(draft.tokens)                                            # [B, N]

@@ -314,7 +314,7 @@ class EagleDraft:
         self.dr = drafter.eval()
         self.aux_layer_ids = list(drafter.cfg.aux_layer_ids)
         self.vocab_size = drafter.cfg.draft_vocab_size
-        self.kc = self.vc = self.root_h = None
+        self.kc = self.vc = self.root_h = self.t_ids = None
         self._front_h = None
 
     def allocate(self, max_batch, max_slots, device, dtype):
@@ -323,12 +323,17 @@ class EagleDraft:
         self.kc = torch.zeros(max_batch, a.nkv, max_slots, a.hd, device=device, dtype=dtype)
         self.vc = torch.zeros_like(self.kc)
         self.root_h = torch.zeros(max_batch, self.dr.cfg.hidden_size, device=device, dtype=dtype)
+        # draft id -> target id as one lookup (a step maps ids up to depth + 1 times)
+        self.t_ids = self.dr.to_target_ids(torch.arange(self.vocab_size, device=device))
 
     def state_tensors(self):
         return [self.root_h]
 
     def to_target(self, draft_ids):
-        return self.dr.to_target_ids(draft_ids)
+        t = self.t_ids
+        if t is None or t.device != draft_ids.device:  # not allocated here: the drafter's rule
+            return self.dr.to_target_ids(draft_ids)
+        return t[draft_ids]
 
     def _forward(self, ids, h, pos, slots, vis):
         """ids, pos, slots [B, T]; h [B, T, H]; vis [B, T, S] -> h_out [B, T, H]."""
