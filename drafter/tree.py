@@ -76,13 +76,14 @@ def _gumbel_like(x: Tensor) -> Tensor:
     return -torch.log(-torch.log(u))
 
 
-@functools.lru_cache(maxsize=64)
+@functools.cache  # never evicted: a captured graph reads these tensors' memory on every replay
 def _layout(k: int, D: int, device: str) -> tuple[Tensor, Tensor, Tensor]:
     """Constants of a (topk k, depth D) tree's M = k + (D-1)·k² candidates, made once per device
     (a captured step would rebuild them every step: a dozen kernels, at batch 1 each as slow as
-    a small matmul): the depth of each [M], its tie-break 1e-9·depth in float64 [M], and, in
-    order, the draft-distribution row 1 + i·k + r that expansion i+1 drew frontier node r's
-    children from [(D-1)·k] (row 0: the root's)."""
+    a small matmul), at the graph's eager warm-up, never under capture: the depth of each [M],
+    its tie-break 1e-9·depth in float64 [M], and, in order, the draft-distribution row
+    1 + i·k + r that expansion i+1 drew frontier node r's children from [(D-1)·k] (row 0: the
+    root's)."""
     dev = torch.device(device)
     m = torch.arange(k + (D - 1) * k * k, device=dev)
     depth = torch.where(m < k, 1, 2 + (m - k) // (k * k))
