@@ -23,6 +23,7 @@ A random drafter is used unless --drafter is given (step time does not depend on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -33,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from op_count import VIEW_OPS  # noqa: E402
+from op_count import OpCount  # noqa: E402
 
 from drafter.config import TargetConfig  # noqa: E402
 from drafter.decode import Decoder, EagleDraft, TreeSpec, acceptance_stats  # noqa: E402
@@ -80,141 +81,103 @@ def random_drafter(config, draft_vocab: int):
                                              default_layer_ids(num_layers(config))))
 
 
+def step_parts(dec, P) -> list[tuple]:
+    """The parts of a speculative step, (object, attribute, label): `build_tree` (the tree's
+    construction, its drafter forwards nested in it), the drafter forwards, the verification
+    forward, the ancestor matrix, the acceptance, the drafter's re-read of the committed tokens,
+    the commit; what none of them runs is the step's setup and bookkeeping."""
+    from drafter import decode
+
+    return [(decode, "build_tree", "tree construction (build_tree)"),
+            (P, "score", "drafter forwards"), (dec.target, "forward", "verify forward"),
+            (decode, "ancestors", "ancestors"), (decode, "verify_greedy", "accept"),
+            (decode, "verify_chain_sample", "accept"), (P, "observe", "drafter re-read"),
+            (dec, "_commit", "commit")]
+
+
+@contextlib.contextmanager
+def marked(parts, enter):
+    """Each (object, attribute, label) of `parts` wrapped so that its calls run inside
+    enter(label) (a context manager); put back on exit."""
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in parts]
+
+    def wrap(fn, label):
+        def run(*args, **kw):
+            with enter(label):
+                return fn(*args, **kw)
+        return run
+
+    for (obj, name, fn), (_, _, label) in zip(saved, parts):
+        setattr(obj, name, wrap(fn, label))
+    try:
+        yield
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+
+
+def counts_per_step(dec, prompt, parts=(), **kw) -> dict[str, tuple[float, float]]:
+    """{label: (aten ops, kernels)} per decode step, counted eagerly: the difference between
+    generate calls of 8 and 24 new tokens (the prefill cancels), the calls of `parts` under their
+    labels (the innermost), the rest as `step setup and bookkeeping`."""
+    runs = []
+    for n in (8, 24):
+        with OpCount("step setup and bookkeeping") as c, marked(parts, c.label):
+            dec.generate([prompt], n, **kw)
+        runs.append((c, dec.last["iterations"]))
+    (c1, i1), (c2, i2) = runs
+    return {k: ((c2.ops[k] - c1.ops[k]) / (i2 - i1), (c2.kernels[k] - c1.kernels[k]) / (i2 - i1))
+            for k in c2.ops}
+
+
 def ops_rows(model, P, prompt, k: int, tree: TreeSpec, row) -> None:
     """Aten ops dispatched per decode step, eagerly (graphs off): each is one kernel or more
-    that a captured step replays, so the count is the launch-bound part of a step. Per step =
-    the difference between two generate calls of different lengths (the prefill cancels)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
+    that a captured step replays, so the count is the launch-bound part of a step; for the tree
+    and the chain also by part of the step (at batch 1 a captured step's time beyond its
+    forwards is about its kernel count)."""
     dec = Decoder(model, max_batch=1, cuda_graphs=False)
 
-    def per_step(**kw) -> float:
-        counts = []
-        for n in (8, 24):
-            Count.n = 0
-            with Count():
-                dec.generate([prompt], n, **kw)
-            counts.append((Count.n, dec.last["iterations"]))
-        (c1, i1), (c2, i2) = counts
-        return (c2 - c1) / (i2 - i1)
+    def total(**kw) -> int:
+        return round(sum(ops for ops, _ in counts_per_step(dec, prompt, **kw).values()))
 
-    row("aten ops per step: plain", round(per_step()), "ops")
+    row("aten ops per step: plain", total(), "ops")
     for T in (0.0, 1.0):
         for fast in (False, True):
             dec.fast_chain = fast
             torch.manual_seed(0)
             row(f"aten ops per step: chain K={k}, T={T:g}, "
                 f"{'chain step' if fast else 'general tree step'}",
-                round(per_step(proposer=P, tree=TreeSpec.chain(k), temperature=T)), "ops")
-    row(f"aten ops per step: {tree.label()}, T=0", round(per_step(proposer=P, tree=tree)), "ops")
-    for T, tr in ((0.0, tree), (0.0, TreeSpec.chain(k))):
-        for part, (ops, kernels) in ops_by_part(dec, P, prompt, tr, T).items():
-            row(f"  {tr.label()}, T={T:g}: {part}", f"{ops:.0f} / {kernels:.0f}",
-                "ops / kernels")
-
-
-def ops_by_part(dec, P, prompt, tree: TreeSpec, temperature: float) -> dict:
-    """Aten ops and kernels (ops that are not views) per speculative step, by the part of the
-    step that dispatched them (the parts phase_profile marks; `build_tree` without the drafter
-    forwards it calls, the rest of _spec_step as `step setup and bookkeeping`): at batch 1 a
-    captured step's time beyond its forwards is about its kernel count."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from drafter import decode
-
-    stack: list[str] = []
-    counts: dict = {}
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            part = stack[-1] if stack else "step setup and bookkeeping"
-            view = str(func.overloadpacket).split(".")[-1] in VIEW_OPS
-            c = counts.setdefault(part, [0, 0])
-            c[0] += 1
-            c[1] += not view
-            return func(*args, **(kwargs or {}))
-
-    parts = [(decode, "build_tree", "tree construction (build_tree)"),
-             (P, "score", "drafter forwards"), (dec.target, "forward", "verify forward"),
-             (decode, "ancestors", "ancestors"), (decode, "verify_greedy", "accept"),
-             (P, "observe", "drafter re-read"), (dec, "_commit", "commit")]
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in parts]
-
-    def marked(fn, label):
-        def run(*args, **kw):
-            stack.append(label)
-            try:
-                return fn(*args, **kw)
-            finally:
-                stack.pop()
-        return run
-
-    for (obj, name, fn), (_, _, label) in zip(saved, parts):
-        setattr(obj, name, marked(fn, label))
-    runs = []
-    try:
-        for n in (8, 24):
-            counts.clear()
-            with Count():
-                dec.generate([prompt], n, proposer=P, tree=tree, temperature=temperature)
-            runs.append(({k: tuple(v) for k, v in counts.items()}, dec.last["iterations"]))
-    finally:
-        for obj, name, fn in saved:
-            setattr(obj, name, fn)
-    (c1, i1), (c2, i2) = runs
-    return {k: tuple((b - a) / (i2 - i1) for a, b in zip(c1.get(k, (0, 0)), c2[k]))
-            for k in c2}
+                total(proposer=P, tree=TreeSpec.chain(k), temperature=T), "ops")
+    for tr in (tree, TreeSpec.chain(k)):
+        by = counts_per_step(dec, prompt, step_parts(dec, P), proposer=P, tree=tr)
+        if tr is tree:
+            row(f"aten ops per step: {tree.label()}, T=0", round(sum(o for o, _ in by.values())),
+                "ops")
+        for part, (ops, kernels) in by.items():
+            row(f"  {tr.label()}, T=0: {part}", f"{ops:.0f} / {kernels:.0f}", "ops / kernels")
 
 
 def phase_profile(model, P, prompts, tree: TreeSpec, steps: int = 16) -> str:
     """Where a speculative step's time goes: the step run eagerly (graphs off: the same kernels,
-    launched one by one) under torch.profiler, its parts marked with record_function (the
-    drafter forwards, the tree's construction around them, the verification forward, the
-    acceptance, the drafter's re-read of the committed tokens, the commit). Returns a table of
-    GPU and CPU milliseconds per step by part, then the top kernels by GPU time."""
+    launched one by one) under torch.profiler, its parts (step_parts) marked with
+    record_function. Returns a table of GPU and CPU milliseconds per step by part (a part's time
+    includes the parts nested in it: build_tree's, its drafter forwards), then the top kernels
+    by GPU time."""
     from torch.profiler import ProfilerActivity, profile, record_function
-
-    from drafter import decode
 
     dec = Decoder(model, max_batch=len(prompts), cuda_graphs=False)
     dec.generate(prompts, 8, proposer=P, tree=tree)                       # warm-up
-    parts = [(decode, "build_tree", "draft: build_tree (with its drafter forwards)"),
-             (P, "score", "draft: drafter forward"),
-             (dec.target, "forward", "verify: target forward"),
-             (decode, "verify_greedy", "accept"), (decode, "verify_chain_sample", "accept"),
-             (P, "observe", "observe: drafter re-reads the committed tokens"),
-             (dec, "_commit", "commit")]
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in parts]
-
-    def marked(fn, label):
-        def run(*args, **kw):
-            with record_function(label):
-                return fn(*args, **kw)
-        return run
-
-    for (obj, name, fn), (_, _, label) in zip(saved, parts):
-        setattr(obj, name, marked(fn, label))
+    parts = step_parts(dec, P)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
                                      else [])
-    try:
-        with profile(activities=acts) as prof:
-            with record_function("step (all)"):
-                dec.generate(prompts, steps, proposer=P, tree=tree)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-    finally:
-        for obj, name, fn in saved:
-            setattr(obj, name, fn)
+    with profile(activities=acts) as prof, marked(parts, record_function):
+        with record_function("step (all)"):
+            dec.generate(prompts, steps, proposer=P, tree=tree)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     n = max(dec.last["iterations"], 1)
     ka = prof.key_averages()
-    labels = ["step (all)"] + [label for _, _, label in parts]
+    labels = ["step (all)"] + list(dict.fromkeys(label for _, _, label in parts))
     lines = [f"{tree.label()}, batch {len(prompts)}: ms per step over {n} eager steps "
              f"(prefill included in 'step (all)')",
              "| part | GPU ms | CPU ms |", "|---|---:|---:|"]

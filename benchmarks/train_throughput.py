@@ -77,7 +77,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import specforge_anchor  # noqa: E402
-from op_count import VIEW_OPS  # noqa: E402
+from op_count import OpCount  # noqa: E402
 
 from drafter import batches, trainer  # noqa: E402
 from drafter import config as C  # noqa: E402
@@ -150,7 +150,7 @@ def setup(c: DrafterConfig, B: int, T: int, K: int, args, dist, attention: str) 
     head = Head((torch.randn(c.draft_vocab_size, c.target_hidden_size) * 0.05)
                 .to(torch.bfloat16)).to(dist.device)
     ttt, model, opt = trainer.setup_model(drafter, tc, dist, attention)
-    ttt.loss_chunk = getattr(args, "loss_chunk", 0)
+    ttt.loss_chunk = args.loss_chunk
     amp = torch.autocast(dist.device.type, dtype=torch.bfloat16) if cuda else \
         torch.autocast("cpu", enabled=False)
     return dict(tc=tc, attention=attention, drafter=drafter, head=head, model=model, opt=opt,
@@ -408,18 +408,6 @@ def producer_ops(name: str, args, model, c: DrafterConfig) -> list[dict]:
     micro-batches in one call, counted eagerly over the first group: on a GPU each that is not
     a view is a kernel launch the thread issues while the training thread launches its own (the
     GIL is shared). Needs no GPU: the count is the device's too."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = {}
-
-        def __torch_dispatch__(self, func, types, a=(), kw=None):
-            n = str(func.overloadpacket).split(".")[-1]
-            self.ops[n] = self.ops.get(n, 0) + 1
-            return func(*a, **(kw or {}))
-
     _, B, T, K = shape_config(name, args)
     out = []
     for G in groups(args):
@@ -428,15 +416,13 @@ def producer_ops(name: str, args, model, c: DrafterConfig) -> list[dict]:
         jobs = batches.epoch_micro_batches(batches.pack(src.lengths, T, 0), B, 0, 0)[:G]
         tc = C.TrainConfig(ttt_steps=K)
         emb = torch.zeros(c.vocab_size, c.hidden_size)
-        with Count() as m:
+        with OpCount() as m:
             batches.host_batches(src, jobs, B, T, tc, emb)
-        attn = sum(v for k, v in m.ops.items() if "attention" in k)
+        attn = sum(v for k, v in m.names.items() if "attention" in k)
         layers = model.config.num_hidden_layers
-        kernels = sum(v for k, v in m.ops.items() if k not in VIEW_OPS)
         out.append({"group": G, "samples": sum(len(x) for r in jobs for x in r) / G,
-                    "ops": sum(m.ops.values()) / G, "kernels": kernels / G,
-                    "forwards": attn / layers / G,
-                    "top": sorted(m.ops.items(), key=lambda x: -x[1])[:12]})
+                    "ops": m.ops["rest"] / G, "kernels": m.kernels["rest"] / G,
+                    "forwards": attn / layers / G, "top": m.names.most_common(12)})
     return out
 
 

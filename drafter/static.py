@@ -184,9 +184,8 @@ class StaticTarget:
         self.final_norm = getattr(model.get_decoder(), "norm", None)
         self.num_layers = len(self.layers)
         # (heads, dim) of a standard layer's keys and values: their cache layers share a pool
-        heads = getattr(tc, "num_key_value_heads", None) or getattr(tc, "num_attention_heads", 0)
-        dim = getattr(tc, "head_dim", None) or tc.hidden_size // max(tc.num_attention_heads, 1)
-        self.kv_shape = (heads, dim)
+        self.kv_shape = (getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+                         getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
         emb = model.get_input_embeddings().weight
         self.device, self.dtype = emb.device, emb.dtype
         params = inspect.signature(model.forward).parameters

@@ -330,11 +330,8 @@ class EagleDraft:
     def state_tensors(self):
         return [self.root_h]
 
-    def to_target(self, draft_ids):
-        t = self.t_ids
-        if t is None or t.device != draft_ids.device:  # not allocated here: the drafter's rule
-            return self.dr.to_target_ids(draft_ids)
-        return t[draft_ids]
+    def to_target(self, draft_ids):  # after allocate, as every decoding step is
+        return self.t_ids[draft_ids]
 
     def _forward(self, ids, h, pos, slots, vis):
         """ids, pos, slots [B, T]; h [B, T, H]; vis [B, T, S] -> h_out [B, T, H]."""

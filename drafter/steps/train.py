@@ -167,7 +167,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
 
     make = lambda g: host_batches(train_src, g, B, T, tc, drafter.embed_tokens.weight)  # noqa
     # online, the thread runs the target too: on a stream of its own on a GPU, over the samples
-    # of online_group micro-batches at once (issue 18)
+    # of online_group micro-batches at once (issue 18); with two groups queued, one being built
+    # and one batch in use, plan.train_gpu_bytes counts 3 x online_group + 1 in flight
     group = tc.online_group if tc.online else 1
     feed = Prefetch(make, grouped(jobs(step), group, step * tc.grad_accum), depth=2 * group,
                     device=dev if tc.online else None)
