@@ -53,10 +53,11 @@
 #           1.5941 (the TTT gradients now summed at bf16: issue 18's cast-once change)
 #
 #   bash benchmarks/recipe_session.sh start-sixth  # not run yet; one lane, alone on the GPU
-#   lane s: first, no model needed: online warm-up from a cold compile with 1 and 4 micro-batches
-#           per capture call (issue 18's open item), and, when .carry_old/ holds the fifth
-#           session's base decode.py, tree.py and static.py, the tree step's kernel cuts timed
-#           base / new / base / new (issue 16) -> store-fp8 again (a tau ~1.6 drafter: its
+#   lane s: first, no model needed: online warm-up with 1 and 4 micro-batches per capture call,
+#           each from a cold compile cache of its own, then 4 again warm (issue 18's open item),
+#           and, when .carry_old/ holds the fifth session's base decode.py, tree.py and
+#           static.py, the tree step's kernel cuts timed base / new / base / new and the new
+#           step profiled by part (issue 16) -> store-fp8 again (a tau ~1.6 drafter: its
 #           weights are not kept between machines) -> its speedups at evaluate's recommended
 #           setting (issue 16's reference-drafter goals: chain K=2 at batch 1 and 64, as its
 #           evaluate recommended), and the tree at batch 1
@@ -204,9 +205,11 @@ lane_g() {
 
 lane_s() {
   local g
-  for g in 1 4; do
-    step warmup-g$g $PY benchmarks/train_throughput.py --real --online --skip-offline \
-      --online-group $g --shape smollm2 --no-anchor
+  # each from a cold compile cache of its own (as a user's first run), then 4 again, warm
+  for g in 1 4 4; do
+    step warmup-g$g-$SECONDS env TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-g$g $PY \
+      benchmarks/train_throughput.py --real --online --skip-offline --online-group $g \
+      --shape smollm2 --no-anchor
   done
   if [ -f .carry_old/tree.py ] && [ -f .carry_old/static.py ] && [ -f .carry_old/decode.py ]; then
     rm -rf /tmp/base && mkdir -p /tmp/base && cp -r drafter benchmarks /tmp/base/ \
@@ -217,6 +220,7 @@ lane_s() {
       step tree-ab-$v-$SECONDS bash -c "cd $d && $PY benchmarks/decode_speed.py \
         --random-target --batches 1,64"
     done
+    step tree-profile $PY benchmarks/decode_speed.py --random-target --batches 1,64 --profile
   fi
   short store-fp8 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
     extract.teacher=topk
