@@ -15,7 +15,8 @@ Measures, on whatever device the target loads to (CUDA graphs on when there is a
     verification, acceptance, cache commit, drafter re-read), and the parts: one target forward
     (1 token), one verification forward, one drafter forward, c = drafter / verification;
   - the prefill of the prompt (eager), which evaluate's step_ms counts and its decode_step_ms
-    does not.
+    does not, and batch-1 prefills at prompt lengths new to each method (--prefill-lengths), as
+    evaluate's are.
 Goal (../shared/docs/REFERENCES.md, issue 8): <= 10 ms per speculative step for SmolLM2. Batched
 generation (the generate step's engine) is benchmarks/generate_throughput.py's.
 A random drafter is used unless --drafter is given (step time does not depend on its quality).
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -209,6 +211,9 @@ def main(argv=None) -> int:
                     help="aten ops per step (plain; chain at T=0 and T=1: general tree step "
                          "and its chain step; tree), and the tree's and the chain's by part of "
                          "the step: the kernels a graph replays, counted eagerly")
+    ap.add_argument("--prefill-lengths", type=int, default=8,
+                    help="time batch-1 prefills at this many prompt lengths new to each method "
+                         "(evaluate's prefills; 0: skip)")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
     tmp = None
@@ -283,6 +288,19 @@ def main(argv=None) -> int:
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
             if a.profile:
                 print(phase_profile(model, P, prompts, tree))
+        del dec
+
+    if a.prefill_lengths:
+        # evaluate prefills each prompt eagerly, one shape per prompt length: a backend with a
+        # per-shape setup cost (cuDNN attention's plans) charges it to the first method to meet
+        # a length. Each method here meets lengths new to it.
+        n, dec = a.prefill_lengths, Decoder(model, max_batch=1, cuda_graphs=graphs)
+        lens = random.Random(0).sample(range(a.prompt_tokens // 2, 4 * a.prompt_tokens), 2 * n)
+        for name, p, ls in (("plain", None, lens[:n]), ("speculative", P, lens[n:])):
+            dec.generate([torch.randint(100, V, (L,)).tolist() for L in ls], 1, proposer=p,
+                         tree=TreeSpec.chain(a.k) if p else None)
+            row(f"prefill at {n} new prompt lengths, batch 1, {name}: ms each",
+                round(1000 * dec.last["prefill_seconds"] / n, 3), "ms")
         del dec
 
     if a.ops:

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .static import Graphs, StaticTarget, round_up
+from .static import Graphs, StaticTarget, eager_attention, round_up
 # the drafting half of speculative decoding; EagleDraft and the tree helpers are re-exported here
 from .tree import (DecodeError, DraftModel, EagleDraft, TreeSpec,  # noqa: F401
                    _gumbel_like, ancestors, build_tree, pick, verify_chain_sample, verify_greedy,
@@ -240,7 +240,8 @@ class Decoder:
         if stop_ids:
             st.stop.copy_(torch.tensor(stop_ids, device=dev))
         t0 = time.perf_counter()
-        self._prefill(st, prompts, Tp, temperature, top_p, proposer, record_gaps)
+        with eager_attention():
+            self._prefill(st, prompts, Tp, temperature, top_p, proposer, record_gaps)
         self.last["prefill_seconds"] += time.perf_counter() - t0
 
         key = ("spec" if spec else "plain", id(st), temperature, top_p, tree, id(proposer),

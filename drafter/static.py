@@ -149,6 +149,19 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     return o.reshape(B, nh, T, hd).transpose(1, 2).contiguous(), None   # [B, T, nh, hd]
 
 
+def eager_attention():
+    """A context for eager forwards of varying shapes (prefills: one shape per prompt length):
+    SDPA without its cuDNN backend. cuDNN attention builds an execution plan for every new shape,
+    about 195 ms at SmolLM2's shape on the H200 (a batch-1 prefill at a new length: 227 ms, at a
+    length seen before: 31; without cuDNN: 32 either way; benchmarks/forward_kernels.py), which
+    evaluate charged to whichever method prefilled a prompt length first. The captured steps keep
+    every backend: their shapes are fixed, their plans built once at capture."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH])
+
+
 def _use_gqa_sdpa(model) -> None:
     """Switch an HF model to `_gqa_sdpa` (registered once with transformers' interfaces)."""
     from transformers import AttentionInterface

@@ -523,3 +523,33 @@ def test_slot_cache_moves_every_pooled_layer_in_one_gather_and_scatter():
         assert torch.equal((cache.k if n == "k" else cache.v)[i], ref), (n, i)
     pool_bytes = 2 * 6 * 3 * 2 * 10 * 4 * 4                  # k and v pools (6 slices, float32)
     assert cache.nbytes() == pool_bytes + 2 * 3 * 1 * 10 * 6 * 4
+
+
+def test_prefills_run_without_cudnn_attention_and_steps_with_it(tiny_llama):
+    """cuDNN attention builds a plan per new shape (about 195 ms on the H200): the eager
+    prefills, one shape per prompt length, run SDPA without it, so that evaluate's prefill
+    seconds no longer depend on which method met a prompt length first; the steps (fixed
+    shapes, captured on a GPU) keep it; the tokens are the same."""
+    t = tiny_llama
+    cfg = t["model"].config
+    P = EagleDraft(_tiny_drafter(cfg, Vd=cfg.vocab_size))
+    dec = Decoder(t["model"], max_batch=3, span_bucket=8)
+    seen = {"target": [], "drafter": []}
+    fwd, obs = dec.target.forward, P.observe
+
+    def target(ids, *a, **kw):
+        seen["target"].append((ids.shape[1], torch.backends.cuda.cudnn_sdp_enabled()))
+        return fwd(ids, *a, **kw)
+
+    def observe(*a, **kw):
+        seen["drafter"].append(torch.backends.cuda.cudnn_sdp_enabled())
+        return obs(*a, **kw)
+    dec.target.forward, P.observe = target, observe
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    outs = dec.generate(t["prompts"], 3 * MAX_NEW, proposer=P, tree=TreeSpec.chain(2))
+    assert [o.tokens for o in outs] == [o.tokens for o in t["plain"]]
+    prefill = [on for T, on in seen["target"] if T == 23]            # the longest prompt's
+    steps = [on for T, on in seen["target"] if T == 3]               # verification: K + 1
+    assert prefill == [False] and steps and all(steps)
+    assert seen["drafter"][:2] == [False, False] and all(seen["drafter"][2:])
+    assert torch.backends.cuda.cudnn_sdp_enabled()

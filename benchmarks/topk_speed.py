@@ -1,0 +1,75 @@
+"""The top-k searches of a tree step, timed alone (issue 16: topk was 0.93 ms of the 6/8/48 tree
+step at batch 64 on the H200, 11 calls a step at 84 us each, decode_speed --profile).
+
+    python benchmarks/topk_speed.py            # GPU: CUDA-graph replays, CUDA events
+    python benchmarks/topk_speed.py --rows 4   # CPU smoke
+
+For each shape a tree step searches (its rows at batch 64: the root's 64 and the frontier's
+64 x 8 draft-vocab rows, the k·k candidates of a depth, the final top-N over all candidates)
+it times torch.topk against a two-stage search (the top k of each chunk of C columns, then the
+top k of those) and a full sort, and checks that each returns the same values as torch.topk.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from drafter.decode import _time_ms  # noqa: E402
+
+
+def two_stage(x: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
+    """Indices of the k largest of each row of x [R, V]: per chunk of `chunk` columns, then of
+    the chunks' winners (V padded with -inf to a whole number of chunks)."""
+    R, V = x.shape
+    n = -(-V // chunk)
+    if n * chunk != V:
+        x = torch.nn.functional.pad(x, (0, n * chunk - V), value=float("-inf"))
+    v, i = x.view(R, n, chunk).topk(k, dim=-1)                              # [R, n, k]
+    i = i + (torch.arange(n, device=x.device) * chunk)[None, :, None]
+    top = v.flatten(1).topk(k, dim=-1).indices                              # [R, k]
+    return i.flatten(1).gather(1, top)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rows", type=int, default=64, help="batch rows")
+    ap.add_argument("--vocab", type=int, default=32000, help="draft vocab")
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--nodes", type=int, default=48)
+    ap.add_argument("--depth", type=int, default=6)
+    a = ap.parse_args(argv)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    B, k = a.rows, a.k
+    M = k + (a.depth - 1) * k * k
+    shapes = [("root logits", B, a.vocab, k, torch.bfloat16),
+              ("frontier logits", B * k, a.vocab, k, torch.bfloat16),
+              ("a depth's k*k candidates", B, k * k, k, torch.float32),
+              ("final top-N of all candidates", B, M, a.nodes, torch.float64)]
+    print(f"topk_speed on {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}, "
+          f"torch {torch.__version__}: microseconds a call")
+    torch.manual_seed(0)
+    for name, R, V, kk, dt in shapes:
+        x = torch.randn(R, V, device=dev).to(dt)
+        ref = x.topk(kk, dim=-1).values
+        cands = {"torch.topk": lambda x=x, kk=kk: x.topk(kk, dim=-1).indices,
+                 "sort": lambda x=x, kk=kk: x.sort(dim=-1, descending=True).indices[:, :kk]}
+        if V >= 4096:
+            for c in (128, 256, 512, 1024, 2048):
+                cands[f"two-stage, chunks of {c}"] = lambda x=x, kk=kk, c=c: two_stage(x, kk, c)
+        cells = []
+        for label, fn in cands.items():
+            same = torch.equal(x.gather(1, fn()).sort(-1, descending=True).values, ref)
+            us = 1000 * _time_ms(fn, True, 200) if dev == "cuda" else float("nan")
+            cells.append(f"{label} {us:.1f}{'' if same else ' (DIFFERENT values)'}")
+        print(f"{name} [{R}, {V}] {str(dt).replace('torch.', '')}, top {kk}: " + "; ".join(cells),
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
