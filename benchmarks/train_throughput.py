@@ -503,6 +503,8 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
     model_f, _ = flops_per_token(c, T, K, teacher, keys=sum(s["keys"] for s in stats) / n_tok,
                                  head_rows=sum(s["head_rows"] for s in stats) / n_tok)
     graphs = trainer.compiled_graphs()
+    if args.compile_times:
+        compile_report(name, step_s[:trainer.WARMUP_STEPS])
     r = row(name, args, dist, S, B, T, K, teacher, summary["steady_tokens_per_s"], model_f)
     return {**r, **summary, "source": f"online, group {group}" if online else "offline",
             "steps": args.steps,
@@ -515,6 +517,20 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
             # the prefetch thread's seconds per batch (online: the target's forward included)
             "make_ms": 1e3 * statistics.median(s["make_s"] for s in stats[len(stats) // 2:]),
             "graphs_after_warmup": graphs - graphs_warm if graphs_warm is not None else None}
+
+
+def compile_report(name: str, warm_steps: list[float]) -> None:
+    """--compile-times: where a cold warm-up goes (issue 18: warm-up <= 30 s). The warm-up steps'
+    seconds, then torch's own compile timers (torch._dynamo.utils.compilation_time_metrics,
+    seconds per call, in call order: one entry per graph that dynamo, AOTAutograd or Inductor
+    compiled, forward and backward)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    print(f"{name}: warm-up steps (s): " + ", ".join(f"{t:.1f}" for t in warm_steps))
+    for key, times in sorted(compilation_time_metrics.items(), key=lambda kv: -sum(kv[1])):
+        if sum(times) >= 0.5:
+            print(f"  {sum(times):6.1f} s in {len(times):3d} calls  {key}: "
+                  + " ".join(f"{t:.1f}" for t in times[:24]), flush=True)
 
 
 class Profile:
@@ -667,6 +683,9 @@ def main(argv=None):
     p.add_argument("--online-group", default=str(C.TrainConfig().online_group),
                    help="online: micro-batches per capture call (train.online_group), or a "
                    "list, one online run each: 1,4,8")
+    p.add_argument("--compile-times", action="store_true",
+                   help="--real: the warm-up steps' seconds and torch's compile timers per "
+                        "graph (run with a fresh TORCHINDUCTOR_CACHE_DIR for a cold start)")
     p.add_argument("--skip-offline", action="store_true",
                    help="--online without the offline run first: the online run's warm-up "
                    "then compiles cold, as a real online run's does")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 import time
 from typing import Sequence
 
@@ -122,6 +123,9 @@ def _slot_cache_class():
 
 
 _GQA_IMPL = "drafter_gqa_sdpa"
+# the folded masks of the forward in progress, made by its first layer and reused by the others
+# (one per mask: sliding-window models have two); StaticTarget.forward empties it
+_folded = threading.local()
 
 
 def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -143,8 +147,17 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     q = query.reshape(B, nkv, g * T, hd)                                 # head h = kv * g + j
-    m = attention_mask[:, :, :, :S]
-    m = m[:, :, None].expand(B, 1, g, T, S).reshape(B, 1, g * T, S)
+    # the mask's rows repeated for the g query heads: a copy when T > 1, made once a forward
+    masks = getattr(_folded, "masks", None)
+    if masks is None:
+        masks = _folded.masks = {}
+    hit = masks.get(id(attention_mask))
+    if hit is not None and hit[0] is attention_mask and hit[1].shape[-1] == S:
+        m = hit[1]
+    else:
+        m = attention_mask[:, :, :, :S]
+        m = m[:, :, None].expand(B, 1, g, T, S).reshape(B, 1, g * T, S)
+        masks[id(attention_mask)] = (attention_mask, m)
     o = F.scaled_dot_product_attention(q, key, value, attn_mask=m, scale=scaling)
     return o.reshape(B, nh, T, hd).transpose(1, 2).contiguous(), None   # [B, T, nh, hd]
 
@@ -251,7 +264,12 @@ class StaticTarget:
         kw = {self._cache_kw: self.cache}
         if self._keep_kw:
             kw["logits_to_keep"] = logits_to_keep
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=attn, use_cache=True, **kw)
+        _folded.masks = {}
+        try:
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=attn, use_cache=True,
+                             **kw)
+        finally:
+            _folded.masks = {}
         logits = out.logits
         if not self._keep_kw and logits_to_keep:
             logits = logits[:, -logits_to_keep:]

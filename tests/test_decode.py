@@ -553,3 +553,44 @@ def test_prefills_run_without_cudnn_attention_and_steps_with_it(tiny_llama):
     assert prefill == [False] and steps and all(steps)
     assert seen["drafter"][:2] == [False, False] and all(seen["drafter"][2:])
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_a_forward_folds_its_mask_for_the_grouped_heads_once(tiny_llama):
+    """The mask's rows repeated for the g query heads of a KV head (a copy when T > 1) are made
+    by the first layer of a forward and reused by the others (a copy a layer before: 30 kernels
+    of a SmolLM2 verification); the next forward, with a new mask, makes its own."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from drafter.static import StaticTarget
+
+    model = tiny_llama["model"]
+    c = model.config
+    g, n_layers = c.num_attention_heads // c.num_key_value_heads, c.num_hidden_layers
+    assert g > 1 and n_layers > 1
+    tgt = StaticTarget(model)
+    tgt.allocate(2, 16)
+    B, T, S = 2, 3, 16
+
+    class Folds(TorchDispatchMode):  # ops whose output has the folded mask's shape
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and tuple(out.shape) == (B, 1, g * T, S):
+                Folds.n += 1
+            return out
+
+    def forward(ids):
+        slots = (4 + torch.arange(T)).expand(B, T)
+        vis = torch.arange(S)[None, None] <= slots[..., None]
+        return tgt.forward(ids, slots, slots, vis, torch.zeros(B, dtype=torch.long))[0]
+
+    ids = torch.randint(3, 100, (B, T))
+    with torch.no_grad(), Folds():
+        one = forward(ids)
+    per_forward = Folds.n
+    assert 1 <= per_forward < n_layers
+    with torch.no_grad(), Folds():
+        two = forward(ids)
+    assert Folds.n == 2 * per_forward
+    torch.testing.assert_close(one, two)
