@@ -52,7 +52,7 @@
 #           each alone, from train's own metrics; and both taus against the fourth session's
 #           1.5941 (the TTT gradients now summed at bf16: issue 18's cast-once change)
 #
-#   bash benchmarks/recipe_session.sh start-sixth  # not run yet; one lane, alone on the GPU
+#   bash benchmarks/recipe_session.sh start-sixth  # run in the sixth session; one lane
 #   lane s: first, no model needed: online warm-up with 1 and 4 micro-batches per capture call,
 #           each from a cold compile cache of its own, then 4 again warm (issue 18's open item),
 #           and, when .carry_old/ holds the fifth session's base decode.py, tree.py and
@@ -211,9 +211,12 @@ lane_s() {
       benchmarks/train_throughput.py --real --online --skip-offline --online-group $g \
       --shape smollm2 --no-anchor
   done
-  if [ -f .carry_old/tree.py ] && [ -f .carry_old/static.py ] && [ -f .carry_old/decode.py ]; then
+  # start-sixth's copy of .carry_old: a later call that carries other paths removes .carry_old
+  # (the sixth session's machine did, and the A/B ran in a call of its own)
+  local old=/tmp/carry_old
+  if [ -f $old/tree.py ] && [ -f $old/static.py ] && [ -f $old/decode.py ]; then
     rm -rf /tmp/base && mkdir -p /tmp/base && cp -r drafter benchmarks /tmp/base/ \
-      && cp .carry_old/{decode,tree,static}.py /tmp/base/drafter/
+      && cp $old/{decode,tree,static}.py /tmp/base/drafter/
     for v in base new base new; do
       local d=$REPO
       [ $v = base ] && d=/tmp/base
@@ -262,6 +265,7 @@ case "${1:-}" in
     sleep 2; log "final lanes started" ;;
   start-sixth)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
+    rm -rf /tmp/carry_old && { [ ! -d .carry_old ] || cp -r .carry_old /tmp/carry_old; }
     setsid bash "$0" lane_s < /dev/null > "$RES/lane_s.out" 2>&1 &
     sleep 2; log "sixth lane started" ;;
   lane_s) lane_s ;;
