@@ -52,8 +52,8 @@ from torch import Tensor
 from .static import Graphs, StaticTarget, eager_attention, round_up
 # the drafting half of speculative decoding; EagleDraft and the tree helpers are re-exported here
 from .tree import (DecodeError, DraftModel, EagleDraft, TreeSpec,  # noqa: F401
-                   _gumbel_like, ancestors, build_tree, pick, verify_chain_sample, verify_greedy,
-                   verify_sample)
+                   _gumbel_like, ancestors, build_tree, pick, shape_acceptance,
+                   verify_chain_sample, verify_greedy, verify_sample)
 
 log = logging.getLogger("drafter")
 _ALLOC_SERIAL = itertools.count(1)  # each proposer allocation's number (Decoder._ensure)
@@ -69,6 +69,9 @@ class Output:
     # plain greedy, per token: the NEAR runners-up (top 2.., best first) and top-1 minus each
     gaps: list[list[float]] | None = None
     second: list[list[int]] | None = None
+    # greedy trees with tree_stats: [accepted, valid] [2][D][N], summed over the steps: what a
+    # (depth D', same topk, N' nodes) tree would have accepted (tree.shape_acceptance)
+    shapes: list | None = None
 
 
 NEAR = 8   # runners-up recorded per token for the lossless check (bf16 logits tie several ways)
@@ -89,7 +92,7 @@ def runners_up(lg: Tensor, picked: Tensor) -> tuple[Tensor, Tensor]:
 class _State:
     """Persistent per-batch tensors (updated in place: captured graphs read them)."""
 
-    def __init__(self, B: int, W: int, D: int, Vd: int, n_stop: int, dev):
+    def __init__(self, B: int, W: int, D: int, Vd: int, n_stop: int, dev, N: int = 0):
         z = dict(dtype=torch.long, device=dev)
         self.B, self.W = B, W
         self.start, self.L = torch.zeros(B, **z), torch.zeros(B, **z)
@@ -101,10 +104,13 @@ class _State:
         self.max_new = torch.zeros((), **z)
         self.stop = torch.full((n_stop,), -1, **z)
         self.root = torch.zeros(B, max(Vd, 1), dtype=torch.float32, device=dev)
+        # tree_stats: [B, 2, D, N] accepted and valid steps by smaller (depth, nodes)
+        self.shapes = torch.zeros(B, 2, D, N, **z) if N else None
 
     def tensors(self) -> list[Tensor]:
         return [self.start, self.L, self.pending, self.n_out, self.steps, self.out, self.second,
-                self.gap, self.finished, self.hist, self.root]
+                self.gap, self.finished, self.hist, self.root] \
+            + ([self.shapes] if self.shapes is not None else [])
 
 
 class Decoder:
@@ -173,10 +179,10 @@ class Decoder:
     def _reset_graphs(self):
         self.graphs.clear()
 
-    def _state(self, B, W, D, Vd, n_stop) -> _State:
-        key = (B, W, D, Vd, n_stop)
+    def _state(self, B, W, D, Vd, n_stop, N=0) -> _State:
+        key = (B, W, D, Vd, n_stop, N)
         if key not in self._states:
-            self._states[key] = _State(B, W, D, Vd, n_stop, self.device)
+            self._states[key] = _State(B, W, D, Vd, n_stop, self.device, N)
         return self._states[key]
 
     # -- public
@@ -184,11 +190,13 @@ class Decoder:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  stop_ids: Sequence[int] = (), temperature: float = 0.0, top_p: float = 1.0,
                  proposer: DraftModel | None = None, tree: TreeSpec | None = None,
-                 record_gaps: bool = False, progress=None) -> list[Output]:
+                 record_gaps: bool = False, tree_stats: bool = False,
+                 progress=None) -> list[Output]:
         """Decode each prompt (token ids) for up to max_new_tokens new tokens, stopping at a stop
         id. Plain decoding without a proposer; speculative decoding with one (tree: chain K=3 by
         default). `record_gaps` keeps the NEAR runners-up of plain greedy decoding and their
-        margins (tie analysis)."""
+        margins (tie analysis). `tree_stats` (a greedy tree) counts, step by step, what trees of
+        the same topk with fewer levels or nodes would have accepted (Output.shapes)."""
         if max_new_tokens < 1:
             raise DecodeError("max_new_tokens must be >= 1")
         if any(len(p) == 0 for p in prompts):
@@ -211,7 +219,7 @@ class Decoder:
             batch = [list(map(int, p)) for p in prompts[b0:b0 + self.max_batch]]
             t0 = time.perf_counter()
             outs += self._batch(batch, max_new_tokens, list(stop_ids), temperature, top_p,
-                                proposer, tree, record_gaps)
+                                proposer, tree, record_gaps, tree_stats)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             self.last["seconds"] += time.perf_counter() - t0
@@ -223,7 +231,7 @@ class Decoder:
 
     # -- one batch
     def _batch(self, prompts, max_new, stop_ids, temperature, top_p, proposer, tree,
-               record_gaps):
+               record_gaps, tree_stats=False):
         B, Tp = len(prompts), max(len(p) for p in prompts)
         dev = self.device
         spec = proposer is not None
@@ -232,7 +240,9 @@ class Decoder:
         self._ensure(B, self._slots(Tp, max_new, proposer, tree), proposer)
         self.target.set_aux(proposer.aux_layer_ids if spec else None)
         Vd = proposer.vocab_size if spec else 0
-        st = self._state(B, round_up(max_new + D + 2, 64), D, Vd, max(1, len(stop_ids)))
+        stats = tree_stats and spec and temperature == 0 and not tree.is_chain
+        st = self._state(B, round_up(max_new + D + 2, 64), D, Vd, max(1, len(stop_ids)),
+                         tree.nodes if stats else 0)
         for t in st.tensors():
             t.zero_()
         st.max_new.fill_(max_new)
@@ -302,6 +312,7 @@ class Decoder:
         idx = torch.as_tensor(list(rows), device=self.device)
         n_out, out, steps = (t[idx].tolist() for t in (st.n_out, st.out, st.steps))
         hist = st.hist[idx].tolist() if spec else None
+        shapes = st.shapes[idx].tolist() if spec and st.shapes is not None else None
         gaps, second = (st.gap[idx].tolist(), st.second[idx].tolist()) if record_gaps else \
             (None, None)
         stops = set(stop_ids)
@@ -313,7 +324,8 @@ class Decoder:
             n = len(toks)
             res.append(Output(toks, "stop" if cut is not None else "length", steps[j],
                               hist[j] if spec else None, gaps[j][:n] if record_gaps else None,
-                              second[j][:n] if record_gaps else None))
+                              second[j][:n] if record_gaps else None,
+                              shapes[j] if shapes is not None else None))
         return res
 
     def _padded(self, prompts, Tp) -> tuple[Tensor, Tensor]:
@@ -504,6 +516,10 @@ class Decoder:
         else:
             path, n_acc, bonus = verify_greedy(toks, parent_full, draft.valid, depth_full, anc,
                                                logits, D)
+            if st.shapes is not None:  # tree_stats: this step's acceptance by smaller trees
+                acc, ok = shape_acceptance(draft.rank, draft.depth, path, n_acc)
+                ok = ok & ~st.finished[:, None, None]
+                st.shapes.add_(torch.stack([acc * ok, ok.long()], 1))
         j = torch.arange(D + 1, device=dev)
         if not tree.is_chain:  # a chain's accepted tokens already sit in slots L..L+n_acc
             tgt.cache.copy_slots(L[:, None] + path, L[:, None] + j)

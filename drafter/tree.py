@@ -69,6 +69,7 @@ class Draft:
     valid: Tensor         # [B, N] bool: drawn with non-zero draft probability
     dist: Tensor          # [B, N+1] row of `logq` its children were drawn from; -1 = leaf
     logq: Tensor | None   # [B, E, Vd] draft log-probs of the expanded nodes (sampling only)
+    rank: Tensor | None = None  # [B, N] place in the selection's score order (0: the best)
 
 
 def _gumbel_like(x: Tensor) -> Tensor:
@@ -144,7 +145,7 @@ def build_tree(root_logits: Tensor, scorer, spec: TreeSpec, temperature: float) 
     # A child scores strictly below its parent (the depth term breaks exact ties), so the N best
     # candidates are ancestor-closed; float64 keeps the 1e-9 visible at any score magnitude.
     key = sc.double() - tie
-    sel = key.topk(N, dim=-1).indices.sort(dim=-1).values                           # [B, N]
+    sel, rank = key.topk(N, dim=-1).indices.sort(dim=-1)                           # [B, N]
     psel = par.gather(1, sel)
     parent = torch.where(psel < 0, 0, torch.searchsorted(sel, psel.clamp(min=0)) + 1)
     row = torch.full((B, M), -1, dtype=torch.long, device=dev)
@@ -153,7 +154,36 @@ def build_tree(root_logits: Tensor, scorer, spec: TreeSpec, temperature: float) 
     dist = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), row.gather(1, sel)], 1)
     return Draft(tokens=ids.gather(1, sel), parent=parent, depth=depth[sel],
                  valid=torch.isfinite(sc.gather(1, sel)), dist=dist,
-                 logq=torch.cat(logqs, 1) if sample else None)
+                 logq=torch.cat(logqs, 1) if sample else None, rank=rank)
+
+
+def shape_acceptance(rank: Tensor, depth: Tensor, path: Tensor, n_acc: Tensor
+                     ) -> tuple[Tensor, Tensor]:
+    """What a greedy step of a (D, k, N) tree would have accepted with a smaller tree of the same
+    topk: depth D' <= D and N' <= N nodes, for every (D', N'), from this step's selection.
+
+    EAGLE-2's (D', k, N') tree is the N' best candidates of depth <= D' (the same candidates up
+    to depth D'). The nodes this step selected with depth <= D' are the best of those (a
+    candidate left out ranks below every selected one), so when there are at least N' of them,
+    the smaller tree is exactly their N' best, and it accepts the part of this step's accepted
+    path that it holds: a prefix (a parent outranks its children). With fewer than N' of them
+    the smaller tree holds candidates this step never verified: not valid.
+
+    rank [B, N] (Draft.rank), depth [B, N] 1..D, path [B, D+1] and n_acc [B] (verify_greedy).
+    Returns accepted [B, D, N] and valid [B, D, N] (index [b, D'-1, N'-1])."""
+    B, N = rank.shape
+    D = path.shape[1] - 1
+    dev = rank.device
+    d = torch.arange(1, D + 1, device=dev)
+    r_path = torch.cat([torch.full_like(rank[:, :1], -1), rank], 1).gather(1, path[:, 1:])
+    upto = (depth[:, :, None] <= d).float()                                # [B, N, D'] depth <= D'
+    above = (rank[:, None, :] < r_path[:, :, None]).float()                # [B, j, N] outranks
+    place = torch.bmm(above, upto)                          # [B, j, D'] path node j's rank in D'
+    on = (d[:, None] <= n_acc[:, None, None]) & (d[:, None] <= d[None, :])  # [B, j, D'] held
+    n = torch.arange(1, N + 1, device=dev)
+    accepted = ((place[..., None] < n) & on[..., None]).sum(1)                     # [B, D', N']
+    valid = n <= upto.sum(1)[..., None]                                            # [B, D', N']
+    return accepted, valid
 
 
 def ancestors(parent_full: Tensor, depth: int) -> Tensor:

@@ -22,7 +22,9 @@ class RefDrafter:
     """A test drafter that reads the reference continuation `ref` [B, R] (prompt + plain greedy
     output, by position). mode: oracle (proposes the target's own next token), wrong (never
     proposes it: its logit is -inf), noisy (the right token ranks 2nd at positions divisible by
-    3, 1st elsewhere: partial acceptance, non-first siblings on trees)."""
+    3, 1st elsewhere: partial acceptance, non-first siblings on trees), shuffled (the right
+    token, favoured, and four decoys in an order that depends on the position: any sibling, and
+    nodes of one depth outranking those of another)."""
     aux_layer_ids = None
 
     def __init__(self, ref: torch.Tensor, vocab_size: int, mode: str = "oracle"):
@@ -44,6 +46,11 @@ class RefDrafter:
         if self.mode == "noisy":
             decoy = (right + 1) % self.vocab_size
             lg = lg.scatter(-1, decoy[..., None], torch.where(pos % 3 == 0, 11.0, 5.0)[..., None])
+        if self.mode == "shuffled":  # the right token and 4 decoys in an order set by position
+            c = (right[..., None] + torch.arange(5, device=pos.device)) % self.vocab_size
+            u = torch.frac(torch.sin(pos[..., None] * 12.9898 + c * 78.233) * 43758.5453).abs()
+            lg = torch.zeros_like(lg).scatter(-1, c, 5.0 + 3.0 * u)
+            lg = lg.scatter_add(-1, right[..., None], torch.full_like(u[..., :1], 2.0))
         return lg
 
     def observe(self, ids, aux, pos, slots, vis, last):
@@ -594,3 +601,56 @@ def test_a_forward_folds_its_mask_for_the_grouped_heads_once(tiny_llama):
         two = forward(ids)
     assert Folds.n == 2 * per_forward
     torch.testing.assert_close(one, two)
+
+
+def test_shape_acceptance_on_a_hand_made_step():
+    """Six nodes of a (3, 2, 6) tree, ranked by score, the path 1 -> 5 -> 6 accepted; a depth-3
+    node of the other branch (4) outranks path node 5, which counts at depth 3 but not at depth
+    2; a second row accepted nothing."""
+    from drafter.tree import shape_acceptance
+
+    #                  node  1  2  3  4  5  6     (2 -> 3 -> 4 and 1 -> 5 -> 6)
+    depth = torch.tensor([[1, 1, 2, 3, 2, 3]] * 2)
+    rank = torch.tensor([[0, 1, 2, 3, 4, 5]] * 2)
+    path = torch.tensor([[0, 1, 5, 6], [0, 0, 0, 0]])
+    acc, valid = shape_acceptance(rank, depth, path, torch.tensor([3, 0]))
+    assert (acc * valid)[0].tolist() == [[1, 1, 0, 0, 0, 0],     # D'=1: nodes 1, 2
+                                         [1, 1, 1, 2, 0, 0],     # D'=2: 1, 2, 3, then 5
+                                         [1, 1, 1, 1, 2, 3]]     # D'=3: 4 outranks 5
+    assert valid[0].tolist() == [[True] * 2 + [False] * 4, [True] * 4 + [False] * 2,
+                                 [True] * 6]
+    assert acc[1].sum() == 0 and valid[1].tolist() == valid[0].tolist()
+
+
+def test_tree_stats_give_what_a_smaller_tree_accepts(tiny_llama):
+    """tree_stats on a (3, 2, 6) tree: for every smaller (depth D', N' nodes) tree of the same
+    topk that its step can stand for, the count it gives is what that tree's own first step
+    accepts, from the same state (shuffled drafter: any sibling accepted). Two new tokens: the
+    prefill's and one step's."""
+    t = tiny_llama
+    V = t["model"].config.vocab_size
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, 1000, (int(n),)).tolist() for n in torch.randint(4, 24, (12,))]
+    dec = Decoder(t["model"], max_batch=len(prompts))  # RefDrafter reads its rows by batch row
+    P = RefDrafter(_ref(prompts, dec.generate(prompts, 8)), V, "shuffled")
+    big = TreeSpec(3, 2, 6)
+    first = dec.generate(prompts, 2, proposer=P, tree=big, tree_stats=True)
+    checked = differ = 0
+    for d in range(1, 4):
+        for n in range(1, TreeSpec(d, 2, 6).nodes + 1):
+            small = dec.generate(prompts, 2, proposer=P, tree=TreeSpec(d, 2, n))
+            for o, s in zip(first, small):
+                accepted, valid = o.shapes[0][d - 1][n - 1], o.shapes[1][d - 1][n - 1]
+                a = next(i for i, c in enumerate(s.hist) if c)      # its one step's
+                if valid:
+                    assert accepted == a, (d, n)
+                    checked += 1
+                    differ += a != next(i for i, c in enumerate(o.hist) if c)
+    assert checked >= 100 and differ >= 10
+    # over whole answers: every step counts once for the full tree and as it accepted
+    P = RefDrafter(t["ref"], V, "shuffled")
+    outs = t["dec"].generate(t["prompts"], 3 * MAX_NEW, proposer=P, tree=big, tree_stats=True)
+    assert [o.tokens for o in outs] == [o.tokens for o in t["plain"]]
+    for o in outs:
+        assert o.shapes[1][2][5] == o.steps == sum(o.hist)
+        assert o.shapes[0][2][5] == sum(a * c for a, c in enumerate(o.hist))
