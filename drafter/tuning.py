@@ -1,6 +1,6 @@
 """The speculative setting to serve a drafter with: from its measured per-position acceptance and
-the measured step costs, the chain length (or measured tree) with the highest expected speedup at
-each batch size, and the engine flags that select it. Evaluate calls it; no peer tool does this.
+the measured step costs, the chain length or tree shape with the highest expected speedup at each
+batch size, and the engine flags that select it. Evaluate calls it; no peer tool does this.
 
     rec = recommend(alpha_cond, timings, k_measured=5, calib={"spec_ratio": 1.2, "plain_ratio": 1.1},
                     trees=[{"label": "tree 6/8/48", "tau": 2.4, ..., "timings": {...}}])
@@ -15,7 +15,14 @@ Model (REFERENCES.md's theory, with measured costs):
 spec_ratio and plain_ratio (measured step / modelled step) come from the run evaluate just made at
 its batch size and carry to the other batch sizes. Chains longer than the measured K are not
 extrapolated (their acceptance is unmeasured); a measured tree competes with its own measured tau
-and modelled step: verify(tokens+1) + depth + 1 drafter forwards.
+and modelled step: verify(tokens+1) + depth + 1 drafter forwards, calibrated on its own measured
+step when it has one.
+
+Tree shapes: a greedy tree run with tree_stats (decode.Decoder.generate) also counts what every
+smaller tree of its topk (depth D' <= D, N' <= N nodes) would have accepted on the same steps
+(tree.shape_acceptance: exact on the steps whose selection holds the smaller tree's nodes). Each
+(D', N') that at least `min_valid` of the steps stand for competes with tau 1 + accepted / steps
+and the tree's step model at N' tokens and D' levels; per depth the best N' is listed.
 """
 from __future__ import annotations
 
@@ -41,12 +48,14 @@ def chain_step_ms(t: dict, k: int, k_measured: int) -> float:
 
 
 def flags(drafter_dir: str, k: int | None = None, tree: dict | None = None) -> dict:
-    """Engine flags for a chain of k (vLLM, SGLang) or an EAGLE-2 tree (SGLang only)."""
+    """Engine flags for a chain of k (vLLM, SGLang) or an EAGLE-2 tree (SGLang only). SGLang's
+    draft tokens count the root (the last verified token): a chain of K is K + 1 of them, a tree
+    of N drafted nodes N + 1 (its build_tree selects num_draft_tokens - 1 nodes)."""
     if tree is not None:
         return {"sglang": f"--speculative-algorithm EAGLE3 --speculative-draft-model-path "
                           f"{drafter_dir} --speculative-num-steps {tree['depth']} "
                           f"--speculative-eagle-topk {tree['topk']} "
-                          f"--speculative-num-draft-tokens {tree['tokens']}",
+                          f"--speculative-num-draft-tokens {tree['tokens'] + 1}",
                 "vllm": None}
     return {"vllm": '--speculative-config \'{"method": "eagle3", "model": "%s", '
                     '"num_speculative_tokens": %d}\'' % (drafter_dir, k),
@@ -55,11 +64,29 @@ def flags(drafter_dir: str, k: int | None = None, tree: dict | None = None) -> d
                       f"--speculative-num-draft-tokens {k + 1}"}
 
 
+def tree_step_ms(t: dict, depth: int, tokens: int, tokens_measured: int) -> float:
+    """A tree step at `tokens` nodes and `depth` levels from the costs measured for a tree of
+    tokens_measured nodes (t: its timings at one batch size)."""
+    return verify_ms(t, tokens, tokens_measured) + (depth + 1) * t["draft_ms"]
+
+
+def shape_taus(shapes: dict, min_valid: float = 0.95) -> dict:
+    """{(depth, tokens): expected tau} of the smaller trees a greedy tree run stands for.
+    shapes: {"accepted": [D][N], "valid": [D][N]} summed over steps (evaluate's tree_shapes);
+    the steps of the full shape, valid[D-1][N-1], are all its steps."""
+    acc, valid = shapes["accepted"], shapes["valid"]
+    steps = valid[-1][-1]
+    return {(d + 1, n + 1): 1 + acc[d][n] / valid[d][n]
+            for d in range(len(valid)) for n in range(len(valid[d]))
+            if steps and valid[d][n] >= min_valid * steps}
+
+
 def recommend(alpha_cond: list, timings: dict, k_measured: int, calib: dict,
               trees: list | None = None, drafter_dir: str = "DRAFTER") -> dict:
     """Per batch size (the keys of `timings`: {batch: {target_ms, verify_ms, draft_ms}}), every
-    chain K <= k_measured and each measured tree with expected tau, step ms and speedup; the best
-    one and its flags."""
+    chain K <= k_measured, each measured tree and, for a tree with `shapes`, the best number of
+    nodes at each smaller depth, with expected tau, step ms and speedup; the best one and its
+    flags. A tree's `ratio` (measured step / modelled) calibrates its shapes; else spec_ratio."""
     out = {}
     for batch, t in sorted(timings.items(), key=lambda kv: int(kv[0])):
         plain = calib["plain_ratio"] * t["target_ms"]
@@ -71,12 +98,24 @@ def recommend(alpha_cond: list, timings: dict, k_measured: int, calib: dict,
                          "step_ms": round(step, 3), "speedup": round(tau * plain / step, 3)})
         for tr in trees or []:
             tt = tr.get("timings", {}).get(batch, t)
-            step = calib["spec_ratio"] * (verify_ms(tt, tr["tokens"], tr["tokens"])
-                                          + (tr["depth"] + 1) * tt["draft_ms"])
-            rows.append({"setting": tr["label"], "tree": {k: tr[k] for k in
-                                                          ("depth", "topk", "tokens")},
+            ratio = tr.get("ratio") or calib["spec_ratio"]
+            D, k, N = tr["depth"], tr["topk"], tr["tokens"]
+            step = ratio * tree_step_ms(tt, D, N, N)
+            rows.append({"setting": tr["label"], "tree": {"depth": D, "topk": k, "tokens": N},
                          "expected_tau": round(tr["tau"], 3), "step_ms": round(step, 3),
                          "speedup": round(tr["tau"] * plain / step, 3)})
+            best_at: dict[int, dict] = {}
+            for (d, n), tau in shape_taus(tr["shapes"]).items() if tr.get("shapes") else ():
+                if (d, n) == (D, N):
+                    continue
+                step = ratio * tree_step_ms(tt, d, n, N)
+                row = {"setting": f"tree depth={d} topk={k} tokens={n}", "estimated": True,
+                       "tree": {"depth": d, "topk": k, "tokens": n},
+                       "expected_tau": round(tau, 3), "step_ms": round(step, 3),
+                       "speedup": round(tau * plain / step, 3)}
+                if d not in best_at or row["speedup"] > best_at[d]["speedup"]:
+                    best_at[d] = row
+            rows += [best_at[d] for d in sorted(best_at)]
         best = max(rows, key=lambda r: r["speedup"])
         out[str(batch)] = {"plain_step_ms": round(plain, 3), "settings": rows,
                            "best": best["setting"], "expected_speedup": best["speedup"],

@@ -139,12 +139,25 @@ def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
     assert set(rec["by_batch"]) == {"1", "2"} and rec["calibration"]["spec_ratio"] > 0
     assert rec["calibration"]["static_batch_efficiency"] > 0
     for r in rec["by_batch"].values():
-        assert [x["setting"] for x in r["settings"]] == \
+        assert [x["setting"] for x in r["settings"]][:3] == \
             ["chain K=1", "chain K=2", "tree depth=2 topk=2 tokens=3"]
+        # and the smaller trees the greedy tree run stands for: the best size at each depth
+        est = r["settings"][3:]
+        assert est and all(x["estimated"] for x in est)
+        assert [x["tree"]["depth"] for x in est] == sorted({x["tree"]["depth"] for x in est})
+        assert all(x["tree"]["topk"] == 2 and x["tree"]["tokens"] <= 3 and
+                   (x["tree"]["depth"], x["tree"]["tokens"]) != (2, 3) for x in est)
         assert r["best"] in [x["setting"] for x in r["settings"]] and r["flags"]["sglang"]
+    # the greedy tree run's counts by smaller shape: its own shape is every step, as accepted
+    tree_run = next(r for r in m["runs"] if r["name"] == "drafter: tree depth=2 topk=2 tokens=3, "
+                    "T=0")
+    for d in tree_run["datasets"].values():
+        sh = d["tree_shapes"]
+        assert sh["valid"][1][2] == d["steps"] and sh["accepted"][1][2] == d["accepted"]
+        assert sh["valid"][0][0] == d["steps"]       # one node at depth 1: always verified
 
     report = run.eval_report().read_text()
-    assert "## Serving setting" in report and "**(best)**" in report
+    assert "## Serving setting" in report and "**(best)**" in report and "*(estimated)*" in report
     assert "Lossless: PASS" in report and "| drafter: tree depth=2 topk=2 tokens=3, T=0 |" in report
     assert "baseline: chain K=2, T=0" in report and "| decode ms | plain decode ms |" in report
     for name in ("acceptance", "tau"):

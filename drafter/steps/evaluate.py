@@ -181,7 +181,7 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
             prompts.rounds.append(batch)
         res = dec.generate([ids for _, ids in batch], max_new, stop_ids=stop, temperature=T,
                            proposer=proposer, tree=tree, record_gaps=proposer is None and T == 0,
-                           progress=bar)
+                           tree_stats=True, progress=bar)  # greedy trees: smaller shapes' taus
         seconds += dec.last["seconds"]
         iters += dec.last["iterations"]
         prefill += dec.last["prefill_seconds"]
@@ -271,6 +271,9 @@ def _summary(outs, seconds, iterations, prefill=None, tree=None, plain_outs=None
     if tree is not None:
         m.update(_accept([sum(o.hist[a] for _, _, o in outs) for a in range(tree.depth + 1)],
                          tree))
+        shapes = [o.shapes for _, _, o in outs if o.shapes is not None]
+        if shapes and len(shapes) == len(outs):
+            m["tree_shapes"] = _sum_shapes([{"accepted": x[0], "valid": x[1]} for x in shapes])
     if plain_outs is not None:
         verdicts = {"identical": 0, "tie": 0, "mismatch": 0}
         details = []
@@ -440,8 +443,10 @@ def finish(run: Run, settings: dict, runs: list[dict], plain: dict) -> dict:
 
 def _recommend(runs: list[dict], plain: dict, batch: int, drafter_dir: str) -> dict | None:
     """The serving setting (drafter.tuning) from the drafter's greedy chain run: its conditional
-    acceptance, the step costs measured per batch size, calibrated on this run's step times."""
-    from ..tuning import chain_step_ms, recommend
+    acceptance, the step costs measured per batch size, calibrated on this run's step times
+    (decode steps, prefills left out: the per-step figures an engine with continuous batching
+    gets); and from each greedy tree run, its own tau and those of its smaller shapes."""
+    from ..tuning import chain_step_ms, recommend, tree_step_ms
 
     chain = next((r for r in runs if r["drafter"] == "drafter" and r["method"] == "chain"
                   and r["temperature"] == 0), None)
@@ -449,14 +454,22 @@ def _recommend(runs: list[dict], plain: dict, batch: int, drafter_dir: str) -> d
         return None
     o, k = chain["datasets"]["overall"], chain["k"]
     t = chain["timing"]["by_batch"]
-    spec_ratio = o["step_ms"] / chain_step_ms(t[batch], k, k)
-    plain_ms = plain["0.0"]["overall"].get("step_ms")
+    spec_ratio = (o.get("decode_step_ms") or o["step_ms"]) / chain_step_ms(t[batch], k, k)
+    po = plain["0.0"]["overall"]
+    plain_ms = po.get("decode_step_ms") or po.get("step_ms")
     plain_ratio = plain_ms / t[batch]["target_ms"] if plain_ms else 1.0
-    trees = [{"label": r["name"].split(",")[0].split(": ", 1)[-1], "tau": r["datasets"]["overall"]
-              ["tau"], "depth": r["depth"], "topk": r["topk"], "tokens": r["tokens"],
-              "timings": r["timing"]["by_batch"]}
-             for r in runs if r["drafter"] == "drafter" and r["method"] == "tree"
-             and r["temperature"] == 0 and r["datasets"]["overall"].get("tau")]
+    trees = []
+    for r in runs:
+        ov = r["datasets"]["overall"]
+        if r["drafter"] != "drafter" or r["method"] != "tree" or r["temperature"] != 0 \
+                or not ov.get("tau"):
+            continue
+        tt, D, N = r["timing"]["by_batch"], r["depth"], r["tokens"]
+        measured = ov.get("decode_step_ms") or ov.get("step_ms")
+        trees.append({"label": r["name"].split(",")[0].split(": ", 1)[-1], "tau": ov["tau"],
+                      "depth": D, "topk": r["topk"], "tokens": N, "timings": tt,
+                      "ratio": measured / tree_step_ms(tt[batch], D, N, N) if measured else None,
+                      "shapes": ov.get("tree_shapes")})
     rec = recommend(o["acceptance_conditional"], t, k, {"spec_ratio": spec_ratio,
                                                         "plain_ratio": plain_ratio},
                     trees, drafter_dir)
@@ -475,6 +488,12 @@ def _tree_settings(tree) -> dict:
     return {"depth": tree.depth, "topk": tree.topk, "tokens": tree.nodes}
 
 
+def _sum_shapes(parts: list[dict]) -> dict:
+    """Elementwise sums of tree_shapes ({"accepted", "valid"}: [D][N] step counts)."""
+    return {key: [[sum(p[key][d][n] for p in parts) for n in range(len(parts[0][key][d]))]
+                  for d in range(len(parts[0][key]))] for key in ("accepted", "valid")}
+
+
 def _overall(per: dict, tree) -> dict:
     """Sums over datasets (τ from summed counts, not an average of τs)."""
     items = [d for n, d in per.items() if n != "overall"]
@@ -486,6 +505,8 @@ def _overall(per: dict, tree) -> dict:
     if tree is not None:
         m.update(_accept([sum(d["accept_hist"][a] for d in items) for a in range(tree.depth + 1)],
                          tree))
+        if all("tree_shapes" in d for d in items):
+            m["tree_shapes"] = _sum_shapes([d["tree_shapes"] for d in items])
         if all("lossless" in d for d in items):
             m["lossless"] = {k: sum(d["lossless"][k] for d in items)
                              for k in ("compared", "identical", "tie", "mismatch")}
@@ -557,9 +578,11 @@ def render_report(m: dict) -> str:
     if rec:
         L += ["", "## Serving setting (expected speedup per batch size)", "",
               "From the greedy chain run's conditional acceptance and the step costs measured at "
-              "each batch size (drafter/tuning.py; model calibrated on this run's step times: "
-              f"speculative x{rec['calibration']['spec_ratio']}, plain "
-              f"x{rec['calibration']['plain_ratio']}). These are per-step figures: what an "
+              "each batch size (drafter/tuning.py; model calibrated on this run's decode step "
+              f"times: speculative x{rec['calibration']['spec_ratio']}, plain "
+              f"x{rec['calibration']['plain_ratio']}); a greedy tree run's own τ and step, and "
+              "for each smaller depth the best number of nodes of its top-k, with the τ its "
+              "steps give for that shape (*estimated*). These are per-step figures: what an "
               "engine with continuous batching gets. This evaluation's static batches wait for "
               "their slowest row: they took "
               f"{_fmt(rec['calibration']['static_batch_efficiency'])} of the steps' τ.", "",
@@ -567,6 +590,7 @@ def render_report(m: dict) -> str:
         for b, r in rec["by_batch"].items():
             for x in r["settings"]:
                 best = " **(best)**" if x["setting"] == r["best"] else ""
+                best += " *(estimated)*" if x.get("estimated") else ""
                 L.append(f"| {b} | {x['setting']}{best} | {_fmt(x['expected_tau'])} | "
                          f"{_fmt(x['step_ms'])} | {_fmt(x['speedup'])}x |")
         for b, r in rec["by_batch"].items():
