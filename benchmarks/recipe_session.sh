@@ -61,6 +61,13 @@
 #           weights are not kept between machines) -> its speedups at evaluate's recommended
 #           setting (issue 16's reference-drafter goals: chain K=2 at batch 1 and 64, as its
 #           evaluate recommended), and the tree at batch 1
+#
+#   bash benchmarks/recipe_session.sh start-seventh  # not run yet; one lane, alone on the GPU
+#   lane t: store-fp8 again (a tau ~1.6 drafter) -> its evaluate at batch 1 and 64 with chain
+#           K=2 and the 6/8/48 tree, after the prefill fix (issue 16's reference-drafter goals,
+#           measured without the first-call plan building) -> at each batch size the tree
+#           shape the serving setting estimated best, decoded for real (tau and speedup against
+#           the estimate: the tree-shape counts checked on real acceptance)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -232,6 +239,39 @@ lane_s() {
   mark lane_s
 }
 
+best_tree() {  # best_tree RUN BATCH: "depth topk tokens" of the best estimated tree shape
+  $PY - "runs/$1/evaluate/metrics.json" "$2" <<'PYEOF'
+import json, sys
+rec = json.load(open(sys.argv[1]))["settings"].get("recommended", {}).get("by_batch", {})
+rows = [r for r in rec.get(sys.argv[2], {}).get("settings", []) if r.get("estimated")]
+if rows:
+    t = max(rows, key=lambda r: r["speedup"])["tree"]
+    print(t["depth"], t["topk"], t["tokens"])
+PYEOF
+}
+
+lane_t() {
+  short store-fp8 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
+    extract.teacher=topk
+  K=2 speed_of rec7 store-fp8 $CFG 1 10 10 10
+  K=2 speed_of rec7 store-fp8 $CFG 64 22 21 21
+  local b d k n
+  for b in 1 64; do
+    [ -n "${CHECK:-}" ] && break
+    read -r d k n <<< "$(best_tree rec7-b$b $b)"
+    [ -n "${n:-}" ] || { log "rec7-b$b: no estimated tree shape"; continue; }
+    log "rec7-b$b: the estimate's best tree: depth $d topk $k tokens $n"
+    step "shape-b$b" $DRAFTER evaluate $CFG "run_dir=runs/shape-b$b" \
+      "evaluate.drafter=runs/store-fp8/export/native" "evaluate.batch_size=$b" \
+      "evaluate.methods=[tree]" "evaluate.tree_depth=$d" "evaluate.tree_topk=$k" \
+      "evaluate.tree_tokens=$n" "evaluate.temperatures=[0.0]" \
+      "evaluate.datasets[0].max_prompts=$([ $b = 1 ] && echo 10 || echo 22)" \
+      "evaluate.datasets[1].max_prompts=$([ $b = 1 ] && echo 10 || echo 21)" \
+      "evaluate.datasets[2].max_prompts=$([ $b = 1 ] && echo 10 || echo 21)"
+  done
+  mark lane_t
+}
+
 collect() {
   collect_runs
   # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
@@ -269,6 +309,11 @@ case "${1:-}" in
     setsid bash "$0" lane_s < /dev/null > "$RES/lane_s.out" 2>&1 &
     sleep 2; log "sixth lane started" ;;
   lane_s) lane_s ;;
+  start-seventh)
+    [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
+    setsid bash "$0" lane_t < /dev/null > "$RES/lane_t.out" 2>&1 &
+    sleep 2; log "seventh lane started" ;;
+  lane_t) lane_t ;;
   start-fifth)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     setsid bash "$0" lane_g < /dev/null > "$RES/lane_g.out" 2>&1 &
@@ -290,7 +335,8 @@ case "${1:-}" in
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$RES/lane_a.done" ] \
       && ! { [ -f "$RES/lane_n1.done" ] && [ -f "$RES/lane_n2.done" ]; } \
       && ! { [ -f "$RES/lane_f2.done" ] && [ -f "$RES/lane_f3.done" ]; } \
-      && [ ! -f "$RES/lane_g.done" ] && [ ! -f "$RES/lane_s.done" ]; do sleep 5; done
+      && [ ! -f "$RES/lane_g.done" ] && [ ! -f "$RES/lane_s.done" ] \
+      && [ ! -f "$RES/lane_t.done" ]; do sleep 5; done
     collect; tail -n 40 "$RES/phases.log"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   collect) collect ;;
