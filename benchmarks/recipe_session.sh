@@ -64,12 +64,12 @@
 #
 #   bash benchmarks/recipe_session.sh start-seventh  # not run yet; one lane, alone on the GPU
 #   lane t: decode_speed at batch 1 with and without --fold (verifications as T rows of one
-#           token, StaticTarget's experimental fold) -> store-fp8 again (a tau ~1.6 drafter) ->
-#           its evaluate at batch 1 and 64 with chain
-#           K=2 and the 6/8/48 tree, after the prefill fix (issue 16's reference-drafter goals,
-#           measured without the first-call plan building) -> at each batch size the tree
-#           shape the serving setting estimated best, decoded for real (tau and speedup against
-#           the estimate: the tree-shape counts checked on real acceptance)
+#           token, StaticTarget's experimental fold) -> store-fp8 again (a tau ~1.6 drafter)
+#           -> its evaluate at batch 1 and 64 with chain K=2 and the 6/8/48 tree, after the
+#           prefill fix (issue 16's reference-drafter goals, measured without the first-call
+#           plan building) -> at each batch size the tree shape the serving setting estimated
+#           best, decoded for real (tau and speedup against the estimate: the tree-shape
+#           counts checked on real acceptance)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
