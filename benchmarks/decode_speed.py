@@ -207,6 +207,9 @@ def main(argv=None) -> int:
                     help="top CUDA kernels of a chain step (graphs on), and per batch size the "
                     "chain's and the tree's time by part (eager steps, record_function ranges)")
     ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs")
+    ap.add_argument("--fold", action="store_true",
+                    help="batch-1 verifications as T rows of one token (StaticTarget fold: "
+                         "experimental, for an A/B against the default)")
     ap.add_argument("--ops", action="store_true",
                     help="aten ops per step (plain; chain at T=0 and T=1: general tree step "
                          "and its chain step; tree), and the tree's and the chain's by part of "
@@ -248,7 +251,7 @@ def main(argv=None) -> int:
     P = EagleDraft(dr)
     n1 = a.new_tokens
     for B in (int(x) for x in a.batches.split(",")):
-        dec = Decoder(model, max_batch=B, cuda_graphs=graphs)
+        dec = Decoder(model, max_batch=B, cuda_graphs=graphs, fold=a.fold)
         prompts = [prompt] * B
         dec.generate(prompts, 8)                 # warm-up (kernels, allocator)
         dec.generate(prompts, n1)

@@ -63,11 +63,13 @@
 #           evaluate recommended), and the tree at batch 1
 #
 #   bash benchmarks/recipe_session.sh start-seventh  # not run yet; one lane, alone on the GPU
-#   lane t: store-fp8 again (a tau ~1.6 drafter) -> its evaluate at batch 1 and 64 with chain
-#           K=2 and the 6/8/48 tree, after the prefill fix (issue 16's reference-drafter goals,
-#           measured without the first-call plan building) -> at each batch size the tree
-#           shape the serving setting estimated best, decoded for real (tau and speedup against
-#           the estimate: the tree-shape counts checked on real acceptance)
+#   lane t: decode_speed at batch 1 with and without --fold (verifications as T rows of one
+#           token, StaticTarget's experimental fold) -> store-fp8 again (a tau ~1.6 drafter)
+#           -> its evaluate at batch 1 and 64 with chain K=2 and the 6/8/48 tree, after the
+#           prefill fix (issue 16's reference-drafter goals, measured without the first-call
+#           plan building) -> at each batch size the tree shape the serving setting estimated
+#           best, decoded for real (tau and speedup against the estimate: the tree-shape
+#           counts checked on real acceptance)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -251,6 +253,11 @@ PYEOF
 }
 
 lane_t() {
+  local v
+  for v in base fold base fold; do  # issue 16: batch-1 verifications as T rows of one token
+    step decode-$v-$SECONDS $PY benchmarks/decode_speed.py --random-target --batches 1 \
+      --prefill-lengths 0 $([ $v = fold ] && echo --fold)
+  done
   short store-fp8 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
     extract.teacher=topk
   K=2 speed_of rec7 store-fp8 $CFG 1 10 10 10

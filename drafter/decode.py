@@ -121,8 +121,9 @@ class Decoder:
     the latest generate call: seconds (without graph capture), capture_seconds, prefill_seconds."""
 
     def __init__(self, model, max_batch: int = 1, cuda_graphs: bool = True,
-                 span_bucket: int = 256, prefill_tokens: int = 16384, sync_every: int = 4):
-        self.target = StaticTarget(model)
+                 span_bucket: int = 256, prefill_tokens: int = 16384, sync_every: int = 4,
+                 fold: bool = False):
+        self.target = StaticTarget(model, fold=fold)  # fold: experimental (StaticTarget.forward)
         # steps replayed between two reads of the batch's state: each read is a host sync that
         # leaves the GPU idle while Python decides; finished rows idle through the extra steps
         self.sync_every = max(1, sync_every)

@@ -68,6 +68,7 @@ def _slot_cache_class():
             self.slots: Tensor | None = None
             self.rows: Tensor | None = None   # set: the batch is these cache rows (a refill)
             self.span = max_slots
+            self.fold = False  # set: the forward's T rows of one token are row 0's T new tokens
 
         def _buf(self, store: dict, i: int, x: Tensor) -> Tensor:
             if i not in store:
@@ -88,6 +89,13 @@ def _slot_cache_class():
             for store, x in ((self.k, key_states), (self.v, value_states)):
                 buf = self._buf(store, layer_idx, x)
                 idx = self.slots[:, None, :, None].expand(B, x.shape[1], T, x.shape[3])
+                if self.fold:  # T rows of one token, all cache row 0's: [T, heads, 1, dim]
+                    T = self.slots.shape[0]
+                    xt = x[:, :, 0].transpose(0, 1)                           # [heads, T, dim]
+                    buf[0].scatter_(1, self.slots.view(1, T, 1).expand(x.shape[1], T, x.shape[3]),
+                                    xt.to(buf.dtype))
+                    out.append(buf[:1, :, : self.span].expand(T, -1, -1, -1))  # a view
+                    continue
                 if self.rows is not None:                             # eager refills only
                     sub = buf.index_select(0, self.rows).scatter_(2, idx, x.to(buf.dtype))
                     buf.index_copy_(0, self.rows, sub)
@@ -123,6 +131,7 @@ def _slot_cache_class():
 
 
 _GQA_IMPL = "drafter_gqa_sdpa"
+FOLD_MAX = 64  # StaticTarget(fold=True): verifications up to this many tokens are folded
 # the folded masks of the forward in progress, made by its first layer and reused by the others
 # (one per mask: sliding-window models have two); StaticTarget.forward empties it
 _folded = threading.local()
@@ -189,11 +198,14 @@ class StaticTarget:
     """An HF causal LM run over a `SlotCache`, with forward pre-hooks capturing the aux hidden
     states HS[k] (DESIGN.md: the residual stream entering layer k) of every token it processes."""
 
-    def __init__(self, model):
+    def __init__(self, model, fold: bool = False):
         from .capture import decoder_layers
         from .target import text_config
 
         self.model = model
+        # fold: a batch-1 forward over T > 1 tokens runs as T rows of one token (experimental,
+        # off by default until timed on a GPU; see forward()).
+        self.fold = fold
         tc = text_config(model.config)
         # flash kernels ignore a custom 4D mask (the tree needs one); transformers' SDPA copies
         # grouped K/V heads under a mask: `_gqa_sdpa` does neither. Eager stays (softcapping).
@@ -253,7 +265,27 @@ class StaticTarget:
     def forward(self, ids: Tensor, pos: Tensor, slots: Tensor, vis: Tensor, start: Tensor,
                 logits_to_keep: int = 0) -> tuple[Tensor, Tensor | None]:
         """ids, pos, slots [B, T]; vis [B, T, S] bool (True: query t sees slot s); start [B].
-        Returns logits [B, T or logits_to_keep, V] and aux [B, T, A, Ht] (None without ids)."""
+        Returns logits [B, T or logits_to_keep, V] and aux [B, T, A, Ht] (None without ids).
+
+        With `fold`, a batch-1 forward over 1 < T <= FOLD_MAX tokens (a verification) runs as T
+        rows of one token each, reading one cache row. transformers' attention transposes q, k
+        and v to [B, heads, T, dim], contiguous only when T = 1: over T > 1 tokens its rotary
+        embedding and the cache writes run strided, 0.5 ms more than a 1-token forward at batch
+        1 on the H200 at the same kernel count (benchmarks/forward_kernels.py). As T rows of one
+        token they take the 1-token path; every row sees row 0's cache (written first, one
+        scatter a layer) under its own row of vis."""
+        B, T = ids.shape
+        if self.fold and B == 1 and 1 < T <= FOLD_MAX and not self.window:
+            self.cache.fold = True
+            try:
+                logits, aux = self.forward(ids.view(T, 1), pos.view(T, 1), slots.view(T, 1),
+                                           vis.view(T, 1, vis.shape[-1]), start.expand(T),
+                                           logits_to_keep)
+            finally:
+                self.cache.fold = False
+            keep = logits_to_keep or T
+            logits = logits.view(1, T, -1)[:, T - keep:]
+            return logits, None if aux is None else aux.view(1, T, *aux.shape[2:])
         mask = _additive(vis, self.dtype)                                  # [B, 1, T, S]
         attn = mask
         if self.window:  # sliding layers get their window on top (slot s = position s - start)

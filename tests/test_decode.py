@@ -654,3 +654,50 @@ def test_tree_stats_give_what_a_smaller_tree_accepts(tiny_llama):
     for o in outs:
         assert o.shapes[1][2][5] == o.steps == sum(o.hist)
         assert o.shapes[0][2][5] == sum(a * c for a, c in enumerate(o.hist))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek_v3", "gemma2"])
+def test_folded_verification_gives_the_same_tokens_and_logits(arch, tmp_path):
+    """StaticTarget(fold=True) (experimental): a batch-1 forward over T tokens as T rows of one
+    token gives the unfolded forward's logits and aux states, and a batch-1 chain and tree decode
+    the plain tokens (GQA, MLA + MoE; Gemma 2's sliding windows are never folded)."""
+    from transformers import AutoModelForCausalLM
+
+    from drafter.static import StaticTarget
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny(arch, tmp_path),
+                                                 dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    n = model.config.num_hidden_layers
+    outs = {}
+    ids = torch.randint(3, 1000, (1, 20))
+    for fold in (False, True):
+        tgt = StaticTarget(model, fold=fold)
+        tgt.allocate(1, 64)
+        tgt.set_aux([1, n // 2, n])
+        with torch.no_grad():
+            s = torch.arange(20)
+            vis = (s[None] <= s[:, None])[None]                                # causal [1, T, S]
+            tgt.forward(ids[:, :12], s[None, :12], s[None, :12], vis[:, :12, :20],
+                        torch.zeros(1, dtype=torch.long))
+            shapes, fwd = [], model.forward
+            model.forward = lambda *a, **kw: (shapes.append(tuple(kw["input_ids"].shape)),
+                                              fwd(*a, **kw))[1]
+            outs[fold] = tgt.forward(ids[:, 12:], s[None, 12:], s[None, 12:], vis[:, 12:],
+                                     torch.zeros(1, dtype=torch.long))
+            del model.forward
+        window = getattr(model.config, "sliding_window", None) and arch == "gemma2"
+        assert shapes == [(8, 1) if fold and not window else (1, 8)]
+    torch.testing.assert_close(outs[True][0], outs[False][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[True][1], outs[False][1], atol=1e-4, rtol=1e-4)
+    prompts = [torch.randint(3, 1000, (n,)).tolist() for n in (30, 17)]
+    dec = Decoder(model, max_batch=1, fold=True)
+    plain = dec.generate(prompts, 12)
+    P = RefDrafter(_ref(prompts, plain), model.config.vocab_size, "noisy")
+    for tree in (TreeSpec.chain(3), TreeSpec(3, 2, 5)):
+        spec = []
+        for p in prompts:   # one prompt a batch: RefDrafter reads its reference by batch row
+            P.ref = _ref([p], [plain[prompts.index(p)]])
+            spec += dec.generate([p], 12, proposer=P, tree=tree)
+        assert [o.tokens for o in spec] == [o.tokens for o in plain]
+        assert sum(sum(o.hist[1:]) for o in spec) > 0          # drafts were accepted
