@@ -68,14 +68,14 @@ def kernels(fn) -> tuple[int, list[tuple[str, int, float]]]:
 
 
 def prefill_ms(tgt, lengths, dev) -> float:
-    """Mean ms of an eager batch-1 prefill forward at each prompt length."""
+    """Mean ms of an eager batch-1 prefill forward at each prompt length (GPU only)."""
     out = []
     for L in lengths:
         ids, slots, vis, start = inputs(1, L, 0, L, dev)
-        torch.cuda.synchronize() if dev.type == "cuda" else None
+        torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
         tgt.forward(ids, slots, slots, vis, start, logits_to_keep=1)
-        torch.cuda.synchronize() if dev.type == "cuda" else None
+        torch.cuda.synchronize(dev)
         out.append(1e3 * (time.perf_counter() - t0))
     return sum(out) / len(out)
 

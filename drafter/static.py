@@ -88,14 +88,13 @@ def _slot_cache_class():
             out = []
             for store, x in ((self.k, key_states), (self.v, value_states)):
                 buf = self._buf(store, layer_idx, x)
-                idx = self.slots[:, None, :, None].expand(B, x.shape[1], T, x.shape[3])
-                if self.fold:  # T rows of one token, all cache row 0's: [T, heads, 1, dim]
-                    T = self.slots.shape[0]
-                    xt = x[:, :, 0].transpose(0, 1)                           # [heads, T, dim]
-                    buf[0].scatter_(1, self.slots.view(1, T, 1).expand(x.shape[1], T, x.shape[3]),
+                if self.fold:  # B rows of one token, all cache row 0's: x [B, heads, 1, dim]
+                    xt = x[:, :, 0].transpose(0, 1)                           # [heads, B, dim]
+                    buf[0].scatter_(1, self.slots.view(1, B, 1).expand(x.shape[1], B, x.shape[3]),
                                     xt.to(buf.dtype))
-                    out.append(buf[:1, :, : self.span].expand(T, -1, -1, -1))  # a view
+                    out.append(buf[:1, :, : self.span].expand(B, -1, -1, -1))  # a view
                     continue
+                idx = self.slots[:, None, :, None].expand(B, x.shape[1], T, x.shape[3])
                 if self.rows is not None:                             # eager refills only
                     sub = buf.index_select(0, self.rows).scatter_(2, idx, x.to(buf.dtype))
                     buf.index_copy_(0, self.rows, sub)
