@@ -132,12 +132,12 @@ def counts_per_step(dec, prompt, parts=(), **kw) -> dict[str, tuple[float, float
             for k in c2.ops}
 
 
-def ops_rows(model, P, prompt, k: int, tree: TreeSpec, row) -> None:
+def ops_rows(model, P, prompt, k: int, tree: TreeSpec, row, fold: bool = False) -> None:
     """Aten ops dispatched per decode step, eagerly (graphs off): each is one kernel or more
     that a captured step replays, so the count is the launch-bound part of a step; for the tree
     and the chain also by part of the step (at batch 1 a captured step's time beyond its
     forwards is about its kernel count)."""
-    dec = Decoder(model, max_batch=1, cuda_graphs=False)
+    dec = Decoder(model, max_batch=1, cuda_graphs=False, fold=fold)
 
     def total(**kw) -> int:
         return round(sum(ops for ops, _ in counts_per_step(dec, prompt, **kw).values()))
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
         del dec
 
     if a.ops:
-        ops_rows(model, P, prompt, a.k, TreeSpec(depth, topk, tokens), row)
+        ops_rows(model, P, prompt, a.k, TreeSpec(depth, topk, tokens), row, a.fold)
 
     dev_name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"\ndecode speed: {a.target} on {dev_name} ({dtype}), CUDA graphs "
