@@ -69,7 +69,8 @@
 #           prefill fix (issue 16's reference-drafter goals, measured without the first-call
 #           plan building) -> at each batch size the tree shape the serving setting estimated
 #           best, decoded for real (tau and speedup against the estimate: the tree-shape
-#           counts checked on real acceptance)
+#           counts checked on real acceptance) -> one merge graph for every TTT step
+#           (benchmarks/variants/stacked-merge.patch): cold warm-up and Llama-8B step, A/B
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -275,6 +276,22 @@ lane_t() {
       "evaluate.datasets[0].max_prompts=$([ $b = 1 ] && echo 10 || echo 22)" \
       "evaluate.datasets[1].max_prompts=$([ $b = 1 ] && echo 10 || echo 21)" \
       "evaluate.datasets[2].max_prompts=$([ $b = 1 ] && echo 10 || echo 21)"
+  done
+  # issue 18: one merge graph for every TTT step (benchmarks/variants/stacked-merge.patch),
+  # its cold warm-up against the six graphs', then its Llama-8B step speed, alternating
+  rm -rf /tmp/stacked && mkdir -p /tmp/stacked && cp -r drafter benchmarks /tmp/stacked/ \
+    && (cd /tmp/stacked && git apply "$REPO/benchmarks/variants/stacked-merge.patch") || return
+  local d tt="benchmarks/train_throughput.py"
+  for v in base stacked; do
+    d=$REPO; [ $v = stacked ] && d=/tmp/stacked
+    step merge-cold-$v bash -c "cd $d && TORCHINDUCTOR_CACHE_DIR=/tmp/ind-merge-$v $PY $tt \
+      --real --online --skip-offline --online-group 4 --shape smollm2 --no-anchor \
+      --compile-times --steps 60"
+  done
+  for v in base stacked base stacked; do
+    d=$REPO; [ $v = stacked ] && d=/tmp/stacked
+    step merge-llama-$v-$SECONDS bash -c "cd $d && $PY $tt --shape llama8b --seq 4096 \
+      --teacher topk --no-anchor --no-check"
   done
   mark lane_t
 }
