@@ -155,6 +155,10 @@ def ops_rows(model, P, prompt, k: int, tree: TreeSpec, row, fold: bool = False) 
         if tr is tree:
             row(f"aten ops per step: {tree.label()}, T=0", round(sum(o for o, _ in by.values())),
                 "ops")
+            stats = counts_per_step(dec, prompt, proposer=P, tree=tr, tree_stats=True)
+            row(f"  {tree.label()}, T=0: kernels tree_stats adds (evaluate's tree counts)",
+                round(sum(k for _, k in stats.values()) - sum(k for _, k in by.values())),
+                "kernels")
         for part, (ops, kernels) in by.items():
             row(f"  {tr.label()}, T=0: {part}", f"{ops:.0f} / {kernels:.0f}", "ops / kernels")
 

@@ -132,7 +132,7 @@ def _slot_cache_class():
 _GQA_IMPL = "drafter_gqa_sdpa"
 FOLD_MAX = 64  # StaticTarget(fold=True): verifications up to this many tokens are folded
 # the folded masks of the forward in progress, made by its first layer and reused by the others
-# (one per mask: sliding-window models have two); StaticTarget.forward empties it
+# (one per mask: sliding-window models have two); a dict only inside StaticTarget.forward
 _folded = threading.local()
 
 
@@ -157,15 +157,14 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     q = query.reshape(B, nkv, g * T, hd)                                 # head h = kv * g + j
     # the mask's rows repeated for the g query heads: a copy when T > 1, made once a forward
     masks = getattr(_folded, "masks", None)
-    if masks is None:
-        masks = _folded.masks = {}
-    hit = masks.get(id(attention_mask))
-    if hit is not None and hit[0] is attention_mask and hit[1].shape[-1] == S:
+    hit = masks.get(id(attention_mask)) if masks is not None else None
+    if hit is not None and hit[0] is attention_mask:
         m = hit[1]
     else:
         m = attention_mask[:, :, :, :S]
         m = m[:, :, None].expand(B, 1, g, T, S).reshape(B, 1, g * T, S)
-        masks[id(attention_mask)] = (attention_mask, m)
+        if masks is not None:
+            masks[id(attention_mask)] = (attention_mask, m)
     o = F.scaled_dot_product_attention(q, key, value, attn_mask=m, scale=scaling)
     return o.reshape(B, nh, T, hd).transpose(1, 2).contiguous(), None   # [B, T, nh, hd]
 
@@ -300,7 +299,7 @@ class StaticTarget:
             out = self.model(input_ids=ids, position_ids=pos, attention_mask=attn, use_cache=True,
                              **kw)
         finally:
-            _folded.masks = {}
+            _folded.masks = None
         logits = out.logits
         if not self._keep_kw and logits_to_keep:
             logits = logits[:, -logits_to_keep:]

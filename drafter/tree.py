@@ -69,7 +69,7 @@ class Draft:
     valid: Tensor         # [B, N] bool: drawn with non-zero draft probability
     dist: Tensor          # [B, N+1] row of `logq` its children were drawn from; -1 = leaf
     logq: Tensor | None   # [B, E, Vd] draft log-probs of the expanded nodes (sampling only)
-    rank: Tensor | None = None  # [B, N] place in the selection's score order (0: the best)
+    rank: Tensor          # [B, N] place in the selection's score order (0: the best)
 
 
 def _gumbel_like(x: Tensor) -> Tensor:
