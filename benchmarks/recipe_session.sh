@@ -62,15 +62,16 @@
 #           setting (issue 16's reference-drafter goals: chain K=2 at batch 1 and 64, as its
 #           evaluate recommended), and the tree at batch 1
 #
-#   bash benchmarks/recipe_session.sh start-seventh  # not run yet; one lane, alone on the GPU
+#   bash benchmarks/recipe_session.sh start-seventh  # one lane, alone on the GPU
 #   lane t: decode_speed at batch 1 with and without --fold (verifications as T rows of one
-#           token, StaticTarget's experimental fold) -> store-fp8 again (a tau ~1.6 drafter)
-#           -> its evaluate at batch 1 and 64 with chain K=2 and the 6/8/48 tree, after the
-#           prefill fix (issue 16's reference-drafter goals, measured without the first-call
-#           plan building) -> at each batch size the tree shape the serving setting estimated
-#           best, decoded for real (tau and speedup against the estimate: the tree-shape
-#           counts checked on real acceptance) -> one merge graph for every TTT step
+#           token, StaticTarget's experimental fold) -> one merge graph for every TTT step
 #           (benchmarks/variants/stacked-merge.patch): cold warm-up and Llama-8B step, A/B
+#           -> store-fp8 again (a tau ~1.6 drafter) -> its evaluate at batch 1 (chain K=2 and
+#           the 6/8/48 tree, after the prefill fix), again with the fold on (a copy of the
+#           package whose Decoder folds by default), and at batch 64 (issue 16's
+#           reference-drafter goals) -> at each batch size the tree shape the serving setting
+#           estimated best, decoded for real (the tree-shape counts checked on real acceptance)
+#           The runs are in order of need: what a short session cuts is the last.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -254,16 +255,42 @@ PYEOF
 }
 
 lane_t() {
-  local v
+  local v d b k n tt="benchmarks/train_throughput.py"
   for v in base fold base fold; do  # issue 16: batch-1 verifications as T rows of one token
     step decode-$v-$SECONDS $PY benchmarks/decode_speed.py --random-target --batches 1 \
       --prefill-lengths 0 $([ $v = fold ] && echo --fold)
   done
+  # issue 18: one merge graph for every TTT step (benchmarks/variants/stacked-merge.patch),
+  # its cold warm-up against the six graphs', then its Llama-8B step speed, alternating
+  rm -rf /tmp/stacked && mkdir -p /tmp/stacked && cp -r drafter benchmarks /tmp/stacked/ \
+    && (cd /tmp/stacked && git apply "$REPO/benchmarks/variants/stacked-merge.patch") || return
+  for v in base stacked; do
+    d=$REPO; [ $v = stacked ] && d=/tmp/stacked
+    step merge-cold-$v bash -c "cd $d && TORCHINDUCTOR_CACHE_DIR=/tmp/ind-merge-$v $PY $tt \
+      --real --online --skip-offline --online-group 4 --shape smollm2 --no-anchor \
+      --compile-times --steps 60"
+  done
+  for v in base stacked base stacked; do
+    d=$REPO; [ $v = stacked ] && d=/tmp/stacked
+    step merge-llama-$v-$SECONDS bash -c "cd $d && $PY $tt --shape llama8b --seq 4096 \
+      --teacher topk --no-anchor --no-check"
+  done
   short store-fp8 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
     extract.teacher=topk
   K=2 speed_of rec7 store-fp8 $CFG 1 10 10 10
+  # the same evaluate with the fold on (a copy whose Decoder folds by default: batch 1 only);
+  # run from the copy (python -m puts the working folder first), runs/ and ../shared linked
+  rm -rf /tmp/foldv && mkdir -p /tmp/foldv && cp -r drafter configs /tmp/foldv/ \
+    && ln -s "$REPO/runs" /tmp/foldv/runs && sed -i 's/fold: bool = False):/fold: bool = True):/' \
+    /tmp/foldv/drafter/decode.py && { [ -e /tmp/shared ] || ln -s "$(cd ../shared && pwd)" \
+    /tmp/shared; } && grep -q "fold: bool = True" /tmp/foldv/drafter/decode.py || return
+  [ -n "${CHECK:-}" ] || [ ! -d runs/store-fp8/export/native ] \
+    || step rec7fold-b1 bash -c "cd /tmp/foldv && PYTHONPATH=/tmp/foldv:$PYTHONPATH $DRAFTER \
+      evaluate $CFG run_dir=runs/rec7fold-b1 evaluate.drafter=runs/store-fp8/export/native \
+      evaluate.batch_size=1 evaluate.k=2 'evaluate.methods=[chain,tree]' \
+      'evaluate.temperatures=[0.0]' 'evaluate.datasets[0].max_prompts=10' \
+      'evaluate.datasets[1].max_prompts=10' 'evaluate.datasets[2].max_prompts=10'"
   K=2 speed_of rec7 store-fp8 $CFG 64 22 21 21
-  local b d k n
   for b in 1 64; do
     [ -n "${CHECK:-}" ] && break
     read -r d k n <<< "$(best_tree rec7-b$b $b)"
@@ -276,22 +303,6 @@ lane_t() {
       "evaluate.datasets[0].max_prompts=$([ $b = 1 ] && echo 10 || echo 22)" \
       "evaluate.datasets[1].max_prompts=$([ $b = 1 ] && echo 10 || echo 21)" \
       "evaluate.datasets[2].max_prompts=$([ $b = 1 ] && echo 10 || echo 21)"
-  done
-  # issue 18: one merge graph for every TTT step (benchmarks/variants/stacked-merge.patch),
-  # its cold warm-up against the six graphs', then its Llama-8B step speed, alternating
-  rm -rf /tmp/stacked && mkdir -p /tmp/stacked && cp -r drafter benchmarks /tmp/stacked/ \
-    && (cd /tmp/stacked && git apply "$REPO/benchmarks/variants/stacked-merge.patch") || return
-  local d tt="benchmarks/train_throughput.py"
-  for v in base stacked; do
-    d=$REPO; [ $v = stacked ] && d=/tmp/stacked
-    step merge-cold-$v bash -c "cd $d && TORCHINDUCTOR_CACHE_DIR=/tmp/ind-merge-$v $PY $tt \
-      --real --online --skip-offline --online-group 4 --shape smollm2 --no-anchor \
-      --compile-times --steps 60"
-  done
-  for v in base stacked base stacked; do
-    d=$REPO; [ $v = stacked ] && d=/tmp/stacked
-    step merge-llama-$v-$SECONDS bash -c "cd $d && $PY $tt --shape llama8b --seq 4096 \
-      --teacher topk --no-anchor --no-check"
   done
   mark lane_t
 }
