@@ -132,7 +132,7 @@ def counts_per_step(dec, prompt, parts=(), **kw) -> dict[str, tuple[float, float
             for k in c2.ops}
 
 
-def ops_rows(model, P, prompt, k: int, tree: TreeSpec, row, fold: bool = False) -> None:
+def ops_rows(model, P, prompt, k: int, tree: TreeSpec, row, fold: bool | None = None) -> None:
     """Aten ops dispatched per decode step, eagerly (graphs off): each is one kernel or more
     that a captured step replays, so the count is the launch-bound part of a step; for the tree
     and the chain also by part of the step (at batch 1 a captured step's time beyond its
@@ -211,9 +211,9 @@ def main(argv=None) -> int:
                     help="top CUDA kernels of a chain step (graphs on), and per batch size the "
                     "chain's and the tree's time by part (eager steps, record_function ranges)")
     ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs")
-    ap.add_argument("--fold", action="store_true",
-                    help="batch-1 verifications as T rows of one token (StaticTarget fold: "
-                         "experimental, for an A/B against the default)")
+    ap.add_argument("--fold", choices=["auto", "on", "off"], default="auto",
+                    help="batch-1 verifications as T rows of one token (StaticTarget's fold): "
+                         "auto (the default: on a GPU only), on, or off (for an A/B)")
     ap.add_argument("--ops", action="store_true",
                     help="aten ops per step (plain; chain at T=0 and T=1: general tree step "
                          "and its chain step; tree), and the tree's and the chain's by part of "
@@ -223,6 +223,7 @@ def main(argv=None) -> int:
                          "(evaluate's prefills; 0: skip)")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
+    fold = {"auto": None, "on": True, "off": False}[a.fold]
     tmp = None
     if a.tiny:
         tmp = tempfile.TemporaryDirectory()
@@ -255,7 +256,7 @@ def main(argv=None) -> int:
     P = EagleDraft(dr)
     n1 = a.new_tokens
     for B in (int(x) for x in a.batches.split(",")):
-        dec = Decoder(model, max_batch=B, cuda_graphs=graphs, fold=a.fold)
+        dec = Decoder(model, max_batch=B, cuda_graphs=graphs, fold=fold)
         prompts = [prompt] * B
         dec.generate(prompts, 8)                 # warm-up (kernels, allocator)
         dec.generate(prompts, n1)
@@ -311,7 +312,7 @@ def main(argv=None) -> int:
         del dec
 
     if a.ops:
-        ops_rows(model, P, prompt, a.k, TreeSpec(depth, topk, tokens), row, a.fold)
+        ops_rows(model, P, prompt, a.k, TreeSpec(depth, topk, tokens), row, fold)
 
     dev_name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"\ndecode speed: {a.target} on {dev_name} ({dtype}), CUDA graphs "

@@ -258,7 +258,7 @@ lane_t() {
   local v d b k n tt="benchmarks/train_throughput.py"
   for v in base fold base fold; do  # issue 16: batch-1 verifications as T rows of one token
     step decode-$v-$SECONDS $PY benchmarks/decode_speed.py --random-target --batches 1 \
-      --prefill-lengths 0 $([ $v = fold ] && echo --fold)
+      --prefill-lengths 0 --fold $([ $v = fold ] && echo on || echo off)
   done
   # issue 18: one merge graph for every TTT step (benchmarks/variants/stacked-merge.patch),
   # its cold warm-up against the six graphs', then its Llama-8B step speed, alternating

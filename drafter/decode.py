@@ -122,8 +122,9 @@ class Decoder:
 
     def __init__(self, model, max_batch: int = 1, cuda_graphs: bool = True,
                  span_bucket: int = 256, prefill_tokens: int = 16384, sync_every: int = 4,
-                 fold: bool = False):
-        self.target = StaticTarget(model, fold=fold)  # fold: experimental (StaticTarget.forward)
+                 fold: bool | None = None):
+        # fold: batch-1 verifications as T rows of one token (StaticTarget; None: on a GPU)
+        self.target = StaticTarget(model, fold=fold)
         # steps replayed between two reads of the batch's state: each read is a host sync that
         # leaves the GPU idle while Python decides; finished rows idle through the extra steps
         self.sync_every = max(1, sync_every)
@@ -206,7 +207,7 @@ class Decoder:
             tree = TreeSpec.chain(3)
         self.target.claim()
         self.last = {"seconds": 0.0, "capture_seconds": 0.0, "prefill_seconds": 0.0,
-                     "iterations": 0}
+                     "iterations": 0, "row_steps": 0}
         # The caches for the longest prompt, before any batch is timed: grown batch by batch,
         # each growth would reallocate them and recapture every graph inside `seconds` (at batch
         # 1, a longer prompt every few prompts)
@@ -273,6 +274,7 @@ class Decoder:
                 self.graphs.run(key + (span,), lambda: fn(span), state)
                 it += 1
                 self.last["iterations"] += 1
+                self.last["row_steps"] += B  # rows the step computed, finished ones included
             done, lmax = torch.stack([st.finished.all().long(), st.L.max()]).tolist()
         return self._collect(st, range(B), max_new, stop_ids, spec, record_gaps)
 

@@ -658,9 +658,10 @@ def test_tree_stats_give_what_a_smaller_tree_accepts(tiny_llama):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek_v3", "gemma2"])
 def test_folded_verification_gives_the_same_tokens_and_logits(arch, tmp_path):
-    """StaticTarget(fold=True) (experimental): a batch-1 forward over T tokens as T rows of one
-    token gives the unfolded forward's logits and aux states, and a batch-1 chain and tree decode
-    the plain tokens (GQA, MLA + MoE; Gemma 2's sliding windows are never folded)."""
+    """StaticTarget(fold=True) (the default on a GPU, off on the CPU): a batch-1 forward over T
+    tokens as T rows of one token gives the unfolded forward's logits and aux states, and a
+    batch-1 chain and tree decode the plain tokens (GQA, MLA + MoE; Gemma 2's sliding windows
+    are never folded)."""
     from transformers import AutoModelForCausalLM
 
     from drafter.static import StaticTarget
@@ -691,6 +692,7 @@ def test_folded_verification_gives_the_same_tokens_and_logits(arch, tmp_path):
     torch.testing.assert_close(outs[True][0], outs[False][0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(outs[True][1], outs[False][1], atol=1e-4, rtol=1e-4)
     prompts = [torch.randint(3, 1000, (n,)).tolist() for n in (30, 17)]
+    assert StaticTarget(model).fold is False and Decoder(model).target.fold is False  # CPU
     dec = Decoder(model, max_batch=1, fold=True)
     plain = dec.generate(prompts, 12)
     P = RefDrafter(_ref(prompts, plain), model.config.vocab_size, "noisy")
