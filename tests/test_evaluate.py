@@ -137,6 +137,12 @@ def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
     # the serving setting: chains K=1..2 and the drafter's tree, at batch 1 and 2
     rec = s["recommended"]
     assert set(rec["by_batch"]) == {"1", "2"} and rec["calibration"]["spec_ratio"] > 0
+    # every dataset has one prompt a round: batch_size 2, but every step ran at 1 row, and the
+    # calibration compares those steps with the costs timed at 1 row, not at 2
+    for r in m["runs"]:
+        assert all(d["rows_per_step"] == 1.0 for d in r["datasets"].values())
+    assert rec["calibration"]["batch"] == 1
+    assert "the steps ran at 1.0 rows on average" in run.eval_report().read_text()
     assert rec["calibration"]["static_batch_efficiency"] > 0
     for r in rec["by_batch"].values():
         assert [x["setting"] for x in r["settings"]][:3] == \

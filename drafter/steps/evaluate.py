@@ -164,11 +164,12 @@ class _Prompts:
 def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tree=None,
             desc: str = ""):
     """Decode every round (building later rounds from these answers when `rounds` is None).
-    Returns ([(record, round, Output)], seconds, iterations, prefill seconds): seconds include
-    the prefills (the tokens/s a user waits for), iterations are decode steps only."""
+    Returns ([(record, round, Output)], seconds, iterations, prefill seconds, row steps): seconds
+    include the prefills (the tokens/s a user waits for), iterations are decode steps only, row
+    steps their rows summed (a batch's steps run at its rows: fewer prompts, smaller batches)."""
     from tqdm import tqdm
 
-    outs, seconds, iters, prefill = [], 0.0, 0, 0.0
+    outs, seconds, iters, prefill, rows = [], 0.0, 0, 0.0, 0
     answers: dict[int, list[str]] = {}
     r = 0
     bar = tqdm(total=sum(prompts.n_turns(rec) for rec in prompts.records), desc=desc,
@@ -185,6 +186,7 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
         seconds += dec.last["seconds"]
         iters += dec.last["iterations"]
         prefill += dec.last["prefill_seconds"]
+        rows += dec.last["row_steps"]
         for (i, _), o in zip(batch, res):
             outs.append((i, r, o))
             text = prompts.tok.decode(o.tokens, skip_special_tokens=True)
@@ -193,7 +195,7 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
         if rounds is not None and r >= len(rounds):
             break
     bar.close()
-    return outs, seconds, iters, prefill
+    return outs, seconds, iters, prefill, rows
 
 
 def _pass(run: Run, key: str, prompts: _Prompts, fn):
@@ -212,13 +214,14 @@ def _pass(run: Run, key: str, prompts: _Prompts, fn):
                 prompts.truncated = d["truncated"]
             log.info("evaluate: %s: kept from the interrupted run", key)
             return [(i, r, Output(**o)) for i, r, o in d["outs"]], d["seconds"], \
-                d["iterations"], d.get("prefill_seconds")  # absent in older passes
+                d["iterations"], d.get("prefill_seconds"), d.get("row_steps")  # older: absent
     built = not prompts.rounds
-    outs, secs, it, pre = fn()
+    outs, secs, it, pre, rows = fn()
     atomic_json(p, {"key": key, "seconds": secs, "iterations": it, "prefill_seconds": pre,
+                    "row_steps": rows,
                     "rounds": prompts.rounds if built else None, "truncated": prompts.truncated,
                     "outs": [(i, r, dataclasses.asdict(o)) for i, r, o in outs]})
-    return outs, secs, it, pre
+    return outs, secs, it, pre, rows
 
 
 def compare(plain, spec, tol: float) -> tuple[str, dict | None]:
@@ -240,16 +243,20 @@ def compare(plain, spec, tol: float) -> tuple[str, dict | None]:
 
 
 # -------------------------------------------------------------------------------------- metrics
-def _speed(new: int, seconds: float, iterations: int, prefill: float | None = None) -> dict:
+def _speed(new: int, seconds: float, iterations: int, prefill: float | None = None,
+           row_steps: float | None = None) -> dict:
     """tokens/s and step_ms over all seconds, prefills included (what a user waits for);
     decode_step_ms without them: the figure to set beside a captured step's time
-    (benchmarks/decode_speed.py), a prefill being a forward over the whole prompt at batch 1."""
+    (benchmarks/decode_speed.py), a prefill being a forward over the whole prompt at batch 1;
+    rows_per_step: the batch the steps ran at (below batch_size when prompts run out)."""
     m = {"new_tokens": new, "seconds": round(seconds, 4), "iterations": iterations,
          "tokens_per_s": round(new / seconds, 2) if seconds > 0 else None,
          "step_ms": _r(1000 * seconds / iterations) if iterations else None}
     if prefill is not None:
         m["prefill_seconds"] = round(prefill, 4)
         m["decode_step_ms"] = _r(1000 * (seconds - prefill) / iterations) if iterations else None
+    if row_steps is not None and iterations:
+        m["rows_per_step"] = round(row_steps / iterations, 2)
     return m
 
 
@@ -265,9 +272,10 @@ def _accept(hist: list[int], tree) -> dict:
 
 
 def _summary(outs, seconds, iterations, prefill=None, tree=None, plain_outs=None, tol=0.0,
-             records=None) -> dict:
+             records=None, row_steps=None) -> dict:
     m = {"prompts": len(outs), "records": len({i for i, _, _ in outs}),
-         **_speed(sum(len(o.tokens) for _, _, o in outs), seconds, iterations, prefill)}
+         **_speed(sum(len(o.tokens) for _, _, o in outs), seconds, iterations, prefill,
+                  row_steps)}
     if tree is not None:
         m.update(_accept([sum(o.hist[a] for _, _, o in outs) for a in range(tree.depth + 1)],
                          tree))
@@ -345,9 +353,9 @@ def main(cfg) -> dict:
         for name, path, recs in datasets:
             torch.manual_seed(ev.seed)
             prompts[name] = pr = _Prompts(tok, recs, max_len, ev.max_new_tokens)
-            outs, secs, it, pre = _pass(run, f"plain T={T:g} {name}", pr, lambda: _decode(
+            outs, secs, it, pre, rows = _pass(run, f"plain T={T:g} {name}", pr, lambda: _decode(
                 dec, pr, None, ev.max_new_tokens, stop, T, desc=f"plain T={T:g} {name}"))
-            plain[name] = (outs, _summary(outs, secs, it, pre))
+            plain[name] = (outs, _summary(outs, secs, it, pre, row_steps=rows))
             ds_info[name] = {"path": path, "records": len(recs),
                              "prompts": sum(len(r) for r in prompts[name].rounds),
                              "truncated_prompts": prompts[name].truncated}
@@ -356,6 +364,10 @@ def main(cfg) -> dict:
         ps = {n: s for n, (_, s) in plain.items()}
         ps["overall"] = _overall(ps, None)
         plain_all[str(T)] = ps
+        # the batch the steps run at: below batch_size when a dataset has fewer prompts (or a
+        # last partial batch); the serving setting is calibrated there (_recommend)
+        rows = ps["overall"].get("rows_per_step")
+        cal = max(1, round(rows)) if rows else ev.batch_size
         for what, prop, path in proposers:
             for method, tree in methods:
                 key = (what, tree)
@@ -364,20 +376,21 @@ def main(cfg) -> dict:
                     # the serving setting (each batch size timed once)
                     small = min(ev.batch_size, 8)
                     by = {b: {k: _r(v) for k, v in dec.time_forwards(prop, tree, batch=b).items()}
-                          for b in sorted({1, small, ev.batch_size})}
+                          for b in sorted({1, small, cal, ev.batch_size})}
                     t = by[small]
                     timings[key] = {**t, "c": _r(t["draft_ms"] / t["verify_ms"], 4),
-                                    "by_batch": {b: by[b] for b in sorted({1, ev.batch_size})}}
+                                    "by_batch": {b: by[b] for b in sorted({1, cal,
+                                                                           ev.batch_size})}}
                 timing = timings[key]
                 per = {}
                 for name, _, _ in datasets:
                     torch.manual_seed(ev.seed)
                     desc = f"{what} {tree.label()} T={T:g} {name}"
                     pr = prompts[name]
-                    outs, secs, it, pre = _pass(run, desc, pr, lambda: _decode(
+                    outs, secs, it, pre, rows = _pass(run, desc, pr, lambda: _decode(
                         dec, pr, pr.rounds, ev.max_new_tokens, stop, T, prop, tree, desc=desc))
                     m = _summary(outs, secs, it, pre, tree, plain[name][0] if T == 0 else None,
-                                 tol, prompts[name].records)
+                                 tol, prompts[name].records, rows)
                     per[name] = _with_speed(m, ps[name])
                     log.info("evaluate: %s %s T=%g %s: tau %.3f, %.1f tokens/s (plain %.1f)",
                              what, tree.label(), T, name, m["tau"] or 0, m["tokens_per_s"] or 0,
@@ -403,7 +416,7 @@ def main(cfg) -> dict:
                     if k in primary},
         "datasets": ds_info,
     }
-    rec = _recommend(runs, plain_all, ev.batch_size, str(drafters[0][2]))
+    rec = _recommend(runs, plain_all, str(drafters[0][2]))
     if rec:
         settings["recommended"] = rec
     try:
@@ -441,11 +454,12 @@ def finish(run: Run, settings: dict, runs: list[dict], plain: dict) -> dict:
     return metrics
 
 
-def _recommend(runs: list[dict], plain: dict, batch: int, drafter_dir: str) -> dict | None:
+def _recommend(runs: list[dict], plain: dict, drafter_dir: str) -> dict | None:
     """The serving setting (drafter.tuning) from the drafter's greedy chain run: its conditional
     acceptance, the step costs measured per batch size, calibrated on this run's step times
     (decode steps, prefills left out: the per-step figures an engine with continuous batching
-    gets); and from each greedy tree run, its own tau and those of its smaller shapes."""
+    gets) against the costs timed at the rows those steps ran at; and from each greedy tree run,
+    its own tau and those of its smaller shapes."""
     from ..tuning import chain_step_ms, recommend, tree_step_ms
 
     chain = next((r for r in runs if r["drafter"] == "drafter" and r["method"] == "chain"
@@ -454,6 +468,11 @@ def _recommend(runs: list[dict], plain: dict, batch: int, drafter_dir: str) -> d
         return None
     o, k = chain["datasets"]["overall"], chain["k"]
     t = chain["timing"]["by_batch"]
+    # the batch the steps ran at (main times the costs there too): a dataset with fewer prompts
+    # than batch_size decodes in smaller batches, and costs timed at batch_size would distort
+    # the calibration (a batch_size 64 run of 44, 21 and 21-row batches was calibrated x0.876)
+    rows = o.get("rows_per_step") or max(t)
+    batch = min(t, key=lambda b: (abs(b - rows), -b))
     spec_ratio = (o.get("decode_step_ms") or o["step_ms"]) / chain_step_ms(t[batch], k, k)
     po = plain["0.0"]["overall"]
     plain_ms = po.get("decode_step_ms") or po.get("step_ms")
@@ -501,7 +520,9 @@ def _overall(per: dict, tree) -> dict:
          **_speed(sum(d["new_tokens"] for d in items), sum(d["seconds"] for d in items),
                   sum(d["iterations"] for d in items),
                   sum(d["prefill_seconds"] for d in items)
-                  if all("prefill_seconds" in d for d in items) else None)}
+                  if all("prefill_seconds" in d for d in items) else None,
+                  sum(d["rows_per_step"] * d["iterations"] for d in items)
+                  if all("rows_per_step" in d for d in items) else None)}
     if tree is not None:
         m.update(_accept([sum(d["accept_hist"][a] for d in items) for a in range(tree.depth + 1)],
                          tree))
@@ -530,7 +551,12 @@ def render_report(m: dict) -> str:
              f"{'on' if s['cuda_graphs'] else 'off'})")
     L.append(f"- drafter: `{s['drafter']}`" + (f"; baseline: `{s['baseline']}`"
                                                if s["baseline"] else ""))
-    L.append(f"- {s['max_new_tokens']} new tokens per prompt, batch {s['batch_size']}, "
+    rows = runs[0]["datasets"]["overall"].get("rows_per_step")
+    fewer = (f" (the steps ran at {_fmt(rows, 1)} rows on average: "
+             + ", ".join(f"{n} {_fmt(runs[0]['datasets'][n].get('rows_per_step'), 1)}"
+                         for n in names[:-1]) + "; a dataset with fewer prompts decodes in "
+             "smaller batches)") if rows and rows < s["batch_size"] - 0.5 else ""
+    L.append(f"- {s['max_new_tokens']} new tokens per prompt, batch {s['batch_size']}{fewer}, "
              f"temperatures {s['temperatures']}, seed {s['seed']}")
     L.append("- datasets: " + ", ".join(f"{n} ({d['prompts']} prompts from {d['records']} "
                                          f"records of `{d['path']}`)"
@@ -579,7 +605,8 @@ def render_report(m: dict) -> str:
         L += ["", "## Serving setting (expected speedup per batch size)", "",
               "From the greedy chain run's conditional acceptance and the step costs measured at "
               "each batch size (drafter/tuning.py; model calibrated on this run's decode step "
-              f"times: speculative x{rec['calibration']['spec_ratio']}, plain "
+              f"times against the costs at batch {rec['calibration']['batch']}, the rows they "
+              f"ran at: speculative x{rec['calibration']['spec_ratio']}, plain "
               f"x{rec['calibration']['plain_ratio']}); a greedy tree run's own τ and step, and "
               "for each smaller depth the best number of nodes of its top-k, with the τ its "
               "steps give for that shape (*estimated*). These are per-step figures: what an "
