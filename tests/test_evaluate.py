@@ -129,6 +129,10 @@ def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
                 1000 * (d["seconds"] - d["prefill_seconds"]) / d["iterations"],
                 abs=0.1 / d["iterations"] + 1e-3)   # both seconds rounded to 1e-4
             assert d["decode_step_ms"] < d["step_ms"] and d["plain_decode_step_ms"] > 0
+            p = m["plain"]["0.0"][name]
+            assert d["decode_speedup"] == pytest.approx(
+                (p["seconds"] - p["prefill_seconds"]) / (d["seconds"] - d["prefill_seconds"]),
+                rel=2e-3)
         assert r["timing"]["verify_ms"] > 0 and 0 < r["timing"]["c"]
         ov = r["datasets"]["overall"]
         assert ov["prompts"] == 4
@@ -166,6 +170,7 @@ def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
     assert "## Serving setting" in report and "**(best)**" in report and "*(estimated)*" in report
     assert "Lossless: PASS" in report and "| drafter: tree depth=2 topk=2 tokens=3, T=0 |" in report
     assert "baseline: chain K=2, T=0" in report and "| decode ms | plain decode ms |" in report
+    assert "| speedup | decode speedup |" in report
     for name in ("acceptance", "tau"):
         assert run.eval_plot(name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
