@@ -370,8 +370,9 @@ class TTT(nn.Module):
             # Static shapes: rows are padded to max_length and micro-batches to B rows, so the
             # layer pieces see one shape per run; the loss rows vary per batch, so the loss
             # chunks' rows are marked dynamic (_rows_dynamic), and so is the merge's step count:
-            # two merge graphs (dynamo specialises 1 step), not one per TTT step (issue 18: a
-            # cold warm-up 29.9 -> 26.7 s, the Llama-8B step 7-10% faster; BENCHMARKS.md).
+            # two merge graphs (dynamo specialises 1 step), not one per TTT step (H200: 12 -> 7
+            # forward compiles, the Llama-8B step 7-10% faster; the cold warm-up no shorter, as
+            # two more backward compiles took what the forward ones saved; BENCHMARKS.md).
             import torch._dynamo
             torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
             self.pre_fn, self.post_fn, self.merge_fn, self.stats_fn = (
