@@ -72,6 +72,16 @@
 #           reference-drafter goals) -> at each batch size the tree shape the serving setting
 #           estimated best, decoded for real (the tree-shape counts checked on real acceptance)
 #           The runs are in order of need: what a short session cuts is the last.
+#
+#   bash benchmarks/recipe_session.sh start-eighth  # not run yet; one lane, alone on the GPU;
+#     SpecForge from .whl (carried with .carry_a) for the anchor, installed by start-eighth
+#   lane u: the Llama-8B shape beside SpecForge, both teachers, 2048 and 4096 (issue 18's table
+#           after the stacked merge) -> store-fp8 again (the tau ~1.6 drafter) -> its evaluate at
+#           batch 1 (chain K=2 and the 6/8/48 tree: the fold now on by default) and at a true
+#           batch 64 (64 records a dataset: every round of 64 prompts; lanes n1, f2, s and t
+#           took 22/21/21 records, so their "batch 64" ran at 21-22 rows) -> at each batch size
+#           the estimated best tree shape decoded -> decode_speed at batch 1 and 64 (the steps
+#           against their parts, fold on)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -307,6 +317,35 @@ lane_t() {
   mark lane_t
 }
 
+lane_u() {
+  local b d k n
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
+  for T in 2048 4096; do  # issue 18: beside SpecForge's own step, in the same process
+    step llama-sf-$T $PY benchmarks/train_throughput.py --shape llama8b --seq $T \
+      --teacher topk,hidden
+  done
+  short store-fp8 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
+    extract.teacher=topk
+  K=2 speed_of rec8 store-fp8 $CFG 1 10 10 10
+  K=2 speed_of rec8 store-fp8 $CFG 64 64 64 64
+  for b in 1 64; do
+    [ -n "${CHECK:-}" ] && break
+    read -r d k n <<< "$(best_tree rec8-b$b $b)"
+    [ -n "${n:-}" ] || { log "rec8-b$b: no estimated tree shape"; continue; }
+    log "rec8-b$b: the estimate's best tree: depth $d topk $k tokens $n"
+    step "shape8-b$b" $DRAFTER evaluate $CFG "run_dir=runs/shape8-b$b" \
+      "evaluate.drafter=runs/store-fp8/export/native" "evaluate.batch_size=$b" \
+      "evaluate.methods=[tree]" "evaluate.tree_depth=$d" "evaluate.tree_topk=$k" \
+      "evaluate.tree_tokens=$n" "evaluate.temperatures=[0.0]" \
+      "evaluate.datasets[0].max_prompts=$([ $b = 1 ] && echo 10 || echo 64)" \
+      "evaluate.datasets[1].max_prompts=$([ $b = 1 ] && echo 10 || echo 64)" \
+      "evaluate.datasets[2].max_prompts=$([ $b = 1 ] && echo 10 || echo 64)"
+  done
+  step decode-speed-8 $PY benchmarks/decode_speed.py --random-target --batches 1,64 \
+    --prefill-lengths 0
+  mark lane_u
+}
+
 collect() {
   collect_runs
   # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
@@ -349,6 +388,13 @@ case "${1:-}" in
     setsid bash "$0" lane_t < /dev/null > "$RES/lane_t.out" 2>&1 &
     sleep 2; log "seventh lane started" ;;
   lane_t) lane_t ;;
+  start-eighth)
+    [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
+    ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
+      --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
+    setsid bash "$0" lane_u < /dev/null > "$RES/lane_u.out" 2>&1 &
+    sleep 2; log "eighth lane started" ;;
+  lane_u) lane_u ;;
   start-fifth)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     setsid bash "$0" lane_g < /dev/null > "$RES/lane_g.out" 2>&1 &
@@ -371,7 +417,7 @@ case "${1:-}" in
       && ! { [ -f "$RES/lane_n1.done" ] && [ -f "$RES/lane_n2.done" ]; } \
       && ! { [ -f "$RES/lane_f2.done" ] && [ -f "$RES/lane_f3.done" ]; } \
       && [ ! -f "$RES/lane_g.done" ] && [ ! -f "$RES/lane_s.done" ] \
-      && [ ! -f "$RES/lane_t.done" ]; do sleep 5; done
+      && [ ! -f "$RES/lane_t.done" ] && [ ! -f "$RES/lane_u.done" ]; do sleep 5; done
     collect; tail -n 40 "$RES/phases.log"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   collect) collect ;;
