@@ -62,7 +62,9 @@
 #           setting (issue 16's reference-drafter goals: chain K=2 at batch 1 and 64, as its
 #           evaluate recommended), and the tree at batch 1
 #
-#   bash benchmarks/recipe_session.sh start-seventh  # one lane, alone on the GPU
+#   bash benchmarks/recipe_session.sh start-seventh  # run in the seventh session, at 9c6aceb
+#     (its merge A/B applies benchmarks/variants/stacked-merge.patch, in the package since
+#     ee9de2b: check out 9c6aceb to rerun it)
 #   lane t: decode_speed at batch 1 with and without --fold (verifications as T rows of one
 #           token, StaticTarget's experimental fold) -> one merge graph for every TTT step
 #           (benchmarks/variants/stacked-merge.patch): cold warm-up and Llama-8B step, A/B
@@ -264,8 +266,26 @@ if rows:
 PYEOF
 }
 
+shapes_of() {  # shapes_of RUNS OUT N1 N2 N3: at batch 1 (10 records a dataset) and 64 (N1-N3),
+  # the tree shape runs/RUNS-bB's serving setting estimated best, decoded as runs/OUT-bB
+  local runs=$1 out=$2 b d k n; shift 2
+  for b in 1 64; do
+    [ -n "${CHECK:-}" ] && break
+    read -r d k n <<< "$(best_tree $runs-b$b $b)"
+    [ -n "${n:-}" ] || { log "$runs-b$b: no estimated tree shape"; continue; }
+    log "$runs-b$b: the estimate's best tree: depth $d topk $k tokens $n"
+    local m=(10 10 10); [ $b = 1 ] || m=("$@")
+    step "$out-b$b" $DRAFTER evaluate $CFG "run_dir=runs/$out-b$b" \
+      "evaluate.drafter=runs/store-fp8/export/native" "evaluate.batch_size=$b" \
+      "evaluate.methods=[tree]" "evaluate.tree_depth=$d" "evaluate.tree_topk=$k" \
+      "evaluate.tree_tokens=$n" "evaluate.temperatures=[0.0]" \
+      "evaluate.datasets[0].max_prompts=${m[0]}" "evaluate.datasets[1].max_prompts=${m[1]}" \
+      "evaluate.datasets[2].max_prompts=${m[2]}"
+  done
+}
+
 lane_t() {
-  local v d b k n tt="benchmarks/train_throughput.py"
+  local v d tt="benchmarks/train_throughput.py"
   for v in base fold base fold; do  # issue 16: batch-1 verifications as T rows of one token
     step decode-$v-$SECONDS $PY benchmarks/decode_speed.py --random-target --batches 1 \
       --prefill-lengths 0 --fold $([ $v = fold ] && echo on || echo off)
@@ -301,24 +321,11 @@ lane_t() {
       'evaluate.temperatures=[0.0]' 'evaluate.datasets[0].max_prompts=10' \
       'evaluate.datasets[1].max_prompts=10' 'evaluate.datasets[2].max_prompts=10'"
   K=2 speed_of rec7 store-fp8 $CFG 64 22 21 21
-  for b in 1 64; do
-    [ -n "${CHECK:-}" ] && break
-    read -r d k n <<< "$(best_tree rec7-b$b $b)"
-    [ -n "${n:-}" ] || { log "rec7-b$b: no estimated tree shape"; continue; }
-    log "rec7-b$b: the estimate's best tree: depth $d topk $k tokens $n"
-    step "shape-b$b" $DRAFTER evaluate $CFG "run_dir=runs/shape-b$b" \
-      "evaluate.drafter=runs/store-fp8/export/native" "evaluate.batch_size=$b" \
-      "evaluate.methods=[tree]" "evaluate.tree_depth=$d" "evaluate.tree_topk=$k" \
-      "evaluate.tree_tokens=$n" "evaluate.temperatures=[0.0]" \
-      "evaluate.datasets[0].max_prompts=$([ $b = 1 ] && echo 10 || echo 22)" \
-      "evaluate.datasets[1].max_prompts=$([ $b = 1 ] && echo 10 || echo 21)" \
-      "evaluate.datasets[2].max_prompts=$([ $b = 1 ] && echo 10 || echo 21)"
-  done
+  shapes_of rec7 shape 22 21 21
   mark lane_t
 }
 
 lane_u() {
-  local b d k n
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
   for T in 2048 4096; do  # issue 18: beside SpecForge's own step, in the same process
     step llama-sf-$T $PY benchmarks/train_throughput.py --shape llama8b --seq $T \
@@ -328,19 +335,7 @@ lane_u() {
     extract.teacher=topk
   K=2 speed_of rec8 store-fp8 $CFG 1 10 10 10
   K=2 speed_of rec8 store-fp8 $CFG 64 64 64 64
-  for b in 1 64; do
-    [ -n "${CHECK:-}" ] && break
-    read -r d k n <<< "$(best_tree rec8-b$b $b)"
-    [ -n "${n:-}" ] || { log "rec8-b$b: no estimated tree shape"; continue; }
-    log "rec8-b$b: the estimate's best tree: depth $d topk $k tokens $n"
-    step "shape8-b$b" $DRAFTER evaluate $CFG "run_dir=runs/shape8-b$b" \
-      "evaluate.drafter=runs/store-fp8/export/native" "evaluate.batch_size=$b" \
-      "evaluate.methods=[tree]" "evaluate.tree_depth=$d" "evaluate.tree_topk=$k" \
-      "evaluate.tree_tokens=$n" "evaluate.temperatures=[0.0]" \
-      "evaluate.datasets[0].max_prompts=$([ $b = 1 ] && echo 10 || echo 64)" \
-      "evaluate.datasets[1].max_prompts=$([ $b = 1 ] && echo 10 || echo 64)" \
-      "evaluate.datasets[2].max_prompts=$([ $b = 1 ] && echo 10 || echo 64)"
-  done
+  shapes_of rec8 shape8 64 64 64
   step decode-speed-8 $PY benchmarks/decode_speed.py --random-target --batches 1,64 \
     --prefill-lengths 0
   mark lane_u
