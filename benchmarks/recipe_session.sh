@@ -78,7 +78,7 @@
 #   bash benchmarks/recipe_session.sh start-eighth  # not run yet; one lane, alone on the GPU;
 #     SpecForge from .whl (carried with .carry_a) for the anchor, installed by start-eighth
 #   lane u: the Llama-8B shape beside SpecForge, both teachers, 2048 and 4096 (issue 18's table
-#           after the stacked merge) -> store-fp8 again (the tau ~1.6 drafter) -> its evaluate at
+#           after the stacked merge) -> store-fp8 again, 500 steps (tau ~1.7) -> its evaluate at
 #           batch 1 (chain K=2 and the 6/8/48 tree: the fold now on by default) and at a true
 #           batch 64 (64 records a dataset: every round of 64 prompts; lanes n1, f2, s and t
 #           took 22/21/21 records, so their "batch 64" ran at 21-22 rows) -> at each batch size
@@ -331,7 +331,8 @@ lane_u() {
     step llama-sf-$T $PY benchmarks/train_throughput.py --shape llama8b --seq $T \
       --teacher topk,hidden
   done
-  short store-fp8 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
+  # 500 steps (8.2M tokens): the tau ~1.7 of issue 16's reference drafter (250 gave 1.61)
+  short store-fp8 500 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
     extract.teacher=topk
   K=2 speed_of rec8 store-fp8 $CFG 1 10 10 10
   K=2 speed_of rec8 store-fp8 $CFG 64 64 64 64
