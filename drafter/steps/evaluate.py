@@ -477,7 +477,7 @@ def _recommend(runs: list[dict], plain: dict, drafter_dir: str) -> dict | None:
     t = chain["timing"]["by_batch"]
     # the batch the steps ran at (main times the costs there too): a dataset with fewer prompts
     # than batch_size decodes in smaller batches, and costs timed at batch_size would distort
-    # the calibration (a batch_size 64 run of 44, 21 and 21-row batches was calibrated x0.876)
+    # the calibration (a batch_size 64 run of 21 and 22-row batches was calibrated x0.876)
     rows = o.get("rows_per_step") or max(t)
     batch = min(t, key=lambda b: (abs(b - rows), -b))
     spec_ratio = (o.get("decode_step_ms") or o["step_ms"]) / chain_step_ms(t[batch], k, k)
