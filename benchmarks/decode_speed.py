@@ -302,7 +302,7 @@ def main(argv=None) -> int:
         # evaluate prefills each prompt eagerly, one shape per prompt length: a backend with a
         # per-shape setup cost (cuDNN attention's plans) charges it to the first method to meet
         # a length. Each method here meets lengths new to it.
-        n, dec = a.prefill_lengths, Decoder(model, max_batch=1, cuda_graphs=graphs)
+        n, dec = a.prefill_lengths, Decoder(model, max_batch=1, cuda_graphs=graphs, fold=fold)
         lens = random.Random(0).sample(range(a.prompt_tokens // 2, 4 * a.prompt_tokens), 2 * n)
         for name, p, ls in (("plain", None, lens[:n]), ("speculative", P, lens[n:])):
             dec.generate([torch.randint(100, V, (L,)).tolist() for L in ls], 1, proposer=p,

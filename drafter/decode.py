@@ -118,7 +118,8 @@ class Decoder:
 
     max_batch rows decode together; `span_bucket` rounds the attention span (one graph per
     bucket); `prefill_tokens` bounds B x chunk of the (eager) prefill. `last` holds the timing of
-    the latest generate call: seconds (without graph capture), capture_seconds, prefill_seconds."""
+    the latest generate call: seconds (without graph capture), capture_seconds, prefill_seconds,
+    iterations (decode steps) and row_steps (their rows summed)."""
 
     def __init__(self, model, max_batch: int = 1, cuda_graphs: bool = True,
                  span_bucket: int = 256, prefill_tokens: int = 16384, sync_every: int = 4,

@@ -125,9 +125,10 @@ def _slot_cache_class():
 
 _GQA_IMPL = "drafter_gqa_sdpa"
 FOLD_MAX = 64  # StaticTarget(fold=True): verifications up to this many tokens are folded
-# the folded masks of the forward in progress, made by its first layer and reused by the others
-# (one per mask: sliding-window models have two); a dict only inside StaticTarget.forward
-_folded = threading.local()
+# _gqa_sdpa's masks of the forward in progress (rows repeated for the grouped query heads), made
+# by its first layer and reused by the others (one per mask: sliding-window models have two); a
+# dict only inside StaticTarget.forward. Not the batch-1 fold (StaticTarget.fold).
+_gqa_masks = threading.local()
 
 
 def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -150,7 +151,7 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     q = query.reshape(B, nkv, g * T, hd)                                 # head h = kv * g + j
     # the mask's rows repeated for the g query heads: a copy when T > 1, made once a forward
-    masks = getattr(_folded, "masks", None)
+    masks = getattr(_gqa_masks, "masks", None)
     hit = masks.get(id(attention_mask)) if masks is not None else None
     if hit is not None and hit[0] is attention_mask:
         m = hit[1]
@@ -290,12 +291,12 @@ class StaticTarget:
         kw = {self._cache_kw: self.cache}
         if self._keep_kw:
             kw["logits_to_keep"] = logits_to_keep
-        _folded.masks = {}
+        _gqa_masks.masks = {}
         try:
             out = self.model(input_ids=ids, position_ids=pos, attention_mask=attn, use_cache=True,
                              **kw)
         finally:
-            _folded.masks = None
+            _gqa_masks.masks = None
         logits = out.logits
         if not self._keep_kw and logits_to_keep:
             logits = logits[:, -logits_to_keep:]

@@ -12,11 +12,11 @@ Model (REFERENCES.md's theory, with measured costs):
                   the measured (K_measured+1)-token one (small token counts are launch-bound);
   speedup(K) = E[tau](K) x plain step / (spec_ratio x chain step(K)),
   plain step = plain_ratio x the 1-token forward.
-spec_ratio and plain_ratio (measured step / modelled step) come from the run evaluate just made at
-its batch size and carry to the other batch sizes. Chains longer than the measured K are not
-extrapolated (their acceptance is unmeasured); a measured tree competes with its own measured tau
-and modelled step: verify(tokens+1) + depth + 1 drafter forwards, calibrated on its own measured
-step when it has one.
+spec_ratio and plain_ratio (measured step / modelled step) come from the run evaluate just made, at
+the batch its steps ran at, and carry to the other batch sizes. Chains longer than the measured K
+are not extrapolated (their acceptance is unmeasured); a measured tree competes with its own
+measured tau and modelled step: verify(tokens+1) + depth + 1 drafter forwards, calibrated on its own
+measured step when it has one.
 
 Tree shapes: a greedy tree run with tree_stats (decode.Decoder.generate) also counts what every
 smaller tree of its topk (depth D' <= D, N' <= N nodes) would have accepted on the same steps
