@@ -114,6 +114,8 @@ def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
                             "method": "chain", "temperature": 0.0, "k": 2}
     assert s["datasets"]["mt_bench"]["prompts"] == 2     # both turns
     assert s["baseline"] == str(base) and s["dtype"] == "float32"
+    # the untimed warm-up: MT-bench's first round (1 prompt), 2 tokens, before any timed pass
+    assert s["warm_up"]["prompts"] == 1 and s["warm_up"]["seconds"] > 0
     for r in m["runs"]:
         D = r.get("k") or r["depth"]
         for name, d in r["datasets"].items():
