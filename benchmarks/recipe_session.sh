@@ -63,8 +63,7 @@
 #           evaluate recommended), and the tree at batch 1
 #
 #   bash benchmarks/recipe_session.sh start-seventh  # run in the seventh session, at 9c6aceb
-#     (its merge A/B applies benchmarks/variants/stacked-merge.patch, in the package since
-#     ee9de2b: check out 9c6aceb to rerun it)
+#     (the variant its merge A/B applies gives wrong gradients on the GPU: the patch says so)
 #   lane t: decode_speed at batch 1 with and without --fold (verifications as T rows of one
 #           token, StaticTarget's experimental fold) -> one merge graph for every TTT step
 #           (benchmarks/variants/stacked-merge.patch): cold warm-up and Llama-8B step, A/B
@@ -75,8 +74,10 @@
 #           estimated best, decoded for real (the tree-shape counts checked on real acceptance)
 #           The runs are in order of need: what a short session cuts is the last.
 #
-#   bash benchmarks/recipe_session.sh start-eighth  # not run yet; one lane, alone on the GPU;
-#     SpecForge from .whl (carried with .carry_a) for the anchor, installed by start-eighth
+#   bash benchmarks/recipe_session.sh start-eighth  # run in the eighth session, at 78d2914;
+#     one lane, alone on the GPU; SpecForge from .whl (carried with .carry_a) for the anchor,
+#     installed by start-eighth. Its Llama-8B rows and its store-fp8 drafter ran the stacked
+#     merge, since found to give wrong gradients on the GPU (benchmarks/variants/)
 #   lane u: the Llama-8B shape beside SpecForge, both teachers, 2048 and 4096 (issue 18's table
 #           after the stacked merge) -> store-fp8 again, 500 steps (tau ~1.7) -> its evaluate at
 #           batch 1 (chain K=2 and the 6/8/48 tree: the fold now on by default) and at a true

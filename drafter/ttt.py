@@ -77,52 +77,48 @@ def merge_diagonal(q, o0, lse0, ks, vs, scale: float):
     (weight exp(q·k_j·scale)), so the result is exact."""
     if not ks:
         return o0
-    return merge_stacked(q, o0, lse0, torch.stack(ks), torch.stack(vs), scale)
-
-
-def merge_stacked(q, o0, lse0, ks, vs, scale: float):
-    """merge_diagonal over the keys and values of steps 1..i stacked, ks, vs [i, B, nkv, T, hd]:
-    the step count is a dimension, so one compiled graph serves every step (a list of i keys
-    compiled one graph per step: six of the cold warm-up's compiles)."""
-    return _MergeDiagonal.apply(q, o0, lse0, ks, vs, scale)
+    return _MergeDiagonal.apply(q, o0, lse0, scale, len(ks), *ks, *vs)
 
 
 class _MergeDiagonal(torch.autograd.Function):
-    """merge_stacked with its backward written out: saves the (bf16) inputs, which the
-    attention keeps anyway, and the mixing weights [1+i, B, nkv, g, T]; autograd would keep
+    """merge_diagonal with its backward written out: saves the (bf16) inputs, which the
+    attention keeps anyway, and the mixing weights [B, nkv, g, T, 1+i]; autograd would keep
     fp32 copies of q, o0 and q·k_j of [B, nh, T, hd] each."""
 
     @staticmethod
-    def forward(ctx, q, o0, lse0, ks, vs, scale):
-        i, B, nkv, T, hd = ks.shape
-        nh = q.shape[1]
+    def forward(ctx, q, o0, lse0, scale, i, *kv):
+        ks, vs = kv[:i], kv[i:]
+        B, nh, T, hd = q.shape
+        nkv = ks[0].shape[1]
         g = nh // nkv
         qg = _f32(q).view(B, nkv, g, T, hd)                                      # [B, nkv, g, T, hd]
-        s = (qg[None] * _f32(ks).unsqueeze(3)).sum(-1) * scale                  # [i, B, nkv, g, T]
-        w = torch.cat([_f32(lse0).view(1, B, nkv, g, T), s], 0).softmax(0)     # [1+i, B, nkv, g, T]
-        out = w[0, ..., None] * _f32(o0).view(B, nkv, g, T, hd) \
-            + (w[1:, ..., None] * _f32(vs).unsqueeze(3)).sum(0)
-        ctx.save_for_backward(q, o0, w, ks, vs)
-        ctx.scale = scale
+        s = [(qg * _f32(k).unsqueeze(2)).sum(-1) * scale for k in ks]          # i × [B, nkv, g, T]
+        w = torch.stack([_f32(lse0).view(B, nkv, g, T)] + s, -1).softmax(-1)   # [B, nkv, g, T, 1+i]
+        out = w[..., :1] * _f32(o0).view(B, nkv, g, T, hd)
+        for j, v in enumerate(vs):
+            out = out + w[..., j + 1:j + 2] * _f32(v).unsqueeze(2)
+        ctx.save_for_backward(q, o0, w, *kv)
+        ctx.scale, ctx.i = scale, i
         return out.view(B, nh, T, hd).to(q.dtype)
 
     @staticmethod
     def backward(ctx, gout):
-        q, o0, w, ks, vs = ctx.saved_tensors
-        scale = ctx.scale
-        i, B, nkv, T, hd = ks.shape
-        nh = q.shape[1]
+        q, o0, w, *kv = ctx.saved_tensors
+        i, scale = ctx.i, ctx.scale
+        ks, vs = kv[:i], kv[i:]
+        B, nh, T, hd = q.shape
+        nkv = ks[0].shape[1]
         g = nh // nkv
         go = _f32(gout).view(B, nkv, g, T, hd)
-        dw = torch.cat([(go * _f32(o0).view(B, nkv, g, T, hd)).sum(-1)[None],
-                        (go[None] * _f32(vs).unsqueeze(3)).sum(-1)], 0)         # [1+i, B, nkv, g, T]
-        ds = w * (dw - (w * dw).sum(0, keepdim=True))                           # softmax backward
+        vals = [_f32(o0).view(B, nkv, g, T, hd)] + [_f32(v).unsqueeze(2) for v in vs]
+        dw = torch.stack([(go * v).sum(-1) for v in vals], -1)                # [B, nkv, g, T, 1+i]
+        ds = w * (dw - (w * dw).sum(-1, keepdim=True))                          # softmax backward
         qg = _f32(q).view(B, nkv, g, T, hd)
-        dq = (ds[1:, ..., None] * _f32(ks).unsqueeze(3)).sum(0) * scale
-        dks = ((ds[1:, ..., None] * qg[None]).sum(3) * scale).to(ks.dtype)     # [i, B, nkv, T, hd]
-        dvs = (w[1:, ..., None] * go[None]).sum(3).to(vs.dtype)
-        return (dq.view(B, nh, T, hd).to(q.dtype), (w[0, ..., None] * go).view(B, nh, T, hd)
-                .to(o0.dtype), ds[0].reshape(B, nh, T), dks, dvs, None)
+        dq = sum(ds[..., j + 1:j + 2] * _f32(k).unsqueeze(2) for j, k in enumerate(ks)) * scale
+        dks = [((ds[..., j + 1:j + 2] * qg).sum(2) * scale).to(k.dtype) for j, k in enumerate(ks)]
+        dvs = [(w[..., j + 1:j + 2] * go).sum(2).to(v.dtype) for j, v in enumerate(vs)]
+        return (dq.view(B, nh, T, hd).to(q.dtype), (w[..., :1] * go).view(B, nh, T, hd)
+                .to(o0.dtype), ds[..., 0].reshape(B, nh, T), None, None, *dks, *dvs)
 
 
 _FLEX = {}
@@ -195,9 +191,8 @@ def _chunk_stats(z, ids, tl, w, grad_dtype=torch.float32):
 
 
 def _rows_dynamic(*ts) -> None:
-    """Mark dim 0 dynamic: the rows of a loss chunk, or the merge's stacked TTT steps (one
-    merge graph for every step). The rows in the loss differ from batch to batch, so a batch's
-    last chunk has any size, and a compiled stats_fn specialised on each one
+    """Mark dim 0 (rows) of a loss chunk dynamic. The rows in the loss differ from batch to
+    batch, so a batch's last chunk has any size, and a compiled stats_fn specialised on each one
     recompiled until dynamo's recompile_limit (issue 18: "tensor 'w' size mismatch at index 0.
     expected 2097, actual 1357", the first 100 steps at 8-31k tok/s against 175k steady). Every
     chunk is marked: dynamo would run full chunks through the dynamic graph anyway once it
@@ -365,19 +360,17 @@ class TTT(nn.Module):
             return functional_call(pieces[1], ws, a)
 
         self.pre_fn, self.post_fn, self.merge_fn, self.stats_fn = \
-            pre, post, merge_stacked, _chunk_stats
+            pre, post, merge_diagonal, _chunk_stats
         if compile:
             # Static shapes: rows are padded to max_length and micro-batches to B rows, so the
             # layer pieces see one shape per run; the loss rows vary per batch, so the loss
-            # chunks' rows are marked dynamic (_rows_dynamic), and so is the merge's step count:
-            # two merge graphs (dynamo specialises 1 step), not one per TTT step (H200: 12 -> 7
-            # forward compiles, the Llama-8B step 7-10% faster; the cold warm-up no shorter, as
-            # two more backward compiles took what the forward ones saved; BENCHMARKS.md).
+            # chunks' rows are marked dynamic (_rows_dynamic). One graph per TTT step for the
+            # merge.
             import torch._dynamo
             torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
             self.pre_fn, self.post_fn, self.merge_fn, self.stats_fn = (
                 torch.compile(f, dynamic=False, backend=backend)
-                for f in (pre, post, merge_stacked, _chunk_stats))
+                for f in (pre, post, merge_diagonal, _chunk_stats))
 
     def cast_layer(self, device_type: str) -> dict:
         """{name: the matrix at autocast's dtype} for the layer's float32 matrices (names as
@@ -412,12 +405,7 @@ class TTT(nn.Module):
                 o = attend_exact(q, ks, vs, mask0)
             else:
                 o0, lse0 = part0(q, ks[0], vs[0])
-                if i == 0:
-                    o = o0
-                else:  # steps 1..i stacked, their count dynamic: one graph for every step
-                    kst, vst = torch.stack(ks[1:]), torch.stack(vs[1:])
-                    _rows_dynamic(kst, vst)
-                    o = self.merge_fn(q, o0, lse0, kst, vst, self.scale)
+                o = self.merge_fn(q, o0, lse0, ks[1:], vs[1:], self.scale)
             h_out, hn = self.post_fn(ws, o, residual)
             outs.append(hn.reshape(B * T, H))
             h = hn if self.cfg.norm_output else h_out  # = Drafter.feedback(h_out), norm reused

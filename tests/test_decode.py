@@ -450,6 +450,33 @@ def test_cuda_graphs_give_the_eager_tokens(smollm2_dir):
     assert all(1 <= len(o.tokens) <= 16 for o in outs) and graphed.graphs.enabled
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_trees_at_batch_64_give_the_plain_tokens_in_float32(smollm2_dir):
+    """The strict check at the shapes evaluate serves (issue 16): 64 rows, CUDA graphs, the
+    6/8/48 tree and smaller ones, in float32 on the GPU, token-identical to plain greedy decoding.
+    In bf16 the same trees flip near-ties (verification GEMMs of 64 x 49 rows round otherwise
+    than the plain step's 64); float32 tells such flips from a decoder error."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).cuda().eval()
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(5, 300, (64,), generator=g).tolist()
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in lens]
+    dec = Decoder(model, max_batch=64)
+    plain = dec.generate(prompts, 48)
+    want = [o.tokens for o in plain]
+    ref = _ref(prompts, plain).cuda()
+    for tree in (TreeSpec(6, 8, 48), TreeSpec(3, 8, 17), TreeSpec(2, 8, 7), TreeSpec.chain(2)):
+        for P in (RefDrafter(ref, model.config.vocab_size, "noisy"),
+                  RefDrafter(ref, model.config.vocab_size, "shuffled"),
+                  EagleDraft(_tiny_drafter(model.config, Vd=4096))):
+            got = dec.generate(prompts, 48, proposer=P, tree=tree)
+            bad = [i for i, o in enumerate(got) if o.tokens != want[i]]
+            assert not bad, f"{tree.label()} {type(P).__name__}: rows {bad[:8]} differ"
+    assert dec.graphs.enabled and dec.graphs.graphs, "graph capture fell back to eager"
+
+
 def test_gqa_sdpa_equals_transformers_sdpa():
     """The static decoder's attention (grouped query heads folded into the query length, K/V
     never repeated) gives transformers' SDPA result under a per-row mask."""

@@ -425,31 +425,6 @@ def test_compiled_path_compiles_once_for_any_loss_rows(head):
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
 
 
-def test_compiled_merge_is_one_graph_for_every_ttt_step(head):
-    """The merge takes the keys of TTT steps 1..i stacked, their count marked dynamic: a run of
-    6 steps compiles no more graphs than one of 3 (a list of keys compiled one merge graph per
-    step: six of a cold warm-up's compiles on the H200), and trains as the eager path does."""
-    import torch._dynamo
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    frames = {}
-    for K in (3, 6):
-        b = batch_of(packed_rows(), 24, K=K, head=head)
-        torch._dynamo.reset()
-        cnt = CompileCounterWithBackend("aot_eager")
-        out = {}
-        for comp in (False, True):
-            d = make_drafter()
-            ttt = TTT(d, attention="flex", compile=comp, backend=cnt)
-            loss = run_ttt(ttt, d, b, part0=emulated_flex(b["seq_id"]))["loss"]
-            loss.backward()
-            out[comp] = float(loss.detach()), d.fc.weight.grad.clone()
-        frames[K] = cnt.frame_count
-        assert out[True][0] == pytest.approx(out[False][0], rel=1e-5)
-        torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-4, atol=1e-6)
-    assert frames[6] == frames[3] > 0, frames
-
-
 def test_compiled_flex_keeps_one_graph_across_packings(monkeypatch):
     """flex_part0 builds a new block mask (a new mask_mod closure over seq_id) for each batch:
     dynamo guards on their shapes, not on the packing, so one graph serves every layout
