@@ -274,6 +274,9 @@ class EvaluateConfig:
     temperatures: list[float] = doc([0.0], "sampling temperatures (0 = greedy, lossless-checked)")
     seed: int = doc(0, "sampling seed")
     batch_size: int = doc(1, "prompts decoded together")
+    continuous: bool = doc(True, "with more prompts than batch_size: a row whose answer has "
+                           "ended takes the next prompt (continuous batching, as engines "
+                           "serve); false: static batches, each until its slowest row ends")
     cuda_graphs: bool = doc(True, "capture decode steps in CUDA graphs on GPU")
     tie_tolerance: float | None = doc(
         None, "lossless check: a greedy divergence where the plain run's top-2 logits differ by "

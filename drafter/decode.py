@@ -39,6 +39,7 @@ drafting half (tree building, verification, `DraftModel`, `EagleDraft`) lives in
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -194,12 +195,15 @@ class Decoder:
                  stop_ids: Sequence[int] = (), temperature: float = 0.0, top_p: float = 1.0,
                  proposer: DraftModel | None = None, tree: TreeSpec | None = None,
                  record_gaps: bool = False, tree_stats: bool = False,
-                 progress=None) -> list[Output]:
+                 continuous: bool = False, progress=None) -> list[Output]:
         """Decode each prompt (token ids) for up to max_new_tokens new tokens, stopping at a stop
         id. Plain decoding without a proposer; speculative decoding with one (tree: chain K=3 by
         default). `record_gaps` keeps the NEAR runners-up of plain greedy decoding and their
         margins (tie analysis). `tree_stats` (a greedy tree) counts, step by step, what trees of
-        the same topk with fewer levels or nodes would have accepted (Output.shapes)."""
+        the same topk with fewer levels or nodes would have accepted (Output.shapes).
+        `continuous`: more prompts than max_batch decode with continuous batching (a row whose
+        answer has ended takes the next prompt, as serving engines do: `_continuous`); else in
+        static batches of max_batch, each until its last row ends."""
         if max_new_tokens < 1:
             raise DecodeError("max_new_tokens must be >= 1")
         if any(len(p) == 0 for p in prompts):
@@ -218,8 +222,20 @@ class Decoder:
                                      tree), proposer)
         cap0 = self.graphs.capture_seconds
         outs: list[Output] = []
+        if continuous and 1 < self.max_batch < len(prompts):  # (batch 1: the same either way)
+            t0 = time.perf_counter()
+            outs = self._continuous([list(map(int, p)) for p in prompts], max_new_tokens,
+                                    list(stop_ids), temperature, top_p, proposer, tree,
+                                    record_gaps, tree_stats, progress)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.last["seconds"] += time.perf_counter() - t0
+            prompts = []  # decoded
+        assign = getattr(proposer, "assign", None)  # optional: which prompt each row decodes
         for b0 in range(0, len(prompts), self.max_batch):
             batch = [list(map(int, p)) for p in prompts[b0:b0 + self.max_batch]]
+            if assign is not None:
+                assign(list(range(len(batch))), list(range(b0, b0 + len(batch))))
             t0 = time.perf_counter()
             outs += self._batch(batch, max_new_tokens, list(stop_ids), temperature, top_p,
                                 proposer, tree, record_gaps, tree_stats)
@@ -278,6 +294,85 @@ class Decoder:
                 self.last["row_steps"] += B  # rows the step computed, finished ones included
             done, lmax = torch.stack([st.finished.all().long(), st.L.max()]).tolist()
         return self._collect(st, range(B), max_new, stop_ids, spec, record_gaps)
+
+    def _continuous(self, prompts, max_new, stop_ids, temperature, top_p, proposer, tree,
+                    record_gaps, tree_stats, progress) -> list[Output]:
+        """Continuous batching over more prompts than rows: max_batch rows decode together, and
+        once an eighth of them (or all the live ones) have ended, those rows take the next
+        prompts (one eager prefill of the refilled rows alone; the other rows' caches and state
+        untouched) while the rest go on, as a serving engine refills its batch. The steps are
+        the static batch's (the same graphs); greedy outputs equal static batches'
+        (tests/test_decode.py). Returns the outputs in prompt order."""
+        n, dev = len(prompts), self.device
+        spec = proposer is not None
+        if spec and not hasattr(proposer, "rows"):
+            raise DecodeError(f"{type(proposer).__name__} cannot refill cache rows (it has no "
+                              f"`rows`, DraftModel): decode with continuous=False")
+        B = min(self.max_batch, n)
+        D = tree.depth if spec else 0
+        extra = self._extra(proposer, tree)
+        self.target.set_aux(proposer.aux_layer_ids if spec else None)
+        Vd = proposer.vocab_size if spec else 0
+        stats = tree_stats and spec and temperature == 0 and not tree.is_chain
+        st = self._state(B, round_up(max_new + D + 2, 64), D, Vd, max(1, len(stop_ids)),
+                         tree.nodes if stats else 0)
+        for t in st.tensors():
+            t.zero_()
+        st.max_new.fill_(max_new)
+        st.stop.fill_(-1)
+        if stop_ids:
+            st.stop.copy_(torch.tensor(stop_ids, device=dev))
+        assign = getattr(proposer, "assign", None)
+
+        def fill(take, rows):  # prompts `take` into state rows `rows` (None: 0..B-1, all)
+            if assign is not None:
+                assign(list(range(len(take))) if rows is None else list(rows), list(take))
+            t0 = time.perf_counter()
+            with eager_attention():
+                self._prefill(st, [prompts[i] for i in take], max(len(prompts[i]) for i in take),
+                              temperature, top_p, proposer, record_gaps, rows)
+            self.last["prefill_seconds"] += time.perf_counter() - t0
+
+        owner: list[int | None] = list(range(B))   # the prompt each row decodes
+        queue = list(range(B, n))
+        fill(owner, None)
+        key = ("spec" if spec else "plain", id(st), temperature, top_p, tree, id(proposer),
+               self.target.aux_ids, record_gaps)
+        state = st.tensors() + (list(getattr(proposer, "state_tensors", list)()) if spec else [])
+        if spec:
+            def fn(span):
+                self._spec_step(st, span, proposer, tree, temperature)
+        else:
+            def fn(span):
+                self._plain_step(st, span, temperature, top_p, record_gaps)
+        res: list = [None] * n
+        need, m = max(1, B // 8), self.sync_every
+        while True:
+            *fin, lmax = torch.cat([st.finished.long(), st.L.max()[None]]).tolist()  # one sync
+            done = [b for b in range(B) if fin[b] and owner[b] is not None]
+            live = sum(o is not None for o in owner)
+            if done and (len(done) >= need or len(done) == live):
+                for b, o in zip(done, self._collect(st, done, max_new, stop_ids, spec,
+                                                    record_gaps)):
+                    res[owner[b]] = o
+                    owner[b] = None
+                if progress is not None:
+                    progress.update(len(done))
+                if queue:
+                    take, queue = queue[:len(done)], queue[len(done):]
+                    rows = done[:len(take)]
+                    fill(take, rows)
+                    for b, i in zip(rows, take):
+                        owner[b] = i
+                    lmax = max(lmax, max(len(prompts[i]) for i in take))
+            if all(o is None for o in owner):
+                return res
+            # the span covers what m steps can append (D + 1 tokens each) before the next read
+            span = min(self.cap[1], round_up(lmax + extra + (m - 1) * (D + 1), self.span_bucket))
+            for _ in range(m):
+                self.graphs.run(key + (span,), lambda: fn(span), state)
+                self.last["iterations"] += 1
+                self.last["row_steps"] += B  # rows the step computed, ended ones included
 
     @torch.no_grad()
     def time_forwards(self, proposer: DraftModel, tree: TreeSpec, batch: int = 1,
@@ -352,37 +447,71 @@ class Decoder:
                 | (sk == slots[..., None])
             yield c0, c1, pos, slots, vis
 
-    def _prefill(self, st, prompts, Tp, temperature, top_p, proposer, record_gaps):
+    def _prefill(self, st, prompts, Tp, temperature, top_p, proposer, record_gaps, rows=None):
         """Left-padded chunks through the target (eager: the shapes vary); the first new token;
-        the drafter reads the prompt too (position t: aux[t] and token t+1)."""
+        the drafter reads the prompt too (position t: aux[t] and token t+1). `rows`: the state
+        and cache rows these prompts take, the other rows untouched (continuous batching's
+        refill); None: rows 0..B-1, the whole batch (its state zeroed before)."""
         B, dev, tgt = len(prompts), self.device, self.target
         ids, start = self._padded(prompts, Tp)                                       # [B, Tp]
-        st.start.copy_(start)
-        st.L.fill_(Tp)
+        r = None if rows is None else torch.as_tensor(rows, device=dev)
+        if r is not None:
+            for t in st.tensors():
+                t.index_fill_(0, r, 0)
+
+        def put(t, v):  # these rows of state tensor t <- v [B, ...]
+            if r is None:
+                t.copy_(v)
+            else:
+                t.index_copy_(0, r, v)
+
+        put(st.start, start)
+        put(st.L, torch.full_like(start, Tp))
         s = torch.arange(Tp, device=dev)
         last_aux = logits = None
-        for c0, c1, pos, slots, vis in self._chunks(ids, start):
-            logits, aux = tgt.forward(ids[:, c0:c1], pos, slots, vis, start, logits_to_keep=1)
+        with self._rows(r, proposer):
+            for c0, c1, pos, slots, vis in self._chunks(ids, start):
+                logits, aux = tgt.forward(ids[:, c0:c1], pos, slots, vis, start,
+                                          logits_to_keep=1)
+                if proposer is not None:
+                    e = min(c1, Tp - 1) - c0  # the last prompt position waits for the first token
+                    if e > 0:
+                        proposer.observe(ids[:, c0 + 1:c0 + 1 + e],
+                                         None if aux is None else aux[:, :e],
+                                         pos[:, :e], slots[:, :e], vis[:, :e], None)
+                    last_aux = None if aux is None else aux[:, -1:]
+            lg = logits[:, -1].float()                                              # [B, V]
+            first = pick(lg, temperature, top_p)
+            if record_gaps:
+                gap, near = runners_up(lg, first)
+                put(st.gap[:, 0], gap)   # a column: index_copy_ on its rows writes through
+                put(st.second[:, 0], near)
+            put(st.pending, first)
+            put(st.out[:, 0], first)
+            put(st.n_out, torch.ones_like(first))
+            put(st.finished, (first[:, None] == st.stop).any(-1) | (st.max_new <= 1))
             if proposer is not None:
-                e = min(c1, Tp - 1) - c0  # the last prompt position waits for the first new token
-                if e > 0:
-                    proposer.observe(ids[:, c0 + 1:c0 + 1 + e], None if aux is None else aux[:, :e],
-                                     pos[:, :e], slots[:, :e], vis[:, :e], None)
-                last_aux = None if aux is None else aux[:, -1:]
-        lg = logits[:, -1].float()                                                  # [B, V]
-        first = pick(lg, temperature, top_p)
-        if record_gaps:
-            st.gap[:, 0], st.second[:, 0] = runners_up(lg, first)
-        st.pending.copy_(first)
-        st.out[:, 0] = first
-        st.n_out.fill_(1)
-        st.finished.copy_((first[:, None] == st.stop).any(-1) | (st.max_new <= 1))
+                slots = torch.full((B, 1), Tp - 1, device=dev)
+                vis = ((s >= start[:, None]) | (s == Tp - 1))[:, None, :]            # [B, 1, Tp]
+                root = proposer.observe(first[:, None], last_aux, slots - start[:, None], slots,
+                                        vis, torch.zeros(B, dtype=torch.long, device=dev))
+                put(st.root, root.float())
+
+    @contextlib.contextmanager
+    def _rows(self, r, proposer):
+        """The target's and the drafter's caches write rows r only (None: rows 0..B-1)."""
+        if r is None:
+            yield
+            return
+        self.target.cache.rows = r
         if proposer is not None:
-            slots = torch.full((B, 1), Tp - 1, device=dev)
-            vis = ((s >= start[:, None]) | (s == Tp - 1))[:, None, :]                # [B, 1, Tp]
-            root = proposer.observe(first[:, None], last_aux, slots - start[:, None], slots, vis,
-                                    torch.zeros(B, dtype=torch.long, device=dev))
-            st.root.copy_(root.float())
+            proposer.rows = r
+        try:
+            yield
+        finally:
+            self.target.cache.rows = None
+            if proposer is not None:
+                proposer.rows = None
 
     def _commit(self, st, emitted, n_acc, bonus, root=None):
         """Shared tail of both steps: emitted [B, J] tokens of which n_acc + 1 are new."""

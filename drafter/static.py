@@ -66,6 +66,7 @@ def _slot_cache_class():
             self.v: dict[int, Tensor] = {}
             self.pools: dict[int, Tensor] = {}  # id of the store -> [layers, Bmax, heads, S, dim]
             self.slots: Tensor | None = None
+            self.rows: Tensor | None = None  # set: the batch is these cache rows (a refill; eager)
             self.span = max_slots
             self.fold = False  # set: the forward's T rows of one token are row 0's T new tokens
 
@@ -94,6 +95,11 @@ def _slot_cache_class():
                     out.append(buf[:1, :, : self.span].expand(B, -1, -1, -1))  # a view
                     continue
                 idx = self.slots[:, None, :, None].expand(B, x.shape[1], T, x.shape[3])
+                if self.rows is not None:  # continuous batching's refill: the other rows stay
+                    sub = buf.index_select(0, self.rows).scatter_(2, idx, x.to(buf.dtype))
+                    buf.index_copy_(0, self.rows, sub)
+                    out.append(sub[:, :, : self.span])
+                    continue
                 buf[:B].scatter_(2, idx, x.to(buf.dtype))
                 out.append(buf[:B, :, : self.span])                   # [B, heads, S, dim]
             return out[0], out[1]
@@ -270,7 +276,8 @@ class StaticTarget:
         6-token verification from 3.30 to 3.11 ms and a batch-1 chain K=2 decode step from 3.90
         to 3.70 ms (the 49-token tree's step unchanged; BENCHMARKS.md, seventh session)."""
         B, T = ids.shape
-        if self.fold and B == 1 and 1 < T <= FOLD_MAX and not self.window:
+        if self.fold and B == 1 and 1 < T <= FOLD_MAX and not self.window \
+                and self.cache.rows is None:
             self.cache.fold = True
             try:
                 logits, aux = self.forward(ids.view(T, 1), pos.view(T, 1), slots.view(T, 1),

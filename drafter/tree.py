@@ -319,6 +319,12 @@ class DraftModel(Protocol):
 
     def allocate(self, max_batch: int, max_slots: int, device, dtype) -> None: ...
 
+    # Continuous batching (Decoder.generate(continuous=True)) sets `rows` [R] around a refill:
+    # observe's batch is then cache rows `rows`, and the other rows' caches stay as they are.
+    # Optional: a proposer without the attribute decodes static batches only. An optional
+    # `assign(rows, prompts)` hears which prompt (an index into generate's list) each row takes.
+    rows: Tensor | None
+
     def state_tensors(self) -> list[Tensor]:
         """Tensors carried from one step to the next (updated in place), restored after a
         CUDA-graph warm-up. Optional: none by default."""
@@ -347,6 +353,7 @@ class EagleDraft:
         self.vocab_size = drafter.cfg.draft_vocab_size
         self.kc = self.vc = self.root_h = self.t_ids = None
         self._front_h = None
+        self.rows = None  # set by the decoder around a refill (DraftModel)
 
     def allocate(self, max_batch, max_slots, device, dtype):
         self.dr.to(device=device, dtype=dtype)
@@ -373,12 +380,19 @@ class EagleDraft:
         q, k, v = a.qkv(x, cos, sin)                           # [B, nh|nkv, T, hd]
         B, T, S = vis.shape
         idx = slots[:, None, :, None].expand(B, a.nkv, T, a.hd)
-        self.kc[:B].scatter_(2, idx, k)
-        self.vc[:B].scatter_(2, idx, v)
+        if self.rows is None:
+            kc, vc = self.kc[:B], self.vc[:B]
+            kc.scatter_(2, idx, k)
+            vc.scatter_(2, idx, v)
+        else:  # a refill: these cache rows only
+            kc = self.kc.index_select(0, self.rows).scatter_(2, idx, k)
+            vc = self.vc.index_select(0, self.rows).scatter_(2, idx, v)
+            self.kc.index_copy_(0, self.rows, kc)
+            self.vc.index_copy_(0, self.rows, vc)
         g = a.nh // a.nkv
-        kk = self.kc[:B, :, :S, None].expand(B, a.nkv, S, g, a.hd).transpose(2, 3) \
+        kk = kc[:, :, :S, None].expand(B, a.nkv, S, g, a.hd).transpose(2, 3) \
             .reshape(B, a.nh, S, a.hd)                                              # [B, nh, S, hd]
-        vv = self.vc[:B, :, :S, None].expand(B, a.nkv, S, g, a.hd).transpose(2, 3) \
+        vv = vc[:, :, :S, None].expand(B, a.nkv, S, g, a.hd).transpose(2, 3) \
             .reshape(B, a.nh, S, a.hd)
         o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=_additive(vis, q.dtype))
         return layer.post_attention(a.out(o), residual)                             # [B, T, H]
@@ -389,7 +403,10 @@ class EagleDraft:
             return None
         B, _, H = h_out.shape
         hl = h_out.gather(1, last[:, None, None].expand(B, 1, H)).squeeze(1)        # [B, H]
-        self.root_h[:B].copy_(self.dr.feedback(hl))
+        if self.rows is None:
+            self.root_h[:B].copy_(self.dr.feedback(hl))
+        else:
+            self.root_h.index_copy_(0, self.rows, self.dr.feedback(hl))
         return self.dr.logits(hl)
 
     def score(self, depth, ids, parent, pos, slots, vis):

@@ -26,9 +26,15 @@ class RefDrafter:
     token, favoured, and four decoys in an order that depends on the position: any sibling, and
     nodes of one depth outranking those of another)."""
     aux_layer_ids = None
+    rows = None  # continuous batching: a refill's batch is these cache rows (DraftModel)
 
     def __init__(self, ref: torch.Tensor, vocab_size: int, mode: str = "oracle"):
         self.ref, self.vocab_size, self.mode = ref, vocab_size, mode
+        self.owner = torch.arange(ref.shape[0], device=ref.device)  # batch row -> row of ref
+
+    def assign(self, rows, prompts):  # continuous batching: row b now decodes prompt i
+        self.owner[torch.as_tensor(rows, device=self.ref.device)] = \
+            torch.as_tensor(prompts, device=self.ref.device)
 
     def allocate(self, *args):
         pass
@@ -38,7 +44,10 @@ class RefDrafter:
 
     def _logits(self, pos):  # logits for the token at position pos + 2
         idx = (pos + 2).clamp(max=self.ref.shape[1] - 1)
-        right = self.ref.gather(1, idx.reshape(idx.shape[0], -1)).reshape(pos.shape)
+        rows = self.rows if self.rows is not None else torch.arange(pos.shape[0],
+                                                                    device=pos.device)
+        ref = self.ref[self.owner[rows]]
+        right = ref.gather(1, idx.reshape(idx.shape[0], -1)).reshape(pos.shape)
         lg = torch.zeros(*pos.shape, self.vocab_size, device=pos.device)
         if self.mode == "wrong":
             return lg.scatter(-1, right[..., None], float("-inf"))
@@ -388,6 +397,45 @@ def test_eagle_drafter_is_lossless_and_samples(smol, tree):
     for o in outs:
         assert 1 <= len(o.tokens) <= 6 and o.finish in ("stop", "length")
         assert (o.finish == "stop") == (o.tokens[-1] == smol["stop"][0])
+
+
+def test_continuous_batching_gives_the_static_tokens(smol):
+    """Continuous batching (a row whose answer has ended takes the next prompt: a prefill of
+    that row alone while the others' caches stay) gives, prompt for prompt, the static batches'
+    tokens, acceptance histograms and smaller-tree counts: plain, chain, tree, the test drafter
+    and a real EAGLE-3 drafter; and it takes fewer steps when the answers end apart."""
+    tok, model = smol["tok"], smol["model"]
+    msgs = ["Name a color.", "Write a haiku about rain.", "What is 7*6?", "Say hi.",
+            "List three fruits, comma separated.", "Why is the sky blue? One sentence.",
+            "Count from one to five."]
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": m}],
+                                           add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"] for m in msgs]
+    stop = smol["stop"] + [tok.convert_tokens_to_ids(".")]   # answers end apart
+    dec, n = Decoder(model, max_batch=3), 20
+    static = dec.generate(prompts, n, stop_ids=stop, record_gaps=True)
+    it_static = dec.last["iterations"]
+    assert len({len(o.tokens) for o in static}) > 2
+    cont = dec.generate(prompts, n, stop_ids=stop, record_gaps=True, continuous=True)
+    assert [o.tokens for o in cont] == [o.tokens for o in static]
+    for a, b in zip(cont, static):  # margins: the same up to float rounding (other padding)
+        assert torch.tensor(a.gaps) == pytest.approx(torch.tensor(b.gaps), abs=1e-3)
+        assert a.second == b.second
+    assert dec.last["iterations"] < it_static and dec.last["row_steps"] == \
+        3 * dec.last["iterations"]
+    ref, V = _ref(prompts, static), model.config.vocab_size
+    for tree in (TreeSpec.chain(3), TreeSpec(3, 2, 6)):
+        for P in (RefDrafter(ref, V, "noisy"), EagleDraft(_tiny_drafter(model.config))):
+            want = dec.generate(prompts, n, stop_ids=stop, proposer=P, tree=tree,
+                                tree_stats=True)
+            got = dec.generate(prompts, n, stop_ids=stop, proposer=P, tree=tree,
+                               tree_stats=True, continuous=True)
+            assert [o.tokens for o in got] == [o.tokens for o in want] == \
+                [o.tokens for o in static]
+            assert [(o.hist, o.shapes, o.steps) for o in got] == \
+                [(o.hist, o.shapes, o.steps) for o in want]
+            if isinstance(P, RefDrafter):  # its drafts were accepted in most answers
+                assert sum(sum(o.hist[1:]) > 0 for o in got) > len(got) // 2
 
 
 # ------------------------------------------------------------------- other architectures

@@ -181,6 +181,39 @@ def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
     assert cli.returncode == 0 and cli.stdout == report
 
 
+def test_continuous_and_static_batches_give_the_same_decodings(smollm2_dir, shared_data,
+                                                               tmp_path, monkeypatch):
+    """evaluate.continuous (the default): 5 prompts at batch_size 2 decode with rows refilled
+    as answers end; every greedy output, plain and speculative, is the static batches' (float32:
+    the same τ, accepted tokens and steps per run), and the settings say which batching ran."""
+    from tests.tiny import make_tiny
+
+    target = make_tiny("llama", tmp_path, tokenizer_dir=smollm2_dir)
+    from drafter.decode import Decoder
+
+    dr = _drafter_dir(target, tmp_path / "native", 0, native=True)
+    got, calls, real = {}, [], Decoder._continuous
+    monkeypatch.setattr(Decoder, "_continuous", lambda *a: (calls.append(1), real(*a))[1])
+    for cont in (True, False):
+        calls.clear()
+        cfg = C.load(None, [
+            f"run_dir={tmp_path / f'run-{cont}'}", f"target.model={target}",
+            f"evaluate.drafter={dr}", "evaluate.max_new_tokens=6",
+            "evaluate.methods=[chain, tree]", "evaluate.k=2", "evaluate.tree_depth=2",
+            "evaluate.tree_topk=2", "evaluate.tree_tokens=3", "evaluate.batch_size=2",
+            f"evaluate.continuous={str(cont).lower()}",
+            "evaluate.datasets=[{name: gsm8k, path: %s, max_prompts: 5}]"
+            % (shared_data / "eval" / "gsm8k_test.jsonl")])
+        assert E.main(cfg)["lossless"] is True
+        m = json.loads(Run.of(cfg).eval_metrics().read_text())
+        assert m["settings"]["continuous"] is cont
+        assert len(calls) == (3 if cont else 0)  # plain, chain, tree (the warm-up: one batch)
+        got[cont] = [(r["name"], d["prompts"], d["tau"], d["accepted"], d["steps"],
+                      d["new_tokens"]) for r in m["runs"] for d in [r["datasets"]["gsm8k"]]]
+        assert all(p == 5 for _, p, *_ in got[cont])
+    assert got[True] == got[False]
+
+
 def test_a_mismatch_is_reported_and_fails_the_step(tmp_path):
     """finish() writes everything, then raises naming the first divergence; `drafter report`
     then exits 1."""

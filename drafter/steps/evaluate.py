@@ -7,10 +7,11 @@ Reads   the drafter (evaluate.drafter: `export` = this run's export/native/, or 
 Writes  evaluate/metrics.json, evaluate/report.md, evaluate/acceptance.png, evaluate/tau.png
 Command drafter evaluate CONFIG            (`drafter report RUN_DIR` prints the report)
 
-For each temperature, the target first decodes every prompt plainly (static cache, the same
-batches): the reference for the lossless check, the baseline for tokens/s, and the source of
-MT-bench's second turn (the model's own first answer goes back into the conversation). Then each
-drafter x method (chain K, tree depth/topk/tokens) decodes the same prompts speculatively.
+For each temperature, the target first decodes every prompt plainly (static cache, batches of
+the same size, continuous by default): the reference for the lossless check, the baseline for
+tokens/s, and the source of MT-bench's second turn (the model's own first answer goes back into
+the conversation). Then each drafter x method (chain K, tree depth/topk/tokens) decodes the same
+prompts speculatively.
 
 τ = tokens per target forward after the prefill, the bonus token counted (plain decoding: 1.0) =
 1 + accepted / verification steps, over the raw accepted counts (as vLLM and SGLang count them).
@@ -163,7 +164,7 @@ class _Prompts:
 
 
 def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tree=None,
-            desc: str = ""):
+            desc: str = "", continuous: bool = False):
     """Decode every round (building later rounds from these answers when `rounds` is None).
     Returns ([(record, round, Output)], seconds, iterations, prefill seconds, row steps): seconds
     include the prefills (the tokens/s a user waits for), iterations are decode steps only, row
@@ -183,7 +184,8 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
             prompts.rounds.append(batch)
         res = dec.generate([ids for _, ids in batch], max_new, stop_ids=stop, temperature=T,
                            proposer=proposer, tree=tree, record_gaps=proposer is None and T == 0,
-                           tree_stats=True, progress=bar)  # greedy trees: smaller shapes' taus
+                           tree_stats=True, continuous=continuous,
+                           progress=bar)  # tree_stats: greedy trees' smaller shapes' taus
         seconds += dec.last["seconds"]
         iters += dec.last["iterations"]
         prefill += dec.last["prefill_seconds"]
@@ -377,7 +379,8 @@ def main(cfg) -> dict:
             torch.manual_seed(ev.seed)
             prompts[name] = pr = _Prompts(tok, recs, max_len, ev.max_new_tokens)
             outs, secs, it, pre, rows = _pass(run, f"plain T={T:g} {name}", pr, lambda: _decode(
-                dec, pr, None, ev.max_new_tokens, stop, T, desc=f"plain T={T:g} {name}"))
+                dec, pr, None, ev.max_new_tokens, stop, T, desc=f"plain T={T:g} {name}",
+                continuous=ev.continuous))
             plain[name] = (outs, _summary(outs, secs, it, pre, row_steps=rows))
             ds_info[name] = {"path": path, "records": len(recs),
                              "prompts": sum(len(r) for r in prompts[name].rounds),
@@ -411,7 +414,8 @@ def main(cfg) -> dict:
                     desc = f"{what} {tree.label()} T={T:g} {name}"
                     pr = prompts[name]
                     outs, secs, it, pre, rows = _pass(run, desc, pr, lambda: _decode(
-                        dec, pr, pr.rounds, ev.max_new_tokens, stop, T, prop, tree, desc=desc))
+                        dec, pr, pr.rounds, ev.max_new_tokens, stop, T, prop, tree, desc=desc,
+                        continuous=ev.continuous))
                     m = _summary(outs, secs, it, pre, tree, plain[name][0] if T == 0 else None,
                                  tol, prompts[name].records, rows)
                     per[name] = _with_speed(m, ps[name])
@@ -432,6 +436,7 @@ def main(cfg) -> dict:
         "methods": [t.label() for _, t in methods],
         "temperatures": [float(t) for t in ev.temperatures],
         "max_new_tokens": ev.max_new_tokens, "batch_size": ev.batch_size,
+        "continuous": bool(ev.continuous and ev.batch_size > 1),
         "cuda_graphs": bool(ev.cuda_graphs and dec.graphs.enabled),
         "tie_tolerance": tol, "seed": ev.seed, "warm_up": warm,
         "primary": {k: primary[k] for k in ("name", "drafter", "method", "temperature",
@@ -511,7 +516,8 @@ def _recommend(runs: list[dict], plain: dict, batch: int, drafter_dir: str) -> d
     rec = recommend(o["acceptance_conditional"], t, k, {"spec_ratio": spec_ratio,
                                                         "plain_ratio": plain_ratio},
                     trees, drafter_dir)
-    # static batches wait for their slowest row: the steps a batch took, against tau's promise
+    # a batch waits for its slowest row (static batches; continuous ones at their last prompts):
+    # the steps the batches took, against tau's promise
     p_it = plain["0.0"]["overall"].get("iterations")
     eff = (p_it / o["iterations"]) / o["tau"] if p_it and o.get("iterations") and o["tau"] \
         else None
@@ -631,8 +637,9 @@ def render_report(m: dict) -> str:
               f"x{rec['calibration']['plain_ratio']}); a greedy tree run's own τ and step, and "
               "for each smaller depth the best number of nodes of its top-k, with the τ its "
               "steps give for that shape (*estimated*). These are per-step figures: what an "
-              "engine with continuous batching gets. This evaluation's static batches wait for "
-              "their slowest row: they took "
+              "engine with continuous batching gets. This evaluation's batches ("
+              f"{'continuous' if m['settings'].get('continuous') else 'static'}) wait for "
+              "their slowest row (continuous ones only once no prompt is left): they took "
               f"{_fmt(rec['calibration']['static_batch_efficiency'])} of the steps' τ.", "",
               "| batch | setting | expected τ | step ms | expected speedup |", "|---|---|---|---|---|"]
         for b, r in rec["by_batch"].items():
