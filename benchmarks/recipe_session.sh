@@ -85,6 +85,17 @@
 #           took 22/21/21 records, so their "batch 64" ran at 21-22 rows) -> at each batch size
 #           the estimated best tree shape decoded -> decode_speed at batch 1 and 64 (the steps
 #           against their parts, fold on)
+#   bash benchmarks/recipe_session.sh start-ninth  # not run yet; one lane, alone on the GPU;
+#     SpecForge from .whl as for start-eighth
+#   lane v: the GPU tests first (pytest -m gpu: the seventh session's merge broke one, unseen
+#           for a session) -> store-fp8 again, 500 steps, with the per-step merge's right
+#           gradients (against the eighth session's tau 1.79 on the wrong ones) -> its evaluate
+#           at batch 1 (chain K=2 and the 3/8/17 tree, the eighth session's pick) and on all 524
+#           prompts at batch 64, continuous (the default since f820896) and static
+#           (evaluate.continuous=false) -> the Llama-8B shape beside SpecForge, both teachers,
+#           2048 and 4096, with the per-step merge (issue 18's table) -> the merge run eagerly
+#           (benchmarks/variants/eager-merge.patch): cold warm-up and Llama-8B step, A/B ->
+#           decode_speed at batch 1 and 64
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -343,6 +354,50 @@ lane_u() {
   mark lane_u
 }
 
+lane_v() {
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
+  local v d tt=benchmarks/train_throughput.py
+  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/
+  short store-fp8 500 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
+    extract.teacher=topk
+  K=2 speed_of rec9 store-fp8 $CFG 1 10 10 10
+  if [ -n "${CHECK:-}" ] || [ -d runs/store-fp8/export/native ]; then
+    step tree9-b1 $DRAFTER evaluate $CFG run_dir=runs/tree9-b1 \
+      evaluate.drafter=runs/store-fp8/export/native evaluate.batch_size=1 \
+      "evaluate.methods=[tree]" evaluate.tree_depth=3 evaluate.tree_topk=8 \
+      evaluate.tree_tokens=17 "evaluate.temperatures=[0.0]" \
+      "evaluate.datasets[0].max_prompts=10" "evaluate.datasets[1].max_prompts=10" \
+      "evaluate.datasets[2].max_prompts=10"
+  fi
+  for v in true false; do  # all 524 prompts at batch 64: continuous batching, then static
+    [ -n "${CHECK:-}" ] || [ -d runs/store-fp8/export/native ] || break
+    step all64-$v $DRAFTER evaluate $CFG run_dir=runs/all64-$v \
+      evaluate.drafter=runs/store-fp8/export/native evaluate.batch_size=64 evaluate.k=2 \
+      "evaluate.methods=[chain,tree]" evaluate.tree_depth=2 evaluate.tree_topk=8 \
+      evaluate.tree_tokens=7 "evaluate.temperatures=[0.0]" evaluate.continuous=$v
+  done
+  for T in 2048 4096; do  # issue 18: beside SpecForge's own step, in the same process
+    step llama-sf9-$T $PY $tt --shape llama8b --seq $T --teacher topk,hidden
+  done
+  # the merge eager in the compiled path: its cold warm-up and its Llama-8B step, A/B
+  rm -rf /tmp/eager && mkdir -p /tmp/eager && cp -r drafter benchmarks /tmp/eager/ \
+    && (cd /tmp/eager && git apply "$REPO/benchmarks/variants/eager-merge.patch") || return
+  for v in base eager; do
+    d=$REPO; [ $v = eager ] && d=/tmp/eager
+    step merge9-cold-$v bash -c "cd $d && TORCHINDUCTOR_CACHE_DIR=/tmp/ind9-$v $PY $tt \
+      --real --online --skip-offline --online-group 4 --shape smollm2 --no-anchor \
+      --compile-times --steps 60"
+  done
+  for v in base eager base eager; do
+    d=$REPO; [ $v = eager ] && d=/tmp/eager
+    step merge9-llama-$v-$SECONDS bash -c "cd $d && $PY $tt --shape llama8b --seq 4096 \
+      --teacher topk --no-anchor --no-check"
+  done
+  step decode-speed-9 $PY benchmarks/decode_speed.py --random-target --batches 1,64 \
+    --prefill-lengths 0
+  mark lane_v
+}
+
 collect() {
   collect_runs
   # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
@@ -392,6 +447,13 @@ case "${1:-}" in
     setsid bash "$0" lane_u < /dev/null > "$RES/lane_u.out" 2>&1 &
     sleep 2; log "eighth lane started" ;;
   lane_u) lane_u ;;
+  start-ninth)
+    [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
+    ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
+      --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
+    setsid bash "$0" lane_v < /dev/null > "$RES/lane_v.out" 2>&1 &
+    sleep 2; log "ninth lane started" ;;
+  lane_v) lane_v ;;
   start-fifth)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     setsid bash "$0" lane_g < /dev/null > "$RES/lane_g.out" 2>&1 &
@@ -414,7 +476,8 @@ case "${1:-}" in
       && ! { [ -f "$RES/lane_n1.done" ] && [ -f "$RES/lane_n2.done" ]; } \
       && ! { [ -f "$RES/lane_f2.done" ] && [ -f "$RES/lane_f3.done" ]; } \
       && [ ! -f "$RES/lane_g.done" ] && [ ! -f "$RES/lane_s.done" ] \
-      && [ ! -f "$RES/lane_t.done" ] && [ ! -f "$RES/lane_u.done" ]; do sleep 5; done
+      && [ ! -f "$RES/lane_t.done" ] && [ ! -f "$RES/lane_u.done" ] \
+      && [ ! -f "$RES/lane_v.done" ]; do sleep 5; done
     collect; tail -n 40 "$RES/phases.log"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   collect) collect ;;
