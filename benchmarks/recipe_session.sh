@@ -296,27 +296,33 @@ shapes_of() {  # shapes_of RUNS OUT N1 N2 N3: at batch 1 (10 records a dataset) 
   done
 }
 
+merge_ab() {  # merge_ab PREFIX VARIANT: benchmarks/variants/VARIANT-merge.patch against the
+  # package: a cold warm-up each (a compile cache of its own), then the Llama-8B step alternating
+  local prefix=$1 var=$2 v d tt=benchmarks/train_throughput.py
+  rm -rf "/tmp/$var" && mkdir -p "/tmp/$var" && cp -r drafter benchmarks "/tmp/$var/" \
+    && (cd "/tmp/$var" && git apply "$REPO/benchmarks/variants/$var-merge.patch") || return
+  for v in base "$var"; do
+    d=$REPO; [ "$v" = "$var" ] && d=/tmp/$var
+    step "$prefix-cold-$v" bash -c "cd $d && TORCHINDUCTOR_CACHE_DIR=/tmp/ind-$prefix-$v $PY \
+      $tt --real --online --skip-offline --online-group 4 --shape smollm2 --no-anchor \
+      --compile-times --steps 60"
+  done
+  for v in base "$var" base "$var"; do
+    d=$REPO; [ "$v" = "$var" ] && d=/tmp/$var
+    step "$prefix-llama-$v-$SECONDS" bash -c "cd $d && $PY $tt --shape llama8b --seq 4096 \
+      --teacher topk --no-anchor --no-check"
+  done
+}
+
 lane_t() {
-  local v d tt="benchmarks/train_throughput.py"
+  local v
   for v in base fold base fold; do  # issue 16: batch-1 verifications as T rows of one token
     step decode-$v-$SECONDS $PY benchmarks/decode_speed.py --random-target --batches 1 \
       --prefill-lengths 0 --fold $([ $v = fold ] && echo on || echo off)
   done
   # issue 18: one merge graph for every TTT step (benchmarks/variants/stacked-merge.patch),
   # its cold warm-up against the six graphs', then its Llama-8B step speed, alternating
-  rm -rf /tmp/stacked && mkdir -p /tmp/stacked && cp -r drafter benchmarks /tmp/stacked/ \
-    && (cd /tmp/stacked && git apply "$REPO/benchmarks/variants/stacked-merge.patch") || return
-  for v in base stacked; do
-    d=$REPO; [ $v = stacked ] && d=/tmp/stacked
-    step merge-cold-$v bash -c "cd $d && TORCHINDUCTOR_CACHE_DIR=/tmp/ind-merge-$v $PY $tt \
-      --real --online --skip-offline --online-group 4 --shape smollm2 --no-anchor \
-      --compile-times --steps 60"
-  done
-  for v in base stacked base stacked; do
-    d=$REPO; [ $v = stacked ] && d=/tmp/stacked
-    step merge-llama-$v-$SECONDS bash -c "cd $d && $PY $tt --shape llama8b --seq 4096 \
-      --teacher topk --no-anchor --no-check"
-  done
+  merge_ab merge stacked || return
   short store-fp8 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
     extract.teacher=topk
   K=2 speed_of rec7 store-fp8 $CFG 1 10 10 10
@@ -356,7 +362,7 @@ lane_u() {
 
 lane_v() {
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
-  local v d tt=benchmarks/train_throughput.py
+  local v tt=benchmarks/train_throughput.py
   step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/
   short store-fp8 500 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
     extract.teacher=topk
@@ -380,19 +386,7 @@ lane_v() {
     step llama-sf9-$T $PY $tt --shape llama8b --seq $T --teacher topk,hidden
   done
   # the merge eager in the compiled path: its cold warm-up and its Llama-8B step, A/B
-  rm -rf /tmp/eager && mkdir -p /tmp/eager && cp -r drafter benchmarks /tmp/eager/ \
-    && (cd /tmp/eager && git apply "$REPO/benchmarks/variants/eager-merge.patch") || return
-  for v in base eager; do
-    d=$REPO; [ $v = eager ] && d=/tmp/eager
-    step merge9-cold-$v bash -c "cd $d && TORCHINDUCTOR_CACHE_DIR=/tmp/ind9-$v $PY $tt \
-      --real --online --skip-offline --online-group 4 --shape smollm2 --no-anchor \
-      --compile-times --steps 60"
-  done
-  for v in base eager base eager; do
-    d=$REPO; [ $v = eager ] && d=/tmp/eager
-    step merge9-llama-$v-$SECONDS bash -c "cd $d && $PY $tt --shape llama8b --seq 4096 \
-      --teacher topk --no-anchor --no-check"
-  done
+  merge_ab merge9 eager || return
   step decode-speed-9 $PY benchmarks/decode_speed.py --random-target --batches 1,64 \
     --prefill-lengths 0
   mark lane_v
@@ -440,19 +434,14 @@ case "${1:-}" in
     setsid bash "$0" lane_t < /dev/null > "$RES/lane_t.out" 2>&1 &
     sleep 2; log "seventh lane started" ;;
   lane_t) lane_t ;;
-  start-eighth)
+  start-eighth|start-ninth)  # one lane (u, v), SpecForge installed from .whl for the anchor
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
       --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
-    setsid bash "$0" lane_u < /dev/null > "$RES/lane_u.out" 2>&1 &
-    sleep 2; log "eighth lane started" ;;
+    lane=lane_u; [ "$1" = start-ninth ] && lane=lane_v
+    setsid bash "$0" $lane < /dev/null > "$RES/$lane.out" 2>&1 &
+    sleep 2; log "$lane started" ;;
   lane_u) lane_u ;;
-  start-ninth)
-    [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
-    ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
-      --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
-    setsid bash "$0" lane_v < /dev/null > "$RES/lane_v.out" 2>&1 &
-    sleep 2; log "ninth lane started" ;;
   lane_v) lane_v ;;
   start-fifth)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }

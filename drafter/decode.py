@@ -249,14 +249,12 @@ class Decoder:
         return outs
 
     # -- one batch
-    def _batch(self, prompts, max_new, stop_ids, temperature, top_p, proposer, tree,
-               record_gaps, tree_stats=False):
-        B, Tp = len(prompts), max(len(p) for p in prompts)
-        dev = self.device
+    def _begin(self, B, max_new, stop_ids, temperature, top_p, proposer, tree, record_gaps,
+               tree_stats):
+        """The state of B rows, zeroed, and the step over it (replayed from its CUDA graph per
+        span): -> (state, depth, extra slots a step may write, step(span))."""
         spec = proposer is not None
         D = tree.depth if spec else 0
-        extra = self._extra(proposer, tree)
-        self._ensure(B, self._slots(Tp, max_new, proposer, tree), proposer)
         self.target.set_aux(proposer.aux_layer_ids if spec else None)
         Vd = proposer.vocab_size if spec else 0
         stats = tree_stats and spec and temperature == 0 and not tree.is_chain
@@ -267,12 +265,7 @@ class Decoder:
         st.max_new.fill_(max_new)
         st.stop.fill_(-1)
         if stop_ids:
-            st.stop.copy_(torch.tensor(stop_ids, device=dev))
-        t0 = time.perf_counter()
-        with eager_attention():
-            self._prefill(st, prompts, Tp, temperature, top_p, proposer, record_gaps)
-        self.last["prefill_seconds"] += time.perf_counter() - t0
-
+            st.stop.copy_(torch.tensor(stop_ids, device=self.device))
         key = ("spec" if spec else "plain", id(st), temperature, top_p, tree, id(proposer),
                self.target.aux_ids, record_gaps)
         state = st.tensors() + (list(getattr(proposer, "state_tensors", list)()) if spec else [])
@@ -282,13 +275,29 @@ class Decoder:
         else:
             def fn(span):
                 self._plain_step(st, span, temperature, top_p, record_gaps)
+
+        def step(span):
+            self.graphs.run(key + (span,), lambda: fn(span), state)
+        return st, D, self._extra(proposer, tree), step
+
+    def _batch(self, prompts, max_new, stop_ids, temperature, top_p, proposer, tree,
+               record_gaps, tree_stats=False):
+        B, Tp = len(prompts), max(len(p) for p in prompts)
+        spec = proposer is not None
+        self._ensure(B, self._slots(Tp, max_new, proposer, tree), proposer)
+        st, D, extra, step = self._begin(B, max_new, stop_ids, temperature, top_p, proposer,
+                                         tree, record_gaps, tree_stats)
+        t0 = time.perf_counter()
+        with eager_attention():
+            self._prefill(st, prompts, Tp, temperature, top_p, proposer, record_gaps)
+        self.last["prefill_seconds"] += time.perf_counter() - t0
         done, lmax = torch.stack([st.finished.all().long(), st.L.max()]).tolist()
         it, m = 0, self.sync_every
         while not done and it < max_new:
             # the span covers what m steps can append (D + 1 tokens each) before the next read
             span = min(self.cap[1], round_up(lmax + extra + (m - 1) * (D + 1), self.span_bucket))
             for _ in range(min(m, max_new - it)):
-                self.graphs.run(key + (span,), lambda: fn(span), state)
+                step(span)
                 it += 1
                 self.last["iterations"] += 1
                 self.last["row_steps"] += B  # rows the step computed, finished ones included
@@ -303,25 +312,13 @@ class Decoder:
         untouched) while the rest go on, as a serving engine refills its batch. The steps are
         the static batch's (the same graphs); greedy outputs equal static batches'
         (tests/test_decode.py). Returns the outputs in prompt order."""
-        n, dev = len(prompts), self.device
-        spec = proposer is not None
+        n, spec = len(prompts), proposer is not None
         if spec and not hasattr(proposer, "rows"):
             raise DecodeError(f"{type(proposer).__name__} cannot refill cache rows (it has no "
                               f"`rows`, DraftModel): decode with continuous=False")
         B = min(self.max_batch, n)
-        D = tree.depth if spec else 0
-        extra = self._extra(proposer, tree)
-        self.target.set_aux(proposer.aux_layer_ids if spec else None)
-        Vd = proposer.vocab_size if spec else 0
-        stats = tree_stats and spec and temperature == 0 and not tree.is_chain
-        st = self._state(B, round_up(max_new + D + 2, 64), D, Vd, max(1, len(stop_ids)),
-                         tree.nodes if stats else 0)
-        for t in st.tensors():
-            t.zero_()
-        st.max_new.fill_(max_new)
-        st.stop.fill_(-1)
-        if stop_ids:
-            st.stop.copy_(torch.tensor(stop_ids, device=dev))
+        st, D, extra, step = self._begin(B, max_new, stop_ids, temperature, top_p, proposer,
+                                         tree, record_gaps, tree_stats)
         assign = getattr(proposer, "assign", None)
 
         def fill(take, rows):  # prompts `take` into state rows `rows` (None: 0..B-1, all)
@@ -336,15 +333,6 @@ class Decoder:
         owner: list[int | None] = list(range(B))   # the prompt each row decodes
         queue = list(range(B, n))
         fill(owner, None)
-        key = ("spec" if spec else "plain", id(st), temperature, top_p, tree, id(proposer),
-               self.target.aux_ids, record_gaps)
-        state = st.tensors() + (list(getattr(proposer, "state_tensors", list)()) if spec else [])
-        if spec:
-            def fn(span):
-                self._spec_step(st, span, proposer, tree, temperature)
-        else:
-            def fn(span):
-                self._plain_step(st, span, temperature, top_p, record_gaps)
         res: list = [None] * n
         need, m = max(1, B // 8), self.sync_every
         while True:
@@ -370,7 +358,7 @@ class Decoder:
             # the span covers what m steps can append (D + 1 tokens each) before the next read
             span = min(self.cap[1], round_up(lmax + extra + (m - 1) * (D + 1), self.span_bucket))
             for _ in range(m):
-                self.graphs.run(key + (span,), lambda: fn(span), state)
+                step(span)
                 self.last["iterations"] += 1
                 self.last["row_steps"] += B  # rows the step computed, ended ones included
 
