@@ -222,6 +222,7 @@ class Decoder:
                                      tree), proposer)
         cap0 = self.graphs.capture_seconds
         outs: list[Output] = []
+        assign = getattr(proposer, "assign", None)  # optional: which prompt each row decodes
         if continuous and 1 < self.max_batch < len(prompts):  # (batch 1: the same either way)
             t0 = time.perf_counter()
             outs = self._continuous([list(map(int, p)) for p in prompts], max_new_tokens,
@@ -230,20 +231,19 @@ class Decoder:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             self.last["seconds"] += time.perf_counter() - t0
-            prompts = []  # decoded
-        assign = getattr(proposer, "assign", None)  # optional: which prompt each row decodes
-        for b0 in range(0, len(prompts), self.max_batch):
-            batch = [list(map(int, p)) for p in prompts[b0:b0 + self.max_batch]]
-            if assign is not None:
-                assign(list(range(len(batch))), list(range(b0, b0 + len(batch))))
-            t0 = time.perf_counter()
-            outs += self._batch(batch, max_new_tokens, list(stop_ids), temperature, top_p,
-                                proposer, tree, record_gaps, tree_stats)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            self.last["seconds"] += time.perf_counter() - t0
-            if progress is not None:
-                progress.update(len(batch))
+        else:
+            for b0 in range(0, len(prompts), self.max_batch):
+                batch = [list(map(int, p)) for p in prompts[b0:b0 + self.max_batch]]
+                if assign is not None:
+                    assign(list(range(len(batch))), list(range(b0, b0 + len(batch))))
+                t0 = time.perf_counter()
+                outs += self._batch(batch, max_new_tokens, list(stop_ids), temperature, top_p,
+                                    proposer, tree, record_gaps, tree_stats)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                self.last["seconds"] += time.perf_counter() - t0
+                if progress is not None:
+                    progress.update(len(batch))
         self.last["capture_seconds"] = self.graphs.capture_seconds - cap0
         self.last["seconds"] -= self.last["capture_seconds"]
         return outs
