@@ -222,7 +222,6 @@ class Decoder:
                                      tree), proposer)
         cap0 = self.graphs.capture_seconds
         outs: list[Output] = []
-        assign = getattr(proposer, "assign", None)  # optional: which prompt each row decodes
         if continuous and 1 < self.max_batch < len(prompts):  # (batch 1: the same either way)
             t0 = time.perf_counter()
             outs = self._continuous([list(map(int, p)) for p in prompts], max_new_tokens,
@@ -232,6 +231,7 @@ class Decoder:
                 torch.cuda.synchronize()
             self.last["seconds"] += time.perf_counter() - t0
         else:
+            assign = getattr(proposer, "assign", None)  # optional: which prompt each row takes
             for b0 in range(0, len(prompts), self.max_batch):
                 batch = [list(map(int, p)) for p in prompts[b0:b0 + self.max_batch]]
                 if assign is not None:

@@ -94,12 +94,11 @@ def _slot_cache_class():
                                     xt.to(buf.dtype))
                     out.append(buf[:1, :, : self.span].expand(B, -1, -1, -1))  # a view
                     continue
-                idx = self.slots[:, None, :, None].expand(B, x.shape[1], T, x.shape[3])
                 if self.rows is not None:  # continuous batching's refill: the other rows stay
-                    sub = buf.index_select(0, self.rows).scatter_(2, idx, x.to(buf.dtype))
-                    buf.index_copy_(0, self.rows, sub)
-                    out.append(sub[:, :, : self.span])
+                    buf[self.rows[:, None], :, self.slots] = x.transpose(1, 2).to(buf.dtype)
+                    out.append(buf[:, :, : self.span].index_select(0, self.rows))
                     continue
+                idx = self.slots[:, None, :, None].expand(B, x.shape[1], T, x.shape[3])
                 buf[:B].scatter_(2, idx, x.to(buf.dtype))
                 out.append(buf[:B, :, : self.span])                   # [B, heads, S, dim]
             return out[0], out[1]

@@ -379,16 +379,17 @@ class EagleDraft:
         cos, sin = dr.rotary(x, pos)
         q, k, v = a.qkv(x, cos, sin)                           # [B, nh|nkv, T, hd]
         B, T, S = vis.shape
-        idx = slots[:, None, :, None].expand(B, a.nkv, T, a.hd)
         if self.rows is None:
+            idx = slots[:, None, :, None].expand(B, a.nkv, T, a.hd)
             kc, vc = self.kc[:B], self.vc[:B]
             kc.scatter_(2, idx, k)
             vc.scatter_(2, idx, v)
-        else:  # a refill: these cache rows only
-            kc = self.kc.index_select(0, self.rows).scatter_(2, idx, k)
-            vc = self.vc.index_select(0, self.rows).scatter_(2, idx, v)
-            self.kc.index_copy_(0, self.rows, kc)
-            self.vc.index_copy_(0, self.rows, vc)
+        else:  # a refill: these cache rows only, read up to the span
+            r = self.rows[:, None]
+            self.kc[r, :, slots] = k.transpose(1, 2)                               # [B, T, nkv, hd]
+            self.vc[r, :, slots] = v.transpose(1, 2)
+            kc = self.kc[:, :, :S].index_select(0, self.rows)
+            vc = self.vc[:, :, :S].index_select(0, self.rows)
         g = a.nh // a.nkv
         kk = kc[:, :, :S, None].expand(B, a.nkv, S, g, a.hd).transpose(2, 3) \
             .reshape(B, a.nh, S, a.hd)                                              # [B, nh, S, hd]

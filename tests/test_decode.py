@@ -227,6 +227,38 @@ def test_eagle_draft_static_cache_matches_drafter_forward():
     torch.testing.assert_close(out, ref_out)
 
 
+def test_eagle_draft_refill_writes_its_rows_only():
+    """Continuous batching's refill (EagleDraft.rows set): observe over cache rows [2, 0] gives
+    those rows the logits, root state and cache entries a whole-batch observe gives them, and
+    leaves row 1 as it was (the decode-level test cannot see this: its EAGLE drafter is random
+    and never accepted)."""
+    from transformers import LlamaConfig
+
+    tc = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    P = EagleDraft(_tiny_drafter(tc, Vd=100))
+    torch.manual_seed(2)
+    B, T, S = 3, 5, 16
+    aux, ids = torch.randn(B, T, 3, 32), torch.randint(0, 300, (B, T))
+    pos = torch.arange(T).expand(B, T)
+    vis = (torch.arange(S)[None, None] <= pos[..., None]).expand(B, T, S)
+    last = torch.tensor([T - 1, 1, 3])
+    P.allocate(B, S, "cpu", torch.float32)
+    want = P.observe(ids, aux, pos, pos, vis, last)
+    kc, vc, root = P.kc.clone(), P.vc.clone(), P.root_h.clone()
+    P.allocate(B, S, "cpu", torch.float32)
+    P.kc[1].fill_(7.0)
+    rows = torch.tensor([2, 0])
+    P.rows = rows
+    got = P.observe(ids[rows], aux[rows], pos[rows], pos[rows], vis[rows], last[rows])
+    P.rows = None
+    torch.testing.assert_close(got, want[rows])
+    torch.testing.assert_close(P.kc[rows], kc[rows])
+    torch.testing.assert_close(P.vc[rows], vc[rows])
+    torch.testing.assert_close(P.root_h[rows], root[rows])
+    assert (P.kc[1] == 7.0).all() and (P.vc[1] == 0).all() and (P.root_h[1] == 0).all()
+
+
 # ---------------------------------------------------------------------------- the real target
 @pytest.fixture(scope="module")
 def smol(smollm2_dir):
