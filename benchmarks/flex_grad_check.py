@@ -7,7 +7,9 @@ pass/fail check; this names the parameter and the piece.
     git apply benchmarks/variants/stacked-merge.patch && python3 benchmarks/flex_grad_check.py
 
 Eighth session, H200, the stacked merge applied: compiled 5.9e-01 (midlayer.hidden_norm.weight),
-the merge eager 3.4e-07; the per-step merge passes the test (BENCHMARKS.md)."""
+the merge eager 3.4e-07; the per-step merge passes the test (BENCHMARKS.md). Those figures came
+from this script's first form (a scratch copy, the same paths); this form has not run on a GPU
+yet: lane v of benchmarks/recipe_session.sh runs it."""
 import sys
 from pathlib import Path
 

@@ -364,6 +364,7 @@ lane_v() {
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
   local v tt=benchmarks/train_throughput.py
   step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/
+  step flex-grad $PY benchmarks/flex_grad_check.py   # the per-step merge: expected to agree
   short store-fp8 500 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
     extract.teacher=topk
   K=2 speed_of rec9 store-fp8 $CFG 1 10 10 10
