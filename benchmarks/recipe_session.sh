@@ -95,7 +95,13 @@
 #           (evaluate.continuous=false) -> the Llama-8B shape beside SpecForge, both teachers,
 #           2048 and 4096, with the per-step merge (issue 18's table) -> the merge run eagerly
 #           (benchmarks/variants/eager-merge.patch): cold warm-up and Llama-8B step, A/B ->
-#           decode_speed at batch 1 and 64
+#           decode_speed at batch 1 and 64. Trimmed to fit 30 device minutes in the ninth
+#           session (order: by need): GPU tests -> flex_grad_check -> loader_speed (batches
+#           from the store: decoded on the host, as before, and in their stored dtypes) ->
+#           store-fp8 500 steps -> rec9-b1 -> all 524 prompts at batch 64, chain K=2,
+#           continuous and static -> Llama-8B beside SpecForge -> tree 3/8/17 at batch 1 ->
+#           the eager merge's cold warm-up against the compiled one's, and its Llama-8B step
+#           once (no decode_speed: the steps did not change)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -307,7 +313,8 @@ merge_ab() {  # merge_ab PREFIX VARIANT: benchmarks/variants/VARIANT-merge.patch
       $tt --real --online --skip-offline --online-group 4 --shape smollm2 --no-anchor \
       --compile-times --steps 60"
   done
-  for v in base "$var" base "$var"; do
+  local order=(base "$var" base "$var"); [ "${LLAMA_RUNS:-2}" = 1 ] && order=("$var")
+  for v in "${order[@]}"; do
     d=$REPO; [ "$v" = "$var" ] && d=/tmp/$var
     step "$prefix-llama-$v-$SECONDS" bash -c "cd $d && $PY $tt --shape llama8b --seq 4096 \
       --teacher topk --no-anchor --no-check"
@@ -362,12 +369,24 @@ lane_u() {
 
 lane_v() {
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
-  local v tt=benchmarks/train_throughput.py
+  local v
   step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/
   step flex-grad $PY benchmarks/flex_grad_check.py   # the per-step merge: expected to agree
+  # issue 18: batches from the store, decoded on the host (before) and stored dtypes (now)
+  step loader-speed $PY benchmarks/loader_speed.py --decoded --threads 1,4
   short store-fp8 500 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
     extract.teacher=topk
   K=2 speed_of rec9 store-fp8 $CFG 1 10 10 10
+  for v in true false; do  # all 524 prompts at batch 64: continuous batching, then static
+    [ -n "${CHECK:-}" ] || [ -d runs/store-fp8/export/native ] || break
+    step all64-$v $DRAFTER evaluate $CFG run_dir=runs/all64-$v \
+      evaluate.drafter=runs/store-fp8/export/native evaluate.batch_size=64 evaluate.k=2 \
+      "${CHAIN[@]}" evaluate.continuous=$v
+  done
+  for T in 2048 4096; do  # issue 18: beside SpecForge's own step, in the same process
+    step llama-sf9-$T $PY benchmarks/train_throughput.py --shape llama8b --seq $T \
+      --teacher topk,hidden
+  done
   if [ -n "${CHECK:-}" ] || [ -d runs/store-fp8/export/native ]; then
     step tree9-b1 $DRAFTER evaluate $CFG run_dir=runs/tree9-b1 \
       evaluate.drafter=runs/store-fp8/export/native evaluate.batch_size=1 \
@@ -376,20 +395,9 @@ lane_v() {
       "evaluate.datasets[0].max_prompts=10" "evaluate.datasets[1].max_prompts=10" \
       "evaluate.datasets[2].max_prompts=10"
   fi
-  for v in true false; do  # all 524 prompts at batch 64: continuous batching, then static
-    [ -n "${CHECK:-}" ] || [ -d runs/store-fp8/export/native ] || break
-    step all64-$v $DRAFTER evaluate $CFG run_dir=runs/all64-$v \
-      evaluate.drafter=runs/store-fp8/export/native evaluate.batch_size=64 evaluate.k=2 \
-      "evaluate.methods=[chain,tree]" evaluate.tree_depth=2 evaluate.tree_topk=8 \
-      evaluate.tree_tokens=7 "evaluate.temperatures=[0.0]" evaluate.continuous=$v
-  done
-  for T in 2048 4096; do  # issue 18: beside SpecForge's own step, in the same process
-    step llama-sf9-$T $PY $tt --shape llama8b --seq $T --teacher topk,hidden
-  done
-  # the merge eager in the compiled path: its cold warm-up and its Llama-8B step, A/B
-  merge_ab merge9 eager || return
-  step decode-speed-9 $PY benchmarks/decode_speed.py --random-target --batches 1,64 \
-    --prefill-lengths 0
+  # the merge eager in the compiled path: cold warm-ups, then its Llama-8B step once (the
+  # compiled per-step merge's is llama-sf9-4096's top-k row, same machine)
+  LLAMA_RUNS=1 merge_ab merge9 eager || return
   mark lane_v
 }
 

@@ -6,10 +6,12 @@ drafter/steps/train.py decides which micro-batch each rank and step takes.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -35,7 +37,9 @@ class Source:
 
     @classmethod
     def offline(cls, reader) -> "Source":
-        return cls(reader.ids, reader.lengths, lambda idx: [reader[j] for j in idx])
+        """Samples as stored (store.Reader.stored: fp8 aux with its scales, narrow teacher
+        dtypes): collate keeps those dtypes and device_batch widens them on the device."""
+        return cls(reader.ids, reader.lengths, lambda idx: [reader.stored(j) for j in idx])
 
     @classmethod
     def online(cls, path: Path, cap) -> "Source":
@@ -84,9 +88,11 @@ HOST_KEYS = ("input_ids", "loss_mask", "seq_id", "position_ids")
 
 def collate(rows: list[list[dict]], B: int, T: int) -> dict:
     """Samples packed into B rows of T tokens (row b holds rows[b] in order; missing rows are
-    padding): input_ids, loss_mask, seq_id (-1 = padding), position_ids [B, T] on the host;
+    padding): input_ids, loss_mask, seq_id (-1 = padding), position_ids [B, T] int64 on the host;
     in_vocab [B, T], aux [B, T, L, Ht] and teacher_hidden [B, T, Ht] or teacher_topk_ids/_logp
-    [B, T, k] where the samples' features are (the GPU when online: capture's outputs)."""
+    [B, T, k] where the samples' features are (the GPU when online: capture's outputs), in the
+    samples' dtypes: decoded ones (capture, store.Reader[i]) or stored ones (Source.offline: fp8
+    aux with aux_scale [B, T, L], int16/int32 ids, float16 log-probs), which `widen` decodes."""
     first = rows[0][0]
     dev = first["aux"].device
     cuda = torch.cuda.is_available()
@@ -99,6 +105,9 @@ def collate(rows: list[list[dict]], B: int, T: int) -> dict:
            "seq_id": new((B, T), torch.long, -1), "position_ids": new((B, T), torch.long),
            "in_vocab": new((B, T), torch.bool, device=dev),
            "aux": new((B, T, *first["aux"].shape[1:]), first["aux"].dtype, device=dev)}
+    if "aux_scale" in first:
+        out["aux_scale"] = new((B, T, *first["aux_scale"].shape[1:]), first["aux_scale"].dtype,
+                               device=dev)
     teacher = [k for k in ("teacher_hidden", "teacher_topk_ids", "teacher_topk_logp") if k in first]
     for k in teacher:
         fill = -math.inf if k == "teacher_topk_logp" else 0
@@ -107,7 +116,8 @@ def collate(rows: list[list[dict]], B: int, T: int) -> dict:
         o = 0
         for j, s in enumerate(row):
             n = min(len(s["input_ids"]), T - o)
-            for k in ("input_ids", "loss_mask", "in_vocab", "aux", *teacher):
+            for k in ("input_ids", "loss_mask", "in_vocab", "aux", *teacher,
+                      *(("aux_scale",) if "aux_scale" in out else ())):
                 out[k][b, o:o + n] = s[k][:n]
             out["seq_id"][b, o:o + n] = j
             out["position_ids"][b, o:o + n] = torch.arange(n)
@@ -167,9 +177,7 @@ def host_batches(src: Source, jobs: list[list[list[int]]], B: int, T: int, tc,
         real = hb["seq_id"] >= 0
         hb["tokens"] = int(real.sum())
         hb["keys"] = int((hb["position_ids"] + 1)[real].sum())  # Σ causal keys (FLOP counts)
-        hb["emb"] = emb_table[hb["input_ids"]]                              # [B, T, H]
-        if torch.cuda.is_available():  # pinned: the copy to the GPU does not block this thread
-            hb["emb"] = hb["emb"].pin_memory()
+        hb["emb"] = embed(emb_table, hb["input_ids"])                       # [B, T, H]
         dev = hb["in_vocab"].device
         if dev.type == "cuda":
             for k in HOST_KEYS:
@@ -178,6 +186,28 @@ def host_batches(src: Source, jobs: list[list[list[int]]], B: int, T: int, tc,
                         tc.ttt_decay))
         out.append(hb)
     return out
+
+
+def embed(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """table[ids] [..., H], gathered straight into pinned memory when a GPU is there (the copy
+    to the GPU then does not block the building thread, and no second copy pins it)."""
+    out = torch.empty((ids.numel(), table.shape[1]), dtype=table.dtype,
+                      pin_memory=torch.cuda.is_available())
+    torch.index_select(table, 0, ids.reshape(-1), out=out)
+    return out.view(*ids.shape, table.shape[1])
+
+
+def widen(d: dict) -> dict:
+    """A batch's stored dtypes -> the contract's (docs/internals.md), in place, where the batch
+    is (the device, after the copy: half the bytes cross, and the building thread skips the
+    conversions that were most of its time): fp8 aux times aux_scale -> bfloat16 (store's
+    dequantize_fp8, the same numbers as store.decode), top-k ids -> int64, log-probs -> float32."""
+    if "aux_scale" in d:
+        d["aux"] = store.dequantize_fp8(d["aux"], d.pop("aux_scale"))
+    if "teacher_topk_ids" in d:
+        d["teacher_topk_ids"] = d["teacher_topk_ids"].long()
+        d["teacher_topk_logp"] = d["teacher_topk_logp"].float()
+    return d
 
 
 def host_batch(src: Source, rows: list[list[int]], B: int, T: int, tc, emb_table) -> dict:
@@ -202,7 +232,7 @@ def grouped(jobs, size: int, start: int = 0):
 def device_batch(hb: dict, device, head, fused: bool) -> dict:
     """Model inputs on the device; the teacher as the loss wants it: dense log-probs from
     store.teacher_logprobs, or (fused loss) top-k as stored, never densified."""
-    d = {k: v.to(device, non_blocking=True) for k, v in hb.items() if torch.is_tensor(v)}
+    d = widen({k: v.to(device, non_blocking=True) for k, v in hb.items() if torch.is_tensor(v)})
     B, T = d["seq_id"].shape
     with torch.no_grad():
         if "teacher_hidden" in d:
@@ -235,13 +265,17 @@ class Prefetch:
     GPU work on a stream of its own, so the target's forward for the next micro-batch overlaps
     the drafter's step instead of waiting for it; next() makes the caller's stream wait for the
     batch and marks its tensors as in use there (the allocator then keeps them until that
-    stream is done). Without, the thread builds host batches (pinned) for the main thread."""
+    stream is done). Without, `threads` threads build host batches (pinned) for the main thread,
+    each a job at a time, handed over in the jobs' order (offline training: one thread fell
+    behind an H200's step, issue 18)."""
 
-    def __init__(self, make, jobs, depth: int = 2, device=None):
+    def __init__(self, make, jobs, depth: int = 2, device=None, threads: int = 1):
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.stop, self.device = False, device
         stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" \
             else None
+        if stream is not None and threads != 1:
+            raise ValueError("Prefetch: one thread runs the target (online)")
 
         def build(job):
             if stream is None:
@@ -252,21 +286,35 @@ class Prefetch:
                 done.record(stream)
             return items, done
 
+        def built():  # (items, done) of each job, in order; up to `threads` being built
+            if threads == 1:
+                yield from map(build, jobs)
+                return
+            pool = ThreadPoolExecutor(threads, thread_name_prefix="train-build")
+            try:
+                pending: collections.deque = collections.deque()
+                for job in jobs:
+                    pending.append(pool.submit(build, job))
+                    if len(pending) == threads:
+                        yield pending.popleft().result()
+                while pending:
+                    yield pending.popleft().result()
+            finally:
+                pool.shutdown(wait=False, cancel_futures=True)
+
         def loop():
             if stream is not None:
                 torch.cuda.set_device(device)
-            for job in jobs:
-                if self.stop:
-                    return
-                try:
-                    items, done = build(job)
-                except BaseException as e:  # noqa: BLE001 - handed to the main thread
-                    self.q.put((None, None, e))
-                    return
-                for item in items:
+            try:
+                for items, done in built():
+                    for item in items:
+                        if self.stop:
+                            return
+                        self.q.put((item, done, None))
                     if self.stop:
                         return
-                    self.q.put((item, done, None))
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                self.q.put((None, None, e))
         self.thread = threading.Thread(target=loop, name="train-prefetch", daemon=True)
         self.thread.start()
 

@@ -202,6 +202,9 @@ class TrainConfig:
     online_group: int = doc(4, "online: micro-batches whose samples one call of the target "
                             "captures (forwards grouped by length across them: fewer, fuller); "
                             "the features of about 3x this many micro-batches sit on the GPU")
+    loader_threads: int = doc(4, "offline: threads that build micro-batches from the store "
+                              "ahead of the step (handed over in order; one fell behind an "
+                              "H200's step)")
     ttt_steps: int = doc(7, "training-time-test unroll length")
     ttt_decay: float = doc(0.8, "loss weight decay per TTT step (weight 0.8**i)")
     intermediate_size: int | None = doc(None, "drafter MLP size; default: the target's")
@@ -677,7 +680,8 @@ def check_values(cfg: Config, where: _Where | None = None) -> None:
 
     tr = cfg.train
     for f in ("ttt_steps", "epochs", "grad_accum", "log_every", "save_every", "keep_checkpoints",
-              "batch_tokens", "max_steps", "eval_batches", "intermediate_size", "online_group"):
+              "batch_tokens", "max_steps", "eval_batches", "intermediate_size", "online_group",
+              "loader_threads"):
         ge(f"train.{f}", getattr(tr, f), 1)
     ge("train.max_length", tr.max_length, 4)
     gt("train.ttt_decay", tr.ttt_decay, 0)

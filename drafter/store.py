@@ -470,6 +470,7 @@ class Reader:
                 self.ids.append(sid)
                 a += n
         self._open: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
         self._head: Head | None = None
         if verify:
             bad = self.verify()
@@ -498,23 +499,29 @@ class Reader:
     def _file(self, s: int):
         from safetensors import safe_open
 
-        f = self._open.get(s)
-        if f is None:
-            if not self.paths[s].is_file():
-                raise ShardError(f"{self.paths[s]} missing: rerun `drafter extract CONFIG`")
-            f = safe_open(str(self.paths[s]), "pt")
-            self._open[s] = f
-            if len(self._open) > self.MAX_OPEN:
-                self._open.popitem(last=False)
-        else:
-            self._open.move_to_end(s)
-        return f
+        with self._lock:  # batches are built on several threads (batches.Prefetch)
+            f = self._open.get(s)
+            if f is None:
+                if not self.paths[s].is_file():
+                    raise ShardError(f"{self.paths[s]} missing: rerun `drafter extract CONFIG`")
+                f = safe_open(str(self.paths[s]), "pt")
+                self._open[s] = f
+                if len(self._open) > self.MAX_OPEN:
+                    self._open.popitem(last=False)
+            else:
+                self._open.move_to_end(s)
+            return f
 
-    def __getitem__(self, i: int) -> dict:
+    def stored(self, i: int) -> dict:
+        """Sample i in the dtypes it is stored in (`encode`'s: int32 ids, fp8 aux + aux_scale or
+        bf16 aux, int16/int32 top-k ids and float16 log-probs): training's batches carry these
+        to the device, which widens them (batches.widen). Safe from several threads."""
         s, a, b = self._where[i]
         f = self._file(s)
-        raw = {k: f.get_slice(k)[a:b] for k in f.keys() if k != "offsets"}
-        return decode(raw)
+        return {k: f.get_slice(k)[a:b] for k in f.keys() if k != "offsets"}
+
+    def __getitem__(self, i: int) -> dict:
+        return decode(self.stored(i))
 
     def head(self) -> Head:
         if self._head is None:
@@ -524,7 +531,12 @@ class Reader:
     def __getstate__(self):
         d = dict(self.__dict__)
         d["_open"] = collections.OrderedDict()
+        del d["_lock"]
         return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self._lock = threading.Lock()
 
 
 # ------------------------------------------------------------------------- the teacher, dense

@@ -100,6 +100,55 @@ def test_reader_hands_back_the_contract(tmp_path, aux_dtype, teacher):
 
 
 @pytest.mark.parametrize("aux_dtype,teacher", OPTIONS)
+def test_offline_batches_carry_the_stored_dtypes_and_widen_to_the_decoded_batch(tmp_path,
+                                                                               aux_dtype, teacher):
+    """Source.offline hands collate the samples as stored (fp8 aux and its scales, int16 ids,
+    float16 log-probs: half the bytes of the decoded ones, and none of the conversions that
+    took most of a build, issue 18); device_batch widens them where the batch lands. What
+    the model gets is the decoded samples' batch, to the bit."""
+    from types import SimpleNamespace
+
+    from drafter import batches
+
+    run = Run(tmp_path)
+    lengths = [[[7, 5], [3, 9]], [[11, 2, 4]]]
+    write_split(run, "train", [[fake_capture(ls, teacher, seed=10 * i + j)
+                                for j, ls in enumerate(shard)] for i, shard in enumerate(lengths)],
+                aux_dtype)
+    r = store.Reader(run, "train")
+    stored = batches.Source.offline(r)
+    decoded = batches.Source(r.ids, r.lengths, lambda idx: [r[j] for j in idx])
+    tc, emb = SimpleNamespace(ttt_steps=3, ttt_decay=0.8), torch.randn(1000, 16)
+    rows = [[0, 1, 2], [3, 6], [5, 4]]                        # padding in rows 1 and 2
+    a = batches.host_batch(stored, rows, 3, 24, tc, emb)
+    b = batches.host_batch(decoded, rows, 3, 24, tc, emb)
+    if aux_dtype == "fp8":
+        assert a["aux"].dtype == torch.float8_e4m3fn and a["aux_scale"].shape == (3, 24, L)
+    else:
+        assert a["aux"].dtype == torch.bfloat16 and "aux_scale" not in a
+    if teacher == "topk":
+        assert a["teacher_topk_ids"].dtype == torch.int16
+        assert a["teacher_topk_logp"].dtype == torch.float16
+        assert b["teacher_topk_logp"].dtype == torch.float32
+    nbytes = lambda hb: sum(v.nbytes for v in hb.values() if torch.is_tensor(v))  # noqa: E731
+    assert nbytes(a) < nbytes(b) or (aux_dtype, teacher) == ("bf16", "hidden")
+    head = Head(torch.randn(VD, HT), 1.0, None)
+    for fused in (False, True):
+        x = batches.device_batch(a, torch.device("cpu"), head, fused)
+        y = batches.device_batch(b, torch.device("cpu"), head, fused)
+        assert x.keys() == y.keys() and "aux_scale" not in x
+        for k in x:
+            if k == "teacher":
+                assert x[k].keys() == y[k].keys()
+                for t in x[k]:
+                    assert x[k][t].dtype == y[k][t].dtype and torch.equal(x[k][t], y[k][t]), t
+            elif torch.is_tensor(x[k]):
+                assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
+            else:
+                assert x[k] == y[k], k
+
+
+@pytest.mark.parametrize("aux_dtype,teacher", OPTIONS)
 def test_bytes_per_token_formula_matches_the_files(tmp_path, aux_dtype, teacher):
     run = Run(tmp_path)
     flat, mask = fake_capture([400, 300, 324], teacher)

@@ -165,6 +165,40 @@ def test_online_groups_capture_in_fewer_forwards_and_give_the_same_batches(world
     assert list(batches.grouped(range(6, 10), 4, start=6)) == [[6, 7], [8, 9]]   # resumed at 6
 
 
+def test_prefetch_threads_hand_batches_over_in_order():
+    """train.loader_threads: several threads build the jobs, finishing out of order (the later
+    ones here sooner); next() hands them over in the jobs' order, a list per job flattened; an
+    error in a job surfaces at its turn, after the batches before it; close() stops early."""
+    import random
+    import threading
+    import time
+
+    built = set()
+
+    def make(job):
+        time.sleep(0.002 * (5 - job % 5) + 0.001 * random.random())
+        built.add(threading.current_thread().name)
+        if job == 13:
+            raise ValueError("job 13 is bad")
+        return [(job, 0), (job, 1)]
+
+    feed = batches.Prefetch(make, iter(range(20)), depth=3, threads=4)
+    got = [feed.next() for _ in range(26)]
+    assert got == [(j, h) for j in range(13) for h in (0, 1)]
+    with pytest.raises(ValueError, match="job 13"):
+        feed.next()
+    feed.close()
+    assert len(built) > 1 and all(n.startswith("train-build") for n in built)
+    one = batches.Prefetch(make, iter(range(10)), threads=1)
+    assert [one.next() for _ in range(20)] == [(j, h) for j in range(10) for h in (0, 1)]
+    one.close()
+    endless = batches.Prefetch(lambda j: [j], iter(range(10 ** 9)), depth=2, threads=3)
+    assert [endless.next() for _ in range(5)] == [0, 1, 2, 3, 4]
+    endless.close()
+    endless.thread.join(timeout=5)
+    assert not endless.thread.is_alive()
+
+
 # --------------------------------------------------------------------------------- learning
 def test_loss_falls_when_overfitting(world, tmp_path):
     cfg = cfg_for(world, tmp_path, "train.epochs=40", "train.save_every=60")

@@ -171,7 +171,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     # and one batch in use, plan.train_gpu_bytes counts 3 x online_group + 1 in flight
     group = tc.online_group if tc.online else 1
     feed = Prefetch(make, grouped(jobs(step), group, step * tc.grad_accum), depth=2 * group,
-                    device=dev if tc.online else None)
+                    device=dev if tc.online else None,
+                    threads=1 if tc.online else tc.loader_threads)
     meter, val, last_val, last_train = Meter(K, dev), None, None, None
     autocast = torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext()
     first, t_start, tokens_total = step, time.perf_counter(), 0
