@@ -396,7 +396,8 @@ lane_v() {
       "evaluate.datasets[2].max_prompts=10"
   fi
   # the merge eager in the compiled path: cold warm-ups, then its Llama-8B step once (the
-  # compiled per-step merge's is llama-sf9-4096's top-k row, same machine)
+  # compiled per-step merge's is llama-sf9-4096's top-k row, same machine). Ran at a975dbe
+  # with eager-merge.patch, since applied to the package (compiled-merge.patch undoes it)
   LLAMA_RUNS=1 merge_ab merge9 eager || return
   mark lane_v
 }

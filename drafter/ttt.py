@@ -364,13 +364,15 @@ class TTT(nn.Module):
         if compile:
             # Static shapes: rows are padded to max_length and micro-batches to B rows, so the
             # layer pieces see one shape per run; the loss rows vary per batch, so the loss
-            # chunks' rows are marked dynamic (_rows_dynamic). One graph per TTT step for the
-            # merge.
+            # chunks' rows are marked dynamic (_rows_dynamic). The merge runs eagerly: compiled,
+            # it was a graph per TTT step (a list of i keys: six forward and six backward
+            # compiles of a cold warm-up at K=7); eager, cold warm-ups took 21-23 s against
+            # 30-33 s, at the same Llama-8B step speed (H200, BENCHMARKS.md, issue 18).
             import torch._dynamo
             torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-            self.pre_fn, self.post_fn, self.merge_fn, self.stats_fn = (
+            self.pre_fn, self.post_fn, self.stats_fn = (
                 torch.compile(f, dynamic=False, backend=backend)
-                for f in (pre, post, merge_diagonal, _chunk_stats))
+                for f in (pre, post, _chunk_stats))
 
     def cast_layer(self, device_type: str) -> dict:
         """{name: the matrix at autocast's dtype} for the layer's float32 matrices (names as
