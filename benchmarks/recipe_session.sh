@@ -102,6 +102,11 @@
 #           continuous and static -> Llama-8B beside SpecForge -> tree 3/8/17 at batch 1 ->
 #           the eager merge's cold warm-up against the compiled one's, and its Llama-8B step
 #           once (no decode_speed: the steps did not change)
+#   bash benchmarks/recipe_session.sh start-tenth  # not run yet; one lane, alone on the GPU
+#   lane w: the GPU tests -> store-fp8 500 steps with the merge eager (a real run's warm-up and
+#           avg/steady) -> its store through train_throughput --data, 1 and 4 loader threads
+#           alternating -> chain K=2 and tree 3/8/17 at batch 1 -> decode_speed's prefills at
+#           new lengths, batch 1 (about 14 minutes)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -402,6 +407,35 @@ lane_v() {
   mark lane_v
 }
 
+lane_w() {
+  local v
+  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/
+  # issue 18: a real run with the merge eager (the default since dd24f35): its warm-up and
+  # avg/steady from train's manifest (lane v's, the merge compiled: 32.0 s, 0.706)
+  short store-fp8 500 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
+    extract.teacher=topk
+  # batches from the real store, 1 and 4 builder threads alternating (loader_speed.py on the
+  # H200 host found 1 faster in isolation; the real run used 4 and never waited)
+  for v in 1 4 1 4; do
+    [ -n "${CHECK:-}" ] || [ -f runs/store-fp8/extract/train/index.json ] || break
+    step loader$v-$SECONDS $PY benchmarks/train_throughput.py --shape smollm2 \
+      --data runs/store-fp8 --loader-threads $v --steps 200 --no-anchor --no-check
+  done
+  # issue 16: batch 1 again (lane v: tree 3/8/17 1.28x end to end, 1.36x without prefills),
+  # then the prefills at new lengths (the speculative one cost ~25 ms more a prompt there)
+  if [ -n "${CHECK:-}" ] || [ -d runs/store-fp8/export/native ]; then
+    step tree10-b1 $DRAFTER evaluate $CFG run_dir=runs/tree10-b1 \
+      evaluate.drafter=runs/store-fp8/export/native evaluate.batch_size=1 \
+      "evaluate.methods=[chain,tree]" evaluate.k=2 evaluate.tree_depth=3 \
+      evaluate.tree_topk=8 evaluate.tree_tokens=17 "evaluate.temperatures=[0.0]" \
+      "evaluate.datasets[0].max_prompts=10" "evaluate.datasets[1].max_prompts=10" \
+      "evaluate.datasets[2].max_prompts=10"
+  fi
+  step prefill-10 $PY benchmarks/decode_speed.py --random-target --batches 1 \
+    --prefill-lengths 8
+  mark lane_w
+}
+
 collect() {
   collect_runs
   # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
@@ -444,15 +478,16 @@ case "${1:-}" in
     setsid bash "$0" lane_t < /dev/null > "$RES/lane_t.out" 2>&1 &
     sleep 2; log "seventh lane started" ;;
   lane_t) lane_t ;;
-  start-eighth|start-ninth)  # one lane (u, v), SpecForge installed from .whl for the anchor
+  start-eighth|start-ninth|start-tenth)  # one lane (u, v, w), SpecForge from .whl (anchor)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
       --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
-    lane=lane_u; [ "$1" = start-ninth ] && lane=lane_v
+    lane=lane_u; [ "$1" = start-ninth ] && lane=lane_v; [ "$1" = start-tenth ] && lane=lane_w
     setsid bash "$0" $lane < /dev/null > "$RES/$lane.out" 2>&1 &
     sleep 2; log "$lane started" ;;
   lane_u) lane_u ;;
   lane_v) lane_v ;;
+  lane_w) lane_w ;;
   start-fifth)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     setsid bash "$0" lane_g < /dev/null > "$RES/lane_g.out" 2>&1 &
@@ -476,7 +511,7 @@ case "${1:-}" in
       && ! { [ -f "$RES/lane_f2.done" ] && [ -f "$RES/lane_f3.done" ]; } \
       && [ ! -f "$RES/lane_g.done" ] && [ ! -f "$RES/lane_s.done" ] \
       && [ ! -f "$RES/lane_t.done" ] && [ ! -f "$RES/lane_u.done" ] \
-      && [ ! -f "$RES/lane_v.done" ]; do sleep 5; done
+      && [ ! -f "$RES/lane_v.done" ] && [ ! -f "$RES/lane_w.done" ]; do sleep 5; done
     collect; tail -n 40 "$RES/phases.log"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   collect) collect ;;

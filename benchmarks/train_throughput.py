@@ -205,7 +205,8 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
         n = args.warmup + args.steps
         mbs = [mbs[(j * dist.world + dist.rank) % len(mbs)] for j in range(n)]
         feed = batches.Prefetch(lambda r: [batches.host_batch(src, r, B, T, tc,
-                                                              drafter.embed_tokens.weight)], mbs)
+                                                              drafter.embed_tokens.weight)], mbs,
+                                threads=args.loader_threads)
         next_host = feed.next
     else:
         src = batches.Source.memory(random_samples(c, B, T, teacher, args.topk,
@@ -673,6 +674,8 @@ def main(argv=None):
     p.add_argument("--teacher", default="topk", help="topk, hidden, or both: topk,hidden")
     p.add_argument("--topk", type=int, default=64)
     p.add_argument("--data", help="a run dir with extract shards: real packed rows (smollm2)")
+    p.add_argument("--loader-threads", type=int, default=4,
+                   help="--data: threads building batches from the store (train.loader_threads)")
     p.add_argument("--real", action="store_true",
                    help="chat-like packed rows from a cold start: warm-up, average vs steady")
     p.add_argument("--online", action="store_true",
