@@ -143,6 +143,12 @@ def ops_rows(model, P, prompt, k: int, tree: TreeSpec, row, fold: bool | None = 
         return round(sum(ops for ops, _ in counts_per_step(dec, prompt, **kw).values()))
 
     row("aten ops per step: plain", total(), "ops")
+    # the prefill runs eagerly (its shapes vary): launch-bound at batch 1 on a GPU
+    for name, kw in (("plain", {}), ("speculative", {"proposer": P, "tree": TreeSpec.chain(k)})):
+        with OpCount() as c, marked([(dec, "_prefill", "prefill")], c.label):
+            dec.generate([prompt], 1, **kw)
+        row(f"aten ops in the prefill of {len(prompt)} tokens: {name}",
+            f"{c.ops['prefill']} / {c.kernels['prefill']}", "ops / kernels")
     for T in (0.0, 1.0):
         for fast in (False, True):
             dec.fast_chain = fast
