@@ -98,18 +98,22 @@ def parts_of_one_build(src, rows, B, T, tc, emb) -> dict:
     return {"read": t1 - t0, "collate": t2 - t1, "align": t3 - t2, "embed": t4 - t3}
 
 
-def rate(src, mbs, B, T, tc, emb, threads: int) -> tuple[float, float]:
-    """(batches/s, tokens/s) of a Prefetch with `threads` builders, drained as fast as it goes."""
+def rate(src, mbs, B, T, tc, emb, threads: int, warm: int) -> tuple[float, float]:
+    """(batches/s, tokens/s) of a Prefetch with `threads` builders, drained as fast as it goes,
+    after `warm` untimed batches (a GPU host's pinned-memory cache fills with the first ones)."""
     feed = batches.Prefetch(lambda job: batches.host_batches(src, job, B, T, tc, emb),
                             ([m] for m in mbs), depth=2 * threads, threads=threads)
-    t, tokens = time.perf_counter(), 0
+    tokens = 0
     try:
-        for _ in mbs:
+        for _ in range(warm):
+            feed.next()
+        t = time.perf_counter()
+        for _ in mbs[warm:]:
             tokens += feed.next()["tokens"]
     finally:
         feed.close()
     dt = time.perf_counter() - t
-    return len(mbs) / dt, tokens / dt
+    return (len(mbs) - warm) / dt, tokens / dt
 
 
 def main(argv=None) -> None:
@@ -120,7 +124,9 @@ def main(argv=None) -> None:
     p.add_argument("--topk", type=int, default=64)
     p.add_argument("--batch-tokens", type=int, default=16384)
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batches", type=int, default=30, help="micro-batches timed per setting")
+    p.add_argument("--batches", type=int, default=30, help="micro-batches built per setting")
+    p.add_argument("--warm", type=int, default=0,
+                   help="of them, untimed first (the H200 runs of the ninth session: 0)")
     p.add_argument("--threads", default="1,4", help="builder threads to time, comma-separated")
     p.add_argument("--dir", help="keep the store here (default: a temporary folder)")
     p.add_argument("--decoded", action="store_true",
@@ -152,7 +158,7 @@ def main(argv=None) -> None:
             print(f"{name} samples, one build, mean of 5: " + ", ".join(
                 f"{k} {1e3 * sum(d[k] for d in parts) / len(parts):.1f} ms" for k in parts[0]))
             for n in [int(x) for x in a.threads.split(",")]:
-                bps, tps = rate(s, mbs, B, T, tc, emb, n)
+                bps, tps = rate(s, mbs, B, T, tc, emb, n, a.warm)
                 print(f"{name} samples, threads {n}: {bps:.2f} micro-batches/s, "
                       f"{tps:,.0f} tokens/s")
 

@@ -104,9 +104,10 @@
 #           once (no decode_speed: the steps did not change)
 #   bash benchmarks/recipe_session.sh start-tenth  # not run yet; one lane, alone on the GPU
 #   lane w: the GPU tests -> store-fp8 500 steps with the merge eager (a real run's warm-up and
-#           avg/steady) -> its store through train_throughput --data, 1 and 4 loader threads
-#           alternating -> chain K=2 and tree 3/8/17 at batch 1 -> decode_speed's prefills at
-#           new lengths, batch 1 (about 14 minutes)
+#           avg/steady) -> loader_speed with its first 20 batches untimed -> its store through
+#           train_throughput --data, 1 and 4 loader threads alternating -> chain K=2 and tree
+#           3/8/17 at batch 1 -> decode_speed's prefills at new lengths, batch 1 (about 15
+#           minutes)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -415,7 +416,9 @@ lane_w() {
   short store-fp8 500 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
     extract.teacher=topk
   # batches from the real store, 1 and 4 builder threads alternating (loader_speed.py on the
-  # H200 host found 1 faster in isolation; the real run used 4 and never waited)
+  # H200 host found 1 faster in isolation; the real run used 4 and never waited); then
+  # loader_speed with its first batches untimed (pinned memory allocated)
+  step loader-speed-warm $PY benchmarks/loader_speed.py --threads 1,4 --batches 60 --warm 20
   for v in 1 4 1 4; do
     [ -n "${CHECK:-}" ] || [ -f runs/store-fp8/extract/train/index.json ] || break
     step loader$v-$SECONDS $PY benchmarks/train_throughput.py --shape smollm2 \
