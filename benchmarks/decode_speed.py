@@ -16,7 +16,9 @@ Measures, on whatever device the target loads to (CUDA graphs on when there is a
     (1 token), one verification forward, one drafter forward, c = drafter / verification;
   - the prefill of the prompt (eager), which evaluate's step_ms counts and its decode_step_ms
     does not, and batch-1 prefills at prompt lengths new to each method (--prefill-lengths), as
-    evaluate's are.
+    evaluate's are; with --profile-prefill, more of them under torch.profiler (GPU and CPU time
+    of the target's forwards and the drafter's observe calls per prefill); with --ops, the
+    prefill's kernel count, plain and speculative.
 Goal (../shared/docs/REFERENCES.md, issue 8): <= 10 ms per speculative step for SmolLM2. Batched
 generation (the generate step's engine) is benchmarks/generate_throughput.py's.
 A random drafter is used unless --drafter is given (step time does not depend on its quality).
@@ -200,6 +202,40 @@ def phase_profile(model, P, prompts, tree: TreeSpec, steps: int = 16) -> str:
     return "\n".join(lines) + "\n" + ka.table(sort_by=sort, row_limit=15)
 
 
+def prefill_profile(dec, P, k: int, prompts: list) -> str:
+    """Batch-1 prefills at prompt lengths new to each method, under torch.profiler: per prefill,
+    the host's time (what evaluate's prefill_seconds counts), and the GPU and CPU time inside the
+    prefill, the target model's forwards and (speculative) the drafter's observe calls; then each
+    method's top ops by self CPU time. Where the speculative prefill's extra time goes (issue 16:
+    23-27 ms a prompt more than the plain one on the H200, about 4 ms of it in extra kernels)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    half = len(prompts) // 2
+    lines = ["| prefill, batch 1 | method | GPU ms | CPU ms |", "|---|---|---:|---:|"]
+    tables = []
+    for name, p, ps in (("plain", None, prompts[:half]), ("speculative", P, prompts[half:])):
+        parts = [(dec, "_prefill", "prefill"), (dec.target.model, "forward", "target model")]
+        parts += [(p, "observe", "drafter observe")] if p is not None else []
+        with profile(activities=acts) as prof, marked(parts, record_function):
+            dec.generate(ps, 1, proposer=p, tree=TreeSpec.chain(k) if p else None)
+            if cuda:
+                torch.cuda.synchronize()
+        n = len(ps)
+        lines.append(f"| host time (prefill_seconds) | {name} | | "
+                     f"{1e3 * dec.last['prefill_seconds'] / n:.3f} |")
+        ka = prof.key_averages()
+        for e in ka:
+            if e.key in ("prefill", "target model", "drafter observe"):
+                gpu = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))
+                lines.append(f"| {e.key} | {name} | {gpu / 1e3 / n:.3f} | "
+                             f"{e.cpu_time_total / 1e3 / n:.3f} |")
+        tables.append(f"-- {name}: top ops by self CPU time over {n} prefills\n"
+                      + ka.table(sort_by="self_cpu_time_total", row_limit=15))
+    return "\n".join(lines) + "\n" + "\n".join(tables)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", default="builtin:smollm2-135m-instruct")
@@ -227,6 +263,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-lengths", type=int, default=8,
                     help="time batch-1 prefills at this many prompt lengths new to each method "
                          "(evaluate's prefills; 0: skip)")
+    ap.add_argument("--profile-prefill", action="store_true",
+                    help="with --prefill-lengths N: N more prefills per method under "
+                         "torch.profiler (where the speculative prefill's time goes)")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
     fold = {"auto": None, "on": True, "off": False}[a.fold]
@@ -315,6 +354,12 @@ def main(argv=None) -> int:
                          tree=TreeSpec.chain(a.k) if p else None)
             row(f"prefill at {n} new prompt lengths, batch 1, {name}: ms each",
                 round(1000 * dec.last["prefill_seconds"] / n, 3), "ms")
+        if a.profile_prefill:  # lengths new to this decoder again, half for each method
+            lens = random.Random(1).sample(sorted(set(range(a.prompt_tokens // 2,
+                                                            4 * a.prompt_tokens)) - set(lens)),
+                                           2 * n)
+            print(prefill_profile(dec, P, a.k, [torch.randint(100, V, (L,)).tolist()
+                                                for L in lens]))
         del dec
 
     if a.ops:

@@ -106,8 +106,8 @@
 #   lane w: the GPU tests -> store-fp8 500 steps with the merge eager (a real run's warm-up and
 #           avg/steady) -> loader_speed with its first 20 batches untimed -> its store through
 #           train_throughput --data, 1 and 4 loader threads alternating -> chain K=2 and tree
-#           3/8/17 at batch 1 -> decode_speed's prefills at new lengths, batch 1 (about 15
-#           minutes)
+#           3/8/17 at batch 1 -> decode_speed's prefills at new lengths, batch 1, then under
+#           torch.profiler (--profile-prefill) (about 15 minutes)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -435,7 +435,7 @@ lane_w() {
       "evaluate.datasets[2].max_prompts=10"
   fi
   step prefill-10 $PY benchmarks/decode_speed.py --random-target --batches 1 \
-    --prefill-lengths 8
+    --prefill-lengths 8 --profile-prefill
   mark lane_w
 }
 
