@@ -221,29 +221,26 @@ class Decoder:
                          self._slots(max(len(p) for p in prompts), max_new_tokens, proposer,
                                      tree), proposer)
         cap0 = self.graphs.capture_seconds
-        outs: list[Output] = []
+        t0 = time.perf_counter()
+        prompts = [list(map(int, p)) for p in prompts]
+        stop_ids = list(stop_ids)
         if continuous and 1 < self.max_batch < len(prompts):  # (batch 1: the same either way)
-            t0 = time.perf_counter()
-            outs = self._continuous([list(map(int, p)) for p in prompts], max_new_tokens,
-                                    list(stop_ids), temperature, top_p, proposer, tree,
-                                    record_gaps, tree_stats, progress)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            self.last["seconds"] += time.perf_counter() - t0
+            outs = self._continuous(prompts, max_new_tokens, stop_ids, temperature, top_p,
+                                    proposer, tree, record_gaps, tree_stats, progress)
         else:
+            outs = []
             assign = getattr(proposer, "assign", None)  # optional: which prompt each row takes
             for b0 in range(0, len(prompts), self.max_batch):
-                batch = [list(map(int, p)) for p in prompts[b0:b0 + self.max_batch]]
+                batch = prompts[b0:b0 + self.max_batch]
                 if assign is not None:
                     assign(list(range(len(batch))), list(range(b0, b0 + len(batch))))
-                t0 = time.perf_counter()
-                outs += self._batch(batch, max_new_tokens, list(stop_ids), temperature, top_p,
+                outs += self._batch(batch, max_new_tokens, stop_ids, temperature, top_p,
                                     proposer, tree, record_gaps, tree_stats)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                self.last["seconds"] += time.perf_counter() - t0
                 if progress is not None:
                     progress.update(len(batch))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.last["seconds"] += time.perf_counter() - t0
         self.last["capture_seconds"] = self.graphs.capture_seconds - cap0
         self.last["seconds"] -= self.last["capture_seconds"]
         return outs
@@ -251,8 +248,8 @@ class Decoder:
     # -- one batch
     def _begin(self, B, max_new, stop_ids, temperature, top_p, proposer, tree, record_gaps,
                tree_stats):
-        """The state of B rows, zeroed, and the step over it (replayed from its CUDA graph per
-        span): -> (state, depth, extra slots a step may write, step(span))."""
+        """The state of B rows, zeroed, and the steps over it (each replayed from its CUDA graph
+        per span): -> (state, steps(n, the longest row's length before them))."""
         spec = proposer is not None
         D = tree.depth if spec else 0
         self.target.set_aux(proposer.aux_layer_ids if spec else None)
@@ -276,31 +273,32 @@ class Decoder:
             def fn(span):
                 self._plain_step(st, span, temperature, top_p, record_gaps)
 
-        def step(span):
-            self.graphs.run(key + (span,), lambda: fn(span), state)
-        return st, D, self._extra(proposer, tree), step
+        extra = self._extra(proposer, tree)
+
+        def steps(n, lmax):  # n steps over a span that holds what they append (D + 1 tokens
+            # each) past the longest row, lmax, read before them
+            span = min(self.cap[1], round_up(lmax + extra + (self.sync_every - 1) * (D + 1),
+                                             self.span_bucket))
+            for _ in range(n):
+                self.graphs.run(key + (span,), lambda: fn(span), state)
+            self.last["iterations"] += n
+            self.last["row_steps"] += n * B  # rows the steps computed, ended ones included
+        return st, steps
 
     def _batch(self, prompts, max_new, stop_ids, temperature, top_p, proposer, tree,
                record_gaps, tree_stats=False):
         B, Tp = len(prompts), max(len(p) for p in prompts)
         spec = proposer is not None
         self._ensure(B, self._slots(Tp, max_new, proposer, tree), proposer)
-        st, D, extra, step = self._begin(B, max_new, stop_ids, temperature, top_p, proposer,
-                                         tree, record_gaps, tree_stats)
-        t0 = time.perf_counter()
-        with eager_attention():
-            self._prefill(st, prompts, Tp, temperature, top_p, proposer, record_gaps)
-        self.last["prefill_seconds"] += time.perf_counter() - t0
+        st, step = self._begin(B, max_new, stop_ids, temperature, top_p, proposer, tree,
+                               record_gaps, tree_stats)
+        self._prefill(st, prompts, Tp, temperature, top_p, proposer, record_gaps)
         done, lmax = torch.stack([st.finished.all().long(), st.L.max()]).tolist()
-        it, m = 0, self.sync_every
+        it = 0
         while not done and it < max_new:
-            # the span covers what m steps can append (D + 1 tokens each) before the next read
-            span = min(self.cap[1], round_up(lmax + extra + (m - 1) * (D + 1), self.span_bucket))
-            for _ in range(min(m, max_new - it)):
-                step(span)
-                it += 1
-                self.last["iterations"] += 1
-                self.last["row_steps"] += B  # rows the step computed, finished ones included
+            n = min(self.sync_every, max_new - it)
+            step(n, lmax)
+            it += n
             done, lmax = torch.stack([st.finished.all().long(), st.L.max()]).tolist()
         return self._collect(st, range(B), max_new, stop_ids, spec, record_gaps)
 
@@ -317,24 +315,21 @@ class Decoder:
             raise DecodeError(f"{type(proposer).__name__} cannot refill cache rows (it has no "
                               f"`rows`, DraftModel): decode with continuous=False")
         B = min(self.max_batch, n)
-        st, D, extra, step = self._begin(B, max_new, stop_ids, temperature, top_p, proposer,
-                                         tree, record_gaps, tree_stats)
+        st, step = self._begin(B, max_new, stop_ids, temperature, top_p, proposer, tree,
+                               record_gaps, tree_stats)
         assign = getattr(proposer, "assign", None)
 
         def fill(take, rows):  # prompts `take` into state rows `rows` (None: 0..B-1, all)
             if assign is not None:
                 assign(list(range(len(take))) if rows is None else list(rows), list(take))
-            t0 = time.perf_counter()
-            with eager_attention():
-                self._prefill(st, [prompts[i] for i in take], max(len(prompts[i]) for i in take),
-                              temperature, top_p, proposer, record_gaps, rows)
-            self.last["prefill_seconds"] += time.perf_counter() - t0
+            self._prefill(st, [prompts[i] for i in take], max(len(prompts[i]) for i in take),
+                          temperature, top_p, proposer, record_gaps, rows)
 
         owner: list[int | None] = list(range(B))   # the prompt each row decodes
         queue = list(range(B, n))
         fill(owner, None)
         res: list = [None] * n
-        need, m = max(1, B // 8), self.sync_every
+        need = max(1, B // 8)
         while True:
             *fin, lmax = torch.cat([st.finished.long(), st.L.max()[None]]).tolist()  # one sync
             done = [b for b in range(B) if fin[b] and owner[b] is not None]
@@ -355,12 +350,7 @@ class Decoder:
                     lmax = max(lmax, max(len(prompts[i]) for i in take))
             if all(o is None for o in owner):
                 return res
-            # the span covers what m steps can append (D + 1 tokens each) before the next read
-            span = min(self.cap[1], round_up(lmax + extra + (m - 1) * (D + 1), self.span_bucket))
-            for _ in range(m):
-                step(span)
-                self.last["iterations"] += 1
-                self.last["row_steps"] += B  # rows the step computed, ended ones included
+            step(self.sync_every, lmax)
 
     @torch.no_grad()
     def time_forwards(self, proposer: DraftModel, tree: TreeSpec, batch: int = 1,
@@ -439,7 +429,15 @@ class Decoder:
         """Left-padded chunks through the target (eager: the shapes vary); the first new token;
         the drafter reads the prompt too (position t: aux[t] and token t+1). `rows`: the state
         and cache rows these prompts take, the other rows untouched (continuous batching's
-        refill); None: rows 0..B-1, the whole batch (its state zeroed before)."""
+        refill); None: rows 0..B-1, the whole batch (its state zeroed before). Timed into
+        last["prefill_seconds"]."""
+        t0 = time.perf_counter()
+        with eager_attention():
+            self._prefill_rows(st, prompts, Tp, temperature, top_p, proposer, record_gaps, rows)
+        self.last["prefill_seconds"] += time.perf_counter() - t0
+
+    def _prefill_rows(self, st, prompts, Tp, temperature, top_p, proposer, record_gaps, rows):
+        """_prefill's work (eager attention on, untimed)."""
         B, dev, tgt = len(prompts), self.device, self.target
         ids, start = self._padded(prompts, Tp)                                       # [B, Tp]
         r = None if rows is None else torch.as_tensor(rows, device=dev)
