@@ -359,8 +359,7 @@ class TTT(nn.Module):
         def post(ws, *a):
             return functional_call(pieces[1], ws, a)
 
-        self.pre_fn, self.post_fn, self.merge_fn, self.stats_fn = \
-            pre, post, merge_diagonal, _chunk_stats
+        self.pre_fn, self.post_fn, self.stats_fn = pre, post, _chunk_stats
         if compile:
             # Static shapes: rows are padded to max_length and micro-batches to B rows, so the
             # layer pieces see one shape per run; the loss rows vary per batch, so the loss
@@ -407,7 +406,7 @@ class TTT(nn.Module):
                 o = attend_exact(q, ks, vs, mask0)
             else:
                 o0, lse0 = part0(q, ks[0], vs[0])
-                o = self.merge_fn(q, o0, lse0, ks[1:], vs[1:], self.scale)
+                o = merge_diagonal(q, o0, lse0, ks[1:], vs[1:], self.scale)  # eager: see init
             h_out, hn = self.post_fn(ws, o, residual)
             outs.append(hn.reshape(B * T, H))
             h = hn if self.cfg.norm_output else h_out  # = Drafter.feedback(h_out), norm reused
