@@ -198,15 +198,12 @@ def embed(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def widen(d: dict) -> dict:
-    """A batch's stored dtypes -> the contract's (docs/internals.md), in place, where the batch
-    is (the device, after the copy: half the bytes cross, and the building thread skips the
-    conversions that were most of its time): fp8 aux times aux_scale -> bfloat16 (store's
-    dequantize_fp8, the same numbers as store.decode), top-k ids -> int64, log-probs -> float32."""
-    if "aux_scale" in d:
-        d["aux"] = store.dequantize_fp8(d["aux"], d.pop("aux_scale"))
-    if "teacher_topk_ids" in d:
-        d["teacher_topk_ids"] = d["teacher_topk_ids"].long()
-        d["teacher_topk_logp"] = d["teacher_topk_logp"].float()
+    """A batch's features in the contract's dtypes (docs/internals.md), in place, where the
+    batch is: store.decode_features, on the device after the copy for offline batches, which
+    carry the stored dtypes (half the bytes cross, and the building thread skips the
+    conversions that were most of its time). Capture's batches are in them already."""
+    d.update(store.decode_features(d))
+    d.pop("aux_scale", None)
     return d
 
 

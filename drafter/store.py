@@ -136,10 +136,16 @@ def concat(parts: Sequence[dict]) -> dict:
 
 def decode(t: dict) -> dict:
     """Stored tensors (a shard or a slice of it) -> the contract's dtypes."""
-    out = {"input_ids": t["input_ids"].long(), "loss_mask": t["loss_mask"].long(),
-           "in_vocab": t["in_vocab"].bool()}
-    out["aux"] = dequantize_fp8(t["aux"], t["aux_scale"]) if "aux_scale" in t \
-        else t["aux"].to(torch.bfloat16)
+    return {"input_ids": t["input_ids"].long(), "loss_mask": t["loss_mask"].long(),
+            "in_vocab": t["in_vocab"].bool(), **decode_features(t)}
+
+
+def decode_features(t: dict) -> dict:
+    """The features of stored tensors -> the contract's dtypes, where they are (a sample on the
+    host, or a training batch on the GPU: batches.widen): aux bfloat16 (fp8 times aux_scale),
+    teacher_hidden bfloat16, or teacher_topk_ids int64 and teacher_topk_logp float32."""
+    out = {"aux": dequantize_fp8(t["aux"], t["aux_scale"]) if "aux_scale" in t
+           else t["aux"].to(torch.bfloat16)}
     if "teacher_hidden" in t:
         out["teacher_hidden"] = t["teacher_hidden"].to(torch.bfloat16)
     else:
