@@ -112,12 +112,13 @@ def collate(rows: list[list[dict]], B: int, T: int) -> dict:
     for k in teacher:
         fill = -math.inf if k == "teacher_topk_logp" else 0
         out[k] = new((B, T, first[k].shape[-1]), first[k].dtype, fill, device=dev)
+    keys = ("input_ids", "loss_mask", "in_vocab", "aux", *teacher,
+            *(("aux_scale",) if "aux_scale" in out else ()))
     for b, row in enumerate(rows):
         o = 0
         for j, s in enumerate(row):
             n = min(len(s["input_ids"]), T - o)
-            for k in ("input_ids", "loss_mask", "in_vocab", "aux", *teacher,
-                      *(("aux_scale",) if "aux_scale" in out else ())):
+            for k in keys:
                 out[k][b, o:o + n] = s[k][:n]
             out["seq_id"][b, o:o + n] = j
             out["position_ids"][b, o:o + n] = torch.arange(n)
