@@ -281,6 +281,10 @@ class EvaluateConfig:
                            "ended takes the next prompt (continuous batching, as engines "
                            "serve); false: static batches, each until its slowest row ends")
     cuda_graphs: bool = doc(True, "capture decode steps in CUDA graphs on GPU")
+    prefill_graph_tokens: int = doc(
+        2048, "with cuda_graphs: a batch's prefill of at most this many tokens (batch x prompts "
+        "left-padded to a multiple of 64) replays a CUDA graph too, one per length (small "
+        "prefills are kernel launches, not GPU work); 0: eager prefills")
     tie_tolerance: float | None = doc(
         None, "lossless check: a greedy divergence where the plain run's top-2 logits differ by "
         "at most this is a numerical tie, not a failure; default 0 in float32, 0.5 in 16-bit")
@@ -724,6 +728,7 @@ def check_values(cfg: Config, where: _Where | None = None) -> None:
     for i, temp in enumerate(v.temperatures):
         ge(f"evaluate.temperatures[{i}]", temp, 0)
     ge("evaluate.tie_tolerance", v.tie_tolerance, 0)
+    ge("evaluate.prefill_graph_tokens", v.prefill_graph_tokens, 0)
     if not v.drafter.strip():
         bad("evaluate.drafter", v.drafter, "must be export or a drafter folder")
 

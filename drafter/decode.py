@@ -58,6 +58,8 @@ from .tree import (DecodeError, DraftModel, EagleDraft, TreeSpec,  # noqa: F401
 
 log = logging.getLogger("drafter")
 _ALLOC_SERIAL = itertools.count(1)  # each proposer allocation's number (Decoder._ensure)
+# a graphed prefill's prompts are left-padded to a multiple of this (one graph per (B, length))
+PREFILL_BUCKET = 64
 
 
 # ------------------------------------------------------------------------------- the decoder
@@ -118,13 +120,16 @@ class Decoder:
     """Batched static-cache decoding of one target, plain or speculative.
 
     max_batch rows decode together; `span_bucket` rounds the attention span (one graph per
-    bucket); `prefill_tokens` bounds B x chunk of the (eager) prefill. `last` holds the timing of
-    the latest generate call: seconds (without graph capture), capture_seconds, prefill_seconds,
-    iterations (decode steps) and row_steps (their rows summed)."""
+    bucket); `prefill_tokens` bounds B x chunk of the (eager) prefill. A batch's prefill of at most
+    `prefill_graph_tokens` (B x its prompts left-padded to a multiple of PREFILL_BUCKET) replays
+    a CUDA graph as the steps do (0: eager prefills only): a small prefill is all kernel launches
+    (batch 1, 128 tokens on the H200: 47 ms eager against about 4 ms of GPU work). `last` holds
+    the timing of the latest generate call: seconds (without graph capture), capture_seconds,
+    prefill_seconds, iterations (decode steps) and row_steps (their rows summed)."""
 
     def __init__(self, model, max_batch: int = 1, cuda_graphs: bool = True,
                  span_bucket: int = 256, prefill_tokens: int = 16384, sync_every: int = 4,
-                 fold: bool | None = None):
+                 fold: bool | None = None, prefill_graph_tokens: int = 2048):
         # fold: batch-1 verifications as T rows of one token (StaticTarget; None: on a GPU)
         self.target = StaticTarget(model, fold=fold)
         # steps replayed between two reads of the batch's state: each read is a host sync that
@@ -134,6 +139,8 @@ class Decoder:
         self.max_batch = max_batch
         self.graphs = Graphs(cuda_graphs and self.target.device.type == "cuda")
         self.span_bucket, self.prefill_tokens = span_bucket, prefill_tokens
+        self.prefill_graph_tokens = prefill_graph_tokens
+        self._prefill_in: dict = {}  # (B, Tp) -> the graphed prefill's ids [B, Tp], start [B]
         self.cap = (0, 0)
         self._states: dict = {}
         # id -> (proposer, serial of the allocation this Decoder made): holds a reference, so
@@ -183,6 +190,16 @@ class Decoder:
     def _reset_graphs(self):
         self.graphs.clear()
 
+    def _graphed(self, B: int, Tp: int) -> bool:
+        """Whether a whole batch's prefill of B prompts left-padded to Tp replays a graph."""
+        return self.graphs.enabled and B * Tp <= self.prefill_graph_tokens
+
+    def _prompt_len(self, B: int, Tp: int) -> int:
+        """The length B prompts of up to Tp tokens are left-padded to: a multiple of
+        PREFILL_BUCKET where their prefill replays a graph (one graph per length), else Tp."""
+        Tb = round_up(Tp, PREFILL_BUCKET)
+        return Tb if self._graphed(B, Tb) else Tp
+
     def _state(self, B, W, D, Vd, n_stop, N=0) -> _State:
         key = (B, W, D, Vd, n_stop, N)
         if key not in self._states:
@@ -216,10 +233,11 @@ class Decoder:
         # The caches for the longest prompt, before any batch is timed: grown batch by batch,
         # each growth would reallocate them and recapture every graph inside `seconds` (at batch
         # 1, a longer prompt every few prompts)
-        if prompts:
+        if prompts:  # (room for the longest prompt padded as a graphed prefill pads it)
+            Tmax = max(len(p) for p in prompts)
             self._ensure(min(self.max_batch, len(prompts)),
-                         self._slots(max(len(p) for p in prompts), max_new_tokens, proposer,
-                                     tree), proposer)
+                         self._slots(round_up(Tmax, PREFILL_BUCKET) if self.graphs.enabled
+                                     else Tmax, max_new_tokens, proposer, tree), proposer)
         cap0 = self.graphs.capture_seconds
         t0 = time.perf_counter()
         prompts = [list(map(int, p)) for p in prompts]
@@ -287,7 +305,8 @@ class Decoder:
 
     def _batch(self, prompts, max_new, stop_ids, temperature, top_p, proposer, tree,
                record_gaps, tree_stats=False):
-        B, Tp = len(prompts), max(len(p) for p in prompts)
+        B = len(prompts)
+        Tp = self._prompt_len(B, max(len(p) for p in prompts))
         spec = proposer is not None
         self._ensure(B, self._slots(Tp, max_new, proposer, tree), proposer)
         st, step = self._begin(B, max_new, stop_ids, temperature, top_p, proposer, tree,
@@ -322,7 +341,9 @@ class Decoder:
         def fill(take, rows):  # prompts `take` into state rows `rows` (None: 0..B-1, all)
             if assign is not None:
                 assign(list(range(len(take))) if rows is None else list(rows), list(take))
-            self._prefill(st, [prompts[i] for i in take], max(len(prompts[i]) for i in take),
+            Tp = max(len(prompts[i]) for i in take)
+            self._prefill(st, [prompts[i] for i in take],
+                          Tp if rows is not None else self._prompt_len(len(take), Tp),
                           temperature, top_p, proposer, record_gaps, rows)
 
         owner: list[int | None] = list(range(B))   # the prompt each row decodes
@@ -426,20 +447,40 @@ class Decoder:
             yield c0, c1, pos, slots, vis
 
     def _prefill(self, st, prompts, Tp, temperature, top_p, proposer, record_gaps, rows=None):
-        """Left-padded chunks through the target (eager: the shapes vary); the first new token;
-        the drafter reads the prompt too (position t: aux[t] and token t+1). `rows`: the state
-        and cache rows these prompts take, the other rows untouched (continuous batching's
-        refill); None: rows 0..B-1, the whole batch (its state zeroed before). Timed into
-        last["prefill_seconds"]."""
-        t0 = time.perf_counter()
-        with eager_attention():
-            self._prefill_rows(st, prompts, Tp, temperature, top_p, proposer, record_gaps, rows)
-        self.last["prefill_seconds"] += time.perf_counter() - t0
-
-    def _prefill_rows(self, st, prompts, Tp, temperature, top_p, proposer, record_gaps, rows):
-        """_prefill's work (eager attention on, untimed)."""
-        B, dev, tgt = len(prompts), self.device, self.target
+        """Left-padded chunks through the target (eager attention: the shapes vary); the first
+        new token; the drafter reads the prompt too (position t: aux[t] and token t+1). `rows`:
+        the state and cache rows these prompts take, the other rows untouched (continuous
+        batching's refill, eager); None: rows 0..B-1, the whole batch (its state zeroed before),
+        replayed from a graph per (B, Tp) where `_graphed`. Timed into last["prefill_seconds"]
+        (to its end on the GPU; a graph's capture not counted, as the steps' is not)."""
+        t0, cap0 = time.perf_counter(), self.graphs.capture_seconds
+        B = len(prompts)
         ids, start = self._padded(prompts, Tp)                                       # [B, Tp]
+        with eager_attention():
+            if rows is None and self._graphed(B, Tp):
+                if (B, Tp) not in self._prefill_in:
+                    self._prefill_in[(B, Tp)] = (torch.zeros_like(ids), torch.zeros_like(start))
+                ids_in, start_in = self._prefill_in[(B, Tp)]
+                ids_in.copy_(ids)
+                start_in.copy_(start)
+                key = ("prefill", id(st), Tp, temperature, top_p, id(proposer),
+                       self.target.aux_ids, record_gaps)
+                state = st.tensors() + (list(getattr(proposer, "state_tensors", list)())
+                                        if proposer is not None else [])
+                self.graphs.run(key, lambda: self._prefill_rows(
+                    st, ids_in, start_in, temperature, top_p, proposer, record_gaps, None), state)
+            else:
+                self._prefill_rows(st, ids, start, temperature, top_p, proposer, record_gaps,
+                                   rows)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last["prefill_seconds"] += time.perf_counter() - t0 \
+            - (self.graphs.capture_seconds - cap0)
+
+    def _prefill_rows(self, st, ids, start, temperature, top_p, proposer, record_gaps, rows):
+        """_prefill's work on left-padded ids [B, Tp] from slots start [B] (eager attention on,
+        untimed)."""
+        (B, Tp), dev, tgt = ids.shape, self.device, self.target
         r = None if rows is None else torch.as_tensor(rows, device=dev)
         if r is not None:
             for t in st.tensors():

@@ -309,6 +309,39 @@ def test_plain_decoding_matches_hf_generate(smol):
     assert [o.tokens for o in outs] == [o.tokens for o in plain]
 
 
+def test_prompts_padded_to_a_graphed_prefills_length_give_the_same_tokens(smol, monkeypatch):
+    """A graphed prefill (a GPU's, Decoder._prompt_len) left-pads a batch's prompts to a
+    multiple of PREFILL_BUCKET: more pad slots before each prompt, its positions unchanged. On
+    the CPU, with that padding forced: the plain and speculative tokens and acceptance are the
+    unpadded run's, static and continuous (whose first fill is padded, its refills not)."""
+    from drafter.decode import PREFILL_BUCKET
+
+    model, plain, V = smol["model"], smol["plain"], smol["model"].config.vocab_size
+    prompts = smol["prompts"] + smol["prompts"][::-1]
+    stop = smol["stop"]
+    want = smol["dec"].generate(prompts, MAX_NEW, stop_ids=stop)
+    chain = smol["dec"].generate(prompts, MAX_NEW, stop_ids=stop, tree=TreeSpec.chain(3),
+                                 proposer=RefDrafter(_ref(prompts, want), V, "noisy"))
+    seen = []
+
+    def padded(self, B, Tp):
+        seen.append((B, Tp))
+        return -(-Tp // PREFILL_BUCKET) * PREFILL_BUCKET
+
+    monkeypatch.setattr(Decoder, "_prompt_len", padded)
+    dec = Decoder(model, max_batch=2)
+    for continuous in (False, True):
+        got = dec.generate(prompts, MAX_NEW, stop_ids=stop, continuous=continuous)
+        assert [o.tokens for o in got] == [o.tokens for o in want]
+        assert [o.tokens for o in want[:2]] == [o.tokens for o in plain]
+        spec = dec.generate(prompts, MAX_NEW, stop_ids=stop, tree=TreeSpec.chain(3),
+                            proposer=RefDrafter(_ref(prompts, want), V, "noisy"),
+                            continuous=continuous)
+        assert [o.tokens for o in spec] == [o.tokens for o in want]
+        assert [o.hist for o in spec] == [o.hist for o in chain]
+    assert seen and all(Tp % PREFILL_BUCKET for _, Tp in seen)  # the raw lengths were padded
+
+
 def _oracle_and_wrong(t, tree):
     dec, V = t["dec"], t["model"].config.vocab_size
     for mode, tau in (("oracle", tree.depth + 1), ("wrong", 1.0)):
@@ -528,6 +561,44 @@ def test_cuda_graphs_give_the_eager_tokens(smollm2_dir):
     outs = graphed.generate(prompts, 16, proposer=EagleDraft(_tiny_drafter(model.config)),
                             tree=TreeSpec(3, 3, 8), temperature=0.8)
     assert all(1 <= len(o.tokens) <= 16 for o in outs) and graphed.graphs.enabled
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphed_prefills_give_the_eager_prefills_tokens(smollm2_dir):
+    """Batch 1 and 2 prefills replayed from CUDA graphs (one per padded length, issue 16: a
+    small prefill is kernel launches) give the tokens and acceptance of eager prefills, plain
+    and speculative (EAGLE drafter, greedy gaps recorded), static and continuous; each length
+    is captured once; prefill_seconds still counts them. float32 on the GPU."""
+    from transformers import AutoModelForCausalLM
+
+    from drafter.decode import PREFILL_BUCKET
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).cuda().eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist()
+               for n in (5, 64, 65, 200, 130, 7)]
+    P = EagleDraft(_tiny_drafter(model.config, Vd=4096))
+    for B, continuous in ((1, False), (2, False), (2, True)):
+        eager = Decoder(model, max_batch=B, prefill_graph_tokens=0)
+        graphed = Decoder(model, max_batch=B)
+        for proposer in (None, P):
+            kw = dict(proposer=proposer, tree=TreeSpec.chain(3) if proposer else None,
+                      continuous=continuous, record_gaps=proposer is None)
+            want = eager.generate(prompts, 24, **kw)
+            got = graphed.generate(prompts, 24, **kw)
+            assert [o.tokens for o in got] == [o.tokens for o in want]
+            assert [o.hist for o in got] == [o.hist for o in want]
+            if proposer is None:
+                assert [o.gaps for o in got] == [o.gaps for o in want]
+            assert graphed.last["prefill_seconds"] > 0
+        keys = [k for k in graphed.graphs.graphs if k[0] == "prefill"]
+        assert not [k for k in eager.graphs.graphs if k[0] == "prefill"]
+        lengths = {k[2] for k in keys}
+        assert lengths and all(t % PREFILL_BUCKET == 0 for t in lengths)
+        # batch 1: 5, 7 -> 64; 64 -> 64; 65 -> 128; 130 -> 192; 200 -> 256, plain and speculative
+        assert B > 1 or (lengths == {64, 128, 192, 256} and len(keys) == 8)
+    assert graphed.graphs.enabled, "graph capture fell back to eager"
 
 
 @pytest.mark.gpu

@@ -365,7 +365,8 @@ def main(cfg) -> dict:
         _check_drafter(dr, model, what, path)
     stop = stop_ids_of(tok, model)
     max_len = int(getattr(text_config(model.config), "max_position_embeddings", 0) or 1 << 20)
-    dec = Decoder(model, max_batch=ev.batch_size, cuda_graphs=ev.cuda_graphs)
+    dec = Decoder(model, max_batch=ev.batch_size, cuda_graphs=ev.cuda_graphs,
+                  prefill_graph_tokens=ev.prefill_graph_tokens)
     proposers = [(what, EagleDraft(dr), path) for what, dr, path in drafters]
 
     runs, plain_all, ds_info, timings = [], {}, {}, {}
