@@ -108,6 +108,12 @@
 #           train_throughput --data, 1 and 4 loader threads alternating -> chain K=2 and tree
 #           3/8/17 at batch 1 -> decode_speed's prefills at new lengths, batch 1, then under
 #           torch.profiler (--profile-prefill) (about 15 minutes)
+#   bash benchmarks/recipe_session.sh start-eleventh  # one lane, alone on the GPU
+#   lane x: the decoder's GPU tests (the prefills graphed) -> store-fp8 500 steps (a cold real
+#           run) -> chain K=2 and tree 3/8/17 at batch 1, prefills graphed, then eager
+#           (evaluate.prefill_graph_tokens=0) -> the same training again on the same machine
+#           (`drafter train --force`: a real run with the compile cache warm) -> decode_speed's
+#           prefills at new lengths, graphed and eager (about 14 minutes)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -439,6 +445,37 @@ lane_w() {
   mark lane_w
 }
 
+lane_x() {
+  local v ow=(train.max_steps=500 train.save_every=100000 train.lr=1.2e-3 train.online=false
+              extract.aux_dtype=fp8 extract.teacher=topk)
+  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_decode.py
+  short store-fp8 500 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
+    extract.teacher=topk
+  for v in manifest.json metrics.jsonl; do
+    cp runs/store-fp8/train/$v "$RES/store-fp8-cold.train.$v" 2>/dev/null
+  done
+  # issue 16: batch 1 with the prefills graphed (the default since this session), then eager
+  for v in 2048 0; do
+    if [ -n "${CHECK:-}" ] || [ -d runs/store-fp8/export/native ]; then
+      step b1-pg$v $DRAFTER evaluate $CFG run_dir=runs/b1-pg$v \
+        evaluate.drafter=runs/store-fp8/export/native evaluate.batch_size=1 \
+        "evaluate.methods=[chain,tree]" evaluate.k=2 evaluate.tree_depth=3 \
+        evaluate.tree_topk=8 evaluate.tree_tokens=17 "evaluate.temperatures=[0.0]" \
+        evaluate.prefill_graph_tokens=$v "evaluate.datasets[0].max_prompts=10" \
+        "evaluate.datasets[1].max_prompts=10" "evaluate.datasets[2].max_prompts=10"
+    fi
+  done
+  # issue 18: the same training again, the compile cache warm (a second run on one machine)
+  step store-fp8-warm $DRAFTER train $CFG "${BASE[@]}" run_dir=runs/store-fp8 "${CHAIN[@]}" \
+    "${ow[@]}" --force
+  for v in manifest.json metrics.jsonl; do
+    cp runs/store-fp8/train/$v "$RES/store-fp8-warm.train.$v" 2>/dev/null
+  done
+  step prefill-11 $PY benchmarks/decode_speed.py --random-target --batches 1 \
+    --prefill-lengths 8
+  mark lane_x
+}
+
 collect() {
   collect_runs
   # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
@@ -481,16 +518,18 @@ case "${1:-}" in
     setsid bash "$0" lane_t < /dev/null > "$RES/lane_t.out" 2>&1 &
     sleep 2; log "seventh lane started" ;;
   lane_t) lane_t ;;
-  start-eighth|start-ninth|start-tenth)  # one lane (u, v, w), SpecForge from .whl (anchor)
+  start-eighth|start-ninth|start-tenth|start-eleventh)  # one lane (u, v, w, x), SpecForge
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
       --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
     lane=lane_u; [ "$1" = start-ninth ] && lane=lane_v; [ "$1" = start-tenth ] && lane=lane_w
+    [ "$1" = start-eleventh ] && lane=lane_x
     setsid bash "$0" $lane < /dev/null > "$RES/$lane.out" 2>&1 &
     sleep 2; log "$lane started" ;;
   lane_u) lane_u ;;
   lane_v) lane_v ;;
   lane_w) lane_w ;;
+  lane_x) lane_x ;;
   start-fifth)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     setsid bash "$0" lane_g < /dev/null > "$RES/lane_g.out" 2>&1 &
