@@ -569,7 +569,8 @@ def test_graphed_prefills_give_the_eager_prefills_tokens(smollm2_dir):
     """Batch 1 and 2 prefills replayed from CUDA graphs (one per padded length, issue 16: a
     small prefill is kernel launches) give the tokens and acceptance of eager prefills, plain
     and speculative (EAGLE drafter, greedy gaps recorded), static and continuous; each length
-    is captured once; prefill_seconds still counts them. float32 on the GPU."""
+    is captured once; prefill_seconds still counts them. float32 on the GPU: eager prefills
+    here are not padded, so the margins may differ in the last bits, not the tokens."""
     from transformers import AutoModelForCausalLM
 
     from drafter.decode import PREFILL_BUCKET
@@ -582,6 +583,7 @@ def test_graphed_prefills_give_the_eager_prefills_tokens(smollm2_dir):
     for B, continuous in ((1, False), (2, False), (2, True)):
         eager = Decoder(model, max_batch=B, prefill_graph_tokens=0)
         graphed = Decoder(model, max_batch=B)
+        keys = set()  # the prefill graphs each generate left (a new proposer clears the graphs)
         for proposer in (None, P):
             kw = dict(proposer=proposer, tree=TreeSpec.chain(3) if proposer else None,
                       continuous=continuous, record_gaps=proposer is None)
@@ -589,11 +591,17 @@ def test_graphed_prefills_give_the_eager_prefills_tokens(smollm2_dir):
             got = graphed.generate(prompts, 24, **kw)
             assert [o.tokens for o in got] == [o.tokens for o in want]
             assert [o.hist for o in got] == [o.hist for o in want]
-            if proposer is None:
-                assert [o.gaps for o in got] == [o.gaps for o in want]
+            if proposer is None:  # the padded prefill's GEMM shapes round otherwise (H200:
+                # 0.66178 against 0.66177): the margins agree to float32 rounding, not bitwise
+                for o, w in zip(got, want):
+                    torch.testing.assert_close(torch.tensor(o.gaps), torch.tensor(w.gaps),
+                                               rtol=1e-4, atol=1e-4)
             assert graphed.last["prefill_seconds"] > 0
-        keys = [k for k in graphed.graphs.graphs if k[0] == "prefill"]
-        assert not [k for k in eager.graphs.graphs if k[0] == "prefill"]
+            keys |= {k for k in graphed.graphs.graphs if k[0] == "prefill"}
+            assert not [k for k in eager.graphs.graphs if k[0] == "prefill"]
+        again = graphed.generate(prompts, 24, **kw)  # every length captured before: none now
+        assert graphed.last["capture_seconds"] == 0
+        assert [o.tokens for o in again] == [o.tokens for o in got]
         lengths = {k[2] for k in keys}
         assert lengths and all(t % PREFILL_BUCKET == 0 for t in lengths)
         # batch 1: 5, 7 -> 64; 64 -> 64; 65 -> 128; 130 -> 192; 200 -> 256, plain and speculative
