@@ -35,6 +35,25 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def compile_stats() -> dict:
+    """What torch.compile has cost this process so far (issue 18: where a warm-up goes): the
+    seconds dynamo spent compiling frames (their forward graphs, AOTAutograd and Inductor
+    inside) and backward graphs (compiled at their first backward), the graphs built, and the
+    hits and misses of Inductor's FX graph cache and AOTAutograd's cache (on disk under
+    TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER: a second run on one machine
+    hits them)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    seconds = sum(sum(compilation_time_metrics.get(k, ()))
+                  for k in ("_compile.compile_inner", "backward._backward_impl"))
+    ind, aot = counters["inductor"], counters["aot_autograd"]
+    return {"seconds": round(seconds, 3), "graphs": compiled_graphs(),
+            "fx_graph_cache": {"hits": int(ind["fxgraph_cache_hit"]),
+                               "misses": int(ind["fxgraph_cache_miss"])},
+            "aot_autograd_cache": {"hits": int(aot["autograd_cache_hit"]),
+                                   "misses": int(aot["autograd_cache_miss"])}}
+
+
 @contextlib.contextmanager
 def compiles_hold(lock):
     """Hold `lock` (online training: the capture's, taken around every target forward) while

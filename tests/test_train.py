@@ -453,6 +453,35 @@ def test_prune_keeps_the_newest_and_the_best(tmp_path):
     assert train.best_checkpoint(run).name == "step_000002"
 
 
+def test_compile_stats_count_what_a_compile_cost():
+    """compile_stats (train's warmup_compile, issue 18: where a warm-up goes) counts a new
+    graph, its forward's compile seconds and then its backward's (compiled at the first
+    backward), and nothing for a call that reuses the graph; the compile caches' counts are
+    whole numbers (aot_eager here: no Inductor)."""
+    from drafter.trainer import compile_stats
+
+    def g(x):
+        for _ in range(12):
+            x = torch.tanh(x @ x.T) * x.sin() + x.cos()
+        return x.sum()
+
+    torch._dynamo.reset()
+    before = compile_stats()
+    f = torch.compile(g, backend="aot_eager")
+    x = torch.randn(8, 8, requires_grad=True)
+    y = f(x)
+    fwd = compile_stats()
+    y.backward()
+    after = compile_stats()
+    assert after["graphs"] == fwd["graphs"] == before["graphs"] + 1
+    assert after["seconds"] > fwd["seconds"] > before["seconds"]
+    f(x).backward()
+    assert compile_stats() == after
+    for cache in ("fx_graph_cache", "aot_autograd_cache"):
+        assert all(isinstance(v, int) and v >= 0 for v in after[cache].values())
+    torch._dynamo.reset()
+
+
 # ------------------------------------------- online: target forwards and torch.compile's tracers
 def _trace_while_a_module_runs(hold: bool) -> list:
     """A torch.compile backend traces with torch.fx (as inductor's subgraph lowering does) and,

@@ -52,8 +52,8 @@ from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_
     throughput
 from ..model import Drafter, DrafterConfig, param_count
 from ..rundir import JsonlAppender, Run, read_jsonl
-from ..trainer import WARMUP_STEPS, compiled_graphs, compiles_hold, pick_attention, \
-    setup_model, sync_device, train_step
+from ..trainer import WARMUP_STEPS, compile_stats, compiled_graphs, compiles_hold, \
+    pick_attention, setup_model, sync_device, train_step
 
 log = logging.getLogger("drafter")
 
@@ -179,6 +179,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     # Time in train steps only (validation and checkpoints set aside), so that tokens_per_s,
     # elapsed_s and warmup_s measure training: issue 18 compares the whole run with steady state.
     aside, train_s_log, warmup_s, warmup_wait_s, rates = 0.0, 0.0, None, None, []
+    warmup_compile = None  # compile_stats() when the warm-up ends (compiled path)
     # seconds this thread blocked on the prefetch thread: since the last log, and in all
     waited = [0.0, 0.0]
 
@@ -200,6 +201,15 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                 sync_device(dev)
                 warmup_s = time.perf_counter() - t_start - aside
                 warmup_wait_s = waited[1]  # of it, waiting for batches (online: the target)
+                if ttt.compiled:
+                    warmup_compile = compile_stats()
+                if dist.main:
+                    c = warmup_compile
+                    log.info("train: warm-up (the first %d steps) %.1f s%s", WARMUP_STEPS,
+                             warmup_s, "" if c is None else
+                             f", of it compiling {c['seconds']:.1f} s: {c['graphs']} graphs, "
+                             f"Inductor's cache {c['fx_graph_cache']['hits']} hits / "
+                             f"{c['fx_graph_cache']['misses']} misses")
 
             if step % tc.log_every == 0 or step == total:
                 m = meter.read(dist, tc.ttt_decay)
@@ -274,6 +284,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         "tokens_per_s": round(tokens_total / max(elapsed, 1e-9), 1) if step > first else None,
         **throughput(tokens_total, train_s_log, rates, warmup_s),
         "warmup_data_wait_s": round(warmup_wait_s, 2) if warmup_wait_s is not None else None,
+        "warmup_compile": warmup_compile,
         "drafter_config": drafter.cfg.to_dict(), "attention": attention,
         "world_size": dist.world, "fsdp": fsdp,
         "last_checkpoint": str(run.checkpoints()[-1]) if run.checkpoints() else None,
