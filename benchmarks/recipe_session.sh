@@ -114,6 +114,10 @@
 #           (evaluate.prefill_graph_tokens=0) -> the same training again on the same machine
 #           (`drafter train --force`: a real run with the compile cache warm) -> decode_speed's
 #           prefills at new lengths, graphed and eager (about 14 minutes)
+#   bash benchmarks/recipe_session.sh start-twelfth  # not run yet; one lane, alone on the GPU
+#   lane y: all GPU tests (the graphed-prefill test as fixed in 9eb8ea6) -> store-fp8 500 steps
+#           cold, then `drafter train --force` warm, each manifest's warmup_compile saying how
+#           much of the warm-up is compiling (about 10 minutes)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -133,6 +137,7 @@ step() {  # step NAME CMD...: run, log to runs/gpu-out/NAME.log, never stop the 
   if [ -n "${CHECK:-}" ]; then  # resolve the config only: `drafter.cli CMD` -> `config`
     local args=() prev="" a
     for a in "$@"; do
+      [ "$a" = --force ] && continue   # `config` takes no --force
       [ "$prev" = drafter.cli ] && a=config
       args+=("$a"); prev=$a
     done
@@ -476,6 +481,23 @@ lane_x() {
   mark lane_x
 }
 
+lane_y() {
+  local v ow=(train.max_steps=500 train.save_every=100000 train.lr=1.2e-3 train.online=false
+              extract.aux_dtype=fp8 extract.teacher=topk)
+  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/
+  short store-fp8 500 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
+    extract.teacher=topk
+  for v in manifest.json metrics.jsonl; do
+    cp runs/store-fp8/train/$v "$RES/store-fp8-cold.train.$v" 2>/dev/null
+  done
+  step store-fp8-warm $DRAFTER train $CFG "${BASE[@]}" run_dir=runs/store-fp8 "${CHAIN[@]}" \
+    "${ow[@]}" --force
+  for v in manifest.json metrics.jsonl; do
+    cp runs/store-fp8/train/$v "$RES/store-fp8-warm.train.$v" 2>/dev/null
+  done
+  mark lane_y
+}
+
 collect() {
   collect_runs
   # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
@@ -518,18 +540,19 @@ case "${1:-}" in
     setsid bash "$0" lane_t < /dev/null > "$RES/lane_t.out" 2>&1 &
     sleep 2; log "seventh lane started" ;;
   lane_t) lane_t ;;
-  start-eighth|start-ninth|start-tenth|start-eleventh)  # one lane (u, v, w, x), SpecForge
+  start-eighth|start-ninth|start-tenth|start-eleventh|start-twelfth)  # one lane (u-y)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
       --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
     lane=lane_u; [ "$1" = start-ninth ] && lane=lane_v; [ "$1" = start-tenth ] && lane=lane_w
-    [ "$1" = start-eleventh ] && lane=lane_x
+    [ "$1" = start-eleventh ] && lane=lane_x; [ "$1" = start-twelfth ] && lane=lane_y
     setsid bash "$0" $lane < /dev/null > "$RES/$lane.out" 2>&1 &
     sleep 2; log "$lane started" ;;
   lane_u) lane_u ;;
   lane_v) lane_v ;;
   lane_w) lane_w ;;
   lane_x) lane_x ;;
+  lane_y) lane_y ;;
   start-fifth)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     setsid bash "$0" lane_g < /dev/null > "$RES/lane_g.out" 2>&1 &
@@ -553,7 +576,8 @@ case "${1:-}" in
       && ! { [ -f "$RES/lane_f2.done" ] && [ -f "$RES/lane_f3.done" ]; } \
       && [ ! -f "$RES/lane_g.done" ] && [ ! -f "$RES/lane_s.done" ] \
       && [ ! -f "$RES/lane_t.done" ] && [ ! -f "$RES/lane_u.done" ] \
-      && [ ! -f "$RES/lane_v.done" ] && [ ! -f "$RES/lane_w.done" ]; do sleep 5; done
+      && [ ! -f "$RES/lane_v.done" ] && [ ! -f "$RES/lane_w.done" ] \
+      && [ ! -f "$RES/lane_x.done" ] && [ ! -f "$RES/lane_y.done" ]; do sleep 5; done
     collect; tail -n 40 "$RES/phases.log"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   collect) collect ;;
