@@ -114,6 +114,10 @@ def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
                             "method": "chain", "temperature": 0.0, "k": 2}
     assert s["datasets"]["mt_bench"]["prompts"] == 2     # both turns
     assert s["baseline"] == str(base) and s["dtype"] == "float32"
+    assert s["cuda_graphs"] is False and s["prefill_graph_tokens"] == 0   # the CPU: none
+    assert "CUDA graphs: off)" in E.render_report(m)
+    graphed = {**m, "settings": {**s, "cuda_graphs": True, "prefill_graph_tokens": 2048}}
+    assert "CUDA graphs: on, prefills of up to 2048 tokens graphed)" in E.render_report(graphed)
     # the untimed warm-up: MT-bench's first round (1 prompt), 2 tokens, before any timed pass
     assert s["warm_up"]["prompts"] == 1 and s["warm_up"]["seconds"] > 0
     for r in m["runs"]:

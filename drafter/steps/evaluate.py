@@ -439,6 +439,8 @@ def main(cfg) -> dict:
         "max_new_tokens": ev.max_new_tokens, "batch_size": ev.batch_size,
         "continuous": bool(ev.continuous and ev.batch_size > 1),
         "cuda_graphs": bool(ev.cuda_graphs and dec.graphs.enabled),
+        "prefill_graph_tokens": ev.prefill_graph_tokens if ev.cuda_graphs
+        and dec.graphs.enabled else 0,
         "tie_tolerance": tol, "seed": ev.seed, "warm_up": warm,
         "primary": {k: primary[k] for k in ("name", "drafter", "method", "temperature",
                                             "depth", "topk", "tokens", "k")
@@ -573,8 +575,11 @@ def render_report(m: dict) -> str:
     s, runs = m["settings"], m["runs"]
     names = [n for n in runs[0]["datasets"] if n != "overall"] + ["overall"]
     L = ["# Evaluation report", ""]
+    pg = s.get("prefill_graph_tokens")  # absent in metrics written before it was recorded
     L.append(f"- target: `{s['target']}` ({s['device']}, {s['dtype']}, CUDA graphs: "
-             f"{'on' if s['cuda_graphs'] else 'off'})")
+             f"{'on' if s['cuda_graphs'] else 'off'}"
+             + (f", prefills of up to {pg} tokens graphed" if s["cuda_graphs"] and pg else "")
+             + ")")
     L.append(f"- drafter: `{s['drafter']}`" + (f"; baseline: `{s['baseline']}`"
                                                if s["baseline"] else ""))
     rows = runs[0]["datasets"]["overall"].get("rows_per_step")
