@@ -450,15 +450,27 @@ lane_w() {
   mark lane_w
 }
 
-lane_x() {
-  local v ow=(train.max_steps=500 train.save_every=100000 train.lr=1.2e-3 train.online=false
-              extract.aux_dtype=fp8 extract.teacher=topk)
-  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_decode.py
-  short store-fp8 500 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
-    extract.teacher=topk
+store_fp8_run() {  # store_fp8_run cold|warm: the reference drafter's 500 steps (store-fp8);
+  # cold: the whole run; warm: its training again on this machine (`drafter train --force`, the
+  # compile caches warm); the train manifest and metrics kept as store-fp8-$1.train.*
+  local v
+  if [ "$1" = cold ]; then
+    short store-fp8 500 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
+      extract.teacher=topk
+  else
+    step store-fp8-warm $DRAFTER train $CFG "${BASE[@]}" run_dir=runs/store-fp8 "${CHAIN[@]}" \
+      train.max_steps=500 train.save_every=100000 train.lr=1.2e-3 train.online=false \
+      extract.aux_dtype=fp8 extract.teacher=topk --force
+  fi
   for v in manifest.json metrics.jsonl; do
-    cp runs/store-fp8/train/$v "$RES/store-fp8-cold.train.$v" 2>/dev/null
+    cp runs/store-fp8/train/$v "$RES/store-fp8-$1.train.$v" 2>/dev/null
   done
+}
+
+lane_x() {
+  local v
+  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_decode.py
+  store_fp8_run cold
   # issue 16: batch 1 with the prefills graphed (the default since this session), then eager
   for v in 2048 0; do
     if [ -n "${CHECK:-}" ] || [ -d runs/store-fp8/export/native ]; then
@@ -471,30 +483,16 @@ lane_x() {
     fi
   done
   # issue 18: the same training again, the compile cache warm (a second run on one machine)
-  step store-fp8-warm $DRAFTER train $CFG "${BASE[@]}" run_dir=runs/store-fp8 "${CHAIN[@]}" \
-    "${ow[@]}" --force
-  for v in manifest.json metrics.jsonl; do
-    cp runs/store-fp8/train/$v "$RES/store-fp8-warm.train.$v" 2>/dev/null
-  done
+  store_fp8_run warm
   step prefill-11 $PY benchmarks/decode_speed.py --random-target --batches 1 \
     --prefill-lengths 8
   mark lane_x
 }
 
 lane_y() {
-  local v ow=(train.max_steps=500 train.save_every=100000 train.lr=1.2e-3 train.online=false
-              extract.aux_dtype=fp8 extract.teacher=topk)
   step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/
-  short store-fp8 500 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
-    extract.teacher=topk
-  for v in manifest.json metrics.jsonl; do
-    cp runs/store-fp8/train/$v "$RES/store-fp8-cold.train.$v" 2>/dev/null
-  done
-  step store-fp8-warm $DRAFTER train $CFG "${BASE[@]}" run_dir=runs/store-fp8 "${CHAIN[@]}" \
-    "${ow[@]}" --force
-  for v in manifest.json metrics.jsonl; do
-    cp runs/store-fp8/train/$v "$RES/store-fp8-warm.train.$v" 2>/dev/null
-  done
+  store_fp8_run cold
+  store_fp8_run warm
   mark lane_y
 }
 
