@@ -439,8 +439,7 @@ def main(cfg) -> dict:
         "max_new_tokens": ev.max_new_tokens, "batch_size": ev.batch_size,
         "continuous": bool(ev.continuous and ev.batch_size > 1),
         "cuda_graphs": bool(ev.cuda_graphs and dec.graphs.enabled),
-        "prefill_graph_tokens": ev.prefill_graph_tokens if ev.cuda_graphs
-        and dec.graphs.enabled else 0,
+        "prefill_graph_tokens": ev.prefill_graph_tokens if dec.graphs.enabled else 0,
         "tie_tolerance": tol, "seed": ev.seed, "warm_up": warm,
         "primary": {k: primary[k] for k in ("name", "drafter", "method", "temperature",
                                             "depth", "topk", "tokens", "k")
