@@ -219,6 +219,9 @@ def test_loss_falls_when_overfitting(world, tmp_path):
     assert elapsed == sorted(elapsed) and elapsed[0] > 0 and "graphs" not in recs[0]
     assert out["final_step"] >= 10 and 0 < out["warmup_s"] < elapsed[-1]
     assert 0 <= out["warmup_data_wait_s"] < out["warmup_s"]    # waiting for batches, of it
+    steps = out["warmup_steps_s"]                               # each warm-up step, apart
+    assert len(steps) == 10 and min(steps) > 0
+    assert 0.5 * out["warmup_s"] < sum(steps) <= out["warmup_s"] + 1e-3
     assert out["avg_tokens_per_s"] == pytest.approx(
         sum(r["tokens"] for r in recs) / elapsed[-1], rel=1e-2)
     assert out["avg_over_steady"] == pytest.approx(

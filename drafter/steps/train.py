@@ -180,6 +180,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     # elapsed_s and warmup_s measure training: issue 18 compares the whole run with steady state.
     aside, train_s_log, warmup_s, warmup_wait_s, rates = 0.0, 0.0, None, None, []
     warmup_compile = None  # compile_stats() when the warm-up ends (compiled path)
+    warmup_steps = []  # each warm-up step's seconds, waited for on the device: where it goes
     # seconds this thread blocked on the prefetch thread: since the last log, and in all
     waited = [0.0, 0.0]
 
@@ -193,12 +194,15 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
 
     try:
         while step < total:
+            t_step = time.perf_counter()
             micro = (device_batch(take(), dev, head, fused) for _ in range(tc.grad_accum))
             gnorm = train_step(model, params, opt, micro, tc, dist, autocast, meter)
             sched.step()
             step += 1
-            if step - first == WARMUP_STEPS:  # one sync: compiles and the first steps are done
+            if step - first <= WARMUP_STEPS:  # a sync a step: compiles and first steps, apart
                 sync_device(dev)
+                warmup_steps.append(time.perf_counter() - t_step)
+            if step - first == WARMUP_STEPS:
                 warmup_s = time.perf_counter() - t_start - aside
                 warmup_wait_s = waited[1]  # of it, waiting for batches (online: the target)
                 if ttt.compiled:
@@ -210,6 +214,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                              f", of it compiling {c['seconds']:.1f} s: {c['graphs']} graphs, "
                              f"Inductor's cache {c['fx_graph_cache']['hits']} hits / "
                              f"{c['fx_graph_cache']['misses']} misses")
+                log.info("train: warm-up steps (s): %s",
+                         " ".join(f"{t:.2f}" for t in warmup_steps))
 
             if step % tc.log_every == 0 or step == total:
                 m = meter.read(dist, tc.ttt_decay)
@@ -285,6 +291,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         **throughput(tokens_total, train_s_log, rates, warmup_s),
         "warmup_data_wait_s": round(warmup_wait_s, 2) if warmup_wait_s is not None else None,
         "warmup_compile": warmup_compile,
+        "warmup_steps_s": [round(t, 3) for t in warmup_steps] or None,
         "drafter_config": drafter.cfg.to_dict(), "attention": attention,
         "world_size": dist.world, "fsdp": fsdp,
         "last_checkpoint": str(run.checkpoints()[-1]) if run.checkpoints() else None,
