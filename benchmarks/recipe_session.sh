@@ -118,6 +118,15 @@
 #   lane y: all GPU tests (the graphed-prefill test as fixed in 9eb8ea6) -> store-fp8 500 steps
 #           cold, then `drafter train --force` warm, each manifest's warmup_compile saying how
 #           much of the warm-up is compiling (about 10 minutes)
+#   bash benchmarks/recipe_session.sh start-thirteenth  # one lane, alone on the GPU; also needs
+#     runs/t08 (xz -dc .carry_t/t08-generate.tar.xz | tar -xf - -C runs && touch
+#     runs/t08/.restored), which it waits for
+#   lane z: all GPU tests -> mixed: the quality issue's drafter (configs/scale-smollm2-mixed.yaml,
+#           online, one pass: chain K=5 tau 2.93, tree 6/8/48 4.42 in the third session) and its
+#           evaluate at T=0, all 524 prompts at batch 64, continuous (issue 16's quality-drafter
+#           goal: >= 1.3x) -> chain K=5 and the tree at batch 1 (10 records a dataset: >= 1.5x)
+#           -> store-fp8 500 steps cold, then warm (lane y's runs: warmup_compile and each
+#           warm-up step's seconds) (about 22 minutes)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -496,10 +505,26 @@ lane_y() {
   mark lane_y
 }
 
+lane_z() {
+  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/
+  local n=0
+  # staged by the next call: `... | tar -xf - -C runs && touch runs/t08/.restored`
+  while [ -z "${CHECK:-}" ] && [ ! -f runs/t08/.restored ] && [ $n -lt 300 ]; do
+    sleep 2; n=$((n + 2))
+  done
+  step mixed $DRAFTER run configs/scale-smollm2-mixed.yaml tokenize.workers=6 \
+    "evaluate.temperatures=[0.0]"
+  speed_of mix13 mixed configs/scale-smollm2-mixed.yaml 1 10 10 10
+  store_fp8_run cold
+  store_fp8_run warm
+  mark lane_z
+}
+
 collect() {
   collect_runs
   # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
-  if [ -f runs/t08/generate/manifest.json ] && [ ! -f "$OUT/t08-generate.tar.xz.aa" ]; then
+  if [ -f runs/t08/generate/manifest.json ] && [ ! -f runs/t08/.restored ] \
+    && [ ! -f "$OUT/t08-generate.tar.xz.aa" ]; then
     tar -cf - -C runs t08/config.yaml t08/prepare t08/generate | xz -6 -T8 \
       | split -b 15M - "$OUT/t08-generate.tar.xz."
   fi
@@ -538,12 +563,13 @@ case "${1:-}" in
     setsid bash "$0" lane_t < /dev/null > "$RES/lane_t.out" 2>&1 &
     sleep 2; log "seventh lane started" ;;
   lane_t) lane_t ;;
-  start-eighth|start-ninth|start-tenth|start-eleventh|start-twelfth)  # one lane (u-y)
+  start-eighth|start-ninth|start-tenth|start-eleventh|start-twelfth|start-thirteenth)  # (u-z)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
       --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
     lane=lane_u; [ "$1" = start-ninth ] && lane=lane_v; [ "$1" = start-tenth ] && lane=lane_w
     [ "$1" = start-eleventh ] && lane=lane_x; [ "$1" = start-twelfth ] && lane=lane_y
+    [ "$1" = start-thirteenth ] && lane=lane_z
     setsid bash "$0" $lane < /dev/null > "$RES/$lane.out" 2>&1 &
     sleep 2; log "$lane started" ;;
   lane_u) lane_u ;;
@@ -551,6 +577,7 @@ case "${1:-}" in
   lane_w) lane_w ;;
   lane_x) lane_x ;;
   lane_y) lane_y ;;
+  lane_z) lane_z ;;
   start-fifth)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     setsid bash "$0" lane_g < /dev/null > "$RES/lane_g.out" 2>&1 &
@@ -575,7 +602,8 @@ case "${1:-}" in
       && [ ! -f "$RES/lane_g.done" ] && [ ! -f "$RES/lane_s.done" ] \
       && [ ! -f "$RES/lane_t.done" ] && [ ! -f "$RES/lane_u.done" ] \
       && [ ! -f "$RES/lane_v.done" ] && [ ! -f "$RES/lane_w.done" ] \
-      && [ ! -f "$RES/lane_x.done" ] && [ ! -f "$RES/lane_y.done" ]; do sleep 5; done
+      && [ ! -f "$RES/lane_x.done" ] && [ ! -f "$RES/lane_y.done" ] \
+      && [ ! -f "$RES/lane_z.done" ]; do sleep 5; done
     collect; tail -n 40 "$RES/phases.log"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   collect) collect ;;
