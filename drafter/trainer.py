@@ -41,7 +41,7 @@ def compile_stats() -> dict:
     inside) and backward graphs (compiled at their first backward), the graphs built, and the
     hits and misses of Inductor's FX graph cache and AOTAutograd's cache (on disk under
     TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER: a second run on one machine
-    hits them)."""
+    hits them), and `frames`: each compile in order (compile_frames)."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     seconds = sum(sum(compilation_time_metrics.get(k, ()))
@@ -51,7 +51,35 @@ def compile_stats() -> dict:
             "fx_graph_cache": {"hits": int(ind["fxgraph_cache_hit"]),
                                "misses": int(ind["fxgraph_cache_miss"])},
             "aot_autograd_cache": {"hits": int(aot["autograd_cache_hit"]),
-                                   "misses": int(aot["autograd_cache_miss"])}}
+                                   "misses": int(aot["autograd_cache_miss"])},
+            "frames": compile_frames()}
+
+
+def compile_frames() -> list[dict]:
+    """Each compile dynamo has recorded in this process, in order (torch's own per-compile
+    metrics): {"graph": the compiled function's name, "pass": forward or backward, "seconds":
+    the whole compile, "inductor_s": of it, Inductor's (code generation, or loading from its
+    cache)}. A forward's seconds include its tracing, AOTAutograd and Inductor; the first
+    compile of a process also pays for loading Inductor itself. A torch without these metrics
+    gives []."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+        records = list(get_compilation_metrics())
+    except (ImportError, AttributeError):
+        return []
+    names, out = {}, []
+    for m in records:
+        cid, fwd = str(getattr(m, "compile_id", "")), getattr(m, "is_forward", True) is not False
+        if fwd:
+            names[cid] = getattr(m, "co_name", None) or cid
+            s = getattr(m, "entire_frame_compile_time_s", None)
+        else:
+            us = getattr(m, "backward_cumulative_compile_time_us", None)
+            s = us / 1e6 if us is not None else None
+        out.append({"graph": names.get(cid, cid), "pass": "forward" if fwd else "backward",
+                    "seconds": round(s or 0.0, 3),
+                    "inductor_s": round(getattr(m, "inductor_compile_time_s", None) or 0.0, 3)})
+    return out
 
 
 @contextlib.contextmanager

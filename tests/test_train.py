@@ -478,6 +478,12 @@ def test_compile_stats_count_what_a_compile_cost():
     after = compile_stats()
     assert after["graphs"] == fwd["graphs"] == before["graphs"] + 1
     assert after["seconds"] > fwd["seconds"] > before["seconds"]
+    # each compile by name: g's forward, then its backward
+    assert [(r["graph"], r["pass"]) for r in fwd["frames"][-1:]] == [("g", "forward")]
+    assert [(r["graph"], r["pass"]) for r in after["frames"][-2:]] == [
+        ("g", "forward"), ("g", "backward")]
+    assert len(after["frames"]) == len(before["frames"]) + 2
+    assert all(r["seconds"] > 0 for r in after["frames"][-2:])
     f(x).backward()
     assert compile_stats() == after
     for cache in ("fx_graph_cache", "aot_autograd_cache"):

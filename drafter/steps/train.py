@@ -216,6 +216,10 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                              f"{c['fx_graph_cache']['misses']} misses")
                 log.info("train: warm-up steps (s): %s",
                          " ".join(f"{t:.2f}" for t in warmup_steps))
+                if c is not None and c["frames"]:
+                    log.info("train: compiles (s): %s", ", ".join(
+                        f"{f['graph']}{' backward' if f['pass'] == 'backward' else ''} "
+                        f"{f['seconds']:.2f}" for f in c["frames"]))
 
             if step % tc.log_every == 0 or step == total:
                 m = meter.read(dist, tc.ttt_decay)
