@@ -127,6 +127,14 @@
 #           goal: >= 1.3x) -> chain K=5 and the tree at batch 1 (10 records a dataset: >= 1.5x)
 #           -> store-fp8 500 steps cold, then warm (lane y's runs: warmup_compile and each
 #           warm-up step's seconds) (about 22 minutes)
+#   bash benchmarks/recipe_session.sh start-fourteenth  # not run yet; one lane, alone on the GPU;
+#     SpecForge from .whl as for start-eighth
+#   lane p: store-fp8 500 steps on a fresh machine (cold compile caches), then again warm: each
+#           manifest's warmup_compile.frames says which graph the first step's 10-19 s of
+#           compiles go to (issue 18) -> the Llama-8B shape beside SpecForge at 4,096, both
+#           teachers, twice (issue 18's 1.26x, and how much SpecForge moves within a machine)
+#           -> decode_speed's steps by part at batch 64 (--profile: the tree step's overhead
+#           against its parts, issue 16's last goal) (about 12 minutes)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -520,6 +528,19 @@ lane_z() {
   mark lane_z
 }
 
+lane_p() {
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
+  local v
+  store_fp8_run cold
+  store_fp8_run warm
+  for v in a b; do
+    step llama-sf14-4096-$v $PY benchmarks/train_throughput.py --shape llama8b --seq 4096 \
+      --teacher topk,hidden
+  done
+  step decode-profile-14 $PY benchmarks/decode_speed.py --random-target --batches 64 --profile
+  mark lane_p
+}
+
 collect() {
   collect_runs
   # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
@@ -563,13 +584,14 @@ case "${1:-}" in
     setsid bash "$0" lane_t < /dev/null > "$RES/lane_t.out" 2>&1 &
     sleep 2; log "seventh lane started" ;;
   lane_t) lane_t ;;
-  start-eighth|start-ninth|start-tenth|start-eleventh|start-twelfth|start-thirteenth)  # (u-z)
+  start-eighth|start-ninth|start-tenth|start-eleventh|start-twelfth|start-thirteenth|\
+  start-fourteenth)  # one lane (u-z, p)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
       --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
     lane=lane_u; [ "$1" = start-ninth ] && lane=lane_v; [ "$1" = start-tenth ] && lane=lane_w
     [ "$1" = start-eleventh ] && lane=lane_x; [ "$1" = start-twelfth ] && lane=lane_y
-    [ "$1" = start-thirteenth ] && lane=lane_z
+    [ "$1" = start-thirteenth ] && lane=lane_z; [ "$1" = start-fourteenth ] && lane=lane_p
     setsid bash "$0" $lane < /dev/null > "$RES/$lane.out" 2>&1 &
     sleep 2; log "$lane started" ;;
   lane_u) lane_u ;;
@@ -578,6 +600,7 @@ case "${1:-}" in
   lane_x) lane_x ;;
   lane_y) lane_y ;;
   lane_z) lane_z ;;
+  lane_p) lane_p ;;
   start-fifth)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     setsid bash "$0" lane_g < /dev/null > "$RES/lane_g.out" 2>&1 &
@@ -603,7 +626,7 @@ case "${1:-}" in
       && [ ! -f "$RES/lane_t.done" ] && [ ! -f "$RES/lane_u.done" ] \
       && [ ! -f "$RES/lane_v.done" ] && [ ! -f "$RES/lane_w.done" ] \
       && [ ! -f "$RES/lane_x.done" ] && [ ! -f "$RES/lane_y.done" ] \
-      && [ ! -f "$RES/lane_z.done" ]; do sleep 5; done
+      && [ ! -f "$RES/lane_z.done" ] && [ ! -f "$RES/lane_p.done" ]; do sleep 5; done
     collect; tail -n 40 "$RES/phases.log"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   collect) collect ;;
