@@ -468,10 +468,11 @@ lane_w() {
   mark lane_w
 }
 
-store_fp8_run() {  # store_fp8_run cold|warm: the reference drafter's 500 steps (store-fp8);
-  # cold: the whole run; warm: its training again on this machine (`drafter train --force`, the
-  # compile caches warm); the train manifest and metrics kept as store-fp8-$1.train.*
-  local v
+store_fp8_run() {  # store_fp8_run cold|warm [TAG]: the reference drafter's 500 steps
+  # (store-fp8); cold: the whole run; warm: its training again on this machine (`drafter train
+  # --force`, the compile caches warm); the train manifest and metrics kept as
+  # store-fp8-TAG.train.* (TAG: cold or warm unless given)
+  local v tag=${2:-$1}
   if [ "$1" = cold ]; then
     short store-fp8 500 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
       extract.teacher=topk
@@ -481,7 +482,7 @@ store_fp8_run() {  # store_fp8_run cold|warm: the reference drafter's 500 steps 
       extract.aux_dtype=fp8 extract.teacher=topk --force
   fi
   for v in manifest.json metrics.jsonl; do
-    cp runs/store-fp8/train/$v "$RES/store-fp8-$1.train.$v" 2>/dev/null
+    cp runs/store-fp8/train/$v "$RES/store-fp8-$tag.train.$v" 2>/dev/null
   done
 }
 
@@ -537,10 +538,7 @@ lane_p() {
   # AOTAutograd's cache skips pre and post (a custom autograd function, _RMSNormFn, in them):
   # torch's flag that allows it, twice (the first run fills that cache, the second reads it)
   for v in aot1 aot2; do
-    TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=1 store_fp8_run warm
-    for f in manifest.json metrics.jsonl; do
-      mv "$RES/store-fp8-warm.train.$f" "$RES/store-fp8-warm-$v.train.$f" 2>/dev/null
-    done
+    TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=1 store_fp8_run warm warm-$v
   done
   for v in a b; do
     step llama-sf14-4096-$v $PY benchmarks/train_throughput.py --shape llama8b --seq 4096 \
