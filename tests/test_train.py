@@ -361,12 +361,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# past the warm-up (10 steps), which only the main rank logs
+TWO_RANK_STEPS = {"max_steps": 12, "eval_every": 6}
+
+
 @pytest.fixture(scope="module")
 def one_rank(pipe, tmp_path_factory):
     """The reference: `drafter train` in 1 process with grad_accum 2 (offline shards)."""
     d = tmp_path_factory.mktemp("one-rank")
     run = copy_run(pipe, d / "run")
-    cfg = write_pipe_config(d / "cfg.yaml", run, pipe.shared, grad_accum=2)
+    cfg = write_pipe_config(d / "cfg.yaml", run, pipe.shared, grad_accum=2, **TWO_RANK_STEPS)
     cli(["train", str(cfg)])
     return run
 
@@ -375,12 +379,14 @@ def one_rank(pipe, tmp_path_factory):
                          ids=["ddp", "fsdp"])
 def test_two_ranks_equal_one_rank_with_accumulation(pipe, one_rank, tmp_path, fsdp):
     """`torchrun --nproc-per-node 2 -m drafter.cli train`, 2 gloo ranks × 1 row each == 1
-    process × grad_accum 2: same losses, metrics and final weights; DDP and FSDP2."""
+    process × grad_accum 2: same losses, metrics and final weights; DDP and FSDP2. Both run
+    past the warm-up, which only the main rank logs."""
     run = copy_run(pipe, tmp_path / "run")
-    cfg = write_pipe_config(tmp_path / "cfg.yaml", run, pipe.shared, fsdp=fsdp)
+    cfg = write_pipe_config(tmp_path / "cfg.yaml", run, pipe.shared, fsdp=fsdp,
+                            **TWO_RANK_STEPS)
     cli(["train", str(cfg)], nproc=2)
     m1, m2 = train_records(one_rank), train_records(run)
-    assert len(m1) == len(m2) == 4
+    assert len(m1) == len(m2) == 12
     assert [r["tokens"] for r in m1] == [r["tokens"] for r in m2]
     assert [r["positions"] for r in m1] == [r["positions"] for r in m2]
     for a, b in zip(m1, m2):
@@ -388,16 +394,17 @@ def test_two_ranks_equal_one_rank_with_accumulation(pipe, one_rank, tmp_path, fs
         assert a["acc"] == pytest.approx(b["acc"], abs=1e-6)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     v1, v2 = train_records(one_rank, "val"), train_records(run, "val")
-    assert [r["step"] for r in v1] == [r["step"] for r in v2] == [2, 4]
+    assert [r["step"] for r in v1] == [r["step"] for r in v2] == [6, 12]
     assert v1[-1]["loss"] == pytest.approx(v2[-1]["loss"], rel=1e-5)
     from safetensors.torch import load_file
-    w1 = load_file(str(Run(one_rank).checkpoint(4) / "model.safetensors"))
-    w2 = load_file(str(Run(run).checkpoint(4) / "model.safetensors"))
+    w1 = load_file(str(Run(one_rank).checkpoint(12) / "model.safetensors"))
+    w2 = load_file(str(Run(run).checkpoint(12) / "model.safetensors"))
     assert w1.keys() == w2.keys()
     for k in w1:
         assert torch.allclose(w1[k].float(), w2[k].float(), rtol=1e-4, atol=1e-6), k
     m = read_json(Run(run).manifest("train"))
-    assert m["world_size"] == 2 and m["fsdp"] == fsdp and m["final_step"] == 4
+    assert m["world_size"] == 2 and m["fsdp"] == fsdp and m["final_step"] == 12
+    assert len(m["warmup_steps_s"]) == 10
 
 
 def test_offline_equals_online(pipe, tmp_path):

@@ -208,18 +208,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                 if ttt.compiled:
                     warmup_compile = compile_stats()
                 if dist.main:
-                    c = warmup_compile
-                    log.info("train: warm-up (the first %d steps) %.1f s%s", WARMUP_STEPS,
-                             warmup_s, "" if c is None else
-                             f", of it compiling {c['seconds']:.1f} s: {c['graphs']} graphs, "
-                             f"Inductor's cache {c['fx_graph_cache']['hits']} hits / "
-                             f"{c['fx_graph_cache']['misses']} misses")
-                log.info("train: warm-up steps (s): %s",
-                         " ".join(f"{t:.2f}" for t in warmup_steps))
-                if c is not None and c["frames"]:
-                    log.info("train: compiles (s): %s", ", ".join(
-                        f"{f['graph']}{' backward' if f['pass'] == 'backward' else ''} "
-                        f"{f['seconds']:.2f}" for f in c["frames"]))
+                    log_warmup(warmup_s, warmup_steps, warmup_compile)
 
             if step % tc.log_every == 0 or step == total:
                 m = meter.read(dist, tc.ttt_decay)
@@ -301,6 +290,20 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         "last_checkpoint": str(run.checkpoints()[-1]) if run.checkpoints() else None,
         "best_checkpoint": str(best) if best else None,
     }
+
+
+def log_warmup(seconds: float, steps: list[float], c: dict | None) -> None:
+    """The warm-up in the log (issue 18: where it goes): its seconds, each step's, and on the
+    compiled path what compiling took, graph by graph (compile_stats)."""
+    log.info("train: warm-up (the first %d steps) %.1f s%s", WARMUP_STEPS, seconds,
+             "" if c is None else f", of it compiling {c['seconds']:.1f} s: {c['graphs']} "
+             f"graphs, Inductor's cache {c['fx_graph_cache']['hits']} hits / "
+             f"{c['fx_graph_cache']['misses']} misses")
+    log.info("train: warm-up steps (s): %s", " ".join(f"{t:.2f}" for t in steps))
+    if c is not None and c["frames"]:
+        log.info("train: compiles (s): %s", ", ".join(
+            f"{f['graph']}{' backward' if f['pass'] == 'backward' else ''} {f['seconds']:.2f}"
+            for f in c["frames"]))
 
 
 @torch.no_grad()
