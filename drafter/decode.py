@@ -190,6 +190,13 @@ class Decoder:
     def _reset_graphs(self):
         self.graphs.clear()
 
+    @staticmethod
+    def _graph_state(st, proposer) -> list:
+        """The tensors a graph over state `st` writes (a capture's warm-up run restores them):
+        the state's and the proposer's (a DraftModel's state_tensors, if it has any)."""
+        return st.tensors() + (list(getattr(proposer, "state_tensors", list)())
+                               if proposer is not None else [])
+
     def _graphed(self, B: int, Tp: int) -> bool:
         """Whether a whole batch's prefill of B prompts left-padded to Tp replays a graph."""
         return self.graphs.enabled and B * Tp <= self.prefill_graph_tokens
@@ -282,7 +289,7 @@ class Decoder:
             st.stop.copy_(torch.tensor(stop_ids, device=self.device))
         key = ("spec" if spec else "plain", id(st), temperature, top_p, tree, id(proposer),
                self.target.aux_ids, record_gaps)
-        state = st.tensors() + (list(getattr(proposer, "state_tensors", list)()) if spec else [])
+        state = self._graph_state(st, proposer)
         if spec:
             def fn(span):
                 self._spec_step(st, span, proposer, tree, temperature)
@@ -464,10 +471,9 @@ class Decoder:
                 start_in.copy_(start)
                 key = ("prefill", id(st), Tp, temperature, top_p, id(proposer),
                        self.target.aux_ids, record_gaps)
-                state = st.tensors() + (list(getattr(proposer, "state_tensors", list)())
-                                        if proposer is not None else [])
                 self.graphs.run(key, lambda: self._prefill_rows(
-                    st, ids_in, start_in, temperature, top_p, proposer, record_gaps, None), state)
+                    st, ids_in, start_in, temperature, top_p, proposer, record_gaps, None),
+                    self._graph_state(st, proposer))
             else:
                 self._prefill_rows(st, ids, start, temperature, top_p, proposer, record_gaps,
                                    rows)
