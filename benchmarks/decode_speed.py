@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from op_count import OpCount  # noqa: E402
 
-from drafter.config import TargetConfig  # noqa: E402
+from drafter.config import EvaluateConfig, TargetConfig  # noqa: E402
 from drafter.decode import Decoder, EagleDraft, TreeSpec, acceptance_stats  # noqa: E402
 from drafter.target import load_model  # noqa: E402
 
@@ -346,11 +346,11 @@ def main(argv=None) -> int:
     if a.prefill_lengths:
         # evaluate prefills each prompt once, one shape per prompt length: eager, a backend with
         # a per-shape setup cost (cuDNN attention's plans) charges it to the first method to
-        # meet a length; graphed (the default for batch x length <= 2048), each padded length
+        # meet a length; graphed (evaluate's default, prefill_graph_tokens), each padded length
         # is captured once, the capture not counted. Each method here meets lengths new to it.
         n = a.prefill_lengths
         lens = random.Random(0).sample(range(a.prompt_tokens // 2, 4 * a.prompt_tokens), 2 * n)
-        for how, pgt in (("graphed", 2048), ("eager", 0)):
+        for how, pgt in (("graphed", EvaluateConfig().prefill_graph_tokens), ("eager", 0)):
             dec = Decoder(model, max_batch=1, cuda_graphs=graphs, fold=fold,
                           prefill_graph_tokens=pgt)
             for name, p, ls in (("plain", None, lens[:n]), ("speculative", P, lens[n:])):

@@ -674,7 +674,7 @@ def main(argv=None):
     p.add_argument("--teacher", default="topk", help="topk, hidden, or both: topk,hidden")
     p.add_argument("--topk", type=int, default=64)
     p.add_argument("--data", help="a run dir with extract shards: real packed rows (smollm2)")
-    p.add_argument("--loader-threads", type=int, default=4,
+    p.add_argument("--loader-threads", type=int, default=C.TrainConfig().loader_threads,
                    help="--data: threads building batches from the store (train.loader_threads)")
     p.add_argument("--real", action="store_true",
                    help="chat-like packed rows from a cold start: warm-up, average vs steady")
