@@ -102,38 +102,36 @@
 #           continuous and static -> Llama-8B beside SpecForge -> tree 3/8/17 at batch 1 ->
 #           the eager merge's cold warm-up against the compiled one's, and its Llama-8B step
 #           once (no decode_speed: the steps did not change)
-#   bash benchmarks/recipe_session.sh start-tenth  # not run yet; one lane, alone on the GPU
+#   bash benchmarks/recipe_session.sh start-tenth  # run in the tenth session; one lane, alone
 #   lane w: the GPU tests -> store-fp8 500 steps with the merge eager (a real run's warm-up and
 #           avg/steady) -> loader_speed with its first 20 batches untimed -> its store through
 #           train_throughput --data, 1 and 4 loader threads alternating -> chain K=2 and tree
 #           3/8/17 at batch 1 -> decode_speed's prefills at new lengths, batch 1, then under
 #           torch.profiler (--profile-prefill) (about 15 minutes)
-#   bash benchmarks/recipe_session.sh start-eleventh  # one lane, alone on the GPU
+#   bash benchmarks/recipe_session.sh start-eleventh  # run in the tenth session; one lane, alone
 #   lane x: the decoder's GPU tests (the prefills graphed) -> store-fp8 500 steps (a cold real
 #           run) -> chain K=2 and tree 3/8/17 at batch 1, prefills graphed, then eager
 #           (evaluate.prefill_graph_tokens=0) -> the same training again on the same machine
 #           (`drafter train --force`: a real run with the compile cache warm) -> decode_speed's
 #           prefills at new lengths, graphed and eager (about 14 minutes)
-#   bash benchmarks/recipe_session.sh start-twelfth  # not run yet; one lane, alone on the GPU
-#   lane y: all GPU tests (the graphed-prefill test as fixed in 9eb8ea6) -> store-fp8 500 steps
-#           cold, then `drafter train --force` warm, each manifest's warmup_compile saying how
-#           much of the warm-up is compiling (about 10 minutes)
-#   bash benchmarks/recipe_session.sh start-thirteenth  # one lane, alone on the GPU; also needs
+#   (lane y, prepared in the tenth session, never ran: lane z took its runs)
+#   bash benchmarks/recipe_session.sh start-thirteenth  # run in the eleventh session; also needs
 #     runs/t08 (xz -dc .carry_t/t08-generate.tar.xz | tar -xf - -C runs && touch
 #     runs/t08/.restored), which it waits for
 #   lane z: all GPU tests -> mixed: the quality issue's drafter (configs/scale-smollm2-mixed.yaml,
 #           online, one pass: chain K=5 tau 2.93, tree 6/8/48 4.42 in the third session) and its
 #           evaluate at T=0, all 524 prompts at batch 64, continuous (issue 16's quality-drafter
 #           goal: >= 1.3x) -> chain K=5 and the tree at batch 1 (10 records a dataset: >= 1.5x)
-#           -> store-fp8 500 steps cold, then warm (lane y's runs: warmup_compile and each
-#           warm-up step's seconds) (about 22 minutes)
+#           -> store-fp8 500 steps cold, then warm (warmup_compile and each warm-up step's
+#           seconds) (about 22 minutes)
 #   bash benchmarks/recipe_session.sh start-fourteenth  # not run yet; one lane, alone on the GPU;
 #     SpecForge from .whl as for start-eighth
 #   lane p: store-fp8 500 steps on a fresh machine (cold compile caches), then again warm: each
 #           manifest's warmup_compile.frames says which graph the first step's 10-19 s of
 #           compiles go to (issue 18); then warm twice more with AOTAutograd's cache allowed
-#           for pre and post (does a warm warm-up get shorter?) -> the Llama-8B shape beside SpecForge at 4,096, both
-#           teachers, twice (issue 18's 1.26x, and how much SpecForge moves within a machine)
+#           for pre and post (does a warm warm-up get shorter?) -> the Llama-8B shape beside
+#           SpecForge at 4,096, both teachers, twice (issue 18's 1.26x, and how much SpecForge
+#           moves within a machine)
 #           -> decode_speed's steps by part at batch 64 (--profile: the tree step's overhead
 #           against its parts, issue 16's last goal) (about 16 minutes)
 set -uo pipefail
@@ -473,13 +471,12 @@ store_fp8_run() {  # store_fp8_run cold|warm [TAG]: the reference drafter's 500 
   # --force`, the compile caches warm); the train manifest and metrics kept as
   # store-fp8-TAG.train.* (TAG: cold or warm unless given)
   local v tag=${2:-$1}
+  local cfg=(train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 extract.teacher=topk)
   if [ "$1" = cold ]; then
-    short store-fp8 500 train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 \
-      extract.teacher=topk
-  else
+    short store-fp8 500 "${cfg[@]}"
+  else  # short's run dir and overrides, training only
     step store-fp8-warm $DRAFTER train $CFG "${BASE[@]}" run_dir=runs/store-fp8 "${CHAIN[@]}" \
-      train.max_steps=500 train.save_every=100000 train.lr=1.2e-3 train.online=false \
-      extract.aux_dtype=fp8 extract.teacher=topk --force
+      train.max_steps=500 train.save_every=100000 "${cfg[@]}" --force
   fi
   for v in manifest.json metrics.jsonl; do
     cp runs/store-fp8/train/$v "$RES/store-fp8-$tag.train.$v" 2>/dev/null
@@ -506,13 +503,6 @@ lane_x() {
   step prefill-11 $PY benchmarks/decode_speed.py --random-target --batches 1 \
     --prefill-lengths 8
   mark lane_x
-}
-
-lane_y() {
-  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/
-  store_fp8_run cold
-  store_fp8_run warm
-  mark lane_y
 }
 
 lane_z() {
@@ -591,13 +581,13 @@ case "${1:-}" in
     setsid bash "$0" lane_t < /dev/null > "$RES/lane_t.out" 2>&1 &
     sleep 2; log "seventh lane started" ;;
   lane_t) lane_t ;;
-  start-eighth|start-ninth|start-tenth|start-eleventh|start-twelfth|start-thirteenth|\
-  start-fourteenth)  # one lane (u-z, p)
+  start-eighth|start-ninth|start-tenth|start-eleventh|start-thirteenth|start-fourteenth)
+    # one lane each: u, v, w, x, z, p
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
       --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
     lane=lane_u; [ "$1" = start-ninth ] && lane=lane_v; [ "$1" = start-tenth ] && lane=lane_w
-    [ "$1" = start-eleventh ] && lane=lane_x; [ "$1" = start-twelfth ] && lane=lane_y
+    [ "$1" = start-eleventh ] && lane=lane_x
     [ "$1" = start-thirteenth ] && lane=lane_z; [ "$1" = start-fourteenth ] && lane=lane_p
     setsid bash "$0" $lane < /dev/null > "$RES/$lane.out" 2>&1 &
     sleep 2; log "$lane started" ;;
@@ -605,7 +595,6 @@ case "${1:-}" in
   lane_v) lane_v ;;
   lane_w) lane_w ;;
   lane_x) lane_x ;;
-  lane_y) lane_y ;;
   lane_z) lane_z ;;
   lane_p) lane_p ;;
   start-fifth)
@@ -632,7 +621,7 @@ case "${1:-}" in
       && [ ! -f "$RES/lane_g.done" ] && [ ! -f "$RES/lane_s.done" ] \
       && [ ! -f "$RES/lane_t.done" ] && [ ! -f "$RES/lane_u.done" ] \
       && [ ! -f "$RES/lane_v.done" ] && [ ! -f "$RES/lane_w.done" ] \
-      && [ ! -f "$RES/lane_x.done" ] && [ ! -f "$RES/lane_y.done" ] \
+      && [ ! -f "$RES/lane_x.done" ] \
       && [ ! -f "$RES/lane_z.done" ] && [ ! -f "$RES/lane_p.done" ]; do sleep 5; done
     collect; tail -n 40 "$RES/phases.log"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
