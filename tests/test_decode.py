@@ -315,6 +315,7 @@ def test_prompts_padded_to_a_graphed_prefills_length_give_the_same_tokens(smol, 
     the CPU, with that padding forced: the plain and speculative tokens and acceptance are the
     unpadded run's, static and continuous (whose first fill is padded, its refills not)."""
     from drafter.decode import PREFILL_BUCKET
+    from drafter.static import round_up
 
     model, plain, V = smol["model"], smol["plain"], smol["model"].config.vocab_size
     prompts = smol["prompts"] + smol["prompts"][::-1]
@@ -326,7 +327,7 @@ def test_prompts_padded_to_a_graphed_prefills_length_give_the_same_tokens(smol, 
 
     def padded(self, B, Tp):
         seen.append((B, Tp))
-        return -(-Tp // PREFILL_BUCKET) * PREFILL_BUCKET
+        return round_up(Tp, PREFILL_BUCKET)
 
     monkeypatch.setattr(Decoder, "_prompt_len", padded)
     dec = Decoder(model, max_batch=2)
