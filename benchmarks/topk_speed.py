@@ -6,8 +6,9 @@ step at batch 64 on the H200, 11 calls a step at 84 us each, decode_speed --prof
 
 For each shape a tree step searches (its rows at batch 64: the root's 64 and the frontier's
 64 x 8 draft-vocab rows, the k·k candidates of a depth, the final top-N over all candidates)
-it times torch.topk against a two-stage search (the top k of each chunk of C columns, then the
-top k of those) and a full sort, and checks that each returns the same values as torch.topk.
+it times torch.topk against tree.top_indices (each chunk's maximum, then the k best chunks'
+values: what build_tree runs), a two-stage search (the top k of each chunk of C columns, then
+the top k of those) and a full sort, and checks that each returns the same values as torch.topk.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter.decode import _time_ms  # noqa: E402
+from drafter.tree import top_indices  # noqa: E402
 
 
 def two_stage(x: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
@@ -57,6 +59,7 @@ def main(argv=None) -> int:
         x = torch.randn(R, V, device=dev).to(dt)
         ref = x.topk(kk, dim=-1).values
         cands = {"torch.topk": lambda x=x, kk=kk: x.topk(kk, dim=-1).indices,
+                 "tree.top_indices": lambda x=x, kk=kk: top_indices(x, kk),
                  "sort": lambda x=x, kk=kk: x.sort(dim=-1, descending=True).indices[:, :kk]}
         if V >= 4096:
             for c in (128, 256, 512, 1024, 2048):

@@ -77,6 +77,24 @@ def _gumbel_like(x: Tensor) -> Tensor:
     return -torch.log(-torch.log(u))
 
 
+def top_indices(x: Tensor, k: int) -> Tensor:
+    """Indices [..., k] of the k largest of each row of x [..., V], largest first: torch.topk's
+    values (among exactly equal values, perhaps other indices). A wide row is searched in two
+    reads: each chunk of c columns' maximum, then the k chunks with the largest maxima, whose
+    c·k values hold the row's k largest (a value outside them has k chunk maxima at least as
+    large above it). torch.topk reads a row in one thread block, a radix pass at a time: the
+    frontier's [512, 32000] bf16 took 158 us on the H200 (issue 16), a 33 MB read."""
+    V = x.shape[-1]
+    c = next((c for c in (128, 64, 32) if V % c == 0 and V >= 8 * k * c), 0)
+    if not c:
+        return x.topk(k, dim=-1).indices
+    xc = x.reshape(-1, V // c, c)                                                  # [R, V/c, c]
+    R = xc.shape[0]
+    best = xc.amax(-1).topk(k, dim=-1).indices                                     # [R, k]
+    top = xc.gather(1, best[..., None].expand(R, k, c)).flatten(1).topk(k, dim=-1).indices
+    return (best.gather(1, top // c) * c + top % c).view(*x.shape[:-1], k)        # [..., k]
+
+
 @functools.cache  # never evicted: a captured graph reads these tensors' memory on every replay
 def _layout(k: int, D: int, device: str) -> tuple[Tensor, Tensor, Tensor]:
     """Constants of a (topk k, depth D) tree's M = k + (D-1)·k² candidates, made once per device
@@ -108,13 +126,13 @@ def build_tree(root_logits: Tensor, scorer, spec: TreeSpec, temperature: float) 
     def expand(logits):  # [..., Vd] -> children's ids, log-probs [..., k]; the log-probs
         if sample:           # [..., Vd] they are drawn from (sampling only)
             lq = F.log_softmax(logits.float() / temperature, dim=-1)
-            return (lq + _gumbel_like(lq)).topk(k, dim=-1).indices, \
-                lq.topk(k, dim=-1).values, lq
+            return top_indices(lq + _gumbel_like(lq), k), \
+                lq.gather(-1, top_indices(lq, k)), lq
         # Greedy: the k largest logits are the k largest log-probs, so topk reads the logits in
         # their own dtype (bf16: half the bytes, half the radix passes of the fp32 log-probs;
         # topk was a tenth of the tree step at batch 64 on the H200), and log_softmax reads them
         # once more, in float32 inside the kernel (no float32 copy first)
-        ids = logits.topk(k, dim=-1).indices
+        ids = top_indices(logits, k)
         return ids, F.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, ids), None
 
     ids, sc, lq = expand(root_logits)                                               # [B, k]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafter import tree as tree_mod
 from drafter.decode import (Decoder, EagleDraft, TreeSpec, acceptance_stats, ancestors,
                             build_tree, verify_chain_sample, verify_sample)
 from drafter.model import Drafter, DrafterConfig
@@ -133,6 +134,42 @@ def test_build_tree_is_eagle2_greedy_and_ancestor_closed():
     assert anc[:, 0].sum(-1).eq(1).all() and anc.diagonal(dim1=1, dim2=2).all()
     chain = build_tree(root, scorer, TreeSpec.chain(3), 0.0)
     assert chain.parent.tolist() == [[0, 1, 2]] * B and chain.depth.tolist() == [[1, 2, 3]] * B
+
+
+@pytest.mark.parametrize("shape,dtype", [((64, 32000), torch.bfloat16),
+                                         ((4, 8, 4096), torch.float32),
+                                         ((3, 1000), torch.float32)],
+                         ids=["frontier-bf16", "3d-float32", "narrow"])
+def test_top_indices_finds_torch_topks_values(shape, dtype):
+    """The chunked search (wide rows) and its fallback (narrow ones) give torch.topk's k values
+    in its order, at k distinct indices, also among thousands of exact ties."""
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    for t in (x.to(dtype), (x * 2).round().to(dtype)):
+        i = tree_mod.top_indices(t, 8)
+        assert i.shape == (*shape[:-1], 8)
+        assert torch.equal(t.gather(-1, i), t.topk(8, dim=-1).values)
+        assert (i.sort(-1).values.diff(dim=-1) > 0).all()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_trees_over_a_wide_vocab_are_torch_topks_trees(monkeypatch, temperature):
+    """build_tree over a 4,096-token draft vocab (the chunked search) makes the tree that
+    torch.topk makes: the same tokens, parents, depths and distributions, greedy and sampled."""
+    B, Vd, spec = 4, 4096, TreeSpec(4, 4, 20)
+    g = torch.Generator().manual_seed(0)
+    tables, root = torch.randn(97, Vd, generator=g) * 3, torch.randn(B, Vd, generator=g) * 3
+
+    def build():
+        torch.manual_seed(1)
+        return build_tree(root, lambda i, ids, parent: tables[ids % 97], spec, temperature)
+
+    chunked = build()
+    monkeypatch.setattr(tree_mod, "top_indices", lambda x, k: x.topk(k, dim=-1).indices)
+    plain = build()
+    for f in ("tokens", "parent", "depth", "valid", "dist", "rank", "logq"):
+        a, b = getattr(chunked, f), getattr(plain, f)
+        assert (a is None and b is None) or torch.equal(a, b), f
 
 
 @pytest.mark.parametrize("spec", [TreeSpec.chain(3), TreeSpec(3, 3, 8), "chain step"],
