@@ -375,8 +375,9 @@ def _graphs() -> int:
 
 def varied_batches(n: int, T: int, K: int, head, chunk: int) -> list[dict]:
     """n batches of 2 rows × T packed from samples of random lengths and prompt lengths, so
-    each has its own number of loss rows N and its own last-chunk size (never 1 row: dynamo
-    specialises sizes 0 and 1, one graph more, which a real run may meet once)."""
+    each has its own number of loss rows N and its own last-chunk size; the third's N leaves
+    1 row after its last whole chunk (dynamo specialises a size of 1: loss_chunks must join it
+    to the chunk before, or that batch compiles one graph more)."""
     g = torch.Generator().manual_seed(3)
     out = []
     while len(out) < n:
@@ -390,8 +391,8 @@ def varied_batches(n: int, T: int, K: int, head, chunk: int) -> list[dict]:
                 free -= m
             rows.append(row)
         b = batch_of(rows, T, K=K, teacher="topk", head=head)
-        if len(b["rows"]) % chunk not in (1,) and len(b["rows"]) not in (len(x["rows"])
-                                                                       for x in out):
+        one_left = len(b["rows"]) % chunk == 1 and len(b["rows"]) > chunk
+        if one_left == (len(out) == 2) and len(b["rows"]) not in (len(x["rows"]) for x in out):
             out.append(b)
     return out
 
@@ -406,6 +407,7 @@ def test_compiled_path_compiles_once_for_any_loss_rows(head):
     T, K, chunk = 24, 3, 16
     data = varied_batches(6, T, K, head, chunk)
     assert len({len(b["rows"]) % chunk for b in data}) >= 4          # tails of several sizes
+    assert len(data[2]["rows"]) % chunk == 1                           # one of 1 row
     models = {}
     for comp in (False, True):
         d = make_drafter()
