@@ -378,7 +378,16 @@ class TTT(nn.Module):
             # compiles of a cold warm-up at K=7); eager, cold warm-ups took 21-23 s against
             # 30-33 s, at the same Llama-8B step speed (H200, BENCHMARKS.md, issue 18).
             import torch._dynamo
+            import torch._functorch.config as aot_config
             torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+            # AOTAutograd's on-disk cache refuses a graph holding a custom autograd.Function
+            # (_RMSNormFn, in pre and post) unless this flag allows it, so each process traced
+            # and partitioned their joint graphs again: a warm warm-up compiled for 13.5 s, with
+            # the flag 3.5 s (H200, issue 18). PyTorch found the Function's operator pure in its
+            # inputs and means to make it the default (pytorch#149751). The environment's
+            # TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0 still turns it off.
+            if hasattr(aot_config, "autograd_cache_allow_custom_autograd_functions"):
+                aot_config.autograd_cache_allow_custom_autograd_functions = True
             self.pre_fn, self.post_fn, self.stats_fn = (
                 torch.compile(f, dynamic=False, backend=backend)
                 for f in (pre, post, _chunk_stats))

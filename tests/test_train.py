@@ -498,6 +498,39 @@ def test_compile_stats_count_what_a_compile_cost():
     torch._dynamo.reset()
 
 
+_AOT_PROBE = """
+import json, torch
+from drafter.trainer import compile_stats
+from drafter.ttt import TTT
+from tests.test_model import batch_of, make_drafter, packed_rows, run_ttt
+d = make_drafter()
+ttt = TTT(d, attention="sdpa", compile=True)  # inductor: pre and post hold _RMSNormFn
+run_ttt(ttt, d, batch_of(packed_rows(), 24, head=torch.randn(40, 24) * 0.3))["loss"].backward()
+print(json.dumps(compile_stats()["aot_autograd_cache"]))
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor's CPU kernels need a C++ compiler")
+def test_a_second_process_reads_pre_and_post_from_aotautograds_cache(tmp_path):
+    """pre and post hold a custom autograd.Function (_RMSNormFn), which AOTAutograd's on-disk
+    cache refuses unless TTT allows it: a second process (a second `drafter train` on one
+    machine) then reads both graphs' traced forward and backward from the cache instead of
+    tracing them again (issue 18: a warm warm-up's 13.5 s of compiling became 3.5 s)."""
+    import json
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD", None)
+    runs = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", _AOT_PROBE], env=env, capture_output=True,
+                           text=True, timeout=600, cwd=REPO)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    assert runs[0] == {"hits": 0, "misses": 2}
+    assert runs[1] == {"hits": 2, "misses": 0}
+
+
 # ------------------------------------------- online: target forwards and torch.compile's tracers
 def _trace_while_a_module_runs(hold: bool) -> list:
     """A torch.compile backend traces with torch.fx (as inductor's subgraph lowering does) and,
