@@ -37,6 +37,16 @@ def two_stage(x: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
     return i.flatten(1).gather(1, top)
 
 
+def chunked(x: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
+    """tree.top_indices with chunks of `chunk` columns (tree.TOP_CHUNKS = (chunk,))."""
+    from drafter import tree
+    saved, tree.TOP_CHUNKS = tree.TOP_CHUNKS, (chunk,)
+    try:
+        return top_indices(x, k)
+    finally:
+        tree.TOP_CHUNKS = saved
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, default=64, help="batch rows")
@@ -60,6 +70,8 @@ def main(argv=None) -> int:
         ref = x.topk(kk, dim=-1).values
         cands = {"torch.topk": lambda x=x, kk=kk: x.topk(kk, dim=-1).indices,
                  "tree.top_indices": lambda x=x, kk=kk: top_indices(x, kk),
+                 **{f"tree.top_indices, chunks of {c}": lambda x=x, kk=kk, c=c: chunked(x, kk, c)
+                    for c in (16, 32, 64, 256) if V % c == 0 and V >= 8 * kk * c},
                  "sort": lambda x=x, kk=kk: x.sort(dim=-1, descending=True).indices[:, :kk]}
         if V >= 4096:
             for c in (128, 256, 512, 1024, 2048):

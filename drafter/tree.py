@@ -77,6 +77,9 @@ def _gumbel_like(x: Tensor) -> Tensor:
     return -torch.log(-torch.log(u))
 
 
+TOP_CHUNKS = (128, 64, 32)  # top_indices' chunk widths, the first that divides the row
+
+
 def top_indices(x: Tensor, k: int) -> Tensor:
     """Indices [..., k] of the k largest of each row of x [..., V], largest first: torch.topk's
     values (among exactly equal values, perhaps other indices). A wide row is searched in two
@@ -85,7 +88,7 @@ def top_indices(x: Tensor, k: int) -> Tensor:
     large above it). torch.topk reads a row in one thread block, a radix pass at a time: the
     frontier's [512, 32000] bf16 took 158 us on the H200 (issue 16), a 33 MB read."""
     V = x.shape[-1]
-    c = next((c for c in (128, 64, 32) if V % c == 0 and V >= 8 * k * c), 0)
+    c = next((c for c in TOP_CHUNKS if V % c == 0 and V >= 8 * k * c), 0)
     if not c:
         return x.topk(k, dim=-1).indices
     xc = x.reshape(-1, V // c, c)                                                  # [R, V/c, c]
