@@ -267,7 +267,13 @@ def main(argv=None) -> int:
                     help="with --prefill-lengths N: N more prefills per method under "
                          "torch.profiler (where the speculative prefill's time goes)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--top-chunks", type=int,
+                    help="the tree's top-k searches in chunks of this many columns "
+                         "(drafter.tree.TOP_CHUNKS; default: its own)")
     a = ap.parse_args(argv)
+    if a.top_chunks:
+        from drafter import tree
+        tree.TOP_CHUNKS = (a.top_chunks,)
     fold = {"auto": None, "on": True, "off": False}[a.fold]
     tmp = None
     if a.tiny:
