@@ -124,8 +124,8 @@
 #           goal: >= 1.3x) -> chain K=5 and the tree at batch 1 (10 records a dataset: >= 1.5x)
 #           -> store-fp8 500 steps cold, then warm (warmup_compile and each warm-up step's
 #           seconds) (about 22 minutes)
-#   bash benchmarks/recipe_session.sh start-fourteenth  # not run yet; one lane, alone on the GPU;
-#     SpecForge from .whl as for start-eighth
+#   bash benchmarks/recipe_session.sh start-fourteenth  # ran in the twelfth session (51b5b02);
+#     one lane, alone on the GPU; SpecForge from .whl as for start-eighth
 #   lane p: store-fp8 500 steps on a fresh machine (cold compile caches), then again warm: each
 #           manifest's warmup_compile.frames says which graph the first step's 10-19 s of
 #           compiles go to (issue 18); then warm twice more with AOTAutograd's cache allowed
@@ -134,6 +134,13 @@
 #           moves within a machine)
 #           -> decode_speed's steps by part at batch 64 (--profile: the tree step's overhead
 #           against its parts, issue 16's last goal) (about 16 minutes)
+#   bash benchmarks/recipe_session.sh start-fifteenth  # not run yet; one lane, alone on the GPU;
+#     SpecForge from .whl as for start-eighth
+#   lane q: store-fp8 500 steps cold, then warm twice: AOTAutograd's cache allowed in the code
+#           (eefb402) and a 1-row loss chunk joined to the one before (b6b4687): do warm runs
+#           start in ~6 s, and does the sixth graph by step 50 go? -> the Llama-8B shape beside
+#           SpecForge at 4,096, both teachers, three times (issue 18's 1.3x against SpecForge's
+#           own spread) (about 14 minutes)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -538,6 +545,19 @@ lane_p() {
   mark lane_p
 }
 
+lane_q() {
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
+  local v
+  store_fp8_run cold
+  store_fp8_run warm
+  store_fp8_run warm warm2
+  for v in a b c; do
+    step llama-sf15-4096-$v $PY benchmarks/train_throughput.py --shape llama8b --seq 4096 \
+      --teacher topk,hidden
+  done
+  mark lane_q
+}
+
 collect() {
   collect_runs
   # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
@@ -581,14 +601,16 @@ case "${1:-}" in
     setsid bash "$0" lane_t < /dev/null > "$RES/lane_t.out" 2>&1 &
     sleep 2; log "seventh lane started" ;;
   lane_t) lane_t ;;
-  start-eighth|start-ninth|start-tenth|start-eleventh|start-thirteenth|start-fourteenth)
-    # one lane each: u, v, w, x, z, p
+  start-eighth|start-ninth|start-tenth|start-eleventh|start-thirteenth|start-fourteenth|\
+  start-fifteenth)
+    # one lane each: u, v, w, x, z, p, q
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
       --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
     lane=lane_u; [ "$1" = start-ninth ] && lane=lane_v; [ "$1" = start-tenth ] && lane=lane_w
     [ "$1" = start-eleventh ] && lane=lane_x
     [ "$1" = start-thirteenth ] && lane=lane_z; [ "$1" = start-fourteenth ] && lane=lane_p
+    [ "$1" = start-fifteenth ] && lane=lane_q
     setsid bash "$0" $lane < /dev/null > "$RES/$lane.out" 2>&1 &
     sleep 2; log "$lane started" ;;
   lane_u) lane_u ;;
@@ -597,6 +619,7 @@ case "${1:-}" in
   lane_x) lane_x ;;
   lane_z) lane_z ;;
   lane_p) lane_p ;;
+  lane_q) lane_q ;;
   start-fifth)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     setsid bash "$0" lane_g < /dev/null > "$RES/lane_g.out" 2>&1 &
@@ -622,7 +645,8 @@ case "${1:-}" in
       && [ ! -f "$RES/lane_t.done" ] && [ ! -f "$RES/lane_u.done" ] \
       && [ ! -f "$RES/lane_v.done" ] && [ ! -f "$RES/lane_w.done" ] \
       && [ ! -f "$RES/lane_x.done" ] \
-      && [ ! -f "$RES/lane_z.done" ] && [ ! -f "$RES/lane_p.done" ]; do sleep 5; done
+      && [ ! -f "$RES/lane_z.done" ] && [ ! -f "$RES/lane_p.done" ] \
+      && [ ! -f "$RES/lane_q.done" ]; do sleep 5; done
     collect; tail -n 40 "$RES/phases.log"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   collect) collect ;;
