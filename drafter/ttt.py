@@ -208,9 +208,9 @@ def _rows_dynamic(*ts) -> None:
 
 def loss_chunks(N: int, chunk: int) -> list[tuple[int, int]]:
     """The loss's row ranges: `chunk` rows each and the rest last, where a rest of 1 row joins
-    the chunk before it. Dynamo specialises a size of 1, so a 1-row chunk (one batch in `chunk`)
-    would compile one more graph mid-run (likely the store-fp8 runs' sixth graph, between steps
-    10 and 50 on the H200: issue 18)."""
+    the chunk before it. Dynamo specialises a size of 1, so a 1-row chunk (about one batch in
+    `chunk` has one) would compile one more graph mid-run (likely the store-fp8 runs' sixth
+    graph, between steps 10 and 50 on the H200: issue 18)."""
     ends = list(range(chunk, N, chunk)) + [N] if N > 0 else []
     if len(ends) > 1 and ends[-1] - ends[-2] == 1:
         del ends[-2]
