@@ -138,9 +138,10 @@
 #     SpecForge from .whl as for start-eighth
 #   lane q: store-fp8 500 steps cold, then warm twice: AOTAutograd's cache allowed in the code
 #           (eefb402) and a 1-row loss chunk joined to the one before (b6b4687): do warm runs
-#           start in ~6 s, and does the sixth graph by step 50 go? -> the Llama-8B shape beside
-#           SpecForge at 4,096, both teachers, three times (issue 18's 1.3x against SpecForge's
-#           own spread) (about 14 minutes)
+#           start in ~6 s, and does the sixth graph by step 50 go? Then warm with expandable
+#           segments (the metrics' cuda_mallocs: is the allocator why later intervals run
+#           faster?) -> the Llama-8B shape beside SpecForge at 4,096, both teachers, three
+#           times (issue 18's 1.3x against SpecForge's own spread) (about 16 minutes)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -551,6 +552,9 @@ lane_q() {
   store_fp8_run cold
   store_fp8_run warm
   store_fp8_run warm warm2
+  # do the later intervals run faster because the allocator stops calling cudaMalloc? (the
+  # metrics' cuda_mallocs); expandable segments grow the pool without new ones
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True store_fp8_run warm warm-exp
   for v in a b c; do
     step llama-sf15-4096-$v $PY benchmarks/train_throughput.py --shape llama8b --seq 4096 \
       --teacher topk,hidden

@@ -227,6 +227,9 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                     m["graphs"] = compiled_graphs()
                 if cuda:
                     m["mem_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
+                    # the caching allocator's cudaMalloc calls so far: still rising mid-run, the
+                    # steps still wait on new memory (issue 18: later intervals ran faster)
+                    m["cuda_mallocs"] = torch.cuda.memory_stats(dev).get("segment.all.allocated")
                 if dist.main:
                     eta = (total - step) * (now - t_start) / max(step - first, 1)
                     log.info("%s", fmt_line("train", step, total, m,
