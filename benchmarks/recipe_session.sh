@@ -141,7 +141,9 @@
 #           start in ~6 s, and does the sixth graph by step 50 go? Then warm with expandable
 #           segments (the metrics' cuda_mallocs: is the allocator why later intervals run
 #           faster?) -> the Llama-8B shape beside SpecForge at 4,096, both teachers, three
-#           times (issue 18's 1.3x against SpecForge's own spread) (about 16 minutes)
+#           times (issue 18's 1.3x against SpecForge's own spread) -> topk_speed --parts
+#           (where the tree's frontier search goes) and the tree step at batch 64 (issue 16)
+#           (about 17 minutes)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -559,6 +561,10 @@ lane_q() {
     step llama-sf15-4096-$v $PY benchmarks/train_throughput.py --shape llama8b --seq 4096 \
       --teacher topk,hidden
   done
+  # issue 16: where top_indices' 113 us go, and the tree step at batch 64 on this machine
+  step topk-parts-15 $PY benchmarks/topk_speed.py --parts
+  step tree-b64-15 $PY benchmarks/decode_speed.py --random-target --batches 64 \
+    --prefill-lengths 0
   mark lane_q
 }
 

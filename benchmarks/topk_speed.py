@@ -3,6 +3,7 @@ step at batch 64 on the H200, 11 calls a step at 84 us each, decode_speed --prof
 
     python benchmarks/topk_speed.py            # GPU: CUDA-graph replays, CUDA events
     python benchmarks/topk_speed.py --rows 4   # CPU smoke
+    python benchmarks/topk_speed.py --parts    # + tree.top_indices' frontier search by part
 
 For each shape a tree step searches (its rows at batch 64: the root's 64 and the frontier's
 64 x 8 draft-vocab rows, the k·k candidates of a depth, the final top-N over all candidates)
@@ -47,6 +48,32 @@ def chunked(x: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
         tree.TOP_CHUNKS = saved
 
 
+def parts(x: torch.Tensor, k: int, dev: str) -> None:
+    """--parts: tree.top_indices' search of x [R, V] one kernel group at a time (its chunk
+    width from tree.TOP_CHUNKS), beside the float32 log_softmax that build_tree's greedy
+    expansion reads the k log-probs from (the other full read of the frontier's logits)."""
+    from drafter import tree
+    R, V = x.shape
+    c = next(c for c in tree.TOP_CHUNKS if V % c == 0)
+    xc = x.view(R, V // c, c)
+    best = xc.amax(-1).topk(k, dim=-1).indices
+    cand = xc.gather(1, best[..., None].expand(R, k, c)).flatten(1)
+    top = cand.topk(k, dim=-1).indices
+    steps = {f"chunk maxima [{R}, {V // c}]": lambda: xc.amax(-1),
+             "top k of the maxima": lambda: xc.amax(-1).topk(k, dim=-1).indices,
+             f"gather the k chunks [{R}, {k * c}]": lambda: xc.gather(
+                 1, best[..., None].expand(R, k, c)),
+             "top k of their values": lambda: cand.topk(k, dim=-1).indices,
+             "indices back": lambda: best.gather(1, top // c) * c + top % c,
+             "whole search": lambda: top_indices(x, k),
+             "log_softmax float32 + gather k": lambda: torch.nn.functional.log_softmax(
+                 x, dim=-1, dtype=torch.float32).gather(-1, top)}
+    cells = [f"{label} {1000 * _time_ms(fn, True, 200) if dev == 'cuda' else float('nan'):.1f}"
+             for label, fn in steps.items()]
+    print(f"  by part (chunks of {c}; 'top k of the maxima' includes the maxima): "
+          + "; ".join(cells), flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, default=64, help="batch rows")
@@ -54,6 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--nodes", type=int, default=48)
     ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--parts", action="store_true",
+                    help="also time tree.top_indices' frontier search by part")
     a = ap.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     B, k = a.rows, a.k
@@ -83,6 +112,8 @@ def main(argv=None) -> int:
             cells.append(f"{label} {us:.1f}{'' if same else ' (DIFFERENT values)'}")
         print(f"{name} [{R}, {V}] {str(dt).replace('torch.', '')}, top {kk}: " + "; ".join(cells),
               flush=True)
+        if a.parts and name == "frontier logits":
+            parts(x, kk, dev)
     return 0
 
 
