@@ -48,6 +48,13 @@ def chunked(x: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
         tree.TOP_CHUNKS = saved
 
 
+def expand(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """build_tree's greedy expansion of logits x [R, V]: the k best ids and their float32
+    log-probs."""
+    ids = top_indices(x, k)
+    return ids, torch.nn.functional.log_softmax(x, dim=-1, dtype=torch.float32).gather(-1, ids)
+
+
 def parts(x: torch.Tensor, k: int, dev: str) -> None:
     """--parts: tree.top_indices' search of x [R, V] one kernel group at a time (its chunk
     width from tree.TOP_CHUNKS), beside the float32 log_softmax that build_tree's greedy
@@ -67,7 +74,14 @@ def parts(x: torch.Tensor, k: int, dev: str) -> None:
              "indices back": lambda: best.gather(1, top // c) * c + top % c,
              "whole search": lambda: top_indices(x, k),
              "log_softmax float32 + gather k": lambda: torch.nn.functional.log_softmax(
-                 x, dim=-1, dtype=torch.float32).gather(-1, top)}
+                 x, dim=-1, dtype=torch.float32).gather(-1, top),
+             "search + log-probs (build_tree's expand)": lambda: expand(x, k)}
+    if dev == "cuda":  # Inductor's fusion of the same (one read for the log-sum-exp?)
+        compiled = torch.compile(expand, dynamic=False)
+        (i1, l1), (i0, l0) = compiled(x, k), expand(x, k)
+        same = torch.equal(i1, i0) and torch.allclose(l1, l0, rtol=0, atol=1e-5)
+        steps["the same, torch.compile'd" + ("" if same else " (DIFFERENT)")] = \
+            lambda: compiled(x, k)
     cells = [f"{label} {1000 * _time_ms(fn, True, 200) if dev == 'cuda' else float('nan'):.1f}"
              for label, fn in steps.items()]
     print(f"  by part (chunks of {c}; 'top k of the maxima' includes the maxima): "
