@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter.decode import _time_ms  # noqa: E402
-from drafter.tree import top_indices  # noqa: E402
+from drafter.tree import chunk_width, greedy_children, top_indices  # noqa: E402
 
 
 def two_stage(x: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
@@ -38,30 +38,12 @@ def two_stage(x: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
     return i.flatten(1).gather(1, top)
 
 
-def chunked(x: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
-    """tree.top_indices with chunks of `chunk` columns (tree.TOP_CHUNKS = (chunk,))."""
-    from drafter import tree
-    saved, tree.TOP_CHUNKS = tree.TOP_CHUNKS, (chunk,)
-    try:
-        return top_indices(x, k)
-    finally:
-        tree.TOP_CHUNKS = saved
-
-
-def expand(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """build_tree's greedy expansion of logits x [R, V]: the k best ids and their float32
-    log-probs."""
-    ids = top_indices(x, k)
-    return ids, torch.nn.functional.log_softmax(x, dim=-1, dtype=torch.float32).gather(-1, ids)
-
-
 def parts(x: torch.Tensor, k: int, dev: str) -> None:
     """--parts: tree.top_indices' search of x [R, V] one kernel group at a time (its chunk
     width from tree.TOP_CHUNKS), beside the float32 log_softmax that build_tree's greedy
     expansion reads the k log-probs from (the other full read of the frontier's logits)."""
-    from drafter import tree
     R, V = x.shape
-    c = next(c for c in tree.TOP_CHUNKS if V % c == 0)
+    c = chunk_width(V, k)
     xc = x.view(R, V // c, c)
     best = xc.amax(-1).topk(k, dim=-1).indices
     cand = xc.gather(1, best[..., None].expand(R, k, c)).flatten(1)
@@ -75,10 +57,10 @@ def parts(x: torch.Tensor, k: int, dev: str) -> None:
              "whole search": lambda: top_indices(x, k),
              "log_softmax float32 + gather k": lambda: torch.nn.functional.log_softmax(
                  x, dim=-1, dtype=torch.float32).gather(-1, top),
-             "search + log-probs (build_tree's expand)": lambda: expand(x, k)}
+             "search + log-probs (tree.greedy_children)": lambda: greedy_children(x, k)}
     if dev == "cuda":  # Inductor's fusion of the same (one read for the log-sum-exp?)
-        compiled = torch.compile(expand, dynamic=False)
-        (i1, l1), (i0, l0) = compiled(x, k), expand(x, k)
+        compiled = torch.compile(greedy_children, dynamic=False)
+        (i1, l1), (i0, l0) = compiled(x, k), greedy_children(x, k)
         same = torch.equal(i1, i0) and torch.allclose(l1, l0, rtol=0, atol=1e-5)
         steps["the same, torch.compile'd" + ("" if same else " (DIFFERENT)")] = \
             lambda: compiled(x, k)
@@ -113,8 +95,9 @@ def main(argv=None) -> int:
         ref = x.topk(kk, dim=-1).values
         cands = {"torch.topk": lambda x=x, kk=kk: x.topk(kk, dim=-1).indices,
                  "tree.top_indices": lambda x=x, kk=kk: top_indices(x, kk),
-                 **{f"tree.top_indices, chunks of {c}": lambda x=x, kk=kk, c=c: chunked(x, kk, c)
-                    for c in (16, 32, 64, 256) if V % c == 0 and V >= 8 * kk * c},
+                 **{f"tree.top_indices, chunks of {c}":
+                    lambda x=x, kk=kk, c=c: top_indices(x, kk, (c,))
+                    for c in (16, 32, 64, 256) if chunk_width(V, kk, (c,))},
                  "sort": lambda x=x, kk=kk: x.sort(dim=-1, descending=True).indices[:, :kk]}
         if V >= 4096:
             for c in (128, 256, 512, 1024, 2048):
