@@ -591,7 +591,9 @@ def step(cfg):
 
 pipeline._step_fn = lambda name: step
 m = pipeline.run_step(config.load(None, sys.argv[1:]), "extract")
-print("RESULT", os.environ["RANK"], json.dumps(m["counts"]))
+# one write of the whole line: unbuffered (PYTHONUNBUFFERED), print writes its pieces apart and
+# the two ranks' lines interleave ("RESULTRESULT 0 1 ...") when they end together
+sys.stdout.write(f"RESULT {os.environ['RANK']} {json.dumps(m['counts'])}\\n")
 """
 
 
