@@ -3,7 +3,8 @@ step at batch 64 on the H200, 11 calls a step at 84 us each, decode_speed --prof
 
     python benchmarks/topk_speed.py            # GPU: CUDA-graph replays, CUDA events
     python benchmarks/topk_speed.py --rows 4   # CPU smoke
-    python benchmarks/topk_speed.py --parts    # + tree.top_indices' frontier search by part
+    python benchmarks/topk_speed.py --parts    # + tree.top_indices' frontier search by part,
+                                               # beside tree.fused_children's one kernel
 
 For each shape a tree step searches (its rows at batch 64: the root's 64 and the frontier's
 64 x 8 draft-vocab rows, the k·k candidates of a depth, the final top-N over all candidates)
@@ -21,8 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from drafter import tree  # noqa: E402
 from drafter.decode import _time_ms  # noqa: E402
-from drafter.tree import chunk_width, greedy_children, top_indices  # noqa: E402
+from drafter.tree import chunk_width, fused_children, greedy_children, top_indices  # noqa: E402
 
 
 def two_stage(x: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
@@ -36,6 +38,15 @@ def two_stage(x: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
     i = i + (torch.arange(n, device=x.device) * chunk)[None, :, None]
     top = v.flatten(1).topk(k, dim=-1).indices                              # [R, k]
     return i.flatten(1).gather(1, top)
+
+
+def eager_children(x: torch.Tensor, k: int):
+    """tree.greedy_children by eager kernels (what runs where Triton does not)."""
+    fused, tree.FUSED_SEARCH = tree.FUSED_SEARCH, False
+    try:
+        return greedy_children(x, k)
+    finally:
+        tree.FUSED_SEARCH = fused
 
 
 def parts(x: torch.Tensor, k: int, dev: str) -> None:
@@ -57,13 +68,16 @@ def parts(x: torch.Tensor, k: int, dev: str) -> None:
              "whole search": lambda: top_indices(x, k),
              "log_softmax float32 + gather k": lambda: torch.nn.functional.log_softmax(
                  x, dim=-1, dtype=torch.float32).gather(-1, top),
-             "search + log-probs (tree.greedy_children)": lambda: greedy_children(x, k)}
-    if dev == "cuda":  # Inductor's fusion of the same (one read for the log-sum-exp?)
-        compiled = torch.compile(greedy_children, dynamic=False)
-        (i1, l1), (i0, l0) = compiled(x, k), greedy_children(x, k)
-        same = torch.equal(i1, i0) and torch.allclose(l1, l0, rtol=0, atol=1e-5)
-        steps["the same, torch.compile'd" + ("" if same else " (DIFFERENT)")] = \
-            lambda: compiled(x, k)
+             "search + log-probs, eager": lambda: eager_children(x, k)}
+    if dev == "cuda":  # Inductor's fusion of the same, and tree.fused_children's kernel
+        i0, l0 = eager_children(x, k)
+        for label, fn in (("the same, torch.compile'd", torch.compile(eager_children,
+                                                                        dynamic=False)),
+                          ("tree.fused_children (one Triton kernel)", fused_children)):
+            i1, l1 = fn(x, k)
+            same = torch.equal(x.gather(1, i1), x.gather(1, i0)) \
+                and torch.allclose(l1, l0, rtol=0, atol=1e-5)
+            steps[label + ("" if same else " (DIFFERENT)")] = lambda fn=fn: fn(x, k)
     cells = [f"{label} {1000 * _time_ms(fn, True, 200) if dev == 'cuda' else float('nan'):.1f}"
              for label, fn in steps.items()]
     print(f"  by part (chunks of {c}; 'top k of the maxima' includes the maxima): "
@@ -102,6 +116,9 @@ def main(argv=None) -> int:
         if V >= 4096:
             for c in (128, 256, 512, 1024, 2048):
                 cands[f"two-stage, chunks of {c}"] = lambda x=x, kk=kk, c=c: two_stage(x, kk, c)
+        if dev == "cuda" and chunk_width(V, kk):  # ids and log-probs: the eager pair is below
+            cands["tree.fused_children (+ log-probs)"] = \
+                lambda x=x, kk=kk: fused_children(x, kk)[0]
         cells = []
         for label, fn in cands.items():
             same = torch.equal(x.gather(1, fn()).sort(-1, descending=True).values, ref)

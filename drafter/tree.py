@@ -105,13 +105,107 @@ def top_indices(x: Tensor, k: int, chunks: Sequence[int] | None = None) -> Tenso
     return (best.gather(1, top // c) * c + top % c).view(*x.shape[:-1], k)        # [..., k]
 
 
+FUSED_SEARCH = True  # greedy_children on CUDA: one Triton kernel (False: the eager kernels)
+
+
 def greedy_children(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """A greedy tree's expansion of logits [..., Vd]: the k best ids [..., k] and their float32
     log-probs. The k largest logits are the k largest log-probs, so the search reads the logits
     in their own dtype (bf16: half the bytes of float32 log-probs), and log_softmax reads them
-    once more, in float32 inside the kernel (no float32 copy first)."""
+    once more, in float32 inside the kernel (no float32 copy first). On CUDA with Triton a wide
+    row is one kernel's work instead (`fused_children`: the same ids and log-probs)."""
+    if FUSED_SEARCH and chunk_width(logits.shape[-1], k) and _triton_ok(logits.device):
+        return fused_children(logits, k)
     ids = top_indices(logits, k)
     return ids, F.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, ids)
+
+
+@functools.cache
+def _triton_ok(device: torch.device) -> bool:
+    from .paged import triton_available
+    return triton_available(device)
+
+
+@functools.cache
+def _children_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(X, MAXES, IDS, LOGP, V, s_x, NC: tl.constexpr, TILE: tl.constexpr,
+               C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
+        # one program a row of V: each chunk of C columns' maximum and the row's log-sum-exp in
+        # one read, then the K chunks with the largest maxima read again (L2), whose K·C values
+        # hold the row's K largest (tree.top_indices' argument). A value and its column share
+        # one int64 key, so each of the K picks is one max reduction: above, the float's bits
+        # as an int32 in the floats' order (negative ones' magnitude bits flipped; NaN above
+        # +inf, as torch.topk), below, the column reversed (the lower one wins a tie).
+        r = tl.program_id(0).to(tl.int64)
+        row = X + r * s_x
+        tile, col = tl.arange(0, TILE), tl.arange(0, C)
+        m = tl.full([], float("-inf"), tl.float32)
+        s = tl.zeros([], tl.float32)
+        for t in range(NC // TILE):
+            idx = (t * TILE + tile)[:, None] * C + col[None, :]                       # [TILE, C]
+            x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            cmax = tl.max(x, 1)                                                       # [TILE]
+            tl.store(MAXES + r * NC + t * TILE + tile, cmax)
+            m_new = tl.maximum(m, tl.max(cmax, 0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.sum(tl.exp(x - m_new), 1), 0)
+            m = m_new
+        lse = m + tl.log(s)
+        tl.debug_barrier()  # the maxima this block stored, visible to all of its threads
+        nc = tl.arange(0, NC)
+        b = tl.load(MAXES + r * NC + nc).to(tl.int32, bitcast=True)
+        key = tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.int64) * 4294967296 + (NC - 1 - nc)
+        kk = tl.arange(0, KP)
+        best = tl.zeros([KP], tl.int64)                                   # the K chunks [KP]
+        for j in tl.static_range(K):
+            top = tl.max(key, 0)
+            best = tl.where(kk == j, NC - 1 - (top - (top >> 32) * 4294967296), best)
+            key = tl.where(key == top, -9223372036854775808, key)
+        idx = best[:, None] * C + col[None, :]                                        # [KP, C]
+        ok = (kk[:, None] < K) & (idx < V)
+        x = tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32)
+        b = x.to(tl.int32, bitcast=True)
+        key = tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.int64) * 4294967296 + (2147483647 - idx)
+        key = tl.where(ok, key, -9223372036854775808)
+        ids = tl.zeros([KP], tl.int64)
+        lp = tl.zeros([KP], tl.float32)
+        for j in tl.static_range(K):
+            top = tl.max(tl.max(key, 1), 0)
+            hi = top >> 32
+            b = hi.to(tl.int32)
+            v = tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.float32, bitcast=True)
+            ids = tl.where(kk == j, 2147483647 - (top - hi * 4294967296), ids)
+            lp = tl.where(kk == j, v - lse, lp)
+            key = tl.where(key == top, -9223372036854775808, key)
+        tl.store(IDS + r * K + kk, ids, mask=kk < K)
+        tl.store(LOGP + r * K + kk, lp, mask=kk < K)
+
+    return kernel
+
+
+def fused_children(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """greedy_children as one Triton kernel (CUDA; the CPU tests run it in Triton's
+    interpreter): ids [..., k] of the k largest logits, largest first (the lower id first among
+    equal ones), and their float32 log-probs, without writing the row's log-probs. Rows wider
+    than tree.chunk_width allows are refused: greedy_children sends them to torch.topk."""
+    *lead, V = logits.shape
+    c = chunk_width(V, k)
+    if not c or V >= 2 ** 31:
+        raise ValueError(f"fused_children: rows of {V} are not searched by chunks for top {k}")
+    x = logits.reshape(-1, V)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    R, nc = x.shape[0], 1 << (V // c - 1).bit_length()                 # chunks, a power of 2
+    maxes = torch.empty(R, nc, dtype=torch.float32, device=x.device)
+    ids = torch.empty(R, k, dtype=torch.long, device=x.device)
+    logp = torch.empty(R, k, dtype=torch.float32, device=x.device)
+    tile = min(nc, 8192 // c)
+    _children_kernel()[(R,)](x, maxes, ids, logp, V, x.stride(0), NC=nc, TILE=tile, C=c, K=k,
+                             KP=1 << (k - 1).bit_length(), num_warps=8)
+    return ids.view(*lead, k), logp.view(*lead, k)
 
 
 @functools.cache  # never evicted: a captured graph reads these tensors' memory on every replay

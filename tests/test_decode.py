@@ -3,6 +3,12 @@ and always-wrong drafters), the EAGLE drafter's static path against Drafter.forw
 sampling preserving the target distribution. CPU, float32."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -170,6 +176,62 @@ def test_trees_over_a_wide_vocab_are_torch_topks_trees(monkeypatch, temperature)
     for f in ("tokens", "parent", "depth", "valid", "dist", "rank", "logq"):
         a, b = getattr(chunked, f), getattr(plain, f)
         assert (a is None and b is None) or torch.equal(a, b), f
+
+
+def _children_cases(dev="cpu"):
+    """(rows, k) for fused_children: bf16 and float32, 2-D and 3-D, draft vocabs of 4,096
+    (chunks of 64) and 32,000 (of 128: 250 chunks in a padded 256, over several tiles); exact
+    ties by the thousand; the k best inside one chunk; half the vocab at -inf (a masked one)."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 32000, device=dev) * 3
+    x[1, 640:648] = 20.0                      # the row's top 8 all in chunk 5
+    x[2, ::2] = float("-inf")
+    yield x.bfloat16(), 8
+    yield (x * 2).round().bfloat16(), 8
+    yield x, 8
+    yield torch.randn(2, 4, 4096, device=dev), 8
+    yield (torch.randn(3, 4096, device=dev) * 2).round(), 4
+
+
+def _check_children(x, k):
+    import torch.nn.functional as F
+
+    ids, logp = tree_mod.fused_children(x, k)
+    assert ids.shape == logp.shape == (*x.shape[:-1], k) and logp.dtype == torch.float32
+    assert torch.equal(x.gather(-1, ids), x.topk(k, dim=-1).values)      # torch.topk's order
+    assert (ids.sort(-1).values.diff(dim=-1) > 0).all()                    # k distinct ids
+    want = F.log_softmax(x.float(), dim=-1).gather(-1, ids)
+    assert (logp - want).abs().max() < 2e-5, (logp - want).abs().max()
+
+
+def test_fused_children_in_the_interpreter():
+    """tree.fused_children, the greedy expansion's one Triton kernel, run by Triton's
+    interpreter on the CPU (skipped without Triton; the GPU test runs it compiled): torch.topk's
+    values in its order at distinct ids, log_softmax's log-probs (_children_cases); and a greedy
+    tree built with it is the eager kernels' tree."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch
+        from drafter import tree as tree_mod
+        from tests.test_decode import _check_children, _children_cases
+        for x, k in _children_cases():
+            _check_children(x, k)
+        B, Vd, spec = 4, 4096, tree_mod.TreeSpec(4, 4, 20)
+        g = torch.Generator().manual_seed(0)
+        tables, root = torch.randn(97, Vd, generator=g) * 3, torch.randn(B, Vd, generator=g) * 3
+        trees = []
+        for fused in (True, False):
+            tree_mod.FUSED_SEARCH = fused
+            trees.append(tree_mod.build_tree(root, lambda i, ids, parent: tables[ids % 97],
+                                             spec, 0.0))
+        for f in ("tokens", "parent", "depth", "valid", "dist", "rank"):
+            assert torch.equal(getattr(trees[0], f), getattr(trees[1], f)), f
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("spec", [TreeSpec.chain(3), TreeSpec(3, 3, 8), "chain step"],
@@ -649,6 +711,16 @@ def test_graphed_prefills_give_the_eager_prefills_tokens(smollm2_dir):
         # batch 1: 5, 7 -> 64; 64 -> 64; 65 -> 128; 130 -> 192; 200 -> 256, plain and speculative
         assert B > 1 or (lengths == {64, 128, 192, 256} and len(keys) == 8)
     assert graphed.graphs.enabled, "graph capture fell back to eager"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_children_on_the_gpu():
+    """fused_children compiled by Triton (the tree step's greedy expansion on CUDA) passes the
+    interpreter test's checks, at the frontier's batch-64 shape too."""
+    for x, k in _children_cases("cuda"):
+        _check_children(x, k)
+    _check_children(torch.randn(64, 8, 32000, device="cuda").bfloat16(), 8)
 
 
 @pytest.mark.gpu
