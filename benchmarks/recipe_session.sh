@@ -136,14 +136,14 @@
 #           against its parts, issue 16's last goal) (about 16 minutes)
 #   bash benchmarks/recipe_session.sh start-fifteenth  # not run yet; one lane, alone on the GPU;
 #     SpecForge from .whl as for start-eighth
-#   lane q: store-fp8 500 steps cold, then warm twice: AOTAutograd's cache allowed in the code
+#   lane q: issue 16's tree.fused_children (ca0ffde): the GPU decode tests, topk_speed --parts,
+#           the tree step at batch 64 with and without it -> store-fp8 500 steps cold, then warm
+#           twice: AOTAutograd's cache allowed in the code
 #           (eefb402) and a 1-row loss chunk joined to the one before (b6b4687): do warm runs
 #           start in ~6 s, and does the sixth graph by step 50 go? Then warm with expandable
 #           segments (the metrics' cuda_mallocs: is the allocator why later intervals run
 #           faster?) -> the Llama-8B shape beside SpecForge at 4,096, both teachers, three
-#           times (issue 18's 1.3x against SpecForge's own spread) -> topk_speed --parts
-#           (where the tree's frontier search goes) and the tree step at batch 64 (issue 16)
-#           (about 17 minutes)
+#           times (issue 18's 1.3x against SpecForge's own spread) (about 20 minutes)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -551,6 +551,15 @@ lane_p() {
 lane_q() {
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
   local v
+  # issue 16 first: tree.fused_children (ca0ffde, one Triton kernel a greedy expansion) in the
+  # GPU decode tests (float32 batch-64 trees token for token), timed alone (topk_speed), and the
+  # tree step at batch 64 with it and without it (--no-fused-search), on this machine
+  step gpu-tests-decode $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_decode.py
+  step topk-parts-15 $PY benchmarks/topk_speed.py --parts
+  step tree-b64-15 $PY benchmarks/decode_speed.py --random-target --batches 64 \
+    --prefill-lengths 0
+  step tree-b64-15-eager $PY benchmarks/decode_speed.py --random-target --batches 64 \
+    --prefill-lengths 0 --no-fused-search
   store_fp8_run cold
   store_fp8_run warm
   store_fp8_run warm warm2
@@ -561,10 +570,6 @@ lane_q() {
     step llama-sf15-4096-$v $PY benchmarks/train_throughput.py --shape llama8b --seq 4096 \
       --teacher topk,hidden
   done
-  # issue 16: where top_indices' 113 us go, and the tree step at batch 64 on this machine
-  step topk-parts-15 $PY benchmarks/topk_speed.py --parts
-  step tree-b64-15 $PY benchmarks/decode_speed.py --random-target --batches 64 \
-    --prefill-lengths 0
   mark lane_q
 }
 
