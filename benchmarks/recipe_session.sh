@@ -134,7 +134,8 @@
 #           moves within a machine)
 #           -> decode_speed's steps by part at batch 64 (--profile: the tree step's overhead
 #           against its parts, issue 16's last goal) (about 16 minutes)
-#   bash benchmarks/recipe_session.sh start-fifteenth  # not run yet; one lane, alone on the GPU;
+#   bash benchmarks/recipe_session.sh start-fifteenth  # ran in the thirteenth session (d269576)
+#     to the cold store-fp8 run (the machine was taken back); one lane, alone on the GPU;
 #     SpecForge from .whl as for start-eighth
 #   lane q: issue 16's tree.fused_children (ca0ffde): the GPU decode tests, topk_speed --parts,
 #           the tree step at batch 64 with and without it -> store-fp8 500 steps cold, then warm
@@ -144,6 +145,10 @@
 #           segments (the metrics' cuda_mallocs: is the allocator why later intervals run
 #           faster?) -> the Llama-8B shape beside SpecForge at 4,096, both teachers, three
 #           times (issue 18's 1.3x against SpecForge's own spread) (about 20 minutes)
+#   bash benchmarks/recipe_session.sh start-sixteenth  # one lane, alone on the GPU
+#   lane r: nvidia-smi's clocks, power and utilisation once a second throughout -> the tree step
+#           at batch 64 with and without tree.fused_children -> store-fp8 cold, warm, warm
+#           (lane q's training runs that its machine did not reach) (about 10 minutes)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -573,6 +578,25 @@ lane_q() {
   mark lane_q
 }
 
+lane_r() {
+  # the SM clock, power and utilisation once a second beside the runs (issue 18: why do a run's
+  # 50-step intervals spread by up to 30%, with the same data and graphs, and no new cudaMalloc?)
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,clocks.mem,power.draw,temperature.gpu \
+    --format=csv -lms 1000 > "$RES/smi-16.csv" 2>&1 &
+  local smi=$!
+  # issue 16: the tree step at batch 64 with tree.fused_children and without, on a second machine
+  step tree-b64-16 $PY benchmarks/decode_speed.py --random-target --batches 64 \
+    --prefill-lengths 0
+  step tree-b64-16-eager $PY benchmarks/decode_speed.py --random-target --batches 64 \
+    --prefill-lengths 0 --no-fused-search
+  # issue 18: with AOTAutograd's cache allowed in the code, do warm runs start in ~6 s?
+  store_fp8_run cold
+  store_fp8_run warm
+  store_fp8_run warm warm2
+  kill $smi 2>/dev/null
+  mark lane_r
+}
+
 collect() {
   collect_runs
   # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
@@ -617,7 +641,7 @@ case "${1:-}" in
     sleep 2; log "seventh lane started" ;;
   lane_t) lane_t ;;
   start-eighth|start-ninth|start-tenth|start-eleventh|start-thirteenth|start-fourteenth|\
-  start-fifteenth)
+  start-fifteenth|start-sixteenth)
     # one lane each: u, v, w, x, z, p, q
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
@@ -625,7 +649,7 @@ case "${1:-}" in
     lane=lane_u; [ "$1" = start-ninth ] && lane=lane_v; [ "$1" = start-tenth ] && lane=lane_w
     [ "$1" = start-eleventh ] && lane=lane_x
     [ "$1" = start-thirteenth ] && lane=lane_z; [ "$1" = start-fourteenth ] && lane=lane_p
-    [ "$1" = start-fifteenth ] && lane=lane_q
+    [ "$1" = start-fifteenth ] && lane=lane_q; [ "$1" = start-sixteenth ] && lane=lane_r
     setsid bash "$0" $lane < /dev/null > "$RES/$lane.out" 2>&1 &
     sleep 2; log "$lane started" ;;
   lane_u) lane_u ;;
@@ -635,6 +659,7 @@ case "${1:-}" in
   lane_z) lane_z ;;
   lane_p) lane_p ;;
   lane_q) lane_q ;;
+  lane_r) lane_r ;;
   start-fifth)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     setsid bash "$0" lane_g < /dev/null > "$RES/lane_g.out" 2>&1 &
@@ -661,7 +686,7 @@ case "${1:-}" in
       && [ ! -f "$RES/lane_v.done" ] && [ ! -f "$RES/lane_w.done" ] \
       && [ ! -f "$RES/lane_x.done" ] \
       && [ ! -f "$RES/lane_z.done" ] && [ ! -f "$RES/lane_p.done" ] \
-      && [ ! -f "$RES/lane_q.done" ]; do sleep 5; done
+      && [ ! -f "$RES/lane_q.done" ] && [ ! -f "$RES/lane_r.done" ]; do sleep 5; done
     collect; tail -n 40 "$RES/phases.log"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   collect) collect ;;
