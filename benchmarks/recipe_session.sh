@@ -145,10 +145,17 @@
 #           segments (the metrics' cuda_mallocs: is the allocator why later intervals run
 #           faster?) -> the Llama-8B shape beside SpecForge at 4,096, both teachers, three
 #           times (issue 18's 1.3x against SpecForge's own spread) (about 20 minutes)
-#   bash benchmarks/recipe_session.sh start-sixteenth  # one lane, alone on the GPU
+#   bash benchmarks/recipe_session.sh start-sixteenth  # ran in the thirteenth session (634b780)
 #   lane r: nvidia-smi's clocks, power and utilisation once a second throughout -> the tree step
 #           at batch 64 with and without tree.fused_children -> store-fp8 cold, then warm
 #           (lane q's training runs that its machine did not reach) (about 9 minutes)
+#   bash benchmarks/recipe_session.sh start-seventeenth  # not run yet; one lane, alone on the
+#     GPU; SpecForge from .whl as for start-eighth
+#   lane s: nvidia-smi throughout -> store-fp8 cold and warm under TORCH_TRACE (which cache key
+#           component makes a train after a run miss Inductor's cache?), warm again -> the
+#           SmolLM2 shape at loss chunks of 2,097 (auto) / 4,096 / 8,192 / 16,384 rows (the
+#           step is host-bound: fewer compiled calls a step?) -> Llama-8B at 4,096 beside
+#           SpecForge twice (about 18 minutes)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -597,6 +604,32 @@ lane_r() {
   mark lane_r
 }
 
+lane_s() {
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
+  local v
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,clocks.mem,power.draw,temperature.gpu \
+    --format=csv -lms 1000 > "$RES/smi-17.csv" 2>&1 &
+  local smi=$!
+  # issue 18: a `drafter train` after the cold `drafter run` missed 7 of 9 FX graphs (thirteenth
+  # session); after a `drafter train` it hits all. Each process's structured trace holds the
+  # cache keys' components (inductor_fx_graph_cache_miss): which one differs?
+  TORCH_TRACE="$RES/trace-cold" store_fp8_run cold
+  TORCH_TRACE="$RES/trace-warm" store_fp8_run warm
+  store_fp8_run warm warm2
+  # the SmolLM2 step is host-bound (the GPU busy 37-42%): fewer, larger loss chunks are fewer
+  # compiled calls a step (0: the automatic 2,097 rows at Vd 32,000, 55 chunks a micro-batch)
+  for v in 0 4096 8192 16384; do
+    step smollm2-chunk-$v $PY benchmarks/train_throughput.py --shape smollm2 --teacher topk \
+      --no-anchor --loss-chunk $v
+  done
+  for v in a b; do
+    step llama-sf17-4096-$v $PY benchmarks/train_throughput.py --shape llama8b --seq 4096 \
+      --teacher topk,hidden
+  done
+  kill $smi 2>/dev/null
+  mark lane_s
+}
+
 collect() {
   collect_runs
   # the temperature-0.8 answers, for a later session (16 MiB a file comes back)
@@ -641,7 +674,7 @@ case "${1:-}" in
     sleep 2; log "seventh lane started" ;;
   lane_t) lane_t ;;
   start-eighth|start-ninth|start-tenth|start-eleventh|start-thirteenth|start-fourteenth|\
-  start-fifteenth|start-sixteenth)
+  start-fifteenth|start-sixteenth|start-seventeenth)
     # one lane each: u, v, w, x, z, p, q
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
@@ -650,6 +683,7 @@ case "${1:-}" in
     [ "$1" = start-eleventh ] && lane=lane_x
     [ "$1" = start-thirteenth ] && lane=lane_z; [ "$1" = start-fourteenth ] && lane=lane_p
     [ "$1" = start-fifteenth ] && lane=lane_q; [ "$1" = start-sixteenth ] && lane=lane_r
+    [ "$1" = start-seventeenth ] && lane=lane_s
     setsid bash "$0" $lane < /dev/null > "$RES/$lane.out" 2>&1 &
     sleep 2; log "$lane started" ;;
   lane_u) lane_u ;;
@@ -660,6 +694,7 @@ case "${1:-}" in
   lane_p) lane_p ;;
   lane_q) lane_q ;;
   lane_r) lane_r ;;
+  lane_s) lane_s ;;
   start-fifth)
     [ -f runs/scale/generate/manifest.json ] || { echo "runs/scale/generate is missing"; exit 3; }
     setsid bash "$0" lane_g < /dev/null > "$RES/lane_g.out" 2>&1 &
@@ -686,7 +721,8 @@ case "${1:-}" in
       && [ ! -f "$RES/lane_v.done" ] && [ ! -f "$RES/lane_w.done" ] \
       && [ ! -f "$RES/lane_x.done" ] \
       && [ ! -f "$RES/lane_z.done" ] && [ ! -f "$RES/lane_p.done" ] \
-      && [ ! -f "$RES/lane_q.done" ] && [ ! -f "$RES/lane_r.done" ]; do sleep 5; done
+      && [ ! -f "$RES/lane_q.done" ] && [ ! -f "$RES/lane_r.done" ] \
+      && [ ! -f "$RES/lane_s.done" ]; do sleep 5; done
     collect; tail -n 40 "$RES/phases.log"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
   collect) collect ;;
