@@ -560,6 +560,19 @@ lane_p() {
   mark lane_p
 }
 
+tree_ab() {  # tree_ab TAG: the 6/8/48 tree step at batch 64 with tree.fused_children, then with
+  # the eager kernels (tree-b64-TAG, tree-b64-TAG-eager)
+  step tree-b64-$1 $PY benchmarks/decode_speed.py --random-target --batches 64 --prefill-lengths 0
+  step tree-b64-$1-eager $PY benchmarks/decode_speed.py --random-target --batches 64 \
+    --prefill-lengths 0 --no-fused-search
+}
+
+smi_log() {  # smi_log TAG: nvidia-smi's utilisation, SM clock, power once a second, in the
+  # background into $RES/smi-TAG.csv ($! its pid)
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,clocks.mem,power.draw,temperature.gpu \
+    --format=csv -lms 1000 > "$RES/smi-$1.csv" 2>&1 &
+}
+
 lane_q() {
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
   local v
@@ -568,10 +581,7 @@ lane_q() {
   # tree step at batch 64 with it and without it (--no-fused-search), on this machine
   step gpu-tests-decode $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_decode.py
   step topk-parts-15 $PY benchmarks/topk_speed.py --parts
-  step tree-b64-15 $PY benchmarks/decode_speed.py --random-target --batches 64 \
-    --prefill-lengths 0
-  step tree-b64-15-eager $PY benchmarks/decode_speed.py --random-target --batches 64 \
-    --prefill-lengths 0 --no-fused-search
+  tree_ab 15
   store_fp8_run cold
   store_fp8_run warm
   store_fp8_run warm warm2
@@ -588,14 +598,10 @@ lane_q() {
 lane_r() {
   # the SM clock, power and utilisation once a second beside the runs (issue 18: why do a run's
   # 50-step intervals spread by up to 30%, with the same data and graphs, and no new cudaMalloc?)
-  nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,clocks.mem,power.draw,temperature.gpu \
-    --format=csv -lms 1000 > "$RES/smi-16.csv" 2>&1 &
-  local smi=$!
+  local smi
+  smi_log 16; smi=$!
   # issue 16: the tree step at batch 64 with tree.fused_children and without, on a second machine
-  step tree-b64-16 $PY benchmarks/decode_speed.py --random-target --batches 64 \
-    --prefill-lengths 0
-  step tree-b64-16-eager $PY benchmarks/decode_speed.py --random-target --batches 64 \
-    --prefill-lengths 0 --no-fused-search
+  tree_ab 16
   # issue 18: with AOTAutograd's cache allowed in the code (the cold run fills it), does a warm
   # run start in ~6 s?
   store_fp8_run cold
@@ -606,10 +612,8 @@ lane_r() {
 
 lane_s() {
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
-  local v
-  nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,clocks.mem,power.draw,temperature.gpu \
-    --format=csv -lms 1000 > "$RES/smi-17.csv" 2>&1 &
-  local smi=$!
+  local v smi
+  smi_log 17; smi=$!
   # issue 18: a `drafter train` after the cold `drafter run` missed 7 of 9 FX graphs (thirteenth
   # session); after a `drafter train` it hits all. Each process's structured trace holds the
   # cache keys' components (inductor_fx_graph_cache_miss): which one differs?
