@@ -621,7 +621,7 @@ lane_s() {
   TORCH_TRACE="$RES/trace-warm" store_fp8_run warm
   store_fp8_run warm warm2
   # the SmolLM2 step is host-bound (the GPU busy 37-42%): fewer, larger loss chunks are fewer
-  # compiled calls a step (0: the automatic 2,097 rows at Vd 32,000, 55 chunks a micro-batch)
+  # compiled calls a step (0: the automatic 2,097 rows at Vd 32,000, ~40 chunks a micro-batch)
   for v in 0 4096 8192 16384; do
     step smollm2-chunk-$v $PY benchmarks/train_throughput.py --shape smollm2 --teacher topk \
       --no-anchor --loss-chunk $v
