@@ -189,8 +189,9 @@ def _children_kernel():
 def fused_children(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """greedy_children as one Triton kernel (CUDA; the CPU tests run it in Triton's
     interpreter): ids [..., k] of the k largest logits, largest first (the lower id first among
-    equal ones), and their float32 log-probs, without writing the row's log-probs. Rows wider
-    than tree.chunk_width allows are refused: greedy_children sends them to torch.topk."""
+    equal ones), and their float32 log-probs, without writing the row's log-probs. Rows that
+    chunk_width does not split into chunks (it gives 0) are refused: greedy_children sends them
+    to the eager kernels (torch.topk)."""
     *lead, V = logits.shape
     c = chunk_width(V, k)
     if not c or V >= 2 ** 31:
