@@ -154,8 +154,8 @@
 #   lane s: nvidia-smi throughout -> store-fp8 cold and warm under TORCH_TRACE (which cache key
 #           component makes a train after a run miss Inductor's cache?), warm again -> the
 #           SmolLM2 shape at loss chunks of 2,097 (auto) / 4,096 / 8,192 / 16,384 rows (the
-#           step is host-bound: fewer compiled calls a step?) -> Llama-8B at 4,096 beside
-#           SpecForge twice (about 18 minutes)
+#           step is host-bound: fewer compiled calls a step?) -> both shapes under
+#           torch.profiler -> Llama-8B at 4,096 beside SpecForge twice (about 21 minutes)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -626,6 +626,11 @@ lane_s() {
     step smollm2-chunk-$v $PY benchmarks/train_throughput.py --shape smollm2 --teacher topk \
       --no-anchor --loss-chunk $v
   done
+  # where the steps go now, by op (the last profiles of these shapes are sessions old)
+  step smollm2-profile-17 $PY benchmarks/train_throughput.py --shape smollm2 --teacher topk \
+    --no-anchor --profile "$RES/train-profile-17"
+  step llama-profile-17 $PY benchmarks/train_throughput.py --shape llama8b --seq 4096 \
+    --teacher topk --no-anchor --profile "$RES/train-profile-17"
   for v in a b; do
     step llama-sf17-4096-$v $PY benchmarks/train_throughput.py --shape llama8b --seq 4096 \
       --teacher topk,hidden
