@@ -22,7 +22,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter import tree  # noqa: E402
 from drafter.decode import _time_ms  # noqa: E402
 from drafter.tree import chunk_width, fused_children, greedy_children, top_indices  # noqa: E402
 
@@ -42,11 +41,7 @@ def two_stage(x: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
 
 def eager_children(x: torch.Tensor, k: int):
     """tree.greedy_children by eager kernels (what runs where Triton does not)."""
-    fused, tree.FUSED_SEARCH = tree.FUSED_SEARCH, False
-    try:
-        return greedy_children(x, k)
-    finally:
-        tree.FUSED_SEARCH = fused
+    return greedy_children(x, k, fused=False)
 
 
 def parts(x: torch.Tensor, k: int, dev: str) -> None:

@@ -108,13 +108,15 @@ def top_indices(x: Tensor, k: int, chunks: Sequence[int] | None = None) -> Tenso
 FUSED_SEARCH = True  # greedy_children on CUDA: one Triton kernel (False: the eager kernels)
 
 
-def greedy_children(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def greedy_children(logits: Tensor, k: int, fused: bool | None = None) -> tuple[Tensor, Tensor]:
     """A greedy tree's expansion of logits [..., Vd]: the k best ids [..., k] and their float32
     log-probs. The k largest logits are the k largest log-probs, so the search reads the logits
     in their own dtype (bf16: half the bytes of float32 log-probs), and log_softmax reads them
-    once more, in float32 inside the kernel (no float32 copy first). On CUDA with Triton a wide
-    row is one kernel's work instead (`fused_children`: the same ids and log-probs)."""
-    if FUSED_SEARCH and chunk_width(logits.shape[-1], k) and _triton_ok(logits.device):
+    once more, in float32 inside the kernel (no float32 copy first). On CUDA with Triton, a row
+    that chunk_width splits is one kernel's work instead (`fused_children`: the same ids and
+    log-probs); `fused` False keeps the eager kernels (None: FUSED_SEARCH decides)."""
+    fused = FUSED_SEARCH if fused is None else fused
+    if fused and chunk_width(logits.shape[-1], k) and _triton_ok(logits.device):
         return fused_children(logits, k)
     ids = top_indices(logits, k)
     return ids, F.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, ids)
