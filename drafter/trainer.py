@@ -60,8 +60,12 @@ def compile_frames() -> list[dict]:
     metrics): {"graph": the compiled function's name, "pass": forward or backward, "seconds":
     the whole compile, "inductor_s": of it, Inductor's (code generation, or loading from its
     cache)}. A forward's seconds include its tracing, AOTAutograd and Inductor; the first
-    compile of a process also pays for loading Inductor itself. A torch without these metrics
-    gives []."""
+    compile of a process also pays for loading Inductor itself. "pass": "first run" is the work
+    torch timed while a compiled graph first ran, after its compile (Triton autotuning its
+    kernels where the autotune cache is cold). torch records it as a runtime record of that
+    graph with no function name; read as a forward, it showed as a 0-second frame named by its
+    compile id ("0/0") and renamed the graph's backward (every cold run on the H200, thirteenth
+    session). A torch without these metrics gives []."""
     try:
         from torch._dynamo.utils import get_compilation_metrics
         records = list(get_compilation_metrics())
@@ -70,6 +74,11 @@ def compile_frames() -> list[dict]:
     names, out = {}, []
     for m in records:
         cid, fwd = str(getattr(m, "compile_id", "")), getattr(m, "is_forward", True) is not False
+        if getattr(m, "is_runtime", None):
+            us = getattr(m, "duration_us", None) or 0
+            out.append({"graph": names.get(cid, cid), "pass": "first run",
+                        "seconds": round(us / 1e6, 3), "inductor_s": 0.0})
+            continue
         if fwd:
             names[cid] = getattr(m, "co_name", None) or cid
             s = getattr(m, "entire_frame_compile_time_s", None)

@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -495,6 +496,26 @@ def test_compile_stats_count_what_a_compile_cost():
     assert compile_stats() == after
     for cache in ("fx_graph_cache", "aot_autograd_cache"):
         assert all(isinstance(v, int) and v >= 0 for v in after[cache].values())
+    # Work at a graph's first run (on a GPU, Triton autotuning its kernels) is a runtime
+    # record of that graph, with no function name: the frames name it after the graph and
+    # keep the next graph's names. Made as Inductor makes it: a runtime-timed span of the
+    # graph, which its compiled graph's first call then records (finish).
+    from torch._dynamo.utils import dynamo_timed, get_compilation_metrics, \
+        get_runtime_metrics_context
+    from torch._guards import CompileId
+
+    cid = str(list(get_compilation_metrics())[-2].compile_id)                      # g's
+    with dynamo_timed("CachingAutotuner.benchmark_all_configs", compile_id=CompileId
+                      .from_string(cid), is_backward=False,
+                      dynamo_compile_column_us="runtime_triton_autotune_time_us"):
+        time.sleep(0.02)
+    get_runtime_metrics_context().finish()
+    h = torch.compile(lambda x: (x @ x.T).cos().sum(), backend="aot_eager")
+    h(x).backward()
+    frames = compile_stats()["frames"][-3:]
+    assert [(r["graph"], r["pass"]) for r in frames] == [
+        ("g", "first run"), ("<lambda>", "forward"), ("<lambda>", "backward")]
+    assert frames[0]["seconds"] >= 0.02
     torch._dynamo.reset()
 
 

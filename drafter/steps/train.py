@@ -305,7 +305,7 @@ def log_warmup(seconds: float, steps: list[float], c: dict | None) -> None:
     log.info("train: warm-up steps (s): %s", " ".join(f"{t:.2f}" for t in steps))
     if c is not None and c["frames"]:
         log.info("train: compiles (s): %s", ", ".join(
-            f"{f['graph']}{' backward' if f['pass'] == 'backward' else ''} {f['seconds']:.2f}"
+            f"{f['graph']}{'' if f['pass'] == 'forward' else ' ' + f['pass']} {f['seconds']:.2f}"
             for f in c["frames"]))
 
 
