@@ -152,10 +152,11 @@
 #   bash benchmarks/recipe_session.sh start-seventeenth  # not run yet; one lane, alone on the
 #     GPU; SpecForge from .whl as for start-eighth
 #   lane s: nvidia-smi throughout -> store-fp8 cold and warm under TORCH_TRACE (which cache key
-#           component makes a train after a run miss Inductor's cache?), warm again -> the
-#           SmolLM2 shape at loss chunks of 2,097 (auto) / 4,096 / 8,192 / 16,384 rows (the
-#           step is host-bound: fewer compiled calls a step?) -> both shapes under
-#           torch.profiler -> Llama-8B at 4,096 beside SpecForge twice (about 21 minutes)
+#           component makes a train after a run miss Inductor's cache?), warm again, warm
+#           with train.loss_chunk=8192 -> the SmolLM2 shape at loss chunks of 2,097 (auto) /
+#           4,096 / 8,192 / 16,384 rows (the step is host-bound: fewer compiled calls a
+#           step?) -> both shapes under
+#           torch.profiler -> Llama-8B at 4,096 beside SpecForge twice (about 23 minutes)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -488,12 +489,13 @@ lane_w() {
   mark lane_w
 }
 
-store_fp8_run() {  # store_fp8_run cold|warm [TAG]: the reference drafter's 500 steps
-  # (store-fp8); cold: the whole run; warm: its training again on this machine (`drafter train
-  # --force`, the compile caches warm); the train manifest and metrics kept as
-  # store-fp8-TAG.train.* (TAG: cold or warm unless given)
+store_fp8_run() {  # store_fp8_run cold|warm [TAG [OVERRIDES...]]: the reference drafter's 500
+  # steps (store-fp8); cold: the whole run; warm: its training again on this machine (`drafter
+  # train --force`, the compile caches warm); the train manifest and metrics kept as
+  # store-fp8-TAG.train.* (TAG: cold or warm unless given); OVERRIDES go to the config
   local v tag=${2:-$1}
-  local cfg=(train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 extract.teacher=topk)
+  local cfg=(train.lr=1.2e-3 train.online=false extract.aux_dtype=fp8 extract.teacher=topk
+    "${@:3}")
   if [ "$1" = cold ]; then
     short store-fp8 500 "${cfg[@]}"
   else  # short's run dir and overrides, training only
@@ -620,6 +622,8 @@ lane_s() {
   TORCH_TRACE="$RES/trace-cold" store_fp8_run cold
   TORCH_TRACE="$RES/trace-warm" store_fp8_run warm
   store_fp8_run warm warm2
+  # the same real run with loss chunks of 8,192 rows (about 10 a micro-batch, not 40)
+  store_fp8_run warm warm-chunk8192 train.loss_chunk=8192
   # the SmolLM2 step is host-bound (the GPU busy 37-42%): fewer, larger loss chunks are fewer
   # compiled calls a step (0: the automatic 2,097 rows at Vd 32,000, ~40 chunks a micro-batch)
   for v in 0 4096 8192 16384; do

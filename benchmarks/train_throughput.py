@@ -141,7 +141,8 @@ def setup(c: DrafterConfig, B: int, T: int, K: int, args, dist, attention: str) 
     cuda = dist.device.type == "cuda"
     cfg = C.load(None, [f"train.ttt_steps={K}", f"train.max_length={T}",
                         f"train.batch_tokens={B * T}", f"train.attention={attention}",
-                        f"train.compile={str(not args.no_compile).lower()}"])
+                        f"train.compile={str(not args.no_compile).lower()}",
+                        f"train.loss_chunk={args.loss_chunk}"])
     tc = cfg.train
     attention = trainer.pick_attention(tc, dist.device)
     torch.manual_seed(0)
@@ -150,7 +151,6 @@ def setup(c: DrafterConfig, B: int, T: int, K: int, args, dist, attention: str) 
     head = Head((torch.randn(c.draft_vocab_size, c.target_hidden_size) * 0.05)
                 .to(torch.bfloat16)).to(dist.device)
     ttt, model, opt = trainer.setup_model(drafter, tc, dist, attention)
-    ttt.loss_chunk = args.loss_chunk
     amp = torch.autocast(dist.device.type, dtype=torch.bfloat16) if cuda else \
         torch.autocast("cpu", enabled=False)
     return dict(tc=tc, attention=attention, drafter=drafter, head=head, model=model, opt=opt,

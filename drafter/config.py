@@ -214,6 +214,10 @@ class TrainConfig:
     attention: Literal["auto", "sdpa", "flex"] = doc(
         "auto", "TTT attention: sdpa (exact, CPU/GPU) or flex (fast GPU); auto picks")
     compile: bool = doc(True, "torch.compile the fast path's layer and loss pieces (GPU only)")
+    loss_chunk: int = doc(0, "fast path: rows of each chunk that lm_head and the loss run on "
+                          "at a time; 0 sizes them so that a chunk's float32 logits take 256 "
+                          "MiB (2,097 rows at a 32,000-token draft vocab). Larger chunks: "
+                          "fewer compiled calls a step, more memory")
     lr: float = doc(1.2e-3, "peak learning rate (AdamW); 1.2e-3: tau +5% over 6e-4 at 250 "
                     "steps on SmolLM2 (BENCHMARKS.md, issue 15)")
     min_lr_ratio: float = doc(0.0, "final lr as a share of the peak (cosine)")

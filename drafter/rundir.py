@@ -72,6 +72,7 @@ SECTIONS: dict[str, list[str]] = {
 NEUTRAL: dict[str, object] = {
     "generate.server.allow_remote": False,
     "generate.extra_temperatures": [],
+    "train.loss_chunk": 0,
 }
 
 

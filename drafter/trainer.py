@@ -135,7 +135,8 @@ def setup_model(drafter: Drafter, tc, dist: Dist, attention: str):
     """The trainable modules on the device (the embeddings stay on the CPU), wrapped for the
     ranks (DDP, or FSDP2 with train.fsdp), and AdamW over them. -> (ttt, model, optimizer)."""
     dev, cuda = dist.device, dist.device.type == "cuda"
-    ttt = TTT(drafter, attention=attention, compile=tc.compile and cuda).to(dev)
+    ttt = TTT(drafter, attention=attention, compile=tc.compile and cuda,
+              loss_chunk=tc.loss_chunk).to(dev)
     if dist.world > 1 and tc.fsdp:
         # One unit: the one layer runs K times forward and backward, so its weights stay
         # gathered for the whole step (ZeRO-2); gradients and AdamW state are sharded.

@@ -229,6 +229,21 @@ def test_loss_falls_when_overfitting(world, tmp_path):
         out["avg_tokens_per_s"] / out["steady_tokens_per_s"], rel=1e-2)
 
 
+def test_loss_chunk_reaches_the_ttt(world, tmp_path):
+    """train.loss_chunk (rows of the fast path's loss chunks; 0 sizes them by memory) is what
+    the TTT runs with (issue 18: fewer compiled calls a step), and a negative one is refused
+    by name before any step."""
+    from drafter import trainer
+
+    cfg = cfg_for(world, tmp_path / "a", "train.loss_chunk=4096")
+    drafter = train.build_drafter(cfg, world.model.config, world.layer_ids, world.d2t,
+                                  world.t2d, world.model.get_input_embeddings().weight.detach())
+    ttt, _, _ = trainer.setup_model(drafter, cfg.train, Dist(), "sdpa")
+    assert ttt.loss_chunk == 4096
+    with pytest.raises(C.ConfigError, match=r"train\.loss_chunk: invalid value -1"):
+        fit(world, cfg_for(world, tmp_path / "b", "train.loss_chunk=-1"))
+
+
 def test_throughput_summary():
     """Warm-up counted in the whole run's average, steady state = the median of the last half."""
     from drafter.metrics import throughput

@@ -95,7 +95,8 @@ def _check(tc) -> None:
                     ("max_length", tc.max_length >= 4), ("log_every", tc.log_every >= 1),
                     ("save_every", tc.save_every >= 1), ("keep_checkpoints",
                                                          tc.keep_checkpoints >= 1),
-                    ("ttt_decay", tc.ttt_decay > 0), ("epochs", tc.epochs >= 1)):
+                    ("ttt_decay", tc.ttt_decay > 0), ("epochs", tc.epochs >= 1),
+                    ("loss_chunk", tc.loss_chunk >= 0)):
         if not ok:
             raise ConfigError(f"train.{key}: invalid value {getattr(tc, key)!r}")
     if tc.batch_tokens < tc.max_length:
