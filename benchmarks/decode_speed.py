@@ -274,10 +274,10 @@ def main(argv=None) -> int:
                     help="a greedy tree's expansion by eager kernels (top_indices, log_softmax), "
                          "not tree.fused_children's one Triton kernel (drafter.tree.FUSED_SEARCH)")
     a = ap.parse_args(argv)
-    if a.top_chunks or a.no_fused_search:
-        from drafter import tree
-        tree.TOP_CHUNKS = (a.top_chunks,) if a.top_chunks else tree.TOP_CHUNKS
-        tree.FUSED_SEARCH = not a.no_fused_search
+    from drafter import tree  # build_tree reads these module settings on every expansion
+    if a.top_chunks:
+        tree.TOP_CHUNKS = (a.top_chunks,)
+    tree.FUSED_SEARCH = not a.no_fused_search
     fold = {"auto": None, "on": True, "off": False}[a.fold]
     tmp = None
     if a.tiny:
