@@ -158,24 +158,29 @@ def test_top_indices_finds_torch_topks_values(shape, dtype):
         assert (i.sort(-1).values.diff(dim=-1) > 0).all()
 
 
+def _wide_vocab_tree(temperature: float):
+    """A 4/4/20 tree over 4 rows of a 4,096-token draft vocab (wide enough for the chunked
+    searches), its drafter a fixed table of logits, the same draws every call."""
+    B, Vd, spec = 4, 4096, TreeSpec(4, 4, 20)
+    g = torch.Generator().manual_seed(0)
+    tables, root = torch.randn(97, Vd, generator=g) * 3, torch.randn(B, Vd, generator=g) * 3
+    torch.manual_seed(1)
+    return build_tree(root, lambda i, ids, parent: tables[ids % 97], spec, temperature)
+
+
+def _assert_same_tree(a, b):
+    for f in ("tokens", "parent", "depth", "valid", "dist", "rank", "logq"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x is None and y is None) or torch.equal(x, y), f
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_trees_over_a_wide_vocab_are_torch_topks_trees(monkeypatch, temperature):
     """build_tree over a 4,096-token draft vocab (the chunked search) makes the tree that
     torch.topk makes: the same tokens, parents, depths and distributions, greedy and sampled."""
-    B, Vd, spec = 4, 4096, TreeSpec(4, 4, 20)
-    g = torch.Generator().manual_seed(0)
-    tables, root = torch.randn(97, Vd, generator=g) * 3, torch.randn(B, Vd, generator=g) * 3
-
-    def build():
-        torch.manual_seed(1)
-        return build_tree(root, lambda i, ids, parent: tables[ids % 97], spec, temperature)
-
-    chunked = build()
+    chunked = _wide_vocab_tree(temperature)
     monkeypatch.setattr(tree_mod, "top_indices", lambda x, k: x.topk(k, dim=-1).indices)
-    plain = build()
-    for f in ("tokens", "parent", "depth", "valid", "dist", "rank", "logq"):
-        a, b = getattr(chunked, f), getattr(plain, f)
-        assert (a is None and b is None) or torch.equal(a, b), f
+    _assert_same_tree(chunked, _wide_vocab_tree(temperature))
 
 
 def _children_cases(dev="cpu"):
@@ -211,21 +216,14 @@ def test_fused_children_in_the_interpreter():
     tree built with it is the eager kernels' tree."""
     pytest.importorskip("triton")
     code = textwrap.dedent("""
-        import torch
         from drafter import tree as tree_mod
-        from tests.test_decode import _check_children, _children_cases
+        from tests.test_decode import (_assert_same_tree, _check_children, _children_cases,
+                                       _wide_vocab_tree)
         for x, k in _children_cases():
             _check_children(x, k)
-        B, Vd, spec = 4, 4096, tree_mod.TreeSpec(4, 4, 20)
-        g = torch.Generator().manual_seed(0)
-        tables, root = torch.randn(97, Vd, generator=g) * 3, torch.randn(B, Vd, generator=g) * 3
-        trees = []
-        for fused in (True, False):
-            tree_mod.FUSED_SEARCH = fused
-            trees.append(tree_mod.build_tree(root, lambda i, ids, parent: tables[ids % 97],
-                                             spec, 0.0))
-        for f in ("tokens", "parent", "depth", "valid", "dist", "rank"):
-            assert torch.equal(getattr(trees[0], f), getattr(trees[1], f)), f
+        fused = _wide_vocab_tree(0.0)
+        tree_mod.FUSED_SEARCH = False
+        _assert_same_tree(fused, _wide_vocab_tree(0.0))
         print("ok")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
