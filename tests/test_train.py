@@ -120,11 +120,15 @@ def cfg_for(world, run_dir, *overrides):
                          "train.eval_every=0", "train.save_every=1000", *overrides])
 
 
+def drafter_for(world, cfg):
+    return train.build_drafter(cfg, world.model.config, world.layer_ids, world.d2t, world.t2d,
+                               world.model.get_input_embeddings().weight.detach())
+
+
 def fit(world, cfg, n_train=None):
     samples = world.captured["train"][:n_train]
-    drafter = train.build_drafter(cfg, world.model.config, world.layer_ids, world.d2t,
-                                  world.t2d, world.model.get_input_embeddings().weight.detach())
-    return train.fit(cfg, Run.of(cfg), Dist(), drafter, batches.Source.memory(samples),
+    return train.fit(cfg, Run.of(cfg), Dist(), drafter_for(world, cfg),
+                     batches.Source.memory(samples),
                      batches.Source.memory(world.captured["val"]), world.cap.head)
 
 
@@ -236,9 +240,7 @@ def test_loss_chunk_reaches_the_ttt(world, tmp_path):
     from drafter import trainer
 
     cfg = cfg_for(world, tmp_path / "a", "train.loss_chunk=4096")
-    drafter = train.build_drafter(cfg, world.model.config, world.layer_ids, world.d2t,
-                                  world.t2d, world.model.get_input_embeddings().weight.detach())
-    ttt, _, _ = trainer.setup_model(drafter, cfg.train, Dist(), "sdpa")
+    ttt, _, _ = trainer.setup_model(drafter_for(world, cfg), cfg.train, Dist(), "sdpa")
     assert ttt.loss_chunk == 4096
     with pytest.raises(C.ConfigError, match=r"train\.loss_chunk: invalid value -1"):
         fit(world, cfg_for(world, tmp_path / "b", "train.loss_chunk=-1"))
