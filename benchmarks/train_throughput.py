@@ -80,6 +80,7 @@ import specforge_anchor  # noqa: E402
 from op_count import OpCount  # noqa: E402
 
 from drafter import batches, trainer  # noqa: E402
+from drafter import ttt as ttt_mod  # noqa: E402
 from drafter import config as C  # noqa: E402
 from drafter.capture import Head  # noqa: E402
 from drafter.dist import close_dist, dist_env  # noqa: E402
@@ -715,11 +716,15 @@ def main(argv=None):
                    "history: what is alive at its peak, by the frame that allocated it")
     p.add_argument("--loss-chunk", type=int, default=0,
                    help="rows per fused-loss chunk (0: the automatic size, drafter/ttt.py)")
+    p.add_argument("--no-fused-merge", action="store_true",
+                   help="the diagonal merge as eager ops (ttt._MergeDiagonal), not its two "
+                   "Triton kernels (drafter.ttt.FUSED_MERGE)")
     p.add_argument("--switch-interval", type=float,
                    help="sys.setswitchinterval seconds (Python's default 0.005): how long a "
                    "thread keeps the GIL while the other waits (online: the prefetch thread "
                    "runs the target's Python while the training thread launches kernels)")
     args = p.parse_args(argv)
+    ttt_mod.FUSED_MERGE = not args.no_fused_merge
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     args.online = args.online or args.producer_ops
