@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Issue 18's GPU session (training speed) on one H200, from a bare machine: nothing restored, the
+# real run's data answered on the machine from ../shared/data (benchmarks/speed-smollm2.yaml).
+#
+#   bash benchmarks/speed_session.sh start     # the lane as a daemon (setsid), returns
+#   bash benchmarks/speed_session.sh wait N    # waits up to N seconds for it, collects results
+#                                              # into $OUT/results.tar.gz
+#   CHECK=1 bash benchmarks/speed_session.sh lane   # here, without a GPU: every drafter command's
+#                                                   # config resolved (`drafter config`), nothing run
+#
+# Needs the staging calls of BENCHMARKS.md first (the GGUF, the shared data, the wheels) and
+# SpecForge's wheel in .whl/ for the anchor. The lane, alone on the GPU, nvidia-smi throughout:
+#   1 the GPU tests of tests/test_model.py (the merge's Triton kernels compiled, flex vs sdpa)
+#   2 the SmolLM2 shape (train_throughput.py, random features, top-k teacher): the merge's
+#     Triton kernels against its eager ops, alternating, twice each
+#   3 Llama-8B at 4,096: the same A/B, then beside SpecForge twice (top-k and hidden teachers)
+#   4 the real run: its answers (a process of its own), then vocab .. train cold in one process
+#     and `drafter train --force` warm, each under TORCH_TRACE (which cache-key component makes
+#     a train after a cold run miss Inductor's cache?), then warm at train.loss_chunk=8192
+#   5 the SmolLM2 shape at loss chunks of 8,192 and 16,384 rows (2,097, the automatic size at
+#     Vd 32,000, is in 2), then under torch.profiler
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cd "$REPO"
+source benchmarks/lanes.sh
+[ -n "${CHECK:-}" ] || source benchmarks/gpu_env.sh
+export DRAFTER_DEBUG=1   # an internal error's traceback goes into the run's log
+PY=${PY:-python3}
+DRAFTER="$PY -m drafter.cli"
+CFG=benchmarks/speed-smollm2.yaml
+TT=benchmarks/train_throughput.py
+
+step() {  # step NAME CMD...: run, log to $RES/NAME.log, never stop the lane
+  local name=$1; shift
+  log "$name: start"
+  if [ -n "${CHECK:-}" ]; then  # drafter commands: the config resolved only; the rest skipped
+    [[ " $* " == *" drafter.cli "* ]] || { log "$name: skipped"; return; }
+    local args=() prev="" a
+    for a in "$@"; do
+      [ "$prev" = --until ] && { prev=$a; continue; }
+      prev=$a
+      case "$a" in --force|--until) continue ;; esac
+      [ "${args[*]: -1}" = drafter.cli ] && a=config
+      args+=("$a")
+    done
+    "${args[@]}" > /dev/null 2>> "$RES/$name.log"
+  else
+    "$@" >> "$RES/$name.log" 2>&1
+  fi
+  log "$name: exit $?"
+}
+
+keep_train() {  # keep_train TAG: the real run's train manifest and metrics as speed-TAG.train.*
+  local v
+  for v in manifest.json metrics.jsonl; do
+    cp runs/speed/train/$v "$RES/speed-$1.train.$v" 2>/dev/null
+  done
+}
+
+lane() {
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
+  local v smi
+  if [ -z "${CHECK:-}" ]; then
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,power.draw,memory.used \
+      --format=csv -lms 1000 > "$RES/smi.csv" 2>&1 &
+    smi=$!
+    rm -rf /tmp/sf && mkdir -p /tmp/sf
+    ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
+      --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
+  fi
+  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_model.py
+  for v in a b; do
+    step smollm2-fused-$v $PY $TT --shape smollm2 --teacher topk --no-anchor
+    step smollm2-eager-$v $PY $TT --shape smollm2 --teacher topk --no-anchor --no-fused-merge
+  done
+  step llama-fused $PY $TT --shape llama8b --seq 4096 --teacher topk --no-anchor
+  step llama-eager $PY $TT --shape llama8b --seq 4096 --teacher topk --no-anchor --no-fused-merge
+  for v in a b; do
+    step llama-sf-$v $PY $TT --shape llama8b --seq 4096 --teacher topk,hidden
+  done
+  step speed-generate $DRAFTER run $CFG --until generate
+  TORCH_TRACE="$RES/trace-cold" step speed-cold $DRAFTER run $CFG --until train
+  keep_train cold
+  TORCH_TRACE="$RES/trace-warm" step speed-warm $DRAFTER train $CFG --force
+  keep_train warm
+  step cache-keys $PY benchmarks/cache_keys.py "$RES/trace-cold" "$RES/trace-warm"
+  if [ -z "${CHECK:-}" ]; then  # the raw traces come back only if small enough (16 MiB a file)
+    tar -cJf "$OUT/traces.tar.xz" -C "$RES" trace-cold trace-warm 2>/dev/null
+    [ "$(stat -c %s "$OUT/traces.tar.xz" 2>/dev/null || echo 0)" -lt 15000000 ] \
+      || rm -f "$OUT/traces.tar.xz"
+    rm -rf "$RES/trace-cold" "$RES/trace-warm"
+  fi
+  step speed-warm-chunk8192 $DRAFTER train $CFG train.loss_chunk=8192 --force
+  keep_train warm-chunk8192
+  for v in 8192 16384; do
+    step smollm2-chunk-$v $PY $TT --shape smollm2 --teacher topk --no-anchor --loss-chunk $v
+  done
+  step smollm2-profile $PY $TT --shape smollm2 --teacher topk --no-anchor \
+    --profile "$RES/train-profile"
+  [ -n "${smi:-}" ] && kill "$smi" 2>/dev/null
+  mark lane
+}
+
+collect() {
+  collect_runs
+  log "collect: $(ls "$RES" | wc -l) files in results.tar.gz"
+}
+
+case "${1:-}" in
+  start)
+    setsid bash "$0" lane < /dev/null > "$RES/lane.out" 2>&1 &
+    sleep 2; log "lane started" ;;
+  lane) lane ;;
+  wait)
+    end=$(( $(date +%s) + ${2:-500} ))
+    while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$RES/lane.done" ]; do sleep 5; done
+    collect; tail -n 30 "$RES/phases.log"
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
+  collect) collect ;;
+  *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
+esac
