@@ -414,18 +414,29 @@ class FusedHeadLoss(torch.autograd.Function):
         grad_hn = torch.empty_like(hn) if need_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if need_grad else None
-        ce, correct, accept = (hn.new_empty(N, dtype=torch.float32) for _ in range(3))
         teacher = {"logp": teacher_logp} if teacher_ids is None else \
             {"ids": teacher_ids, "logp": teacher_logp}
+        # Per chunk only its three matmuls and the compiled stats (the step waits on the host:
+        # issue 18): a top-k teacher's rows gathered once ([N, k], small; a dense one's [c, Vd]
+        # stay per chunk), grad_hn written in place, the per-row stats joined once at the end.
+        # -> 3 kernels a chunk besides the stats, not 10 (counted on the CPU).
+        topk = None if teacher_ids is None else _teacher_rows(teacher, trows)
+        stats = []
         for s, e in loss_chunks(N, chunk):
             z = hn[s:e] @ wc.T                                               # [c, Vd]
-            ids, tl = _teacher_rows(teacher, trows[s:e])
+            ids, tl = _teacher_rows(teacher, trows[s:e]) if topk is None else \
+                (topk[0][s:e], topk[1][s:e])
             ws = w[s:e]
             _rows_dynamic(z, ids, tl, ws)
-            g, ce[s:e], correct[s:e], accept[s:e] = stats_fn(z, ids, tl, ws, dt)
+            g, *st = stats_fn(z, ids, tl, ws, dt)
+            stats.append(st)
             if need_grad:
-                grad_hn[s:e] = g @ wc                                        # [c, H]
+                torch.mm(g, wc, out=grad_hn[s:e])                            # [c, H]
                 _accumulate(grad_w, g.T, hn[s:e])                            # [Vd, H]
+        if stats:
+            ce, correct, accept = (torch.cat(c) for c in zip(*stats))        # [N] each
+        else:  # no row in the loss
+            ce, correct, accept = (hn.new_empty(0, dtype=torch.float32) for _ in range(3))
         ctx.save_for_backward(grad_hn, grad_w)
         ctx.weight_dtype = weight.dtype
         loss = (w * ce).sum()
