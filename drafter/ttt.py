@@ -505,6 +505,28 @@ class _Post(nn.Module):
         return h_out, self.norm(h_out)
 
 
+def _memory_format(name: str) -> torch.memory_format:
+    return getattr(torch, name)
+
+
+def _reduce_memory_format(m: torch.memory_format):
+    return _memory_format, (str(m).removeprefix("torch."),)
+
+
+def stable_memory_format_pickles() -> None:
+    """Pickle torch.memory_format objects by name through a function of this module, as
+    torch.serialization does torch.layout (copyreg). Inductor's FX-graph cache keys pickle each
+    graph input's metadata, its memory format included. Pickled by torch's own `__reduce__`, a
+    memory format is a global found by searching sys.modules in order (pickle.whichmodule), so
+    the bytes, and the key, depend on which modules the process imported first. On the H200
+    (torch 2.11), a `drafter train` after a cold `drafter run` hashed all 86 of its graph
+    inputs that have a memory format differently from the run, and the 18 without one alike
+    (their TORCH_TRACE records, benchmarks/cache_keys.py; issue 18, BENCHMARKS.md, fourteenth
+    session): it missed 7 of the run's 9 graphs and compiled them again. Idempotent."""
+    import copyreg
+    copyreg.pickle(torch.memory_format, _reduce_memory_format)
+
+
 class TTT(nn.Module):
     """The training forward: K-step unroll plus loss over a Drafter's trainable modules (shared,
     not copied). The frozen embeddings stay out: the caller passes `emb` = embed_tokens of the
@@ -564,6 +586,7 @@ class TTT(nn.Module):
             # TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0 still turns it off.
             if hasattr(aot_config, "autograd_cache_allow_custom_autograd_functions"):
                 aot_config.autograd_cache_allow_custom_autograd_functions = True
+            stable_memory_format_pickles()
             self.pre_fn, self.post_fn, self.stats_fn = (
                 torch.compile(f, dynamic=False, backend=backend)
                 for f in (pre, post, _chunk_stats))

@@ -495,6 +495,36 @@ def test_compiled_path_compiles_once_for_any_loss_rows(head):
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
 
 
+
+def test_compile_cache_keys_do_not_depend_on_the_import_order():
+    """Inductor's FX-graph cache key pickles every graph input's metadata, its memory format
+    included. torch pickles a memory format as a global found by searching sys.modules in
+    order, so a process that imported other modules first made other keys: on the H200 a
+    `drafter train` after a cold `drafter run` missed 7 of its 9 graphs. A compiling TTT
+    registers a reducer by name (ttt.stable_memory_format_pickles): the key of a contiguous
+    input is the same after a module that holds `torch` is put first in sys.modules."""
+    import types
+
+    from torch._inductor.codecache import FxGraphCachePickler, \
+        extract_tensor_metadata_for_cache_key
+    TTT(make_drafter(), attention="flex", compile=True, backend="aot_eager")
+    meta = extract_tensor_metadata_for_cache_key(torch.zeros(2, 3))
+    assert meta.memory_format is torch.contiguous_format
+    gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    before = FxGraphCachePickler(gm).get_hash(meta)
+    first = types.ModuleType("a_module_imported_first")
+    first.torch = torch
+    saved = dict(sys.modules)
+    try:
+        sys.modules.clear()
+        sys.modules[first.__name__] = first
+        sys.modules.update(saved)
+        after = FxGraphCachePickler(gm).get_hash(meta)
+    finally:
+        sys.modules.clear()
+        sys.modules.update(saved)
+    assert after == before
+
 def test_compiled_flex_keeps_one_graph_across_packings(monkeypatch):
     """flex_part0 builds a new block mask (a new mask_mod closure over seq_id) for each batch:
     dynamo guards on their shapes, not on the packing, so one graph serves every layout
