@@ -19,6 +19,17 @@
 #     a train after a cold run miss Inductor's cache?), then warm at train.loss_chunk=8192
 #   5 the SmolLM2 shape at loss chunks of 8,192 and 16,384 rows (2,097, the automatic size at
 #     Vd 32,000, is in 2), then under torch.profiler
+# (run in the fourteenth session, at 1187bb3: BENCHMARKS.md)
+#
+#   bash benchmarks/speed_session.sh start-next   # the next session's lane (not run yet):
+#   1 the real run cold, then `drafter train --force` after it: with memory formats pickled by
+#     name (51d5c40), does the train after a run hit Inductor's cache (7 of 7), and what is its
+#     avg/steady?
+#   2 loss chunks, alternating auto / 16,384 rows twice: the SmolLM2 shape at 100 steps, then
+#     the real run warm (16,384 won once at the shape, 8,192 lost once on the real run)
+#   3 online against offline (--real --online, 4 micro-batches a capture call: goal >= 0.7x)
+#   4 Llama-8B beside SpecForge at 2,048 twice more (1.31x / 1.32x once), and at 4,096 with
+#     16,384-row loss chunks (speed and peak memory against SpecForge's 17.8 GiB)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -101,6 +112,44 @@ lane() {
   mark lane
 }
 
+lane_next() {
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
+  local v c smi
+  if [ -z "${CHECK:-}" ]; then
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,power.draw,memory.used \
+      --format=csv -lms 1000 > "$RES/smi.csv" 2>&1 &
+    smi=$!
+    rm -rf /tmp/sf && mkdir -p /tmp/sf
+    ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
+      --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
+  fi
+  step speed-generate $DRAFTER run $CFG --until generate
+  step speed-cold $DRAFTER run $CFG --until train
+  keep_train cold
+  step speed-warm $DRAFTER train $CFG --force
+  keep_train warm
+  for v in a b; do
+    for c in 0 16384; do
+      step smollm2-chunk$c-$v $PY $TT --shape smollm2 --teacher topk --no-anchor --steps 100 \
+        --loss-chunk $c
+    done
+  done
+  for v in a b; do
+    for c in 0 16384; do
+      step speed-warm-chunk$c-$v $DRAFTER train $CFG train.loss_chunk=$c --force
+      keep_train warm-chunk$c-$v
+    done
+  done
+  step online $PY $TT --real --online --online-group 4 --shape smollm2 --no-anchor
+  for v in a b; do
+    step llama-sf-2048-$v $PY $TT --shape llama8b --seq 2048 --teacher topk,hidden
+  done
+  step llama-4096-chunk16384 $PY $TT --shape llama8b --seq 4096 --teacher topk --no-anchor \
+    --loss-chunk 16384
+  [ -n "${smi:-}" ] && kill "$smi" 2>/dev/null
+  mark lane
+}
+
 collect() {
   collect_runs
   log "collect: $(ls "$RES" | wc -l) files in results.tar.gz"
@@ -111,6 +160,10 @@ case "${1:-}" in
     setsid bash "$0" lane < /dev/null > "$RES/lane.out" 2>&1 &
     sleep 2; log "lane started" ;;
   lane) lane ;;
+  start-next)
+    setsid bash "$0" lane_next < /dev/null > "$RES/lane.out" 2>&1 &
+    sleep 2; log "next lane started" ;;
+  lane_next) lane_next ;;
   wait)
     end=$(( $(date +%s) + ${2:-500} ))
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$RES/lane.done" ]; do sleep 5; done
