@@ -160,33 +160,12 @@
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
-source benchmarks/lanes.sh
-[ -n "${CHECK:-}" ] || source benchmarks/gpu_env.sh
-export DRAFTER_DEBUG=1   # an internal error's traceback goes into the run's log
-PY=${PY:-python3}
-DRAFTER="$PY -m drafter.cli"
+source benchmarks/lanes.sh   # also the GPU environment, PY and DRAFTER
 CFG=configs/scale-smollm2.yaml
 SHORT=${SHORT_STEPS:-250}
 BASE=("prepare.sources[6].max_samples=40000" "tokenize.workers=6")
 CHAIN=("evaluate.methods=[chain]" "evaluate.temperatures=[0.0]")
 
-step() {  # step NAME CMD...: run, log to runs/gpu-out/NAME.log, never stop the lane
-  local name=$1; shift
-  log "$name: start"
-  if [ -n "${CHECK:-}" ]; then  # resolve the config only: `drafter.cli CMD` -> `config`
-    local args=() prev="" a
-    for a in "$@"; do
-      [ "$a" = --force ] && continue   # `config` takes no --force
-      [ "$prev" = drafter.cli ] && a=config
-      args+=("$a"); prev=$a
-    done
-    [ "$prev" != "" ] && [[ " $* " == *" drafter.cli "* ]] || { log "$name: skipped"; return; }
-    "${args[@]}" > /dev/null 2>> "$RES/$name.log"
-  else
-    "$@" >> "$RES/$name.log" 2>&1
-  fi
-  log "$name: exit $?"
-}
 seed() {  # seed NAME STEPS...: the restored steps hard-linked into runs/NAME
   local name=$1; shift
   mkdir -p "runs/$name"

@@ -33,33 +33,9 @@
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
-source benchmarks/lanes.sh
-[ -n "${CHECK:-}" ] || source benchmarks/gpu_env.sh
-export DRAFTER_DEBUG=1   # an internal error's traceback goes into the run's log
-PY=${PY:-python3}
-DRAFTER="$PY -m drafter.cli"
+source benchmarks/lanes.sh   # also the GPU environment, PY and DRAFTER
 CFG=benchmarks/speed-smollm2.yaml
 TT=benchmarks/train_throughput.py
-
-step() {  # step NAME CMD...: run, log to $RES/NAME.log, never stop the lane
-  local name=$1; shift
-  log "$name: start"
-  if [ -n "${CHECK:-}" ]; then  # drafter commands: the config resolved only; the rest skipped
-    [[ " $* " == *" drafter.cli "* ]] || { log "$name: skipped"; return; }
-    local args=() prev="" a
-    for a in "$@"; do
-      [ "$prev" = --until ] && { prev=$a; continue; }
-      prev=$a
-      case "$a" in --force|--until) continue ;; esac
-      [ "${args[*]: -1}" = drafter.cli ] && a=config
-      args+=("$a")
-    done
-    "${args[@]}" > /dev/null 2>> "$RES/$name.log"
-  else
-    "$@" >> "$RES/$name.log" 2>&1
-  fi
-  log "$name: exit $?"
-}
 
 keep_train() {  # keep_train TAG: the real run's train manifest and metrics as speed-TAG.train.*
   local v
@@ -68,17 +44,21 @@ keep_train() {  # keep_train TAG: the real run's train manifest and metrics as s
   done
 }
 
-lane() {
+start_lane() {  # nvidia-smi once a second into $RES/smi.csv (its pid in SMI), SpecForge
+  # from .whl into /tmp/sf (on PYTHONPATH) for the anchor; nothing under CHECK
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
-  local v smi
-  if [ -z "${CHECK:-}" ]; then
-    nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,power.draw,memory.used \
-      --format=csv -lms 1000 > "$RES/smi.csv" 2>&1 &
-    smi=$!
-    rm -rf /tmp/sf && mkdir -p /tmp/sf
-    ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
-      --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
-  fi
+  [ -n "${CHECK:-}" ] && return
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,power.draw,memory.used \
+    --format=csv -lms 1000 > "$RES/smi.csv" 2>&1 &
+  SMI=$!
+  rm -rf /tmp/sf && mkdir -p /tmp/sf
+  ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
+    --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
+}
+
+lane() {
+  local v
+  start_lane
   step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_model.py
   for v in a b; do
     step smollm2-fused-$v $PY $TT --shape smollm2 --teacher topk --no-anchor
@@ -108,21 +88,13 @@ lane() {
   done
   step smollm2-profile $PY $TT --shape smollm2 --teacher topk --no-anchor \
     --profile "$RES/train-profile"
-  [ -n "${smi:-}" ] && kill "$smi" 2>/dev/null
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane
 }
 
 lane_next() {
-  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/sf"
-  local v c smi
-  if [ -z "${CHECK:-}" ]; then
-    nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,power.draw,memory.used \
-      --format=csv -lms 1000 > "$RES/smi.csv" 2>&1 &
-    smi=$!
-    rm -rf /tmp/sf && mkdir -p /tmp/sf
-    ls .whl/specforge-*.whl > /dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps \
-      --target /tmp/sf .whl/specforge-*.whl || log "SpecForge not installed: no anchor"
-  fi
+  local v c
+  start_lane
   step speed-generate $DRAFTER run $CFG --until generate
   step speed-cold $DRAFTER run $CFG --until train
   keep_train cold
@@ -146,7 +118,7 @@ lane_next() {
   done
   step llama-4096-chunk16384 $PY $TT --shape llama8b --seq 4096 --teacher topk --no-anchor \
     --loss-chunk 16384
-  [ -n "${smi:-}" ] && kill "$smi" 2>/dev/null
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane
 }
 
