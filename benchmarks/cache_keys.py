@@ -76,7 +76,8 @@ def compare(a: list[dict], b: list[dict]) -> list[str]:
             continue
         best = max(a, key=lambda ra: sum(ra["components"].get(k, (None,))[0] == h
                                          for k, (h, _) in cb.items()), default=None)
-        head = f"\nB #{i} {rb['name']} ({rb['status']}, compile {rb['compile_id']}, key {rb['key']})"
+        head = (f"\nB #{i} {rb['name']} ({rb['status']}, compile {rb['compile_id']}, "
+                f"key {rb['key']})")
         if best is None:
             lines.append(head + ": A has no lookups")
             continue

@@ -5,8 +5,8 @@
 #   bash benchmarks/speed_session.sh start     # the lane as a daemon (setsid), returns
 #   bash benchmarks/speed_session.sh wait N    # waits up to N seconds for it, collects results
 #                                              # into $OUT/results.tar.gz
-#   CHECK=1 bash benchmarks/speed_session.sh lane   # here, without a GPU: every drafter command's
-#                                                   # config resolved (`drafter config`), nothing run
+#   CHECK=1 bash benchmarks/speed_session.sh lane   # here, without a GPU: every drafter
+#                                      # command's config resolved (`drafter config`), nothing run
 #
 # Needs the staging calls of BENCHMARKS.md first (the GGUF, the shared data, the wheels) and
 # SpecForge's wheel in .whl/ for the anchor. The lane, alone on the GPU, nvidia-smi throughout:

@@ -18,8 +18,9 @@ implementations:
     flex  fast GPU path: FlexAttention over the step-0 keys only, with one block mask per batch
           reused by every step, returning its log-sum-exp; the i diagonal scores are one dot
           product per position, merged with it by their log-sum-exps (nothing recomputed across
-          steps, no O(T²) mask; on CUDA one Triton kernel each way, _FusedMerge). The loss is fused with lm_head in row chunks: logits never
-          exist for the whole batch, and their gradients are formed in the forward.
+          steps, no O(T²) mask; on CUDA one Triton kernel each way, _FusedMerge). The loss
+          is fused with lm_head in row chunks: logits never exist for the whole batch, and
+          their gradients are formed in the forward.
 
 Both give the same loss and gradients (tests/test_model.py).
 """
