@@ -149,8 +149,9 @@
 #   lane r: nvidia-smi's clocks, power and utilisation once a second throughout -> the tree step
 #           at batch 64 with and without tree.fused_children -> store-fp8 cold, then warm
 #           (lane q's training runs that its machine did not reach) (about 9 minutes)
-#   bash benchmarks/recipe_session.sh start-seventeenth  # not run yet; one lane, alone on the
-#     GPU; SpecForge from .whl as for start-eighth
+#   bash benchmarks/recipe_session.sh start-seventeenth  # not run: benchmarks/speed_session.sh
+#     took its questions over (fourteenth session; the restored scale data did not survive);
+#     one lane, alone on the GPU; SpecForge from .whl as for start-eighth
 #   lane s: nvidia-smi throughout -> store-fp8 cold and warm under TORCH_TRACE (which cache key
 #           component makes a train after a run miss Inductor's cache?), warm again, warm
 #           with train.loss_chunk=8192 -> the SmolLM2 shape at loss chunks of 2,097 (auto) /
