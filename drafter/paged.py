@@ -31,6 +31,7 @@ is sized by the longest prompt, which is what ran an H200 out of memory at batch
 """
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import contextmanager
 
@@ -233,9 +234,11 @@ def paged_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Ten
     return out
 
 
+@functools.cache
 def triton_available(device) -> bool:
     """The kernel runs on CUDA devices where Triton imports (or anywhere under TRITON_INTERPRET=1,
-    which the CPU tests use)."""
+    which the CPU tests set for a subprocess). Cached per device: the paged kernel, the tree's
+    expansion and the training merge ask on every call."""
     import os
 
     if getattr(device, "type", str(device)) != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import DrafterError
+from .paged import triton_available
 
 
 class DecodeError(DrafterError):
@@ -116,16 +117,10 @@ def greedy_children(logits: Tensor, k: int, fused: bool | None = None) -> tuple[
     that chunk_width splits is one kernel's work instead (`fused_children`: the same ids and
     log-probs); `fused` False keeps the eager kernels (None: FUSED_SEARCH decides)."""
     fused = FUSED_SEARCH if fused is None else fused
-    if fused and chunk_width(logits.shape[-1], k) and _triton_ok(logits.device):
+    if fused and chunk_width(logits.shape[-1], k) and triton_available(logits.device):
         return fused_children(logits, k)
     ids = top_indices(logits, k)
     return ids, F.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, ids)
-
-
-@functools.cache
-def _triton_ok(device: torch.device) -> bool:
-    from .paged import triton_available
-    return triton_available(device)
 
 
 @functools.cache

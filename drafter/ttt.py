@@ -36,6 +36,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .model import Drafter, DrafterConfig, _f32, fuse
+from .paged import triton_available
 
 
 def attention_scale(cfg: DrafterConfig) -> float:
@@ -79,18 +80,12 @@ def merge_diagonal(q, o0, lse0, ks, vs, scale: float):
     (weight exp(q·k_j·scale)), so the result is exact."""
     if not ks:
         return o0
-    if FUSED_MERGE and _triton_ok(q.device):
+    if FUSED_MERGE and triton_available(q.device):
         return _FusedMerge.apply(q, o0, lse0, torch.stack(ks), torch.stack(vs), scale)
     return _MergeDiagonal.apply(q, o0, lse0, scale, len(ks), *ks, *vs)
 
 
 FUSED_MERGE = True  # merge_diagonal on CUDA: two Triton kernels (False: _MergeDiagonal's eager ops)
-
-
-@functools.cache
-def _triton_ok(device: torch.device) -> bool:
-    from .paged import triton_available
-    return triton_available(device)
 
 
 class _MergeDiagonal(torch.autograd.Function):
