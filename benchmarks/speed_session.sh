@@ -27,7 +27,9 @@
 #     avg/steady?
 #   2 loss chunks, alternating auto / 16,384 rows twice: the SmolLM2 shape at 100 steps, then
 #     the real run warm (16,384 won once at the shape, 8,192 lost once on the real run)
-#   3 online against offline (--real --online, 4 micro-batches a capture call: goal >= 0.7x)
+#   3 online against offline (--real --online, 4 micro-batches a capture call: goal >= 0.7x);
+#     the SmolLM2 shape beside SpecForge (2.60x / 3.10x in the third session: since then only
+#     against issue 6's recorded figure)
 #   4 Llama-8B beside SpecForge at 2,048 twice more (1.31x / 1.32x once), and at 4,096 with
 #     16,384-row loss chunks (speed and peak memory against SpecForge's 17.8 GiB)
 set -uo pipefail
@@ -113,6 +115,7 @@ lane_next() {
     done
   done
   step online $PY $TT --real --online --online-group 4 --shape smollm2 --no-anchor
+  step smollm2-sf $PY $TT --shape smollm2 --teacher topk,hidden
   for v in a b; do
     step llama-sf-2048-$v $PY $TT --shape llama8b --seq 2048 --teacher topk,hidden
   done
