@@ -32,6 +32,16 @@
 #     against issue 6's recorded figure)
 #   4 Llama-8B beside SpecForge at 2,048 twice more (1.31x / 1.32x once), and at 4,096 with
 #     16,384-row loss chunks (speed and peak memory against SpecForge's 17.8 GiB)
+#
+#   bash benchmarks/speed_session.sh start-pre   # the fifteenth session's lane: precompiling
+#   1 the GPU tests of tests/test_model.py and tests/test_train.py (a train after `drafter
+#     precompile` finds every graph in Inductor's cache; extract's precompile beside the target)
+#   2 the real run's answers, then the real run cold in fresh Inductor caches: A without
+#     precompiling (extract.precompile=false), B with it (extract's default), A and B again:
+#     each extract's seconds and precompile figures, each train's warm-up, FX-cache hits and
+#     avg/steady (goal >= 0.85; 0.717 cold in the fourteenth session)
+#   3 online against offline (goal >= 0.7x), the SmolLM2 shape beside SpecForge, Llama-8B
+#     beside SpecForge at 2,048 twice (1.31x / 1.32x once)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -125,6 +135,45 @@ lane_next() {
   mark lane
 }
 
+keep_extract() {  # keep_extract TAG: the real run's extract manifest and precompile log
+  cp runs/speed/extract/manifest.json "$RES/speed-$1.extract.manifest.json" 2>/dev/null
+  cp runs/speed/extract/precompile.log "$RES/speed-$1.extract.precompile.log" 2>/dev/null
+}
+
+cold() {  # cold TAG PRECOMPILE: extract --force (precompile on or off), then train --force,
+  # both in a fresh Inductor cache (its Triton kernels too), TORCH_TRACE'd apart
+  local tag=$1 pre=$2 ind=/tmp/inductor-$1
+  rm -rf "$ind"
+  TORCHINDUCTOR_CACHE_DIR=$ind TORCH_TRACE="$RES/trace-$tag-extract" \
+    step speed-$tag-extract $DRAFTER extract $CFG extract.precompile=$pre --force
+  keep_extract "$tag"
+  TORCHINDUCTOR_CACHE_DIR=$ind TORCH_TRACE="$RES/trace-$tag-train" \
+    step speed-$tag-train $DRAFTER train $CFG extract.precompile=$pre --force
+  keep_train "$tag"
+  [ "$pre" = true ] && step cache-keys-$tag $PY benchmarks/cache_keys.py \
+    "$RES/trace-$tag-extract" "$RES/trace-$tag-train"
+  rm -rf "$RES/trace-$tag-extract" "$RES/trace-$tag-train"
+}
+
+lane_pre() {
+  local v
+  start_lane
+  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_model.py \
+    tests/test_train.py
+  step speed-generate $DRAFTER run $CFG --until vocab
+  for v in a b; do
+    cold "nopre-$v" false
+    cold "pre-$v" true
+  done
+  step online $PY $TT --real --online --online-group 4 --shape smollm2 --no-anchor
+  step smollm2-sf $PY $TT --shape smollm2 --teacher topk,hidden
+  for v in a b; do
+    step llama-sf-2048-$v $PY $TT --shape llama8b --seq 2048 --teacher topk,hidden
+  done
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
+  mark lane
+}
+
 collect() {
   collect_runs
   log "collect: $(ls "$RES" | wc -l) files in results.tar.gz"
@@ -139,6 +188,10 @@ case "${1:-}" in
     setsid bash "$0" lane_next < /dev/null > "$RES/lane.out" 2>&1 &
     sleep 2; log "next lane started" ;;
   lane_next) lane_next ;;
+  start-pre)
+    setsid bash "$0" lane_pre < /dev/null > "$RES/lane.out" 2>&1 &
+    sleep 2; log "precompile lane started" ;;
+  lane_pre) lane_pre ;;
   wait)
     end=$(( $(date +%s) + ${2:-500} ))
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$RES/lane.done" ]; do sleep 5; done

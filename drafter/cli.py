@@ -6,6 +6,7 @@
     drafter config CONFIG [key=value ...]           the resolved config
     drafter serve CONFIG                            the generation server on its own
     drafter plan CONFIG [--json]                    tokens, disk, memory, time, before any load
+    drafter precompile CONFIG [--device D]          compile train's graphs into Inductor's cache
     drafter doctor [CONFIG] [--json]                the machine: versions, GPUs, disk, engines
     drafter check DIR [--target M] [--json]         lint an EAGLE-3 checkpoint directory
     drafter report RUN_DIR                          print the evaluation report
@@ -123,6 +124,13 @@ def cmd_doctor(args) -> int:
     return _dispatch("drafter.doctor", "main", C.load(config, overrides), args.json)
 
 
+def cmd_precompile(args) -> int:
+    from .precompile import main as precompile
+
+    precompile(_load(args), args.device)
+    return 0
+
+
 def cmd_check(args) -> int:
     return _dispatch("drafter.check", "main", args)
 
@@ -179,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(sp)
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(fn=cmd_plan)
+
+    sp = sub.add_parser("precompile", help="compile train's graphs into Inductor's cache on "
+                        "random batches (GPU; extract does it by itself beside the target)",
+                        epilog=_config_epilog(), formatter_class=fmt)
+    with_config(sp)
+    sp.add_argument("--device", help="default: the configured one (cuda:0 for a GPU)")
+    sp.set_defaults(fn=cmd_precompile)
 
     sp = sub.add_parser("doctor", help="check the machine: versions, GPUs, disk, engines")
     sp.add_argument("config", nargs="?", help="optional config (for the run and cache dirs)")

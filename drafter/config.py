@@ -193,6 +193,9 @@ class ExtractConfig:
         "refuse", "when GPU memory is held by other processes: refuse, warn, or skip the check")
     self_check: bool = doc(True, "before the run, compare the hooks with a plain forward's "
                            "output_hidden_states and logits on one sample")
+    precompile: bool = doc(True, "GPU: compile train's graphs (torch.compile) in a process of "
+                           "its own while the target runs, when memory allows: train's warm-up "
+                           "then reads Inductor's cache (drafter/precompile.py)")
 
 
 # ---------------------------------------------------------------------------------------------- train

@@ -73,6 +73,7 @@ NEUTRAL: dict[str, object] = {
     "generate.server.allow_remote": False,
     "generate.extra_temperatures": [],
     "train.loss_chunk": 0,
+    "extract.precompile": True,
 }
 
 
@@ -109,7 +110,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "generate": ("conversations.jsonl", "errors.jsonl", "synthetic_rejects.jsonl", "server*.log"),
     "tokenize": ("train.parquet", "val.parquet"),
     "vocab": ("vocab.safetensors", "vocab.json"),
-    "extract": ("train", "val", "head.safetensors"),
+    "extract": ("train", "val", "head.safetensors", "precompile*.log"),
     "train": ("step_[0-9]*", "metrics.jsonl", "tb"),
     "export": ("native", "speculators"),
     "evaluate": ("metrics.json", "report.md", "*.png", "passes"),

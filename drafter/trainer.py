@@ -122,6 +122,16 @@ def compiles_hold(lock):
         callback_handler.remove_end_callback(end)
 
 
+def device_setup(tc, device):
+    """What train sets for the device before the model: TF32 matmuls on a GPU (a setting that
+    Inductor's cache keys hold: drafter/precompile.py must set it as train does). Returns the
+    autocast dtype: bfloat16 on a GPU under dtype auto, else None (float32)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return torch.bfloat16 if (tc.dtype == "bfloat16" or (tc.dtype == "auto" and cuda)) else None
+
+
 def pick_attention(tc, device) -> str:
     if tc.attention == "auto":
         return "flex" if device.type == "cuda" else "sdpa"

@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -363,8 +364,8 @@ def train_records(run_dir, split="train"):
     return [r for r in read_jsonl(Run(run_dir).train_metrics()) if r["split"] == split]
 
 
-def cli(args, nproc=1):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+def cli(args, nproc=1, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     cmd = [sys.executable, "-m", "drafter.cli", *args] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
         "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "-m", "drafter.cli", *args]
@@ -460,6 +461,117 @@ def test_offline_equals_online(pipe, tmp_path):
     for k in w_off:
         d = (w_off[k].float() - w_on[k].float()).abs()
         assert d.max() < 1e-3 and (d > 1e-5).float().mean() < 1e-3, k
+
+
+# -------------------------------------------------- precompile: train's graphs before train
+def _meta(d: dict) -> dict:
+    """name -> (dtype, shape) of a batch's model inputs; the loss rows' count (N, dim 0 of rows,
+    trows, weights) is left out: it differs from batch to batch, and its graph is dynamic."""
+    out = {}
+    for k, v in batches.model_inputs(d).items():
+        for name, t in (v.items() if isinstance(v, dict) else [(k, v)]):
+            dyn = k in ("rows", "trows", "weights")
+            out[name if k != "teacher" else f"teacher.{name}"] = \
+                (t.dtype, t.device, tuple(t.shape)[1:] if dyn else tuple(t.shape), t.ndim)
+    return out
+
+
+def test_precompile_batches_look_like_trains_batches(pipe):
+    """The precompile process's random micro-batches reach the model as the real ones do: the
+    same names, dtypes, devices and shapes (Inductor's cache keys hold these, not the values),
+    from a store of extract's shards; and its steps run (on the CPU, nothing compiles)."""
+    from drafter import precompile, store
+    cfg = C.load(write_pipe_config(pipe.dir / "cfg.yaml", pipe.run, pipe.shared))
+    dev = torch.device("cpu")
+    S = precompile.setup(cfg, dev)
+    src = batches.Source.offline(store.Reader(Run(pipe.run), "train"))
+    rows = batches.pack(src.lengths, S["T"], 0)
+    real = batches.host_batch(src, rows[: S["B"]], S["B"], S["T"], S["tc"],
+                              S["drafter"].embed_tokens.weight)
+    for fused in (False, True):  # sdpa's dense teacher, flex's top-k or dense
+        a = _meta(batches.device_batch(real, dev, S["head"], fused))
+        b = _meta(batches.device_batch(precompile.random_batch(cfg, S, 0), dev, S["head"],
+                                       fused))
+        assert a == b
+    assert precompile.applies(cfg, dev) == "train compiles only on a GPU"
+    out = precompile.run_steps(cfg, dev)
+    assert out["graphs"] == 0 and out["steps"] == precompile.OPTIMIZER_STEPS
+    # the modules it trained are the drafter this config trains: the same shapes
+    m = train.build_drafter(cfg, target.load_config(cfg.target),
+                            store.Reader(Run(pipe.run), "train").info["layer_ids"],
+                            *_vocab(pipe.run),
+                            target.target_embeddings(cfg.target))
+    assert {k: v.shape for k, v in m.state_dict().items()} == \
+        {k: v.shape for k, v in S["drafter"].state_dict().items()}
+
+
+def _vocab(run_dir):
+    from drafter import tokens
+    d2t, t2d, _ = tokens.load_vocab(Run(run_dir).vocab())
+    return d2t, t2d
+
+
+def test_extract_waits_for_its_precompile_child_and_stops_it_when_extract_fails(tmp_path):
+    """finish(): a finished child's figures join extract's manifest; a child of a failed extract
+    is stopped at once; one still running at the timeout is stopped and reported."""
+    from drafter import precompile
+
+    def handle(code: str) -> precompile.Handle:  # in a temp folder of its own, as start's
+        d = Path(tempfile.mkdtemp(dir=tmp_path))
+        cfg_path, result = d / "config.yaml", d / "result.json"
+        cfg_path.write_text("{}")
+        proc = subprocess.Popen([sys.executable, "-c", code, str(result)])
+        return precompile.Handle(proc, cfg_path, result, tmp_path / "precompile.log",
+                                 time.perf_counter())
+
+    out = precompile.finish(handle(
+        "import json, sys; json.dump({'graphs': 4, 'seconds': 1.5}, open(sys.argv[1], 'w'))"))
+    assert out["exit"] == 0 and out["graphs"] == 4 and out["seconds"] == 1.5
+    assert list(tmp_path.iterdir()) == []  # its temp folder went with its files
+    t = time.perf_counter()
+    out = precompile.finish(handle("import time; time.sleep(60)"), ok=False)
+    assert out["exit"] != 0 and time.perf_counter() - t < 15
+    out = precompile.finish(handle("import time; time.sleep(60)"), timeout=1)
+    assert out["exit"] != 0 and 1 <= out["waited_s"] < 15 and "graphs" not in out
+    assert precompile.finish(None) is None
+
+
+def test_precompile_child_exits_when_its_parent_is_gone(tmp_path):
+    """`python -m drafter.precompile ... --parent PID` started by an extract that is gone (its
+    parent is no longer that PID) exits before loading anything: nothing holds the GPU after a
+    killed extract. `drafter precompile` on the CPU has nothing to do and says so."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"run_dir: {tmp_path / 'run'}\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-m", "drafter.precompile", str(cfg), "--parent",
+                        str(os.getpid() + 10**6)], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+    assert p.returncode != 0 and "is gone" in p.stderr
+    p = cli(["precompile", str(cfg), "train.dtype=float32"])
+    if not torch.cuda.is_available():
+        assert "nothing to do (train compiles only on a GPU)" in p.stderr
+
+
+@pytest.mark.gpu
+def test_train_after_precompile_compiles_nothing(pipe, tmp_path):
+    """On a GPU: extract started a precompile beside the target (its manifest's figures);
+    `drafter precompile` into an empty Inductor cache, then `drafter train` in another process
+    (other imports, other batches): train's warm-up finds every graph in the cache, none
+    compiled again (issue 18: a cold run's 19.6 s of compiling)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    m = Run(pipe.run).read_manifest("extract")
+    assert m["precompile"]["exit"] == 0 and m["precompile"]["graphs"] >= 4, m["precompile"]
+    run = copy_run(pipe, tmp_path / "run")
+    cfg = write_pipe_config(tmp_path / "cfg.yaml", run, pipe.shared, **TWO_RANK_STEPS)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    pre = subprocess.run([sys.executable, "-m", "drafter.precompile", str(cfg)],
+                         env={**os.environ, **env, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert pre.returncode == 0, pre.stderr[-3000:]
+    cli(["train", str(cfg)], env=env)
+    c = Run(run).read_manifest("train")["warmup_compile"]
+    assert c["fx_graph_cache"]["misses"] == 0 and c["fx_graph_cache"]["hits"] >= 4, c
 
 
 def test_prune_keeps_the_newest_and_the_best(tmp_path):

@@ -23,6 +23,10 @@ estimated need and refuses when other processes hold memory (extract.preflight).
 Resume: a shard that exists and verifies (its sha256 in the index, else its own content hash;
 and the planned sample ids and options) is kept; a missing or corrupt one is (re)done; temp files
 of a killed write are removed. The index is written last. train.online=true: nothing is stored.
+
+On a GPU, train's graphs compile in a process of their own while the target loads and runs, when
+memory allows (drafter/precompile.py; extract.precompile=false: off): extract waits for it
+before it returns, and its figures are the manifest's "precompile".
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 from .. import capture as C
-from .. import gpu, store, target, tokens
+from .. import gpu, precompile, store, target, tokens
 from ..dist import Dist, all_gather, barrier, init_dist, read_env
 from ..rundir import Run
 
@@ -126,6 +130,7 @@ def main(cfg) -> dict:
     d2t, t2d, _ = tokens.load_vocab(run.require(run.vocab(), "vocab"))
     run.require(run.tokens("train"), "tokenize")
     info = _info(cfg, tconf, d2t, str(d.device))
+    est = {"total": 0}
     if d.device.type == "cuda":  # before this process touches CUDA or loads any weights
         dtype_bytes = torch.finfo(target.pick_dtype(cfg.target, str(d.device))).bits // 8
         est = C.estimate_gpu_bytes(tconf, dtype_bytes, ec.batch_tokens, len(info["layer_ids"]),
@@ -155,10 +160,16 @@ def main(cfg) -> dict:
         todo = [s for s in mine if (s.split, s.index) in keys]
     # every rank loads when any rank has work: tp needs them all, and dp ranks meet at the end
     need_model = any(all_gather(d, bool(todo) or not run.extract_head().exists()))
-    written, tokens_done, seconds, check = {}, 0, 0.0, None
+    written, tokens_done, seconds, check, compiled = {}, 0, 0.0, None, None
     if need_model:
-        written, seconds, check = _extract(cfg, run, d, info, d2t, t2d, tables, every, todo,
-                                           writes, len(kept))
+        # train's graphs compile in a process of their own while the target loads and runs
+        pre, ok = precompile.start(cfg, run, d.device, est["total"], d.rank), False
+        try:
+            written, seconds, check = _extract(cfg, run, d, info, d2t, t2d, tables, every, todo,
+                                               writes, len(kept))
+            ok = True
+        finally:
+            compiled = precompile.finish(pre, ok=ok)
         tokens_done = sum(s.tokens for s in todo) if writes else 0
 
     # -- the index: every rank's entries, written by rank 0 after all shards are on disk
@@ -182,7 +193,10 @@ def main(cfg) -> dict:
     barrier(d)
     stats = {k: sum(g[1][k] for g in gathered) for k in ("tokens", "written", "kept", "redone")}
     stats["seconds"] = max(g[1]["seconds"] for g in gathered)
-    return _result(info, indexes, stats, d, ec, check)
+    out = _result(info, indexes, stats, d, ec, check)
+    if compiled is not None:
+        out["precompile"] = compiled
+    return out
 
 
 def _done_shards(run: Run, mine: list[Shard], tables: dict, info: dict, d: Dist):

@@ -53,7 +53,7 @@ from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_
 from ..model import Drafter, DrafterConfig, param_count
 from ..rundir import JsonlAppender, Run, read_jsonl
 from ..trainer import WARMUP_STEPS, compile_stats, compiled_graphs, compiles_hold, \
-    pick_attention, setup_model, sync_device, train_step
+    device_setup, pick_attention, setup_model, sync_device, train_step
 
 log = logging.getLogger("drafter")
 
@@ -110,13 +110,11 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     tc = cfg.train
     _check(tc)
     dev, cuda = dist.device, dist.device.type == "cuda"
-    amp = torch.bfloat16 if (tc.dtype == "bfloat16" or (tc.dtype == "auto" and cuda)) else None
+    amp = device_setup(tc, dev)
     attention = pick_attention(tc, dev)
     fused = attention == "flex"
     K, T = tc.ttt_steps, tc.max_length
     B = tc.batch_tokens // T
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
     head = head.to(dev)
 
     ttt, model, opt = setup_model(drafter, tc, dist, attention)
