@@ -42,6 +42,7 @@ _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK
              "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
              "MASTER_PORT")
 OPTIMIZER_STEPS = 2
+_T_START = time.time()  # this module's import: near the process's start when run as the child
 
 
 def applies(cfg, device) -> str | None:
@@ -152,6 +153,8 @@ def run_steps(cfg, dev) -> dict:
     from .trainer import compile_stats, sync_device, train_step
 
     t0 = time.perf_counter()
+    log.info("precompile: setting up on %s (%.1f s since this process started)", dev,
+             time.time() - _T_START)
     S = setup(cfg, dev)
     log.info("precompile: %s attention, %d rows × %d tokens, K=%d, Vd=%d, %s teacher, on %s",
              S["attention"], S["B"], S["T"], S["tc"].ttt_steps, S["vd"], cfg.extract.teacher,
@@ -165,15 +168,14 @@ def run_steps(cfg, dev) -> dict:
     with torch.no_grad(), S["autocast"]:  # validation's forward: its own graphs
         S["model"](**model_inputs(device_batch(hb, dev, S["head"], S["fused"])))
     sync_device(dev)
-    stats = compile_stats() if S["ttt"].compiled else {"graphs": 0, "seconds": 0.0,
-                                                        "fx_graph_cache": {"hits": 0,
-                                                                           "misses": 0}}
-    stats.pop("frames", None)
+    c = compile_stats() if S["ttt"].compiled else {"graphs": 0, "seconds": 0.0,
+                                                    "fx_graph_cache": {"hits": 0, "misses": 0}}
     out = {"seconds": round(time.perf_counter() - t0, 2), "steps": s + 1, "device": str(dev),
-           "cache_dir": _cache_dir(), **stats}
+           "cache_dir": _cache_dir(), "graphs": c["graphs"], "compile_s": c["seconds"],
+           "fx_graph_cache": c["fx_graph_cache"], "aot_autograd_cache": c.get("aot_autograd_cache")}
     log.info("precompile: done in %.1f s: %d graphs, %.1f s compiling, Inductor's cache %d hits "
-             "/ %d misses", out["seconds"], stats["graphs"], stats["seconds"],
-             stats["fx_graph_cache"]["hits"], stats["fx_graph_cache"]["misses"])
+             "/ %d misses", out["seconds"], c["graphs"], c["seconds"],
+             c["fx_graph_cache"]["hits"], c["fx_graph_cache"]["misses"])
     return out
 
 
@@ -246,8 +248,9 @@ def _start(cfg, run, device, extract_bytes: int, rank: int) -> Handle | None:
 
 def finish(h: Handle | None, timeout: float = 900.0, ok: bool = True) -> dict | None:
     """Wait for the child (at most `timeout` s; `ok` False, extract failed: stop it now) and
-    return its figures for extract's manifest: the child's own (`main`) with exit and
-    wall_s (from its start), and waited_s (how long extract waited for it at its end)."""
+    return its figures for extract's manifest: the child's own (run_steps: seconds from its
+    setup to its end, compile_s, graphs, the caches' hits and misses) with exit, wall_s (from
+    its start: imports included) and waited_s (how long extract waited for it at its end)."""
     if h is None:
         return None
     t = time.perf_counter()
@@ -267,8 +270,9 @@ def finish(h: Handle | None, timeout: float = 900.0, ok: bool = True) -> dict | 
     except (OSError, ValueError):
         pass
     if ok and out["exit"] == 0:
-        log.info("extract: train's graphs precompiled in %.1f s (%s graphs; waited %.1f s for "
-                 "them at the end)", out.get("seconds", out["wall_s"]), out.get("graphs", "?"),
+        log.info("extract: train's graphs precompiled: %s graphs, %s s compiling, the process "
+                 "%.1f s from its start (extract waited %.1f s for it at its end)",
+                 out.get("graphs", "?"), out.get("compile_s", "?"), out["wall_s"],
                  out["waited_s"])
     elif ok:
         log.warning("extract: precompiling failed (exit %s, see %s): train compiles its graphs "

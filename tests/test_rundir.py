@@ -86,7 +86,7 @@ def test_new_fields_at_their_neutral_value_keep_fingerprints(tmp_path):
     for dotted in NEUTRAL:
         step = next(s for s, secs in SECTIONS.items() if dotted.split(".")[0] in secs)
         cfg = cfg_for(tmp_path)
-        parts = {s: C.to_dict(getattr(cfg, s)) for s in SECTIONS[step]}
+        parts = {s: C.to_dict(pipeline._section_value(cfg, s)) for s in SECTIONS[step]}
         for name, value in NEUTRAL.items():  # the config as written before these fields existed
             section, *path = name.split(".")
             if section not in parts:
@@ -99,7 +99,8 @@ def test_new_fields_at_their_neutral_value_keep_fingerprints(tmp_path):
         before = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
         assert pipeline.config_hash(cfg, step) == before
         value = NEUTRAL[dotted]
-        other = "[0.5]" if isinstance(value, list) else "true" if value is False else "1"
+        other = "[0.5]" if isinstance(value, list) else "true" if value is False else \
+            "false" if value is True else "1"
         assert pipeline.config_hash(cfg_for(tmp_path, f"{dotted}={other}"), step) != before
 
 

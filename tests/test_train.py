@@ -364,8 +364,13 @@ def train_records(run_dir, split="train"):
     return [r for r in read_jsonl(Run(run_dir).train_metrics()) if r["split"] == split]
 
 
+def pythonpath() -> str:
+    """The repo first, then the caller's PYTHONPATH (where a GPU machine stages wheels)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+
+
 def cli(args, nproc=1, env=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "PYTHONPATH": pythonpath()}
     cmd = [sys.executable, "-m", "drafter.cli", *args] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
         "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "-m", "drafter.cli", *args]
@@ -542,7 +547,7 @@ def test_precompile_child_exits_when_its_parent_is_gone(tmp_path):
     killed extract. `drafter precompile` on the CPU has nothing to do and says so."""
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"run_dir: {tmp_path / 'run'}\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     p = subprocess.run([sys.executable, "-m", "drafter.precompile", str(cfg), "--parent",
                         str(os.getpid() + 10**6)], env=env, capture_output=True, text=True,
                        timeout=120, cwd=REPO)
@@ -566,7 +571,7 @@ def test_train_after_precompile_compiles_nothing(pipe, tmp_path):
     cfg = write_pipe_config(tmp_path / "cfg.yaml", run, pipe.shared, **TWO_RANK_STEPS)
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     pre = subprocess.run([sys.executable, "-m", "drafter.precompile", str(cfg)],
-                         env={**os.environ, **env, "PYTHONPATH": str(REPO)},
+                         env={**os.environ, **env, "PYTHONPATH": pythonpath()},
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert pre.returncode == 0, pre.stderr[-3000:]
     cli(["train", str(cfg)], env=env)
