@@ -104,6 +104,16 @@ lane() {
   mark lane
 }
 
+beside_specforge() {  # online against offline, then the SmolLM2 shape and Llama-8B at 2,048
+  # (twice) beside SpecForge
+  local v
+  step online $PY $TT --real --online --online-group 4 --shape smollm2 --no-anchor
+  step smollm2-sf $PY $TT --shape smollm2 --teacher topk,hidden
+  for v in a b; do
+    step llama-sf-2048-$v $PY $TT --shape llama8b --seq 2048 --teacher topk,hidden
+  done
+}
+
 lane_next() {
   local v c
   start_lane
@@ -124,11 +134,7 @@ lane_next() {
       keep_train warm-chunk$c-$v
     done
   done
-  step online $PY $TT --real --online --online-group 4 --shape smollm2 --no-anchor
-  step smollm2-sf $PY $TT --shape smollm2 --teacher topk,hidden
-  for v in a b; do
-    step llama-sf-2048-$v $PY $TT --shape llama8b --seq 2048 --teacher topk,hidden
-  done
+  beside_specforge
   step llama-4096-chunk16384 $PY $TT --shape llama8b --seq 4096 --teacher topk --no-anchor \
     --loss-chunk 16384
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
@@ -165,11 +171,7 @@ lane_pre() {
     cold "nopre-$v" false
     cold "pre-$v" true
   done
-  step online $PY $TT --real --online --online-group 4 --shape smollm2 --no-anchor
-  step smollm2-sf $PY $TT --shape smollm2 --teacher topk,hidden
-  for v in a b; do
-    step llama-sf-2048-$v $PY $TT --shape llama8b --seq 2048 --teacher topk,hidden
-  done
+  beside_specforge
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane
 }
