@@ -110,8 +110,7 @@ def setup(cfg, dev) -> dict:
     from . import capture, target, tokens
     from .dist import Dist
     from .rundir import Run
-    from .steps.train import build_drafter
-    from .trainer import device_setup, pick_attention, setup_model
+    from .trainer import build_drafter, device_setup, pick_attention, setup_model
 
     run, tc = Run.of(cfg), cfg.train
     d2t, t2d, _ = tokens.load_vocab(run.require(run.vocab(), "vocab"))

@@ -1,4 +1,5 @@
-"""One optimizer step of the drafter, and what it needs: the attention path for a device
+"""One optimizer step of the drafter, and what it needs: the drafter shaped from the target
+(`build_drafter`: train and drafter/precompile.py build it alike), the attention path for a device
 (`pick_attention`), the TTT module on the device wrapped for the ranks with its AdamW
 (`setup_model`), and the step itself (`train_step`: forward and backward over the micro-batches,
 gradients scaled to the step's loss positions, clipped, AdamW). The train step's loop
@@ -12,14 +13,34 @@ import contextlib
 import torch
 
 from .batches import model_inputs
+from . import DrafterError
 from .config import ConfigError
 from .dist import Dist, all_sum
-from .model import Drafter
+from .model import Drafter, DrafterConfig
 from .ttt import TTT
 
 # Warm-up = the train time of a process's first 10 optimizer steps (compiles included): issue 18
 # asks for <= 30 s, and the benchmark reports the same span.
 WARMUP_STEPS = 10
+
+
+def build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings) -> Drafter:
+    """The drafter shaped from the target (DrafterConfig.from_target), seeded init, the target's
+    embeddings (frozen, kept at the target's dtype) and the vocab maps."""
+    tc = cfg.train
+    dcfg = DrafterConfig.from_target(
+        target_config, draft_vocab_size=d2t.numel(), aux_layer_ids=list(layer_ids),
+        intermediate_size=tc.intermediate_size, norm_before_residual=tc.norm_before_residual,
+        fc_norm=tc.fc_norm, norm_output=tc.norm_output)
+    if tuple(embeddings.shape) != (dcfg.vocab_size, dcfg.hidden_size):
+        raise DrafterError(f"target embeddings are {tuple(embeddings.shape)}, expected "
+                           f"({dcfg.vocab_size}, {dcfg.hidden_size}) from its config")
+    torch.manual_seed(tc.seed)
+    drafter = Drafter(dcfg)
+    drafter.embed_tokens.to(embeddings.dtype)
+    drafter.set_embeddings(embeddings)
+    drafter.set_vocab(d2t, t2d)
+    return drafter
 
 
 def sync_device(device) -> None:

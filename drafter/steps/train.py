@@ -50,32 +50,12 @@ from ..config import ConfigError
 from ..dist import Dist, all_sum, close_dist, dist_env
 from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_writer, \
     throughput
-from ..model import Drafter, DrafterConfig, param_count
+from ..model import Drafter, param_count
 from ..rundir import JsonlAppender, Run, read_jsonl
-from ..trainer import WARMUP_STEPS, compile_stats, compiled_graphs, compiles_hold, \
-    device_setup, pick_attention, setup_model, sync_device, train_step
+from ..trainer import WARMUP_STEPS, build_drafter, compile_stats, compiled_graphs, \
+    compiles_hold, device_setup, pick_attention, setup_model, sync_device, train_step
 
 log = logging.getLogger("drafter")
-
-
-# ------------------------------------------------------------------------------------- model
-def build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings) -> Drafter:
-    """The drafter shaped from the target (DrafterConfig.from_target), seeded init, the target's
-    embeddings (frozen, kept at the target's dtype) and the vocab maps."""
-    tc = cfg.train
-    dcfg = DrafterConfig.from_target(
-        target_config, draft_vocab_size=d2t.numel(), aux_layer_ids=list(layer_ids),
-        intermediate_size=tc.intermediate_size, norm_before_residual=tc.norm_before_residual,
-        fc_norm=tc.fc_norm, norm_output=tc.norm_output)
-    if tuple(embeddings.shape) != (dcfg.vocab_size, dcfg.hidden_size):
-        raise DrafterError(f"target embeddings are {tuple(embeddings.shape)}, expected "
-                           f"({dcfg.vocab_size}, {dcfg.hidden_size}) from its config")
-    torch.manual_seed(tc.seed)
-    drafter = Drafter(dcfg)
-    drafter.embed_tokens.to(embeddings.dtype)
-    drafter.set_embeddings(embeddings)
-    drafter.set_vocab(d2t, t2d)
-    return drafter
 
 
 def lr_lambda(tc, total: int):
