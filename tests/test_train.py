@@ -510,6 +510,25 @@ def test_precompile_batches_look_like_trains_batches(pipe):
         {k: v.shape for k, v in S["drafter"].state_dict().items()}
 
 
+def test_precompile_topk_batches_look_like_captured_ones(world, tmp_path):
+    """The same for a top-k teacher, against samples the capture made in memory (the contract's
+    dtypes, as train's offline batches are once widened): the fused loss's ids and log-probs."""
+    from drafter import precompile, tokens
+    cfg = cfg_for(world, tmp_path / "run", "extract.teacher=topk", "extract.topk=8")
+    tokens.save_vocab(Run(tmp_path / "run").vocab(), world.d2t, world.t2d,
+                      torch.ones(VOCAB, dtype=torch.long))
+    dev = torch.device("cpu")
+    S = precompile.setup(cfg, dev)
+    cap = Capture(world.model, None, world.d2t, world.t2d, teacher="topk", topk=8)
+    src = batches.Source.memory(cap(world.rows["train"][:8]))
+    rows = batches.pack(src.lengths, S["T"], 0)
+    real = batches.host_batch(src, rows[: S["B"]], S["B"], S["T"], S["tc"],
+                              S["drafter"].embed_tokens.weight)
+    for fused in (False, True):
+        assert _meta(batches.device_batch(real, dev, S["head"], fused)) == _meta(
+            batches.device_batch(precompile.random_batch(cfg, S, 1), dev, S["head"], fused))
+
+
 def _vocab(run_dir):
     from drafter import tokens
     d2t, t2d, _ = tokens.load_vocab(Run(run_dir).vocab())
