@@ -22,16 +22,14 @@
 # (run in the fourteenth session, at 1187bb3: BENCHMARKS.md)
 #
 #   bash benchmarks/speed_session.sh start-next   # the next session's lane (not run yet):
-#   1 the real run cold, then `drafter train --force` after it: with memory formats pickled by
-#     name (51d5c40), does the train after a run hit Inductor's cache (7 of 7), and what is its
-#     avg/steady?
-#   2 loss chunks, alternating auto / 16,384 rows twice: the SmolLM2 shape at 100 steps, then
+#   1 the GPU tests of tests/test_train.py (the train-after-precompile test, its environment
+#     fixed in 0d28b1c)
+#   2 the real run cold with extract's precompile, three more times in fresh caches: avg/steady
+#     0.851 and 0.847 in the fifteenth session against the goal's 0.85
+#   3 loss chunks, alternating auto / 16,384 rows twice: the SmolLM2 shape at 100 steps, then
 #     the real run warm (16,384 won once at the shape, 8,192 lost once on the real run)
-#   3 online against offline (--real --online, 4 micro-batches a capture call: goal >= 0.7x);
-#     the SmolLM2 shape beside SpecForge (2.60x / 3.10x in the third session: since then only
-#     against issue 6's recorded figure)
-#   4 Llama-8B beside SpecForge at 2,048 twice more (1.31x / 1.32x once), and at 4,096 with
-#     16,384-row loss chunks (speed and peak memory against SpecForge's 17.8 GiB)
+#   4 Llama-8B at 4,096 with 16,384-row loss chunks (speed and peak memory against SpecForge's
+#     17.8 GiB)
 #
 #   bash benchmarks/speed_session.sh start-pre   # the fifteenth session's lane: precompiling
 #   1 the GPU tests of tests/test_model.py and tests/test_train.py (a train after `drafter
@@ -117,11 +115,11 @@ beside_specforge() {  # online against offline, then the SmolLM2 shape and Llama
 lane_next() {
   local v c
   start_lane
-  step speed-generate $DRAFTER run $CFG --until generate
-  step speed-cold $DRAFTER run $CFG --until train
-  keep_train cold
-  step speed-warm $DRAFTER train $CFG --force
-  keep_train warm
+  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_train.py
+  step speed-generate $DRAFTER run $CFG --until vocab
+  for v in c d e; do
+    cold "pre-$v" true
+  done
   for v in a b; do
     for c in 0 16384; do
       step smollm2-chunk$c-$v $PY $TT --shape smollm2 --teacher topk --no-anchor --steps 100 \
@@ -134,7 +132,6 @@ lane_next() {
       keep_train warm-chunk$c-$v
     done
   done
-  beside_specforge
   step llama-4096-chunk16384 $PY $TT --shape llama8b --seq 4096 --teacher topk --no-anchor \
     --loss-chunk 16384
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
