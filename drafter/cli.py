@@ -126,8 +126,11 @@ def cmd_doctor(args) -> int:
 
 def cmd_precompile(args) -> int:
     from .precompile import main as precompile
+    from .rundir import atomic_json
 
-    precompile(_load(args), args.device)
+    out = precompile(_load(args), args.device)
+    if args.result:  # extract's child: its figures for extract's manifest
+        atomic_json(Path(args.result), out)
     return 0
 
 
@@ -193,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                         epilog=_config_epilog(), formatter_class=fmt)
     with_config(sp)
     sp.add_argument("--device", help="default: the configured one (cuda:0 for a GPU)")
+    sp.add_argument("--result", help=argparse.SUPPRESS)  # extract's child writes its figures
     sp.set_defaults(fn=cmd_precompile)
 
     sp = sub.add_parser("doctor", help="check the machine: versions, GPUs, disk, engines")

@@ -9,7 +9,8 @@ H200. Inductor keeps what it compiles in its caches on disk (TORCHINDUCTOR_CACHE
 not by their values: a process that runs the same train step on random batches of the same
 shapes fills them, and train's warm-up then loads instead of compiling.
 
-extract starts this in a process of its own (`start`) just before it loads the target, when the
+extract starts this (`drafter precompile`, with --result for its figures) in a process of its own
+(`start`) just before it loads the target, when the
 GPU has room for both (extract's estimate plus plan.train_gpu_bytes), and waits for it before it
 returns (`finish`); extract.precompile=false turns it off. Its log is extract/precompile.log and
 its figures are in extract's manifest ("precompile"). It writes nothing else in the run dir.
@@ -23,11 +24,9 @@ Nothing applies on the CPU (train compiles only on a GPU) or online (nothing to 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,6 @@ _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK
              "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
              "MASTER_PORT")
 OPTIMIZER_STEPS = 2
-_T_START = time.time()  # this module's import: near the process's start when run as the child
 
 
 def applies(cfg, device) -> str | None:
@@ -83,9 +81,9 @@ def random_samples(B: int, T: int, n_aux: int, ht: int, vocab: int, vd: int, tea
 
 
 def main(cfg, device: str | None = None) -> dict:
-    """Compile train's graphs on `device` (default: the configured one, as a rank-0 train
-    would use it; this process alone, no ranks). -> compile figures (trainer.compile_stats)
-    and seconds, or {"skipped": why}."""
+    """`drafter precompile`: compile train's graphs on `device` (default: the configured one,
+    as a rank-0 train would use it; this process alone, no ranks). -> compile figures
+    (trainer.compile_stats) and seconds, or {"skipped": why}."""
     import torch
 
     from . import target
@@ -152,8 +150,7 @@ def run_steps(cfg, dev) -> dict:
     from .trainer import compile_stats, sync_device, train_step
 
     t0 = time.perf_counter()
-    log.info("precompile: setting up on %s (%.1f s since this process started)", dev,
-             time.time() - _T_START)
+    log.info("precompile: setting up on %s", dev)  # extract's log has the process's start
     S = setup(cfg, dev)
     log.info("precompile: %s attention, %d rows × %d tokens, K=%d, Vd=%d, %s teacher, on %s",
              S["attention"], S["B"], S["T"], S["tc"].ttt_steps, S["vd"], cfg.extract.teacher,
@@ -167,8 +164,7 @@ def run_steps(cfg, dev) -> dict:
     with torch.no_grad(), S["autocast"]:  # validation's forward: its own graphs
         S["model"](**model_inputs(device_batch(hb, dev, S["head"], S["fused"])))
     sync_device(dev)
-    c = compile_stats() if S["ttt"].compiled else {"graphs": 0, "seconds": 0.0,
-                                                    "fx_graph_cache": {"hits": 0, "misses": 0}}
+    c = compile_stats()  # zeros where nothing compiled (the CPU)
     out = {"seconds": round(time.perf_counter() - t0, 2), "steps": s + 1, "device": str(dev),
            "cache_dir": _cache_dir(), "graphs": c["graphs"], "compile_s": c["seconds"],
            "fx_graph_cache": c["fx_graph_cache"], "aot_autograd_cache": c.get("aot_autograd_cache")}
@@ -196,29 +192,28 @@ class Handle:
     t0: float
 
 
-def start(cfg, run, device, extract_bytes: int, rank: int = 0) -> Handle | None:
-    """Start `python -m drafter.precompile` on this process's GPU, when it applies and the GPU
-    has room for both extract (`extract_bytes`, its estimate) and a train step
-    (plan.train_gpu_bytes). None otherwise (logged when memory is the reason)."""
+def start(cfg, run, device, tconf, extract_bytes: int, rank: int = 0) -> Handle | None:
+    """Start `drafter precompile` on this process's GPU, when it applies and the GPU has room
+    for both extract (`extract_bytes`, its estimate) and a train step (plan.train_gpu_bytes
+    for the target config `tconf`). None otherwise (logged when memory is the reason)."""
     why = applies(cfg, device)
     if why is not None:
         log.debug("extract: train's graphs are not precompiled: %s", why)
         return None
     try:
-        return _start(cfg, run, device, extract_bytes, rank)
+        return _start(cfg, run, device, tconf, extract_bytes, rank)
     except Exception as e:  # noqa: BLE001 - an aid to train: never the reason extract fails
         log.warning("extract: could not start precompiling train's graphs (%s: %s): train "
                     "compiles them in its warm-up", type(e).__name__, e)
         return None
 
 
-def _start(cfg, run, device, extract_bytes: int, rank: int) -> Handle | None:
+def _start(cfg, run, device, tconf, extract_bytes: int, rank: int) -> Handle | None:
     import torch
 
     from . import config as C
     from . import plan, target
 
-    tconf = target.load_config(cfg.target)
     dshape = plan.drafter_shape(cfg, tconf)
     need = plan.train_gpu_bytes(cfg, dshape, 1, target.hidden_size(tconf),
                                 len(dshape["layer_ids"]))["total"]
@@ -233,16 +228,25 @@ def _start(cfg, run, device, extract_bytes: int, rank: int) -> Handle | None:
     cfg_path.write_text(C.dump(cfg))
     log_path = run.step_dir("extract") / ("precompile.log" if rank == 0
                                           else f"precompile-rank{rank}.log")
-    env = {k: v for k, v in os.environ.items()
-           if k not in _DIST_ENV and not k.startswith("TORCHELASTIC_")}
-    cmd = [sys.executable, "-m", "drafter.precompile", str(cfg_path), "--device", str(device),
-           "--result", str(result), "--parent", str(os.getpid())]
-    with open(log_path, "ab") as f:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                env=env)
+    proc = spawn([sys.executable, "-m", "drafter.cli", "precompile", str(cfg_path), "--device",
+                  str(device), "--result", str(result)], log_path)
     log.info("extract: compiling train's graphs beside it (PID %d on %s, log %s)", proc.pid,
              device, log_path)
     return Handle(proc, cfg_path, result, log_path, time.perf_counter())
+
+
+def spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    """`cmd` as a process of its own: output appended to `log_path`, no torchrun variables (it
+    is never a rank of the launcher's group), and SIGTERM from the kernel when this process
+    dies, even by kill -9 (supervisor._die_with, as for servers), so nothing outlives extract
+    on the GPU."""
+    from .supervisor import _die_with
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in _DIST_ENV and not k.startswith("TORCHELASTIC_")}
+    with open(log_path, "ab") as f:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                env=env, preexec_fn=_die_with(os.getpid()))
 
 
 def finish(h: Handle | None, timeout: float = 900.0, ok: bool = True) -> dict | None:
@@ -293,48 +297,3 @@ def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _die_with_parent(parent: int) -> None:
-    """Exit when the extract process that started this one goes (Linux: the kernel sends
-    SIGTERM; elsewhere, or if it went before this ran, a check at start)."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
-    if os.getppid() != parent:
-        raise SystemExit("precompile: the extract process that started this one is gone")
-
-
-def cli(argv: list[str] | None = None) -> int:
-    """The child's entry (python -m drafter.precompile CONFIG --device D --result R): the same
-    as `drafter precompile`, plus the figures written to R."""
-    from . import DrafterError
-    from . import config as C
-    from .cli import setup_logging
-    from .rundir import atomic_json
-
-    p = argparse.ArgumentParser(prog="python -m drafter.precompile")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--device")
-    p.add_argument("--result")
-    p.add_argument("--parent", type=int)
-    a = p.parse_args(argv)
-    setup_logging()
-    if a.parent:
-        _die_with_parent(a.parent)
-    try:
-        out = main(C.load(a.config, a.overrides), a.device)
-    except DrafterError as e:
-        print(f"drafter precompile: error: {e}", file=sys.stderr)
-        return 2
-    if a.result:
-        atomic_json(Path(a.result), out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(cli())

@@ -163,7 +163,8 @@ def main(cfg) -> dict:
     written, tokens_done, seconds, check, compiled = {}, 0, 0.0, None, None
     if need_model:
         # train's graphs compile in a process of their own while the target loads and runs
-        pre, ok = precompile.start(cfg, run, d.device, est["total"], d.rank), False
+        pre = precompile.start(cfg, run, d.device, tconf, est["total"], d.rank)
+        ok = False
         try:
             written, seconds, check = _extract(cfg, run, d, info, d2t, t2d, tables, every, todo,
                                                writes, len(kept))
