@@ -164,7 +164,7 @@ def run_steps(cfg, dev) -> dict:
     with torch.no_grad(), S["autocast"]:  # validation's forward: its own graphs
         S["model"](**model_inputs(device_batch(hb, dev, S["head"], S["fused"])))
     sync_device(dev)
-    c = compile_stats()  # zeros where nothing compiled (the CPU)
+    c = compile_stats()  # process-wide: the child is a fresh process, so they are its own
     out = {"seconds": round(time.perf_counter() - t0, 2), "steps": s + 1, "device": str(dev),
            "cache_dir": _cache_dir(), "graphs": c["graphs"], "compile_s": c["seconds"],
            "fx_graph_cache": c["fx_graph_cache"], "aot_autograd_cache": c.get("aot_autograd_cache")}
