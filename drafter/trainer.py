@@ -9,6 +9,7 @@ times exactly what training runs.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -184,12 +185,17 @@ def setup_model(drafter: Drafter, tc, dist: Dist, attention: str):
     return ttt, model, opt
 
 
-def train_step(model, params, opt, micro, tc, dist: Dist, autocast, meter=None):
+def train_step(model, params, opt, micro, tc, dist: Dist, autocast, meter=None,
+               phases: dict | None = None):
     """One optimizer step over `micro` (grad_accum device batches, made one at a time).
-    Returns the gradient norm before clipping (a device tensor: no host sync)."""
+    Returns the gradient norm before clipping (a device tensor: no host sync). `phases`, a
+    dict: the step is timed in parts, the device waited for after each (Phases): where a
+    process's first step goes (issue 18)."""
     fsdp = tc.fsdp and dist.world > 1
+    clock = Phases(phases, dist.device)
     n0 = torch.zeros((), dtype=torch.float64, device=dist.device)
     for a, d in enumerate(micro):
+        clock.tick("batch")  # the host batch waited for, and copied to the device
         n0 += d["n_valid"][0]
         last = a == tc.grad_accum - 1  # ranks sync gradients on the last one only
         sync = contextlib.nullcontext()
@@ -200,7 +206,9 @@ def train_step(model, params, opt, micro, tc, dist: Dist, autocast, meter=None):
         with sync:
             with autocast:
                 out = model(**model_inputs(d))
+            clock.tick("forward")
             out["loss"].backward()
+            clock.tick("backward")
         if meter is not None:
             meter.add(out, d)
     # grads hold Σ over this rank's rows, averaged over ranks: make them Σ / N0
@@ -210,4 +218,23 @@ def train_step(model, params, opt, micro, tc, dist: Dist, autocast, meter=None):
     gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    clock.tick("optimizer")  # the metrics, scaling, clipping, the update
     return gnorm
+
+
+class Phases:
+    """Seconds of a step's parts into `into` ({part: seconds}, summed over micro-batches), the
+    device waited for at each tick; with `into` None it does nothing (steps after the first
+    run unsynced). compile_stats says which of it torch.compile took."""
+
+    def __init__(self, into: dict | None, device):
+        self.into, self.device = into, device
+        self.t = time.perf_counter() if into is not None else 0.0
+
+    def tick(self, part: str) -> None:
+        if self.into is None:
+            return
+        sync_device(self.device)
+        now = time.perf_counter()
+        self.into[part] = self.into.get(part, 0.0) + now - self.t
+        self.t = now

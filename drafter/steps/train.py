@@ -160,6 +160,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     aside, train_s_log, warmup_s, warmup_wait_s, rates = 0.0, 0.0, None, None, []
     warmup_compile = None  # compile_stats() when the warm-up ends (compiled path)
     warmup_steps = []  # each warm-up step's seconds, waited for on the device: where it goes
+    first_step = {}  # this process's first step in parts (batch, forward, backward, optimizer)
     # seconds this thread blocked on the prefetch thread: since the last log, and in all
     waited = [0.0, 0.0]
 
@@ -175,7 +176,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         while step < total:
             t_step = time.perf_counter()
             micro = (device_batch(take(), dev, head, fused) for _ in range(tc.grad_accum))
-            gnorm = train_step(model, params, opt, micro, tc, dist, autocast, meter)
+            gnorm = train_step(model, params, opt, micro, tc, dist, autocast, meter,
+                               phases=first_step if step == first else None)
             sched.step()
             step += 1
             if step - first <= WARMUP_STEPS:  # a sync a step: compiles and first steps, apart
@@ -187,7 +189,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                 if ttt.compiled:
                     warmup_compile = compile_stats()
                 if dist.main:
-                    log_warmup(warmup_s, warmup_steps, warmup_compile)
+                    log_warmup(warmup_s, warmup_steps, warmup_compile, first_step)
 
             if step % tc.log_every == 0 or step == total:
                 m = meter.read(dist, tc.ttt_decay)
@@ -267,6 +269,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         "warmup_data_wait_s": round(warmup_wait_s, 2) if warmup_wait_s is not None else None,
         "warmup_compile": warmup_compile,
         "warmup_steps_s": [round(t, 3) for t in warmup_steps] or None,
+        "warmup_first_step_s": {k: round(v, 3) for k, v in first_step.items()} or None,
         "drafter_config": drafter.cfg.to_dict(), "attention": attention,
         "world_size": dist.world, "fsdp": fsdp,
         "last_checkpoint": str(run.checkpoints()[-1]) if run.checkpoints() else None,
@@ -274,14 +277,17 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     }
 
 
-def log_warmup(seconds: float, steps: list[float], c: dict | None) -> None:
-    """The warm-up in the log (issue 18: where it goes): its seconds, each step's, and on the
-    compiled path what compiling took, graph by graph (compile_stats)."""
+def log_warmup(seconds: float, steps: list[float], c: dict | None, first: dict) -> None:
+    """The warm-up in the log (issue 18: where it goes): its seconds, each step's, the first
+    step's parts, and on the compiled path what compiling took, graph by graph
+    (compile_stats)."""
     log.info("train: warm-up (the first %d steps) %.1f s%s", WARMUP_STEPS, seconds,
              "" if c is None else f", of it compiling {c['seconds']:.1f} s: {c['graphs']} "
              f"graphs, Inductor's cache {c['fx_graph_cache']['hits']} hits / "
              f"{c['fx_graph_cache']['misses']} misses")
     log.info("train: warm-up steps (s): %s", " ".join(f"{t:.2f}" for t in steps))
+    if first:
+        log.info("train: first step (s): %s", ", ".join(f"{k} {v:.2f}" for k, v in first.items()))
     if c is not None and c["frames"]:
         log.info("train: compiles (s): %s", ", ".join(
             f"{f['graph']}{'' if f['pass'] == 'forward' else ' ' + f['pass']} {f['seconds']:.2f}"
