@@ -10,9 +10,10 @@ not by their values: a process that runs the same train step on random batches o
 shapes fills them, and train's warm-up then loads instead of compiling.
 
 extract starts this (`drafter precompile`, with --result for its figures) in a process of its own
-(`start`) just before it loads the target, when the
-GPU has room for both (extract's estimate plus plan.train_gpu_bytes), and waits for it before it
-returns (`finish`); extract.precompile=false turns it off. Its log is extract/precompile.log and
+(`start`) right after its GPU preflight, before it plans or loads the target, when the GPU has
+room for both (extract's estimate plus plan.train_gpu_bytes), and waits for it before it returns
+(`finish`; stopped when extract fails or keeps every shard); extract.precompile=false turns it
+off. Its log is extract/precompile.log and
 its figures are in extract's manifest ("precompile"). It writes nothing else in the run dir.
 
 What it runs: the drafter this config trains, shaped from the target's config, the run's draft

@@ -268,6 +268,56 @@ def test_online_mode_stores_nothing(base, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+_CHILD = """
+import json, sys, time
+t = time.time()
+if sys.argv[2] == "sleep":
+    time.sleep(60)
+json.dump({"graphs": 4, "child_t0": t}, open(sys.argv[1], "w"))
+"""
+
+
+def test_extract_starts_its_precompile_child_first_and_stops_it_with_nothing_to_do(
+        base, tmp_path, monkeypatch):
+    """Extract starts train's precompile process (a GPU's, drafter/precompile.py; here a real
+    process in its place) before it plans, loads the target or writes a shard, waits for it
+    and puts its figures in the manifest; with every shard kept it stops the process at once
+    and says so (issue 18: the process's set-up overlaps extract's own)."""
+    from drafter import precompile
+    mode = {}
+
+    def start(cfg, run, device, tconf, extract_bytes, rank=0):
+        d = tmp_path / f"child-{len(mode)}"
+        d.mkdir()
+        (d / "config.yaml").write_text("{}")
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(d / "result.json"),
+                                 mode["run"]])
+        mode[d.name] = proc
+        return precompile.Handle(proc, d / "config.yaml", d / "result.json", d / "log",
+                                 time.perf_counter())
+
+    monkeypatch.setattr(precompile, "start", start)
+    copy_inputs(base["run"].root, tmp_path / "run")
+    run = Run(tmp_path / "run")
+    cfg = C.load(base["cfg_path"], [f"run_dir={run.root}"])
+    mode["run"] = "write"
+    out = extract.main(cfg)
+    pc = out["precompile"]
+    assert pc["exit"] == 0 and pc["graphs"] == 4 and "stopped" not in pc
+    assert 0 < pc["started_s"] < 30 and pc["wall_s"] > 0
+    first_shard = min(p.stat().st_mtime for p in run.shards("train").glob("shard_*"))
+    assert pc["child_t0"] < first_shard                 # running before any shard was written
+    assert shard_hashes(run) == shard_hashes(base["run"])
+    # a second extract finds every shard kept: the process is stopped, not waited for
+    mode["run"] = "sleep"
+    t = time.perf_counter()
+    out = extract.main(cfg)
+    assert out["counts"]["shards_kept"] == out["counts"]["shards"]
+    pc = out["precompile"]
+    assert pc["stopped"].startswith("nothing to extract") and pc["exit"] != 0
+    assert "graphs" not in pc and time.perf_counter() - t < 30
+
+
 def test_missing_inputs_name_the_step(base, tmp_path):
     cfg = C.load(base["cfg_path"], [f"run_dir={tmp_path / 'run'}"])
     with pytest.raises(MissingInput, match="drafter vocab"):

@@ -24,9 +24,10 @@ Resume: a shard that exists and verifies (its sha256 in the index, else its own 
 and the planned sample ids and options) is kept; a missing or corrupt one is (re)done; temp files
 of a killed write are removed. The index is written last. train.online=true: nothing is stored.
 
-On a GPU, train's graphs compile in a process of their own while the target loads and runs, when
-memory allows (drafter/precompile.py; extract.precompile=false: off): extract waits for it
-before it returns, and its figures are the manifest's "precompile".
+On a GPU, train's graphs compile in a process of their own, started just after the preflight, while
+extract plans, loads the target and runs, when memory allows (drafter/precompile.py;
+extract.precompile=false: off): extract waits for it before it returns (and stops it when every
+shard was kept), and its figures are the manifest's "precompile".
 """
 from __future__ import annotations
 
@@ -119,6 +120,7 @@ def _clean_temp(run: Run, shards: list[Shard], rank: int) -> None:
 
 
 def main(cfg) -> dict:
+    t_main = time.perf_counter()
     run = Run.of(cfg)
     ec = cfg.extract
     if cfg.train.online:
@@ -139,39 +141,47 @@ def main(cfg) -> dict:
         use = [visible[d.local_rank]] if d.local_rank < len(visible) else None
         gpu.preflight(est["total"], use=use, policy=ec.preflight, what="drafter extract")
     init_dist(d)
-
-    attn = str(getattr(tconf, "_attn_implementation", "") or "")
-    packed = ec.packing == "packed" or (ec.packing == "auto" and "flash" in attn)
-    tables, plans = {}, {}
-    for split in SPLITS:
-        path = run.tokens(split)
-        tables[split] = _read_table(path) if path.exists() else None
-        plans[split] = plan_shards(split, tables[split].column("num_tokens").to_pylist(),
-                                   ec.shard_tokens, ec.batch_tokens, packed) \
-            if tables[split] is not None else []
-        run.shards(split).mkdir(parents=True, exist_ok=True)
-    every = [s for split in SPLITS for s in plans[split]]
-    # dp: rank r writes shards i % W == r; tp: every rank runs every forward, rank 0 writes
-    mine = every if ec.tp else [s for s in every if s.index % d.world == d.rank]
-    writes = not ec.tp or d.rank == 0
-    kept, todo, redone = _done_shards(run, mine, tables, info, d) if writes else ({}, [], 0)
-    if ec.tp and d.on:
-        keys = {tuple(k) for k in all_gather(d, [(s.split, s.index) for s in todo])[0]}
-        todo = [s for s in mine if (s.split, s.index) in keys]
-    # every rank loads when any rank has work: tp needs them all, and dp ranks meet at the end
-    need_model = any(all_gather(d, bool(todo) or not run.extract_head().exists()))
+    # train's graphs compile in a process of their own from here on, while extract plans,
+    # loads the target and runs (its imports and set-up overlap this process's); stopped at
+    # once when there is nothing to extract
+    pre = precompile.start(cfg, run, d.device, tconf, est["total"], d.rank)
     written, tokens_done, seconds, check, compiled = {}, 0, 0.0, None, None
-    if need_model:
-        # train's graphs compile in a process of their own while the target loads and runs
-        pre = precompile.start(cfg, run, d.device, tconf, est["total"], d.rank)
-        ok = False
-        try:
+    need_model, ok = False, False
+    try:
+        attn = str(getattr(tconf, "_attn_implementation", "") or "")
+        packed = ec.packing == "packed" or (ec.packing == "auto" and "flash" in attn)
+        tables, plans = {}, {}
+        for split in SPLITS:
+            path = run.tokens(split)
+            tables[split] = _read_table(path) if path.exists() else None
+            plans[split] = plan_shards(split, tables[split].column("num_tokens").to_pylist(),
+                                       ec.shard_tokens, ec.batch_tokens, packed) \
+                if tables[split] is not None else []
+            run.shards(split).mkdir(parents=True, exist_ok=True)
+        every = [s for split in SPLITS for s in plans[split]]
+        # dp: rank r writes shards i % W == r; tp: every rank runs every forward, rank 0 writes
+        mine = every if ec.tp else [s for s in every if s.index % d.world == d.rank]
+        writes = not ec.tp or d.rank == 0
+        kept, todo, redone = _done_shards(run, mine, tables, info, d) if writes \
+            else ({}, [], 0)
+        if ec.tp and d.on:
+            keys = {tuple(k) for k in all_gather(d, [(s.split, s.index) for s in todo])[0]}
+            todo = [s for s in mine if (s.split, s.index) in keys]
+        # every rank loads when any rank has work: tp needs them all, and dp ranks meet at the
+        # end
+        need_model = any(all_gather(d, bool(todo) or not run.extract_head().exists()))
+        if need_model:
             written, seconds, check = _extract(cfg, run, d, info, d2t, t2d, tables, every, todo,
                                                writes, len(kept))
-            ok = True
-        finally:
-            compiled = precompile.finish(pre, ok=ok)
-        tokens_done = sum(s.tokens for s in todo) if writes else 0
+            tokens_done = sum(s.tokens for s in todo) if writes else 0
+        ok = True
+    finally:  # waited for after a run; stopped after a failure or with nothing extracted
+        compiled = precompile.finish(pre, ok=ok and need_model)
+    if compiled is not None:
+        compiled["started_s"] = round(pre.t0 - t_main, 2)  # into extract (its imports aside)
+        if not need_model:
+            compiled["stopped"] = "nothing to extract: every shard was kept"
+            log.info("extract: every shard was kept: train's graphs were not precompiled")
 
     # -- the index: every rank's entries, written by rank 0 after all shards are on disk
     entries = dict(kept)
