@@ -21,15 +21,17 @@
 #     Vd 32,000, is in 2), then under torch.profiler
 # (run in the fourteenth session, at 1187bb3: BENCHMARKS.md)
 #
-#   bash benchmarks/speed_session.sh start-next   # the next session's lane (not run yet):
+#   bash benchmarks/speed_session.sh start-next   # the sixteenth session's lane:
 #   1 the GPU tests of tests/test_train.py (the train-after-precompile test, its environment
-#     fixed in 0d28b1c)
-#   2 the real run cold with extract's precompile, three more times in fresh caches: avg/steady
-#     0.851 and 0.847 in the fifteenth session against the goal's 0.85
-#   3 loss chunks, alternating auto / 16,384 rows twice: the SmolLM2 shape at 100 steps, then
-#     the real run warm (16,384 won once at the shape, 8,192 lost once on the real run)
-#   4 Llama-8B at 4,096 with 16,384-row loss chunks (speed and peak memory against SpecForge's
-#     17.8 GiB)
+#     fixed in 0d28b1c; the first step's parts)
+#   2 the real run cold with extract's precompile (started first now, cc1ea9b), three times in
+#     fresh caches: avg/steady 0.851 and 0.847 in the fifteenth session against the goal's 0.85;
+#     each warm-up's first step in parts (warmup_first_step_s)
+#   3 where a warm warm-up and the precompile process go: a warm train (100 steps) and a cold
+#     `drafter precompile` under cProfile (pstats text by cumulative and own time)
+#   4 a warm train with Inductor's compile workers off (TORCHINDUCTOR_COMPILE_THREADS=1)
+#   5 loss chunks auto / 16,384 rows at the SmolLM2 shape (100 steps, twice), then Llama-8B at
+#     4,096 with 16,384-row loss chunks
 #
 #   bash benchmarks/speed_session.sh start-pre   # the fifteenth session's lane: precompiling
 #   1 the GPU tests of tests/test_model.py and tests/test_train.py (a train after `drafter
@@ -120,22 +122,36 @@ lane_next() {
   for v in c d e; do
     cold "pre-$v" true
   done
+  # the last cold run's cache is warm: where a warm warm-up goes, under cProfile
+  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-pre-e step prof-warm-train $PY -m cProfile \
+    -o "$RES/prof-warm-train.out" -m drafter.cli train $CFG train.max_steps=100 --force
+  pstats_text prof-warm-train
+  rm -rf /tmp/inductor-prof
+  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-prof step prof-precompile $PY -m cProfile \
+    -o "$RES/prof-precompile.out" -m drafter.cli precompile $CFG
+  pstats_text prof-precompile
+  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-pre-e TORCHINDUCTOR_COMPILE_THREADS=1 \
+    step speed-warm-threads1 $DRAFTER train $CFG --force
+  keep_train warm-threads1
   for v in a b; do
     for c in 0 16384; do
       step smollm2-chunk$c-$v $PY $TT --shape smollm2 --teacher topk --no-anchor --steps 100 \
         --loss-chunk $c
     done
   done
-  for v in a b; do
-    for c in 0 16384; do
-      step speed-warm-chunk$c-$v $DRAFTER train $CFG train.loss_chunk=$c --force
-      keep_train warm-chunk$c-$v
-    done
-  done
   step llama-4096-chunk16384 $PY $TT --shape llama8b --seq 4096 --teacher topk --no-anchor \
     --loss-chunk 16384
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane
+}
+
+pstats_text() {  # pstats_text NAME: $RES/NAME.out as text, by cumulative and by own time
+  [ -n "${CHECK:-}" ] && return
+  $PY -c "import pstats, sys
+for key in ('cumulative', 'tottime'):
+    print('=== sorted by', key)
+    pstats.Stats(sys.argv[1], stream=sys.stdout).sort_stats(key).print_stats(120)" \
+    "$RES/$1.out" > "$RES/$1.txt" 2>&1
 }
 
 keep_extract() {  # keep_extract TAG: the real run's extract manifest and precompile log
