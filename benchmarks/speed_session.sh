@@ -145,6 +145,18 @@ lane_next() {
   mark lane
 }
 
+lane_short() {  # the sixteenth session's last device minutes, after a lost machine: the third
+  # cold run with precompile, then the warm train under cProfile
+  start_lane
+  step speed-generate $DRAFTER run $CFG --until vocab
+  cold pre-e true
+  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-pre-e step prof-warm-train $PY -m cProfile \
+    -o "$RES/prof-warm-train.out" -m drafter.cli train $CFG train.max_steps=100 --force
+  pstats_text prof-warm-train
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
+  mark lane
+}
+
 pstats_text() {  # pstats_text NAME: $RES/NAME.out as text, by cumulative and by own time
   [ -n "${CHECK:-}" ] && return
   $PY -c "import pstats, sys
@@ -203,6 +215,10 @@ case "${1:-}" in
     setsid bash "$0" lane_next < /dev/null > "$RES/lane.out" 2>&1 &
     sleep 2; log "next lane started" ;;
   lane_next) lane_next ;;
+  start-short)
+    setsid bash "$0" lane_short < /dev/null > "$RES/lane.out" 2>&1 &
+    sleep 2; log "short lane started" ;;
+  lane_short) lane_short ;;
   start-pre)
     setsid bash "$0" lane_pre < /dev/null > "$RES/lane.out" 2>&1 &
     sleep 2; log "precompile lane started" ;;
