@@ -21,7 +21,9 @@
 #     Vd 32,000, is in 2), then under torch.profiler
 # (run in the fourteenth session, at 1187bb3: BENCHMARKS.md)
 #
-#   bash benchmarks/speed_session.sh start-next   # the sixteenth session's lane:
+#   bash benchmarks/speed_session.sh start-next   # the sixteenth session's lane (its machine
+#   was lost after step 2's second run: steps 3-5 have not run; with gpu_env.sh's bytecode
+#   prefix since 9a10bd5, a rerun also measures warm-ups without the image's source compiles):
 #   1 the GPU tests of tests/test_train.py (the train-after-precompile test, its environment
 #     fixed in 0d28b1c; the first step's parts)
 #   2 the real run cold with extract's precompile (started first now, cc1ea9b), three times in
