@@ -124,10 +124,7 @@ lane_next() {
   for v in c d e; do
     cold "pre-$v" true
   done
-  # the last cold run's cache is warm: where a warm warm-up goes, under cProfile
-  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-pre-e step prof-warm-train $PY -m cProfile \
-    -o "$RES/prof-warm-train.out" -m drafter.cli train $CFG train.max_steps=100 --force
-  pstats_text prof-warm-train
+  prof_warm_train
   rm -rf /tmp/inductor-prof
   TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-prof step prof-precompile $PY -m cProfile \
     -o "$RES/prof-precompile.out" -m drafter.cli precompile $CFG
@@ -152,11 +149,16 @@ lane_short() {  # the sixteenth session's last device minutes, after a lost mach
   start_lane
   step speed-generate $DRAFTER run $CFG --until vocab
   cold pre-e true
+  prof_warm_train
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
+  mark lane
+}
+
+prof_warm_train() {  # where a warm warm-up goes: a 100-step train in the last cold run's
+  # (pre-e's) warm cache, under cProfile
   TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-pre-e step prof-warm-train $PY -m cProfile \
     -o "$RES/prof-warm-train.out" -m drafter.cli train $CFG train.max_steps=100 --force
   pstats_text prof-warm-train
-  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
-  mark lane
 }
 
 pstats_text() {  # pstats_text NAME: $RES/NAME.out as text, by cumulative and by own time
