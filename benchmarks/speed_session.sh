@@ -35,6 +35,12 @@
 #   5 loss chunks auto / 16,384 rows at the SmolLM2 shape (100 steps, twice), then Llama-8B at
 #     4,096 with 16,384-row loss chunks
 #
+#   bash benchmarks/speed_session.sh start-a17   # the seventeenth session's first lane: the
+#   real run's answers made (and packed into $OUT/speed-answers.tar.xz for a later machine),
+#   then the cold runs with precompile again, now with bytecode (gpu_env.sh since 9a10bd5):
+#   three in fresh Inductor caches (F, G, H), a cold `drafter precompile` under cProfile, a warm
+#   train with Inductor's compile workers off (TORCHINDUCTOR_COMPILE_THREADS=1)
+#
 #   bash benchmarks/speed_session.sh start-pre   # the fifteenth session's lane: precompiling
 #   1 the GPU tests of tests/test_model.py and tests/test_train.py (a train after `drafter
 #     precompile` finds every graph in Inductor's cache; extract's precompile beside the target)
@@ -125,10 +131,7 @@ lane_next() {
     cold "pre-$v" true
   done
   prof_warm_train
-  rm -rf /tmp/inductor-prof
-  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-prof step prof-precompile $PY -m cProfile \
-    -o "$RES/prof-precompile.out" -m drafter.cli precompile $CFG
-  pstats_text prof-precompile
+  prof_precompile
   TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-pre-e TORCHINDUCTOR_COMPILE_THREADS=1 \
     step speed-warm-threads1 $DRAFTER train $CFG --force
   keep_train warm-threads1
@@ -142,6 +145,37 @@ lane_next() {
     --loss-chunk 16384
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane
+}
+
+lane_a17() {
+  local v
+  start_lane
+  step speed-generate $DRAFTER run $CFG --until vocab
+  pack_answers
+  for v in f g h; do
+    cold "pre-$v" true
+  done
+  prof_precompile
+  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-pre-h TORCHINDUCTOR_COMPILE_THREADS=1 \
+    step speed-warm-threads1 $DRAFTER train $CFG --force
+  keep_train warm-threads1
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
+  mark lane
+}
+
+pack_answers() {  # the real run's answers .. vocab, for a later machine of the session (under
+  # 64 MiB, compressed): unpacked there by `restore`, so that it skips the 2 min of answering
+  [ -n "${CHECK:-}" ] && return
+  tar -cJf "$OUT/speed-answers.tar.xz" --exclude=runs/speed/extract --exclude=runs/speed/train \
+    --exclude=runs/speed/evaluate --exclude=runs/speed/export runs/speed
+  log "answers packed: $(du -h "$OUT/speed-answers.tar.xz" | cut -f1)"
+}
+
+prof_precompile() {  # where a cold `drafter precompile` goes (its setup: 10-11 s), cProfile'd
+  rm -rf /tmp/inductor-prof
+  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-prof step prof-precompile $PY -m cProfile \
+    -o "$RES/prof-precompile.out" -m drafter.cli precompile $CFG
+  pstats_text prof-precompile
 }
 
 lane_short() {  # the sixteenth session's last device minutes, after a lost machine: the third
@@ -219,6 +253,10 @@ case "${1:-}" in
     setsid bash "$0" lane_next < /dev/null > "$RES/lane.out" 2>&1 &
     sleep 2; log "next lane started" ;;
   lane_next) lane_next ;;
+  start-a17)
+    setsid bash "$0" lane_a17 < /dev/null > "$RES/lane.out" 2>&1 &
+    sleep 2; log "lane a17 started" ;;
+  lane_a17) lane_a17 ;;
   start-short)
     setsid bash "$0" lane_short < /dev/null > "$RES/lane.out" 2>&1 &
     sleep 2; log "short lane started" ;;
