@@ -41,6 +41,13 @@
 #   three in fresh Inductor caches (F, G, H), a cold `drafter precompile` under cProfile, a warm
 #   train with Inductor's compile workers off (TORCHINDUCTOR_COMPILE_THREADS=1)
 #
+#   bash benchmarks/speed_session.sh start-b17   # the seventeenth session's second lane, on a
+#   fresh machine with .carry_c/speed-answers.tar.xz (lane a17's answers) carried: bytecode
+#   written at last (gpu_env.sh unsets the image's PYTHONDONTWRITEBYTECODE); one extract with
+#   precompile in a fresh Inductor cache, then four trains reading it, train.gc_freeze on, off,
+#   on, off (I, J, K, L); the loss chunks auto / 16,384 at the SmolLM2 shape (100 steps), then
+#   Llama-8B at 4,096 with 16,384-row chunks
+#
 #   bash benchmarks/speed_session.sh start-pre   # the fifteenth session's lane: precompiling
 #   1 the GPU tests of tests/test_model.py and tests/test_train.py (a train after `drafter
 #     precompile` finds every graph in Inductor's cache; extract's precompile beside the target)
@@ -163,6 +170,39 @@ lane_a17() {
   mark lane
 }
 
+lane_b17() {
+  local v c ind=/tmp/inductor-gc
+  start_lane
+  bytecode_state
+  if [ -z "${CHECK:-}" ]; then
+    tar -xJf .carry_c/speed-answers.tar.xz && log "answers restored: $(ls runs/speed)"
+  fi
+  rm -rf "$ind"
+  TORCHINDUCTOR_CACHE_DIR=$ind step speed-gc-extract $DRAFTER extract $CFG --force
+  keep_extract gc
+  for v in i:true j:false k:true l:false; do
+    TORCHINDUCTOR_CACHE_DIR=$ind step "speed-gc-${v%%:*}" $DRAFTER train $CFG \
+      "train.gc_freeze=${v#*:}" --force
+    keep_train "gc-${v%%:*}"
+  done
+  bytecode_state
+  for c in 0 16384; do
+    step smollm2-chunk$c $PY $TT --shape smollm2 --teacher topk --no-anchor --steps 100 \
+      --loss-chunk $c
+  done
+  step llama-4096-chunk16384 $PY $TT --shape llama8b --seq 4096 --teacher topk --no-anchor \
+    --loss-chunk 16384
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
+  mark lane
+}
+
+bytecode_state() {  # whether this machine's processes write bytecode now, and how much there is
+  [ -n "${CHECK:-}" ] && return
+  log "bytecode: $($PY -c 'import os, sys; print("dont_write", sys.flags.dont_write_bytecode,
+    "prefix", sys.pycache_prefix, "env", os.environ.get("PYTHONDONTWRITEBYTECODE"))'),\
+ $(find /tmp/pycache -name '*.pyc' 2>/dev/null | wc -l) files under /tmp/pycache"
+}
+
 pack_answers() {  # the real run's answers .. vocab, for a later machine of the session (under
   # 64 MiB, compressed): unpacked there by `restore`, so that it skips the 2 min of answering
   [ -n "${CHECK:-}" ] && return
@@ -257,6 +297,10 @@ case "${1:-}" in
     setsid bash "$0" lane_a17 < /dev/null > "$RES/lane.out" 2>&1 &
     sleep 2; log "lane a17 started" ;;
   lane_a17) lane_a17 ;;
+  start-b17)
+    setsid bash "$0" lane_b17 < /dev/null > "$RES/lane.out" 2>&1 &
+    sleep 2; log "lane b17 started" ;;
+  lane_b17) lane_b17 ;;
   start-short)
     setsid bash "$0" lane_short < /dev/null > "$RES/lane.out" 2>&1 &
     sleep 2; log "short lane started" ;;

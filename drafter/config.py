@@ -208,6 +208,9 @@ class TrainConfig:
     loader_threads: int = doc(4, "offline: threads that build micro-batches from the store "
                               "ahead of the step (handed over in order; one fell behind an "
                               "H200's step)")
+    gc_freeze: bool = doc(True, "after the first step, freeze the objects alive then (imports, "
+                          "the model, compiled graphs) out of Python's garbage collections "
+                          "(gc.freeze); the step loop's own garbage is still collected")
     ttt_steps: int = doc(7, "training-time-test unroll length")
     ttt_decay: float = doc(0.8, "loss weight decay per TTT step (weight 0.8**i)")
     intermediate_size: int | None = doc(None, "drafter MLP size; default: the target's")

@@ -74,6 +74,7 @@ NEUTRAL: dict[str, object] = {
     "generate.extra_temperatures": [],
     "train.loss_chunk": 0,
     "extract.precompile": True,
+    "train.gc_freeze": True,
 }
 
 

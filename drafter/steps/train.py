@@ -52,7 +52,7 @@ from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_
     throughput
 from ..model import Drafter, param_count
 from ..rundir import JsonlAppender, Run, read_jsonl
-from ..trainer import WARMUP_STEPS, build_drafter, compile_stats, compiled_graphs, \
+from ..trainer import WARMUP_STEPS, GcClock, build_drafter, compile_stats, compiled_graphs, \
     compiles_hold, device_setup, pick_attention, setup_model, sync_device, train_step
 
 log = logging.getLogger("drafter")
@@ -163,6 +163,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     first_step = {}  # this process's first step in parts (batch, forward, backward, optimizer)
     # seconds this thread blocked on the prefetch thread: since the last log, and in all
     waited = [0.0, 0.0]
+    gc_clock = GcClock(freeze=tc.gc_freeze)  # Python's collections: per log interval, in all
+    gc_warmup = None
 
     def take() -> dict:
         t = time.perf_counter()
@@ -183,13 +185,16 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
             if step - first <= WARMUP_STEPS:  # a sync a step: compiles and first steps, apart
                 sync_device(dev)
                 warmup_steps.append(time.perf_counter() - t_step)
+            if step - first == 1:  # imports, the model, the compiled graphs: kept from now on
+                gc_clock.freeze()  # (between steps: its count walks them, 30 ms on the CPU)
             if step - first == WARMUP_STEPS:
                 warmup_s = time.perf_counter() - t_start - aside
                 warmup_wait_s = waited[1]  # of it, waiting for batches (online: the target)
                 if ttt.compiled:
                     warmup_compile = compile_stats()
+                gc_warmup = gc_clock.summary()
                 if dist.main:
-                    log_warmup(warmup_s, warmup_steps, warmup_compile, first_step)
+                    log_warmup(warmup_s, warmup_steps, warmup_compile, first_step, gc_warmup)
 
             if step % tc.log_every == 0 or step == total:
                 m = meter.read(dist, tc.ttt_decay)
@@ -202,7 +207,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                 m.update(step=step, epoch=step / steps_per_epoch, split="train",
                          lr=sched.get_last_lr()[0], grad_norm=float(gnorm),
                          tokens_per_s=round(tok_s, 1), elapsed_s=round(train_s, 3),
-                         data_wait_s=round(waited[0], 3), time=time.time())
+                         data_wait_s=round(waited[0], 3), gc_s=round(gc_clock.interval(), 3),
+                         time=time.time())
                 waited[0] = 0.0
                 if ttt.compiled:  # a recompilation storm shows as a count that keeps rising
                     m["graphs"] = compiled_graphs()
@@ -249,6 +255,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                     prune_checkpoints(run, tc.keep_checkpoints)
             aside += time.perf_counter() - t_aside
     finally:
+        gc_clock.close()
         feed.close()
         if metrics:
             metrics.close()
@@ -270,6 +277,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         "warmup_compile": warmup_compile,
         "warmup_steps_s": [round(t, 3) for t in warmup_steps] or None,
         "warmup_first_step_s": {k: round(v, 3) for k, v in first_step.items()} or None,
+        "warmup_gc": gc_warmup, "gc": gc_clock.summary(),
         "drafter_config": drafter.cfg.to_dict(), "attention": attention,
         "world_size": dist.world, "fsdp": fsdp,
         "last_checkpoint": str(run.checkpoints()[-1]) if run.checkpoints() else None,
@@ -277,10 +285,11 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     }
 
 
-def log_warmup(seconds: float, steps: list[float], c: dict | None, first: dict) -> None:
+def log_warmup(seconds: float, steps: list[float], c: dict | None, first: dict,
+               gcs: dict | None = None) -> None:
     """The warm-up in the log (issue 18: where it goes): its seconds, each step's, the first
-    step's parts, and on the compiled path what compiling took, graph by graph
-    (compile_stats)."""
+    step's parts, Python's garbage collections in it (GcClock), and on the compiled path what
+    compiling took, graph by graph (compile_stats)."""
     log.info("train: warm-up (the first %d steps) %.1f s%s", WARMUP_STEPS, seconds,
              "" if c is None else f", of it compiling {c['seconds']:.1f} s: {c['graphs']} "
              f"graphs, Inductor's cache {c['fx_graph_cache']['hits']} hits / "
@@ -288,6 +297,12 @@ def log_warmup(seconds: float, steps: list[float], c: dict | None, first: dict) 
     log.info("train: warm-up steps (s): %s", " ".join(f"{t:.2f}" for t in steps))
     if first:
         log.info("train: first step (s): %s", ", ".join(f"{k} {v:.2f}" for k, v in first.items()))
+    if gcs is not None:
+        log.info("train: garbage collections in the warm-up: %.2f s (%d / %d / %d by generation, "
+                 "full ones %.2f s)%s", gcs["seconds"], *gcs["collections"],
+                 gcs["seconds_by_generation"][2],
+                 f", {gcs['frozen_objects']:,} objects frozen after the first step"
+                 if gcs["freeze"] else ", nothing frozen (train.gc_freeze false)")
     if c is not None and c["frames"]:
         log.info("train: compiles (s): %s", ", ".join(
             f"{f['graph']}{'' if f['pass'] == 'forward' else ' ' + f['pass']} {f['seconds']:.2f}"
