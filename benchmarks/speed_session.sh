@@ -285,30 +285,11 @@ collect() {
 }
 
 case "${1:-}" in
-  start)
-    setsid bash "$0" lane < /dev/null > "$RES/lane.out" 2>&1 &
-    sleep 2; log "lane started" ;;
-  lane) lane ;;
-  start-next)
-    setsid bash "$0" lane_next < /dev/null > "$RES/lane.out" 2>&1 &
-    sleep 2; log "next lane started" ;;
-  lane_next) lane_next ;;
-  start-a17)
-    setsid bash "$0" lane_a17 < /dev/null > "$RES/lane.out" 2>&1 &
-    sleep 2; log "lane a17 started" ;;
-  lane_a17) lane_a17 ;;
-  start-b17)
-    setsid bash "$0" lane_b17 < /dev/null > "$RES/lane.out" 2>&1 &
-    sleep 2; log "lane b17 started" ;;
-  lane_b17) lane_b17 ;;
-  start-short)
-    setsid bash "$0" lane_short < /dev/null > "$RES/lane.out" 2>&1 &
-    sleep 2; log "short lane started" ;;
-  lane_short) lane_short ;;
-  start-pre)
-    setsid bash "$0" lane_pre < /dev/null > "$RES/lane.out" 2>&1 &
-    sleep 2; log "precompile lane started" ;;
-  lane_pre) lane_pre ;;
+  start|start-*)  # start-NAME: lane_NAME as a daemon (setsid); start: lane
+    fn=lane${1#start}; fn=${fn/-/_}
+    setsid bash "$0" "$fn" < /dev/null > "$RES/lane.out" 2>&1 &
+    sleep 2; log "$fn started" ;;
+  lane|lane_*) "$1" ;;
   wait)
     end=$(( $(date +%s) + ${2:-500} ))
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$RES/lane.done" ]; do sleep 5; done
