@@ -204,7 +204,7 @@ bytecode_state() {  # whether this machine's processes write bytecode now, and h
 }
 
 pack_answers() {  # the real run's answers .. vocab, for a later machine of the session (under
-  # 64 MiB, compressed): unpacked there by `restore`, so that it skips the 2 min of answering
+  # 64 MiB, compressed): unpacked there by lane_b17, so that it skips the 2 min of answering
   [ -n "${CHECK:-}" ] && return
   tar -cJf "$OUT/speed-answers.tar.xz" --exclude=runs/speed/extract --exclude=runs/speed/train \
     --exclude=runs/speed/evaluate --exclude=runs/speed/export runs/speed

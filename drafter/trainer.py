@@ -226,12 +226,12 @@ def train_step(model, params, opt, micro, tc, dist: Dist, autocast, meter=None,
 class GcClock:
     """Python's garbage collections while it is open (gc.callbacks): seconds and count per
     generation, in all and since the last `interval()`. A full collection scans every object
-    alive: after the first step's compiles (dynamo's graphs and guards, Inductor's modules, on
-    top of torch's and transformers' imports) that is about 460,000 objects and 0.16 s on this
-    repo's two-core CPU for a toy function. `freeze()` moves every object alive now into
+    alive: after the first step of a compiled SmolLM2 train on the H200, about 575,000 objects
+    and 0.25-0.33 s (seventeenth session). `freeze()` moves every object alive now into
     Python's permanent generation (gc.freeze), which later collections skip: what the step
     loop creates is still collected. Train freezes after its first step and unfreezes when
-    it ends (issue 18: warm-up steps of 0.35-0.45 s after three of 0.07). A collection runs
+    it ends: full collections after the warm-up then cost 0.01-0.02 s a run against
+    0.25-0.64 s (issue 18, BENCHMARKS.md). A collection runs
     on whichever thread triggered it; it stops them all."""
 
     def __init__(self, freeze: bool = True):

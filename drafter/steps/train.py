@@ -186,7 +186,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                 sync_device(dev)
                 warmup_steps.append(time.perf_counter() - t_step)
             if step - first == 1:  # imports, the model, the compiled graphs: kept from now on
-                gc_clock.freeze()  # (between steps: its count walks them, 30 ms on the CPU)
+                gc_clock.freeze()  # (between steps: its count walks every object)
             if step - first == WARMUP_STEPS:
                 warmup_s = time.perf_counter() - t_start - aside
                 warmup_wait_s = waited[1]  # of it, waiting for batches (online: the target)
