@@ -48,6 +48,13 @@
 #   on, off (I, J, K, L); the loss chunks auto / 16,384 at the SmolLM2 shape (100 steps), then
 #   Llama-8B at 4,096 with 16,384-row chunks
 #
+#   bash benchmarks/speed_session.sh start-c18   # the eighteenth session's lane, with
+#   .carry_c/speed-answers.tar.xz carried: extract's precompile now saves train's pieces whole
+#   (drafter/aot.py); one cold extract, a 500-step train first after it, six 200-step trains
+#   (the pieces loaded whole and train.saved_graphs=false alternating), a 500-step train; a
+#   second cold extract and a 200-step train first after it, a 500-step one; the GPU tests of
+#   tests/test_train.py
+#
 #   bash benchmarks/speed_session.sh start-pre   # the fifteenth session's lane: precompiling
 #   1 the GPU tests of tests/test_model.py and tests/test_train.py (a train after `drafter
 #     precompile` finds every graph in Inductor's cache; extract's precompile beside the target)
@@ -192,6 +199,42 @@ lane_b17() {
   done
   step llama-4096-chunk16384 $PY $TT --shape llama8b --seq 4096 --teacher topk --no-anchor \
     --loss-chunk 16384
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
+  mark lane
+}
+
+lane_c18() {  # the eighteenth session: train's pieces loaded whole (drafter/aot.py)
+  local v ind=/tmp/inductor-c18
+  start_lane
+  bytecode_state
+  if [ -z "${CHECK:-}" ]; then
+    tar -xJf .carry_c/speed-answers.tar.xz && log "answers restored: $(ls runs/speed)"
+  fi
+  rm -rf "$ind"
+  TORCHINDUCTOR_CACHE_DIR=$ind step speed-aot-p1-extract $DRAFTER extract $CFG --force
+  keep_extract aot-p1
+  [ -z "${CHECK:-}" ] && log "saved pieces: $(ls $ind/drafter-aot 2>&1 | tr '\n' ' ')"
+  # A: the first train after the cold extract, 500 steps; then 200-step trains, the pieces
+  # loaded whole (s) or compiled from Inductor's cache as before (j), alternating
+  TORCHINDUCTOR_CACHE_DIR=$ind step speed-aot-a1 $DRAFTER train $CFG --force
+  keep_train aot-a1
+  for v in s1:true j1:false s2:true j2:false s3:true j3:false; do
+    TORCHINDUCTOR_CACHE_DIR=$ind step "speed-aot-${v%%:*}" $DRAFTER train $CFG \
+      train.max_steps=200 "train.saved_graphs=${v#*:}" --force
+    keep_train "aot-${v%%:*}"
+  done
+  TORCHINDUCTOR_CACHE_DIR=$ind step speed-aot-a2 $DRAFTER train $CFG --force
+  keep_train aot-a2
+  # a second cold extract, then a 200-step train first after it
+  rm -rf "$ind"
+  TORCHINDUCTOR_CACHE_DIR=$ind step speed-aot-p2-extract $DRAFTER extract $CFG --force
+  keep_extract aot-p2
+  TORCHINDUCTOR_CACHE_DIR=$ind step speed-aot-s4 $DRAFTER train $CFG train.max_steps=200 \
+    --force
+  keep_train aot-s4
+  TORCHINDUCTOR_CACHE_DIR=$ind step speed-aot-a3 $DRAFTER train $CFG --force
+  keep_train aot-a3
+  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_train.py
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane
 }

@@ -220,6 +220,9 @@ class TrainConfig:
     attention: Literal["auto", "sdpa", "flex"] = doc(
         "auto", "TTT attention: sdpa (exact, CPU/GPU) or flex (fast GPU); auto picks")
     compile: bool = doc(True, "torch.compile the fast path's layer and loss pieces (GPU only)")
+    saved_graphs: bool = doc(True, "compile: load the layer and loss pieces compiled whole where "
+                             "extract's precompile saved them (torch's aot_compile; no dynamo "
+                             "tracing in train's first step), else compile them as usual")
     loss_chunk: int = doc(0, "fast path: rows of each chunk that lm_head and the loss run on "
                           "at a time; 0 sizes them so that a chunk's float32 logits take 256 "
                           "MiB (2,097 rows at a 32,000-token draft vocab). Larger chunks: "

@@ -121,7 +121,7 @@ def setup(cfg, dev) -> dict:
     dist = Dist(device=dev)
     amp = device_setup(tc, dev)
     attention = pick_attention(tc, dev)
-    ttt, model, opt = setup_model(drafter, tc, dist, attention)
+    ttt, model, opt = setup_model(drafter, tc, dist, attention, saved="save")
     head = capture.Head(torch.zeros(vd, ht, dtype=target.pick_dtype(cfg.target, str(dev))))
     return {"tc": tc, "dist": dist, "drafter": drafter, "ttt": ttt, "model": model, "opt": opt,
             "params": [p for p in ttt.parameters() if p.requires_grad], "head": head.to(dev),
@@ -168,10 +168,14 @@ def run_steps(cfg, dev) -> dict:
     c = compile_stats()  # process-wide: the child is a fresh process, so they are its own
     out = {"seconds": round(time.perf_counter() - t0, 2), "steps": s + 1, "device": str(dev),
            "cache_dir": _cache_dir(), "graphs": c["graphs"], "compile_s": c["seconds"],
-           "fx_graph_cache": c["fx_graph_cache"], "aot_autograd_cache": c.get("aot_autograd_cache")}
+           "fx_graph_cache": c["fx_graph_cache"], "aot_autograd_cache": c.get("aot_autograd_cache"),
+           "saved": c["saved"]}
     log.info("precompile: done in %.1f s: %d graphs, %.1f s compiling, Inductor's cache %d hits "
              "/ %d misses", out["seconds"], c["graphs"], c["seconds"],
              c["fx_graph_cache"]["hits"], c["fx_graph_cache"]["misses"])
+    if c["saved"]:
+        log.info("precompile: saved whole (train loads them without tracing): %s", ", ".join(
+            f"{r['graph']} {r['result']} {r['seconds']:.1f} s" for r in c["saved"]))
     return out
 
 

@@ -75,6 +75,7 @@ NEUTRAL: dict[str, object] = {
     "train.loss_chunk": 0,
     "extract.precompile": True,
     "train.gc_freeze": True,
+    "train.saved_graphs": True,
 }
 
 

@@ -64,8 +64,11 @@ def compile_stats() -> dict:
     inside) and backward graphs (compiled at their first backward), the graphs built, and the
     hits and misses of Inductor's FX graph cache and AOTAutograd's cache (on disk under
     TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER: a second run on one machine
-    hits them), and `frames`: each compile in order (compile_frames)."""
+    hits them), `frames`: each compile in order (compile_frames), and `saved`: the pieces loaded
+    or saved whole, with their seconds (drafter/aot.py; those take no dynamo time)."""
     from torch._dynamo.utils import compilation_time_metrics, counters
+
+    from .aot import report
 
     seconds = sum(sum(compilation_time_metrics.get(k, ()))
                   for k in ("_compile.compile_inner", "backward._backward_impl"))
@@ -75,7 +78,7 @@ def compile_stats() -> dict:
                                "misses": int(ind["fxgraph_cache_miss"])},
             "aot_autograd_cache": {"hits": int(aot["autograd_cache_hit"]),
                                    "misses": int(aot["autograd_cache_miss"])},
-            "frames": compile_frames()}
+            "frames": compile_frames(), "saved": report()}
 
 
 def compile_frames() -> list[dict]:
@@ -164,12 +167,17 @@ def pick_attention(tc, device) -> str:
     return tc.attention
 
 
-def setup_model(drafter: Drafter, tc, dist: Dist, attention: str):
+def setup_model(drafter: Drafter, tc, dist: Dist, attention: str, saved: str = "load"):
     """The trainable modules on the device (the embeddings stay on the CPU), wrapped for the
-    ranks (DDP, or FSDP2 with train.fsdp), and AdamW over them. -> (ttt, model, optimizer)."""
+    ranks (DDP, or FSDP2 with train.fsdp), and AdamW over them. -> (ttt, model, optimizer).
+    saved: what the compiled pieces do with the saved whole graphs (drafter/aot.py): "load"
+    (train), "save" (precompile); "off" under train.saved_graphs=false or FSDP (its sharded
+    parameters are not what a single-GPU precompile traced)."""
     dev, cuda = dist.device, dist.device.type == "cuda"
+    if not tc.saved_graphs or (dist.world > 1 and tc.fsdp):
+        saved = "off"
     ttt = TTT(drafter, attention=attention, compile=tc.compile and cuda,
-              loss_chunk=tc.loss_chunk).to(dev)
+              loss_chunk=tc.loss_chunk, saved=saved).to(dev)
     if dist.world > 1 and tc.fsdp:
         # One unit: the one layer runs K times forward and backward, so its weights stay
         # gathered for the whole step (ZeRO-2); gradients and AdamW state are sharded.

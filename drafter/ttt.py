@@ -359,12 +359,25 @@ def _rows_dynamic(*ts) -> None:
     chunk is marked: dynamo would run full chunks through the dynamic graph anyway once it
     exists (it checks the newest graph first), so one graph serves all from the first batch,
     and a static one would only add a compile. No padding: the numbers are the eager ones.
-    A no-op for an eager stats_fn."""
+    TTT's compiled stats function marks its arguments itself (_MarkedRows); a function loaded
+    whole (drafter/aot.py) takes them unmarked: its guards refuse a marking it was not saved
+    with."""
     import torch._dynamo
 
     for t in ts:
         if t is not None:
             torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+class _MarkedRows:
+    """A compiled loss-chunk function that marks its tensors' rows dynamic before each call."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, z, ids, tl, w, *rest):
+        _rows_dynamic(z, ids, tl, w)
+        return self.fn(z, ids, tl, w, *rest)
 
 
 def loss_chunks(N: int, chunk: int) -> list[tuple[int, int]]:
@@ -422,9 +435,7 @@ class FusedHeadLoss(torch.autograd.Function):
             z = hn[s:e] @ wc.T                                               # [c, Vd]
             ids, tl = _teacher_rows(teacher, trows[s:e]) if topk is None else \
                 (topk[0][s:e], topk[1][s:e])
-            ws = w[s:e]
-            _rows_dynamic(z, ids, tl, ws)
-            g, *st = stats_fn(z, ids, tl, ws, dt)
+            g, *st = stats_fn(z, ids, tl, w[s:e], dt)
             stats.append(st)
             if need_grad:
                 torch.mm(g, wc, out=grad_hn[s:e])                            # [c, H]
@@ -537,6 +548,8 @@ class TTT(nn.Module):
       Returns loss = Σ weights·ce (differentiable) and per-row ce, correct, accept [N].
     compile: torch.compile the layer pieces, the merge and the loss chunk with `backend`
     (inductor; tests count dynamo's graphs with aot_eager, which builds no kernels).
+    saved: with Inductor, "load" the layer pieces and the loss chunk compiled whole where a
+    precompile process saved them ("save"), skipping dynamo's tracing; "off" (drafter/aot.py).
 
     Under autocast the layer's float32 matrices are cast once per forward (`cast_layer`) and
     all K steps use the casts: autograd then sums the K steps' gradients of each matrix at the
@@ -546,7 +559,7 @@ class TTT(nn.Module):
     """
 
     def __init__(self, drafter: "Drafter", attention: str = "sdpa", compile: bool = False,
-                 loss_chunk: int = 0, backend: str = "inductor"):
+                 loss_chunk: int = 0, backend: str = "inductor", saved: str = "off"):
         super().__init__()
         if attention not in ("sdpa", "flex"):
             raise ValueError(f"attention must be sdpa or flex, got {attention!r}")
@@ -583,9 +596,16 @@ class TTT(nn.Module):
             if hasattr(aot_config, "autograd_cache_allow_custom_autograd_functions"):
                 aot_config.autograd_cache_allow_custom_autograd_functions = True
             stable_memory_format_pickles()
-            self.pre_fn, self.post_fn, self.stats_fn = (
-                torch.compile(f, dynamic=False, backend=backend)
-                for f in (pre, post, _chunk_stats))
+            jit = [torch.compile(f, dynamic=False, backend=backend) for f in (pre, post)]
+            jit.append(_MarkedRows(torch.compile(_chunk_stats, dynamic=False, backend=backend)))
+            if saved != "off" and backend == "inductor":  # only Inductor's output is saved
+                # the pieces whole, dynamo's tracing included: drafter/aot.py
+                from .aot import Piece
+                mods = {"pre": pieces[0], "post": pieces[1]}
+                jit = [Piece(n, f, j, m, saved, dynamic_rows=n == "chunk_stats")
+                       for n, f, j, m in zip(("pre", "post", "chunk_stats"),
+                                             (pre, post, _chunk_stats), jit, (mods, mods, {}))]
+            self.pre_fn, self.post_fn, self.stats_fn = jit
 
     def cast_layer(self, device_type: str) -> dict:
         """{name: the matrix at autocast's dtype} for the layer's float32 matrices (names as

@@ -307,6 +307,9 @@ def log_warmup(seconds: float, steps: list[float], c: dict | None, first: dict,
         log.info("train: compiles (s): %s", ", ".join(
             f"{f['graph']}{'' if f['pass'] == 'forward' else ' ' + f['pass']} {f['seconds']:.2f}"
             for f in c["frames"]))
+    if c is not None and c.get("saved"):
+        log.info("train: saved graphs (s): %s", ", ".join(
+            f"{r['graph']} {r['result']} {r['seconds']:.2f}" for r in c["saved"]))
 
 
 @torch.no_grad()
