@@ -24,6 +24,7 @@ logged once) and in mode "off". What each piece did is in `report()` (train's ma
 `warmup_compile.saved`)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -94,6 +95,13 @@ def signature(name: str, args: tuple, modules: dict[str, torch.nn.Module],
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
+def _aot_enabled():
+    """torch 2.11 offers `aot_compile` only under dynamo's enable_aot_compile (a default since)."""
+    if hasattr(torch._dynamo.config, "enable_aot_compile"):
+        return torch._dynamo.config.patch(enable_aot_compile=True)
+    return contextlib.nullcontext()
+
+
 def report() -> list[dict]:
     """What each piece's first call did in this process: {"graph", "mode", "result": saved,
     loaded, missing (no file: compiled as usual) or failed, "seconds", "error" when failed,
@@ -143,7 +151,9 @@ class Piece:
                     for a in args:
                         if isinstance(a, torch.Tensor):
                             torch._dynamo.maybe_mark_dynamic(a, 0)
-                c = torch.compile(self.fn, fullgraph=True, dynamic=False).aot_compile((args, {}))
+                with _aot_enabled():
+                    c = torch.compile(self.fn, fullgraph=True, dynamic=False).aot_compile(
+                        (args, {}))
                 path.parent.mkdir(parents=True, exist_ok=True)
                 c.save_compiled_function(str(path), external_data=self.modules)
                 self.aot, self.entry["result"] = c, "saved"
