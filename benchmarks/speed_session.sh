@@ -239,6 +239,29 @@ lane_c18() {  # the eighteenth session: train's pieces loaded whole (drafter/aot
   mark lane
 }
 
+lane_d18() {  # the eighteenth session's second lane: the GPU tests, then 200-step trains
+  # after two more cold extracts (the pieces loaded whole)
+  local v t ts ind=/tmp/inductor-d18
+  start_lane
+  if [ -z "${CHECK:-}" ]; then
+    tar -xJf .carry_c/speed-answers.tar.xz && log "answers restored: $(ls runs/speed)"
+  fi
+  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_train.py
+  for v in p3:s5,s6,s7 p4:s8,s9; do
+    rm -rf "$ind"
+    TORCHINDUCTOR_CACHE_DIR=$ind step "speed-aot-${v%%:*}-extract" $DRAFTER extract $CFG --force
+    keep_extract "aot-${v%%:*}"
+    ts=${v#*:}
+    for t in ${ts//,/ }; do
+      TORCHINDUCTOR_CACHE_DIR=$ind step "speed-aot-$t" $DRAFTER train $CFG train.max_steps=200 \
+        --force
+      keep_train "aot-$t"
+    done
+  done
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
+  mark lane
+}
+
 bytecode_state() {  # whether this machine's processes write bytecode now, and how much there is
   [ -n "${CHECK:-}" ] && return
   log "bytecode: $($PY -c 'import os, sys; print("dont_write", sys.flags.dont_write_bytecode,

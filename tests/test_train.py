@@ -655,7 +655,8 @@ def test_train_after_precompile_compiles_nothing(pipe, tmp_path):
     `drafter precompile` into an empty Inductor cache, then `drafter train` in another process
     (other imports, other batches): train's warm-up finds every graph in the cache, none
     compiled again (issue 18: a cold run's 19.6 s of compiling), and the layer pieces and the
-    loss chunk loaded whole, not traced (drafter/aot.py)."""
+    loss chunk loaded whole, not traced (drafter/aot.py): only FlexAttention's graphs and
+    validation's no-grad ones (within this short run's warm-up) go through dynamo."""
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
     m = Run(pipe.run).read_manifest("extract")
@@ -669,7 +670,7 @@ def test_train_after_precompile_compiles_nothing(pipe, tmp_path):
     assert c["fx_graph_cache"]["misses"] == 0 and c["fx_graph_cache"]["hits"] >= 1, c
     assert [(r["graph"], r["result"]) for r in c["saved"]] == [
         ("pre", "loaded"), ("post", "loaded"), ("chunk_stats", "loaded")], c["saved"]
-    assert {f["graph"] for f in c["frames"] if f["pass"] != "first run"} <= {"flex_attention"}
+    assert not [f for f in c["frames"] if f["pass"] == "backward" and f["graph"] != "flex_attention"]
 
 
 def test_prune_keeps_the_newest_and_the_best(tmp_path):
