@@ -30,7 +30,9 @@ that of the pool). It trains --steps (default 200) steps from a cold start and r
 (seconds to the end of step 10, compiles included), the average tokens/s over all steps, the
 steady tokens/s (median of the per-step rates of the last half), their ratio (goal >= 0.85),
 and the graphs torch.compile built (after warm-up: goal 0). Per-step times are CUDA events, so
-the loop never waits on the GPU. --online trains the same way with the target in the loop
+the loop never waits on the GPU. As train does, both modes freeze Python's garbage collector's
+view of everything alive after the warm-up (--real: after the first step; train.gc_freeze,
+trainer.GcClock), and each result holds `gc_s`, the collections' seconds in the timed steps. --online trains the same way with the target in the loop
 (drafter/capture.py on the prefetch thread, nothing stored) after the offline run, and prints the
 ratio (goal >= 0.7x offline for SmolLM2): `--target random` (default) is a SmolLM2-135M-shaped
 Llama with random weights (its lm_head rows outside the draft vocab zeroed, so that nearly every
@@ -240,10 +242,14 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
     warm_s = time.perf_counter() - t0
     if cuda:
         torch.cuda.reset_peak_memory_stats(dist.device)
+    clock = trainer.GcClock(freeze=S["tc"].gc_freeze)  # as train: frozen after the warm-up
+    clock.freeze()
     t0 = time.perf_counter()
     tokens = sum(step() for _ in range(args.steps))
     trainer.sync_device(dist.device)
     dt = time.perf_counter() - t0
+    gc_s = clock.summary()["seconds"]
+    clock.close()
     t = torch.tensor([dt], device=dist.device)
     if dist.world > 1:
         import torch.distributed as td
@@ -260,7 +266,8 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
         print(f"{name} {teacher} T{T}: " + memory_peak(step, dist.device), flush=True)
     r = row(name, args, dist, S, B, T, K, "real" if args.data else teacher, tok_s,
             flops_per_token(c, T, K, teacher)[0])
-    return {**r, "step_ms": 1e3 * dt / args.steps, "warmup_s": warm_s, "check": check}
+    return {**r, "step_ms": 1e3 * dt / args.steps, "warmup_s": warm_s, "check": check,
+            "gc_s": gc_s}
 
 
 def memory_peak(step, device, top: int = 14) -> str:
@@ -472,6 +479,7 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
         marks[0].record()
     t0, wall, stats, graphs_warm, waited = time.perf_counter(), [], [], None, 0.0
     waited_warm = None
+    clock = trainer.GcClock(freeze=tc.gc_freeze)  # as train: frozen after the first step
     prof = Profile(args.profile, f"{name}-{teacher}-{'online' if online else 'offline'}",
                    start=min(30, args.steps // 2), steps=5, device=dist.device)
     with hold:
@@ -488,11 +496,15 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
                     marks[j + 1].record()  # no wait: the GPU stamps the end of each step
                 else:
                     wall.append(time.perf_counter() - t0)
+                if j == 0:
+                    clock.freeze()
                 if j + 1 == trainer.WARMUP_STEPS:
                     graphs_warm, waited_warm = trainer.compiled_graphs(), waited
         finally:
             feed.close()
             prof.close()
+            gc_s = clock.summary()["seconds"]
+            clock.close()
     trainer.sync_device(dist.device)
     if cuda:
         wall = [marks[0].elapsed_time(m) / 1e3 for m in marks[1:]]  # seconds since the start
@@ -514,7 +526,7 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
             "fill": n_tok / (len(stats) * B * T), "graphs": graphs - graphs0,
             # the training thread's seconds blocked on the next batch (the prefetch thread
             # behind: online, the target's forward and the batch's assembly)
-            "feed_wait_s": waited, "run_s": time.perf_counter() - t0,
+            "feed_wait_s": waited, "run_s": time.perf_counter() - t0, "gc_s": gc_s,
             "warmup_wait_s": waited_warm,  # of the warm-up: as train's warmup_data_wait_s
             # the prefetch thread's seconds per batch (online: the target's forward included)
             "make_ms": 1e3 * statistics.median(s["make_s"] for s in stats[len(stats) // 2:]),

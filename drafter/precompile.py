@@ -22,6 +22,10 @@ vocab (vocab/vocab.safetensors) and extract's layer ids, set up as train sets it
 micro-batches of train's shape (B = batch_tokens // max_length rows of max_length tokens) in the
 store contract's dtypes (docs/internals.md), then one no-grad forward (validation's graphs).
 Nothing applies on the CPU (train compiles only on a GPU) or online (nothing to overlap).
+The layer pieces (pre, post) and the loss chunk's statistics are compiled whole here (torch's
+aot_compile, drafter/aot.py) and saved beside Inductor's cache, dynamo's guards and bytecode
+included; train loads them instead of tracing them again (train.saved_graphs). FlexAttention
+and validation's no-grad graphs go through torch.compile and Inductor's cache as before.
 """
 from __future__ import annotations
 

@@ -303,10 +303,12 @@ def log_warmup(seconds: float, steps: list[float], c: dict | None, first: dict,
                  gcs["seconds_by_generation"][2],
                  f", {gcs['frozen_objects']:,} objects frozen after the first step"
                  if gcs["freeze"] else ", nothing frozen (train.gc_freeze false)")
-    if c is not None and c["frames"]:
+    frames = [f for f in (c or {}).get("frames", ())  # a loaded graph's first run: ~0 s
+              if f["pass"] != "first run" or f["seconds"] >= 0.005]
+    if frames:
         log.info("train: compiles (s): %s", ", ".join(
             f"{f['graph']}{'' if f['pass'] == 'forward' else ' ' + f['pass']} {f['seconds']:.2f}"
-            for f in c["frames"]))
+            for f in frames))
     if c is not None and c.get("saved"):
         log.info("train: saved graphs (s): %s", ", ".join(
             f"{r['graph']} {r['result']} {r['seconds']:.2f}" for r in c["saved"]))
