@@ -19,8 +19,11 @@ compute capability and the source of drafter/model.py and drafter/ttt.py) and:
 
 Every later call goes to the loaded function; a call whose arguments its guards refuse (a shape
 it was not compiled for) runs the ordinary torch.compile'd function instead, and so does every
-call when no file exists, when the load fails (a torch without the API, a changed format:
-logged once) and in mode "off". What each piece did is in `report()` (train's manifest:
+call when no file exists, when the save or the load fails or the loaded function fails at its
+first call (a torch without the API, a changed format, kernels this GPU cannot run: logged
+once) and in mode "off". The pieces are pure functions of their arguments, so running one again
+after a failed call is safe. The files are pickles, read as Inductor's own cache is (it runs
+the code it finds in the same directory): only the user's own runs write there. What each piece did is in `report()` (train's manifest:
 `warmup_compile.saved`)."""
 from __future__ import annotations
 
@@ -128,14 +131,39 @@ class Piece:
     def __call__(self, *args):
         if self.entry is None and self.mode != "off":
             self._first(args)
+            if self.aot is not None:  # a file that loads but does not run here: compile as usual
+                try:
+                    return self._aot(args)
+                except Exception as e:  # noqa: BLE001 - pure functions: run again below
+                    self._failed(e, "its first call")
         if self.aot is not None:
-            try:
-                return self.aot(*args)
-            except RuntimeError as e:  # the guards run before any work: nothing has happened
-                if not str(e).startswith("GuardManager check failed"):
-                    raise
-                self.entry["fallback_calls"] += 1
+            return self._aot(args)
         return self.jit(*args)
+
+    def _aot(self, args: tuple):
+        try:
+            return self.aot(*args)
+        except RuntimeError as e:  # the guards run before any work: nothing has happened
+            if not self._refused(e, args):
+                raise
+            self.entry["fallback_calls"] += 1
+            return self.jit(*args)
+
+    def _refused(self, e: RuntimeError, args: tuple) -> bool:
+        """Whether the saved function's guards refused `args` (rather than its code failing)."""
+        check = getattr(self.aot, "guard_check", None)
+        if check is not None:
+            try:
+                return not check(*args)
+            except Exception:  # noqa: BLE001 - another torch's internals: read the message
+                pass
+        return str(e).startswith("GuardManager check failed")
+
+    def _failed(self, e: Exception, when: str) -> None:
+        self.aot = None
+        self.entry.update(result="failed", error=f"{type(e).__name__}: {e}"[:500])
+        log.warning("saved graphs: %s %s failed at %s, compiling it as usual (%s)", self.mode,
+                    self.name, when, self.entry["error"][:200])
 
     def _first(self, args: tuple) -> None:
         t0 = time.perf_counter()
@@ -165,8 +193,5 @@ class Piece:
             else:
                 self.entry["result"] = "missing"
         except Exception as e:  # noqa: BLE001 - an experimental torch API: compile as usual
-            self.aot = None
-            self.entry.update(result="failed", error=f"{type(e).__name__}: {e}"[:500])
-            log.warning("saved graphs: %s %s failed, compiling it as usual (%s)", self.mode,
-                        self.name, self.entry["error"][:200])
+            self._failed(e, "the " + self.mode)
         self.entry["seconds"] = round(time.perf_counter() - t0, 3)

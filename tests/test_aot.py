@@ -75,6 +75,25 @@ def test_no_file_or_a_damaged_one_compiles_as_usual(cache, caplog):
     assert off.entry is None
 
 
+def _gather(x, idx):
+    return x[idx] * 2.0
+
+
+def test_a_loaded_piece_that_fails_at_its_first_call_is_dropped_for_torch_compile(cache, caplog):
+    """Its error is not its guards': the piece runs again through torch.compile (a pure
+    function), which raises the same error to the caller, and the saved function is not used
+    again in this process."""
+    x, ok, bad = torch.randn(6), torch.tensor([0, 5, 2]), torch.tensor([0, 9, 2])
+    aot.Piece("gather", _gather, torch.compile(_gather, dynamic=False), {}, "save")(x, ok)
+    loader = aot.Piece("gather", _gather, torch.compile(_gather, dynamic=False), {}, "load")
+    with caplog.at_level(logging.WARNING, logger="drafter"), \
+            pytest.raises((IndexError, RuntimeError)):
+        loader(x, bad)
+    assert loader.entry["result"] == "failed" and loader.aot is None
+    assert "at its first call" in caplog.text
+    torch.testing.assert_close(loader(x, ok), _gather(x, ok))
+
+
 def test_the_key_holds_shapes_strides_grad_mode_and_modules_but_not_dynamic_rows():
     a = torch.randn(6, 5)
     lin, lin2 = torch.nn.Linear(5, 5), torch.nn.Linear(5, 4)
