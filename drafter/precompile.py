@@ -125,7 +125,10 @@ def setup(cfg, dev) -> dict:
     dist = Dist(device=dev)
     amp = device_setup(tc, dev)
     attention = pick_attention(tc, dev)
-    ttt, model, opt = setup_model(drafter, tc, dist, attention, saved="save")
+    # train.fsdp: a sharded train compiles its pieces as usual (trainer.setup_model), so they
+    # go through torch.compile here too, filling the caches that train reads
+    ttt, model, opt = setup_model(drafter, tc, dist, attention,
+                                  saved="off" if tc.fsdp else "save")
     head = capture.Head(torch.zeros(vd, ht, dtype=target.pick_dtype(cfg.target, str(dev))))
     return {"tc": tc, "dist": dist, "drafter": drafter, "ttt": ttt, "model": model, "opt": opt,
             "params": [p for p in ttt.parameters() if p.requires_grad], "head": head.to(dev),
