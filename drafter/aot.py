@@ -5,11 +5,13 @@ still spent 2.3-3.8 s of its first step compiling on the H200: dynamo traced eac
 again, and AOTAutograd and Inductor then found their work on disk. torch's ahead-of-time
 compile (`torch.compile(fn, fullgraph=True).aot_compile(example inputs)`, experimental in torch)
 saves the whole result, dynamo's guards and bytecode with the forward and backward kernels, and
-`torch.compiler.load_compiled_function` reads it back: no tracing at all.
+`torch.compiler.load_compiled_function` reads it back: no tracing at all. On the H200 (SmolLM2
+real run, eighteenth session) the three pieces loaded in 0.52-0.97 s and the warm-up took
+2.37-4.65 s, against 4.20-5.12 s traced from a warm cache (BENCHMARKS.md).
 
 A `Piece` stands where TTT called a torch.compile'd function (the layer's pre and post pieces,
 the loss chunk's statistics). Its first call in a process describes its arguments
-(`signature`: shapes with the dynamic dims left out, strides, dtypes, grad mode, autocast, the
+(`signature`: shapes (the loss chunk's rows left out), strides, dtypes, grad mode, autocast, the
 modules the function reads and their parameters, the torch and Python versions, the device's
 compute capability and the source of drafter/model.py and drafter/ttt.py) and:
 
@@ -23,8 +25,8 @@ call when no file exists, when the save or the load fails or the loaded function
 first call (a torch without the API, a changed format, kernels this GPU cannot run: logged
 once) and in mode "off". The pieces are pure functions of their arguments, so running one again
 after a failed call is safe. The files are pickles, read as Inductor's own cache is (it runs
-the code it finds in the same directory): only the user's own runs write there. What each piece did is in `report()` (train's manifest:
-`warmup_compile.saved`)."""
+the code it finds in the same directory): only the user's own runs write there. What each
+piece did is in `report()` (train's manifest: `warmup_compile.saved`)."""
 from __future__ import annotations
 
 import contextlib
