@@ -140,9 +140,12 @@ print(json.dumps({"loss": out["loss"].item(), "head": loss.item(), "hn": hn.grad
 """
 
 
+@pytest.mark.slow
 def test_train_pieces_saved_by_one_process_load_in_another_without_dynamo(tmp_path):
     """precompile's process saves pre, post and the loss chunk's statistics; a train process
-    loads all three and traces nothing (no dynamo frame), with eager's loss and gradients."""
+    loads all three and traces nothing (no dynamo frame), with eager's loss and gradients.
+    Slow (about 90 s on two cores: Inductor's C++ kernels compiled cold): `pytest -m slow
+    tests/test_aot.py`; the GPU test of tests/test_train.py checks the same on a GPU."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
     runs = {}
     for mode in ("save", "load", "eager"):
