@@ -55,6 +55,10 @@
 #   second cold extract and a 200-step train first after it, a 500-step one; the GPU tests of
 #   tests/test_train.py
 #
+#   bash benchmarks/speed_session.sh start-d18   # its second lane, on a fresh machine: the GPU
+#   tests of tests/test_train.py, then two more cold extracts, each followed by 200-step trains
+#   (three, then two) with the pieces loaded whole
+#
 #   bash benchmarks/speed_session.sh start-pre   # the fifteenth session's lane: precompiling
 #   1 the GPU tests of tests/test_model.py and tests/test_train.py (a train after `drafter
 #     precompile` finds every graph in Inductor's cache; extract's precompile beside the target)
@@ -181,9 +185,7 @@ lane_b17() {
   local v c ind=/tmp/inductor-gc
   start_lane
   bytecode_state
-  if [ -z "${CHECK:-}" ]; then
-    tar -xJf .carry_c/speed-answers.tar.xz && log "answers restored: $(ls runs/speed)"
-  fi
+  restore_answers
   rm -rf "$ind"
   TORCHINDUCTOR_CACHE_DIR=$ind step speed-gc-extract $DRAFTER extract $CFG --force
   keep_extract gc
@@ -207,9 +209,7 @@ lane_c18() {  # the eighteenth session: train's pieces loaded whole (drafter/aot
   local v ind=/tmp/inductor-c18
   start_lane
   bytecode_state
-  if [ -z "${CHECK:-}" ]; then
-    tar -xJf .carry_c/speed-answers.tar.xz && log "answers restored: $(ls runs/speed)"
-  fi
+  restore_answers
   rm -rf "$ind"
   TORCHINDUCTOR_CACHE_DIR=$ind step speed-aot-p1-extract $DRAFTER extract $CFG --force
   keep_extract aot-p1
@@ -243,9 +243,7 @@ lane_d18() {  # the eighteenth session's second lane: the GPU tests, then 200-st
   # after two more cold extracts (the pieces loaded whole)
   local v t ts ind=/tmp/inductor-d18
   start_lane
-  if [ -z "${CHECK:-}" ]; then
-    tar -xJf .carry_c/speed-answers.tar.xz && log "answers restored: $(ls runs/speed)"
-  fi
+  restore_answers
   step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_train.py
   for v in p3:s5,s6,s7 p4:s8,s9; do
     rm -rf "$ind"
@@ -269,8 +267,13 @@ bytecode_state() {  # whether this machine's processes write bytecode now, and h
  $(find /tmp/pycache -name '*.pyc' 2>/dev/null | wc -l) files under /tmp/pycache"
 }
 
+restore_answers() {  # pack_answers' answers, carried in .carry_c (BENCHMARKS.md: its own call)
+  [ -n "${CHECK:-}" ] && return
+  tar -xJf .carry_c/speed-answers.tar.xz && log "answers restored: $(ls runs/speed)"
+}
+
 pack_answers() {  # the real run's answers .. vocab, for a later machine of the session (under
-  # 64 MiB, compressed): unpacked there by lane_b17, so that it skips the 2 min of answering
+  # 64 MiB, compressed): unpacked there by restore_answers, skipping the 2 min of answering
   [ -n "${CHECK:-}" ] && return
   tar -cJf "$OUT/speed-answers.tar.xz" --exclude=runs/speed/extract --exclude=runs/speed/train \
     --exclude=runs/speed/evaluate --exclude=runs/speed/export runs/speed

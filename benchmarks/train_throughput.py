@@ -30,9 +30,10 @@ that of the pool). It trains --steps (default 200) steps from a cold start and r
 (seconds to the end of step 10, compiles included), the average tokens/s over all steps, the
 steady tokens/s (median of the per-step rates of the last half), their ratio (goal >= 0.85),
 and the graphs torch.compile built (after warm-up: goal 0). Per-step times are CUDA events, so
-the loop never waits on the GPU. As train does, both modes freeze Python's garbage collector's
-view of everything alive after the warm-up (--real: after the first step; train.gc_freeze,
-trainer.GcClock), and each result holds `gc_s`, the collections' seconds in the timed steps. --online trains the same way with the target in the loop
+the loop never waits on the GPU. As train does, both modes freeze what is alive out of Python's
+garbage collections after the warm-up (--real: after the first step; train.gc_freeze,
+trainer.GcClock); each result holds `gc_s`, the collections' seconds in the timed steps.
+--online trains the same way with the target in the loop
 (drafter/capture.py on the prefetch thread, nothing stored) after the offline run, and prints the
 ratio (goal >= 0.7x offline for SmolLM2): `--target random` (default) is a SmolLM2-135M-shaped
 Llama with random weights (its lm_head rows outside the draft vocab zeroed, so that nearly every

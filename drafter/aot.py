@@ -30,9 +30,9 @@ piece did is in `report()` (train's manifest: `warmup_compile.saved`)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -46,27 +46,21 @@ log = logging.getLogger("drafter")
 MODES = ("off", "load", "save")
 _REPORT: list[dict] = []  # what each piece's first call did in this process, in order
 _SOURCES = ("model.py", "ttt.py")
-_SOURCE_HASH: list[str] = []
 
 
 def directory() -> Path:
     """Where the saved pieces live: beside Inductor's own cache (TORCHINDUCTOR_CACHE_DIR,
     default /tmp/torchinductor_$USER), so that one variable moves or clears both."""
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-        base = cache_dir()
-    except (ImportError, AttributeError):  # pragma: no cover - older torch
-        base = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor")
-    return Path(base) / "drafter-aot"
+    from .precompile import inductor_cache_dir
+    return Path(inductor_cache_dir() or "/tmp/torchinductor") / "drafter-aot"
 
 
+@functools.cache
 def _source_hash() -> str:
-    if not _SOURCE_HASH:
-        h = hashlib.sha256()
-        for name in _SOURCES:
-            h.update((Path(__file__).parent / name).read_bytes())
-        _SOURCE_HASH.append(h.hexdigest()[:16])
-    return _SOURCE_HASH[0]
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((Path(__file__).parent / name).read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _describe(x: Any, rows: bool = False) -> Any:

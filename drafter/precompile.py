@@ -125,10 +125,7 @@ def setup(cfg, dev) -> dict:
     dist = Dist(device=dev)
     amp = device_setup(tc, dev)
     attention = pick_attention(tc, dev)
-    # train.fsdp: a sharded train compiles its pieces as usual (trainer.setup_model), so they
-    # go through torch.compile here too, filling the caches that train reads
-    ttt, model, opt = setup_model(drafter, tc, dist, attention,
-                                  saved="off" if tc.fsdp else "save")
+    ttt, model, opt = setup_model(drafter, tc, dist, attention, saved="save")
     head = capture.Head(torch.zeros(vd, ht, dtype=target.pick_dtype(cfg.target, str(dev))))
     return {"tc": tc, "dist": dist, "drafter": drafter, "ttt": ttt, "model": model, "opt": opt,
             "params": [p for p in ttt.parameters() if p.requires_grad], "head": head.to(dev),
@@ -174,7 +171,7 @@ def run_steps(cfg, dev) -> dict:
     sync_device(dev)
     c = compile_stats()  # process-wide: the child is a fresh process, so they are its own
     out = {"seconds": round(time.perf_counter() - t0, 2), "steps": s + 1, "device": str(dev),
-           "cache_dir": _cache_dir(), "graphs": c["graphs"], "compile_s": c["seconds"],
+           "cache_dir": inductor_cache_dir(), "graphs": c["graphs"], "compile_s": c["seconds"],
            "fx_graph_cache": c["fx_graph_cache"], "aot_autograd_cache": c.get("aot_autograd_cache"),
            "saved": c["saved"]}
     log.info("precompile: done in %.1f s: %d graphs, %.1f s compiling, Inductor's cache %d hits "
@@ -186,7 +183,8 @@ def run_steps(cfg, dev) -> dict:
     return out
 
 
-def _cache_dir() -> str:
+def inductor_cache_dir() -> str:
+    """Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER)."""
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
         return cache_dir()

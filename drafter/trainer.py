@@ -171,10 +171,11 @@ def setup_model(drafter: Drafter, tc, dist: Dist, attention: str, saved: str = "
     """The trainable modules on the device (the embeddings stay on the CPU), wrapped for the
     ranks (DDP, or FSDP2 with train.fsdp), and AdamW over them. -> (ttt, model, optimizer).
     saved: what the compiled pieces do with the saved whole graphs (drafter/aot.py): "load"
-    (train), "save" (precompile); "off" under train.saved_graphs=false or FSDP (its sharded
-    parameters are not what a single-GPU precompile traced)."""
+    (train), "save" (precompile); "off" under train.saved_graphs=false or train.fsdp (sharded
+    parameters are not what a single-GPU precompile traced: precompile then fills Inductor's
+    cache for the pieces as before, as train will run them)."""
     dev, cuda = dist.device, dist.device.type == "cuda"
-    if not tc.saved_graphs or (dist.world > 1 and tc.fsdp):
+    if not tc.saved_graphs or tc.fsdp:
         saved = "off"
     ttt = TTT(drafter, attention=attention, compile=tc.compile and cuda,
               loss_chunk=tc.loss_chunk, saved=saved).to(dev)
