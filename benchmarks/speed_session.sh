@@ -59,6 +59,11 @@
 #   tests of tests/test_train.py, then two more cold extracts, each followed by 200-step trains
 #   (three, then two) with the pieces loaded whole
 #
+#   bash benchmarks/speed_session.sh start-e19   # the nineteenth session's lane: the GPU tests
+#   of tests/test_train.py, then 200-step trains after a cold extract with train's first step
+#   made ahead on a thread (train.prewarm) or not, alternating (w1 o1 .. w4 o4), a second cold
+#   extract, o5 w5 o6 w6
+#
 #   bash benchmarks/speed_session.sh start-pre   # the fifteenth session's lane: precompiling
 #   1 the GPU tests of tests/test_model.py and tests/test_train.py (a train after `drafter
 #     precompile` finds every graph in Inductor's cache; extract's precompile beside the target)
@@ -254,6 +259,28 @@ lane_d18() {  # the eighteenth session's second lane: the GPU tests, then 200-st
       TORCHINDUCTOR_CACHE_DIR=$ind step "speed-aot-$t" $DRAFTER train $CFG train.max_steps=200 \
         --force
       keep_train "aot-$t"
+    done
+  done
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
+  mark lane
+}
+
+lane_e19() {  # the nineteenth session: train's first step made ahead on a thread while it
+  # sets up (train.prewarm): 200-step trains after a cold extract, prewarm on (w) and off (o)
+  # alternating, then a second cold extract with two more of each; the GPU tests first
+  local v t ts ind=/tmp/inductor-e19
+  start_lane
+  restore_answers
+  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_train.py
+  for v in p1:w1,o1,w2,o2,w3,o3,w4,o4 p2:o5,w5,o6,w6; do
+    rm -rf "$ind"
+    TORCHINDUCTOR_CACHE_DIR=$ind step "speed-pw-${v%%:*}-extract" $DRAFTER extract $CFG --force
+    keep_extract "pw-${v%%:*}"
+    ts=${v#*:}
+    for t in ${ts//,/ }; do
+      TORCHINDUCTOR_CACHE_DIR=$ind step "speed-pw-$t" $DRAFTER train $CFG train.max_steps=200 \
+        "train.prewarm=$([ "${t:0:1}" = w ] && echo true || echo false)" --force
+      keep_train "pw-$t"
     done
   done
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
