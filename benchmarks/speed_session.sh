@@ -64,6 +64,10 @@
 #   made ahead on a thread (train.prewarm) or not, alternating (w1 o1 .. w4 o4), a second cold
 #   extract, o5 w5 o6 w6
 #
+#   bash benchmarks/speed_session.sh start-f19   # its second lane, SpecForge's wheel in .whl
+#   carried (nothing staged): issue 18's table beside SpecForge in one call (SmolLM2 shape,
+#   Llama-8B at 2,048 and 4,096, top-k and hidden teachers)
+#
 #   bash benchmarks/speed_session.sh start-pre   # the fifteenth session's lane: precompiling
 #   1 the GPU tests of tests/test_model.py and tests/test_train.py (a train after `drafter
 #     precompile` finds every graph in Inductor's cache; extract's precompile beside the target)
@@ -282,6 +286,19 @@ lane_e19() {  # the nineteenth session: train's first step made ahead on a threa
         "train.prewarm=$([ "${t:0:1}" = w ] && echo true || echo false)" --force
       keep_train "pw-$t"
     done
+  done
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
+  mark lane
+}
+
+lane_f19() {  # the nineteenth session's second lane: issue 18's table at one commit, in one
+  # call, beside SpecForge (no model, no data: random features, train_throughput.py); the
+  # SmolLM2 shape, then Llama-8B at 2,048 and 4,096, both teachers
+  local t
+  start_lane
+  step smollm2-sf $PY $TT --shape smollm2 --teacher topk,hidden
+  for t in 2048 4096; do
+    step llama-sf-$t $PY $TT --shape llama8b --seq $t --teacher topk,hidden
   done
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane

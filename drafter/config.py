@@ -223,10 +223,6 @@ class TrainConfig:
     saved_graphs: bool = doc(True, "compile: load the layer and loss pieces compiled whole where "
                              "extract's precompile saved them (torch's aot_compile; no dynamo "
                              "tracing in train's first step), else compile them as usual")
-    prewarm: bool = doc(True, "compile, offline: make the first forward and backward on a "
-                        "thread while train still sets up (reads the store's head and the "
-                        "target's embeddings): the compiled pieces loaded, kernels loaded; "
-                        "what train waits for it counts as train time")
     loss_chunk: int = doc(0, "fast path: rows of each chunk that lm_head and the loss run on "
                           "at a time; 0 sizes them so that a chunk's float32 logits take 256 "
                           "MiB (2,097 rows at a 32,000-token draft vocab). Larger chunks: "

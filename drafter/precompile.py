@@ -136,16 +136,15 @@ def setup(cfg, dev) -> dict:
             "ht": ht, "vocab": vocab, "vd": vd, "k": min(cfg.extract.topk, vd)}
 
 
-def random_batch(teacher: str, S: dict, seed: int, table=None) -> dict:
-    """One host micro-batch of train's shape (batches.host_batch) from random_samples, embedded
-    with `table` (default: the drafter's; its ids are below S["vocab"])."""
+def random_batch(cfg, S: dict, seed: int) -> dict:
+    """One host micro-batch of train's shape (batches.host_batch) from random_samples."""
     from .batches import Source, host_batch
 
     B, T = S["B"], S["T"]
     src = Source.memory(random_samples(B, T, S["n_aux"], S["ht"], S["vocab"], S["vd"],
-                                       teacher, S["k"], seed=seed))
+                                       cfg.extract.teacher, S["k"], seed=seed))
     return host_batch(src, [[i] for i in range(B)], B, T, S["tc"],
-                      S["drafter"].embed_tokens.weight if table is None else table)
+                      S["drafter"].embed_tokens.weight)
 
 
 def run_steps(cfg, dev) -> dict:
@@ -162,7 +161,7 @@ def run_steps(cfg, dev) -> dict:
              S["attention"], S["B"], S["T"], S["tc"].ttt_steps, S["vd"], cfg.extract.teacher,
              dev)
     for s in range(OPTIMIZER_STEPS):  # two loss-row counts: the loss chunk's dynamic graph
-        hb = random_batch(cfg.extract.teacher, S, seed=s)
+        hb = random_batch(cfg, S, seed=s)
         micro = iter([device_batch(hb, dev, S["head"], S["fused"])])
         train_step(S["model"], S["params"], S["opt"], micro, S["tc"], S["dist"], S["autocast"])
         sync_device(dev)

@@ -76,7 +76,6 @@ NEUTRAL: dict[str, object] = {
     "extract.precompile": True,
     "train.gc_freeze": True,
     "train.saved_graphs": True,
-    "train.prewarm": True,
 }
 
 

@@ -26,32 +26,23 @@ from .ttt import TTT
 WARMUP_STEPS = 10
 
 
-def build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings=None) -> Drafter:
-    """The drafter shaped from the target (DrafterConfig.from_target), seeded init, the vocab
-    maps and the target's embeddings (attach_embeddings; None: attached later, as train does
-    once its first step is under way on a thread: Prewarm)."""
+def build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings) -> Drafter:
+    """The drafter shaped from the target (DrafterConfig.from_target), seeded init, the target's
+    embeddings (frozen, kept at the target's dtype) and the vocab maps."""
     tc = cfg.train
     dcfg = DrafterConfig.from_target(
         target_config, draft_vocab_size=d2t.numel(), aux_layer_ids=list(layer_ids),
         intermediate_size=tc.intermediate_size, norm_before_residual=tc.norm_before_residual,
         fc_norm=tc.fc_norm, norm_output=tc.norm_output)
+    if tuple(embeddings.shape) != (dcfg.vocab_size, dcfg.hidden_size):
+        raise DrafterError(f"target embeddings are {tuple(embeddings.shape)}, expected "
+                           f"({dcfg.vocab_size}, {dcfg.hidden_size}) from its config")
     torch.manual_seed(tc.seed)
     drafter = Drafter(dcfg)
-    drafter.set_vocab(d2t, t2d)
-    if embeddings is not None:
-        attach_embeddings(drafter, embeddings)
-    return drafter
-
-
-def attach_embeddings(drafter: Drafter, embeddings: torch.Tensor) -> None:
-    """The target's input embeddings into the drafter's table (frozen, kept at the target's
-    dtype, on the CPU: batches are embedded on the host)."""
-    c = drafter.cfg
-    if tuple(embeddings.shape) != (c.vocab_size, c.hidden_size):
-        raise DrafterError(f"target embeddings are {tuple(embeddings.shape)}, expected "
-                           f"({c.vocab_size}, {c.hidden_size}) from its config")
     drafter.embed_tokens.to(embeddings.dtype)
     drafter.set_embeddings(embeddings)
+    drafter.set_vocab(d2t, t2d)
+    return drafter
 
 
 def sync_device(device) -> None:
@@ -239,92 +230,6 @@ def train_step(model, params, opt, micro, tc, dist: Dist, autocast, meter=None,
     opt.zero_grad(set_to_none=True)
     clock.tick("optimizer")  # the metrics, scaling, clipping, the update
     return gnorm
-
-
-def prewarm_applies(tc, dist: Dist) -> str | None:
-    """Why train's first step is not made ahead on a thread (Prewarm) for this config, or None
-    when it is: on a GPU, compiled, offline, without FSDP (whose forward gathers the shards:
-    collectives on a second thread)."""
-    if not tc.prewarm:
-        return "train.prewarm=false"
-    if dist.device.type != "cuda" or not tc.compile:
-        return "nothing compiled (train compiles only on a GPU, with train.compile)"
-    if tc.online:
-        return "train.online: the target loads and runs on the loader's thread"
-    if tc.fsdp and dist.world > 1:
-        return "train.fsdp: its forward gathers shards across ranks"
-    return None
-
-
-class Prewarm:
-    """Train's first forward and backward, made on a thread while train still sets up (reads the
-    store's head and lengths, the target's embeddings): the saved pieces loaded, FlexAttention
-    compiled, every kernel loaded, cuBLAS set up (issue 18: the first step took 1.7-3.9 s of a
-    200-step run's 13-23 s on the H200, of which the pieces and FlexAttention 0.9-1.5 s).
-
-    One micro-batch of train's shape (B rows of T tokens, `info`: the store's layer ids, hidden
-    size, draft vocab, teacher) in the contract's dtypes, made from fixed random numbers
-    (precompile.random_batch: its own generator, so the run's random state is untouched),
-    through the unwrapped TTT module (no DDP hook, no collective) under train's autocast; the
-    gradients are dropped after, the weights and the optimizer are not touched. The same
-    shapes, dtypes, grad mode and autocast as the loop's first step: it finds what this made.
-    `join()` waits for it (fit does, before anything else touches the model) and says what it
-    took: {"seconds": on the thread, "waited_s": what train waited for it, counted in the
-    loop's time by fit, "error"}. A failure is logged and reported, never raised: the loop's
-    first step then does the work itself.
-
-    While it compiles (FlexAttention's graph) it holds `lock` (compiles_hold): torch.fx's
-    tracers patch torch.nn.Module.__call__ for the whole process meanwhile, so code that builds
-    or calls modules on the main thread (the target's meta model in target_embeddings) takes
-    the lock first (`with prewarm.lock`)."""
-
-    def __init__(self, ttt: TTT, tc, device, amp, fused: bool, info: dict, seed: int = 0):
-        import threading
-
-        self.seconds, self.error, self._t0 = None, None, time.perf_counter()
-        self.lock = threading.Lock()
-
-        def run():
-            from .batches import device_batch
-            from .capture import Head
-            from .precompile import random_batch
-
-            try:
-                torch.cuda.set_device(device) if device.type == "cuda" else None
-                B, T = tc.batch_tokens // tc.max_length, tc.max_length
-                ht, vd, teacher = info["hidden_size"], info["draft_vocab_size"], info["teacher"]
-                S = {"B": B, "T": T, "n_aux": len(info["layer_ids"]), "ht": ht, "vocab": 1,
-                     "vd": vd, "k": info.get("topk") or min(64, vd), "tc": tc}
-                dtype = getattr(torch, info.get("target_dtype") or "bfloat16")
-                # the embedding table: one row (the batch's ids are all 0) of the table's width
-                table = torch.zeros(1, ttt.cfg.hidden_size, dtype=dtype)
-                hb = random_batch(teacher, S, seed, table)
-                # the head: only a hidden teacher's log-probs read it (a top-k teacher, its rows)
-                head = Head(torch.zeros(vd, ht if teacher == "hidden" else 0, device=device,
-                                        dtype=dtype))
-                d = device_batch(hb, device, head, fused)
-                autocast = torch.autocast(device.type, dtype=amp) if amp \
-                    else contextlib.nullcontext()
-                with compiles_hold(self.lock):
-                    with autocast:
-                        out = ttt(**model_inputs(d))
-                    out["loss"].backward()
-                sync_device(device)
-            except Exception as e:  # noqa: BLE001 - reported; the first step does the work
-                self.error = f"{type(e).__name__}: {e}"
-            finally:
-                for p in ttt.parameters():
-                    p.grad = None
-                self.seconds = time.perf_counter() - self._t0
-
-        self.thread = threading.Thread(target=run, name="train-prewarm", daemon=True)
-        self.thread.start()
-
-    def join(self) -> dict:
-        t = time.perf_counter()
-        self.thread.join()
-        return {"seconds": round(self.seconds, 3), "waited_s": round(time.perf_counter() - t, 3),
-                "error": self.error}
 
 
 class GcClock:

@@ -227,6 +227,7 @@ def test_loss_falls_when_overfitting(world, tmp_path):
     assert elapsed == sorted(elapsed) and elapsed[0] > 0 and "graphs" not in recs[0]
     assert out["final_step"] >= 10 and 0 < out["warmup_s"] < elapsed[-1]
     assert 0 <= out["warmup_data_wait_s"] < out["warmup_s"]    # waiting for batches, of it
+    assert out["setup_s"] > 0                                   # fit's own, before the loop
     steps = out["warmup_steps_s"]                               # each warm-up step, apart
     assert len(steps) == 10 and min(steps) > 0
     # (steps rounded to 1 ms, warmup_s to 10 ms: the sum may pass it by 10 x 0.5 + 5 ms)
@@ -452,6 +453,8 @@ def test_two_ranks_equal_one_rank_with_accumulation(pipe, one_rank, tmp_path, fs
     cfg = write_pipe_config(tmp_path / "cfg.yaml", run, pipe.shared, fsdp=fsdp,
                             **TWO_RANK_STEPS)
     cli(["train", str(cfg)], nproc=2)
+    # the process's setup before the loop (the store, the target's files, the model) timed
+    assert all(Run(r).read_manifest("train")["setup_s"] > 0 for r in (one_rank, run))
     m1, m2 = train_records(one_rank), train_records(run)
     assert len(m1) == len(m2) == 12
     assert [r["tokens"] for r in m1] == [r["tokens"] for r in m2]
@@ -538,8 +541,8 @@ def test_precompile_batches_look_like_trains_batches(pipe):
                               S["drafter"].embed_tokens.weight)
     for fused in (False, True):  # sdpa's dense teacher, flex's top-k or dense
         a = _meta(batches.device_batch(real, dev, S["head"], fused))
-        b = _meta(batches.device_batch(precompile.random_batch(cfg.extract.teacher, S, 0), dev,
-                                       S["head"], fused))
+        b = _meta(batches.device_batch(precompile.random_batch(cfg, S, 0), dev, S["head"],
+                                       fused))
         assert a == b
     assert precompile.applies(cfg, dev) == "train compiles only on a GPU"
     from drafter.trainer import compiled_graphs
@@ -553,46 +556,6 @@ def test_precompile_batches_look_like_trains_batches(pipe):
                             target.target_embeddings(cfg.target))
     assert {k: v.shape for k, v in m.state_dict().items()} == \
         {k: v.shape for k, v in S["drafter"].state_dict().items()}
-
-
-def test_prewarm_makes_the_first_step_ahead_and_changes_nothing(world, tmp_path):
-    """trainer.Prewarm (train's first forward and backward on a thread while train sets up,
-    issue 18) on the pieces compiled as on a GPU (aot_eager here): afterwards the first real
-    micro-batch, captured samples packed as train packs them, compiles no new graph (the same
-    shapes, dtypes, grad mode); the weights, the gradients (none) and the random state are as
-    before it. A failure is reported, not raised."""
-    from drafter.trainer import Prewarm, compiled_graphs, prewarm_applies
-    from drafter.ttt import TTT
-
-    cfg = cfg_for(world, tmp_path / "run")
-    tc, dev = cfg.train, torch.device("cpu")
-    assert prewarm_applies(tc, Dist()) == \
-        "nothing compiled (train compiles only on a GPU, with train.compile)"
-    d = drafter_for(world, cfg)
-    ttt = TTT(d, attention="sdpa", compile=True, backend="aot_eager")
-    info = {"layer_ids": world.layer_ids, "hidden_size": world.model.config.hidden_size,
-            "draft_vocab_size": VD, "teacher": "hidden", "topk": None,
-            "target_dtype": "float32"}
-    weights = {k: v.clone() for k, v in ttt.state_dict().items()}
-    rng = torch.get_rng_state()
-    torch._dynamo.reset()
-    w = Prewarm(ttt, tc, dev, None, False, info).join()
-    assert w["error"] is None and w["seconds"] > 0 and w["waited_s"] >= 0
-    graphs = compiled_graphs()
-    assert graphs >= 2  # pre and post at least: it did compile
-    assert all(p.grad is None for p in ttt.parameters())
-    assert all(torch.equal(weights[k], v) for k, v in ttt.state_dict().items())
-    assert torch.equal(torch.get_rng_state(), rng)
-    B, T = tc.batch_tokens // tc.max_length, tc.max_length
-    src = batches.Source.memory(world.captured["train"])
-    rows = batches.pack(src.lengths, T, tc.seed)
-    hb = batches.host_batch(src, rows[:B], B, T, tc, d.embed_tokens.weight)
-    out = ttt(**batches.model_inputs(batches.device_batch(hb, dev, world.cap.head, False)))
-    out["loss"].backward()
-    assert compiled_graphs() == graphs
-    torch._dynamo.reset()
-    bad = Prewarm(ttt, tc, dev, None, False, {**info, "hidden_size": 7}).join()  # wrong aux
-    assert bad["error"] and all(p.grad is None for p in ttt.parameters())
 
 
 def test_precompile_topk_batches_look_like_captured_ones(world, tmp_path):
@@ -610,8 +573,8 @@ def test_precompile_topk_batches_look_like_captured_ones(world, tmp_path):
     real = batches.host_batch(src, rows[: S["B"]], S["B"], S["T"], S["tc"],
                               S["drafter"].embed_tokens.weight)
     for fused in (False, True):
-        assert _meta(batches.device_batch(real, dev, S["head"], fused)) == _meta(batches.device_batch(
-            precompile.random_batch(cfg.extract.teacher, S, 1), dev, S["head"], fused))
+        assert _meta(batches.device_batch(real, dev, S["head"], fused)) == _meta(
+            batches.device_batch(precompile.random_batch(cfg, S, 1), dev, S["head"], fused))
 
 
 def _vocab(run_dir):

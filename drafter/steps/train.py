@@ -52,9 +52,8 @@ from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_
     throughput
 from ..model import Drafter, param_count
 from ..rundir import JsonlAppender, Run, read_jsonl
-from ..trainer import WARMUP_STEPS, GcClock, Prewarm, attach_embeddings, build_drafter, \
-    compile_stats, compiled_graphs, compiles_hold, device_setup, pick_attention, \
-    prewarm_applies, setup_model, sync_device, train_step
+from ..trainer import WARMUP_STEPS, GcClock, build_drafter, compile_stats, compiled_graphs, \
+    compiles_hold, device_setup, pick_attention, setup_model, sync_device, train_step
 
 log = logging.getLogger("drafter")
 
@@ -85,46 +84,22 @@ def _check(tc) -> None:
                           f"train.max_length ({tc.max_length}): a micro-batch holds whole rows")
 
 
-def prepare(cfg, dist: Dist, drafter: Drafter, info: dict | None = None,
-            t0: float | None = None) -> dict:
-    """The device set up (trainer.device_setup), the model for the ranks and its optimizer
-    (trainer.setup_model), and, offline where it applies (trainer.prewarm_applies), the first
-    forward and backward started on a thread (trainer.Prewarm) from the store's `info`. t0:
-    when train started setting up (fit's setup_s)."""
-    tc = cfg.train
-    amp = device_setup(tc, dist.device)
-    attention = pick_attention(tc, dist.device)
-    ttt, model, opt = setup_model(drafter, tc, dist, attention)
-    why = prewarm_applies(tc, dist) if info is not None else \
-        "no store (online, or fit called without prepare)"
-    warm = Prewarm(ttt, tc, dist.device, amp, attention == "flex", info) if why is None else None
-    return {"amp": amp, "attention": attention, "ttt": ttt, "model": model, "opt": opt,
-            "prewarm": warm, "prewarm_skipped": why,
-            "t0": time.perf_counter() if t0 is None else t0}
-
-
 def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
-        val_src: Source | None, head, ready: dict | None = None) -> dict:
-    """The training loop: plain PyTorch, top to bottom. Returns the manifest extras. `ready`:
-    prepare's (train's _main starts it before the store and embeddings load); None: made here."""
+        val_src: Source | None, head, t0: float | None = None) -> dict:
+    """The training loop: plain PyTorch, top to bottom. Returns the manifest extras. t0: when
+    train started setting up (perf_counter; default: now): setup_s, its seconds to the loop."""
+    t0 = time.perf_counter() if t0 is None else t0
     tc = cfg.train
     _check(tc)
-    ready = ready or prepare(cfg, dist, drafter)
-    # the first step made ahead (Prewarm): waited for before anything touches the model; the
-    # wait is counted as train time (t_start below), so only what it overlapped is gained
-    warm = ready["prewarm"].join() if ready["prewarm"] is not None else \
-        {"skipped": ready["prewarm_skipped"]}
-    if warm.get("error"):
-        log.warning("train: the first step made ahead failed (%s); the first step does it",
-                    warm["error"])
     dev, cuda = dist.device, dist.device.type == "cuda"
-    amp, attention = ready["amp"], ready["attention"]
+    amp = device_setup(tc, dev)
+    attention = pick_attention(tc, dev)
     fused = attention == "flex"
     K, T = tc.ttt_steps, tc.max_length
     B = tc.batch_tokens // T
     head = head.to(dev)
 
-    ttt, model, opt = ready["ttt"], ready["model"], ready["opt"]
+    ttt, model, opt = setup_model(drafter, tc, dist, attention)
     params = [p for p in ttt.parameters() if p.requires_grad]
     fsdp = tc.fsdp and dist.world > 1
 
@@ -181,14 +156,10 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                     threads=1 if tc.online else tc.loader_threads)
     meter, val, last_val, last_train = Meter(K, dev), None, None, None
     autocast = torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext()
-    first, tokens_total = step, 0
-    t_start = time.perf_counter() - warm.get("waited_s", 0.0)
-    setup_s = t_start - ready["t0"]
+    first, t_start, tokens_total = step, time.perf_counter(), 0
+    setup_s = t_start - t0  # the store, the target's config and embeddings, the model, resume
     if dist.main:
-        log.info("train: set up in %.1f s%s", setup_s, "" if "skipped" in warm else
-                 f"; the first forward and backward made ahead on a thread in "
-                 f"{warm['seconds']:.1f} s, {warm['waited_s']:.1f} s of it waited for "
-                 f"(counted as train time)")
+        log.info("train: set up in %.1f s", setup_s)
     # Time in train steps only (validation and checkpoints set aside), so that tokens_per_s,
     # elapsed_s and warmup_s measure training: issue 18 compares the whole run with steady state.
     aside, train_s_log, warmup_s, warmup_wait_s, rates = 0.0, 0.0, None, None, []
@@ -311,8 +282,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         "warmup_compile": warmup_compile,
         "warmup_steps_s": [round(t, 3) for t in warmup_steps] or None,
         "warmup_first_step_s": {k: round(v, 3) for k, v in first_step.items()} or None,
-        "warmup_gc": gc_warmup, "gc": gc_clock.summary(),
-        "setup_s": round(setup_s, 3), "prewarm": warm,
+        "warmup_gc": gc_warmup, "gc": gc_clock.summary(), "setup_s": round(setup_s, 3),
         "drafter_config": drafter.cfg.to_dict(), "attention": attention,
         "world_size": dist.world, "fsdp": fsdp,
         "last_checkpoint": str(run.checkpoints()[-1]) if run.checkpoints() else None,
@@ -382,7 +352,6 @@ def _main(cfg, dist: Dist) -> dict:
     _check(tc)
     d2t, t2d, _ = tokens.load_vocab(run.require(run.vocab(), "vocab"))
     target_config = target.load_config(cfg.target)
-    info = None
     if tc.online:
         from ..capture import load_capture
         cap = load_capture(cfg, device=str(dist.device))
@@ -393,24 +362,15 @@ def _main(cfg, dist: Dist) -> dict:
             tokens.num_rows(val_path) else None
     else:
         reader = store.Reader(run, "train")
-        info = reader.info
-        layer_ids = info["layer_ids"]
-    # The model on the device first: its first forward and backward run on a thread
-    # (trainer.Prewarm) while the store's head and lengths and the target's embeddings load.
-    drafter = build_drafter(cfg, target_config, layer_ids, d2t, t2d)
-    ready = prepare(cfg, dist, drafter, info, t0)
-    if not tc.online:
-        head = reader.head()
+        layer_ids, head = reader.info["layer_ids"], reader.head()
         train_src = Source.offline(reader)
         val_src = None
         if run.shard_index("val").exists():
             vr = store.Reader(run, "val")
             val_src = Source.offline(vr) if len(vr) else None
-    warm = ready["prewarm"]
-    with warm.lock if warm is not None else contextlib.nullcontext():  # builds a meta model
-        embeddings = target.target_embeddings(cfg.target)  # from its files in both modes
-    attach_embeddings(drafter, embeddings)
+    embeddings = target.target_embeddings(cfg.target)  # from its files in both modes: the same table
+    drafter = build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings)
     with compiles_hold(cap.lock) if tc.online else contextlib.nullcontext():
-        out = fit(cfg, run, dist, drafter, train_src, val_src, head, ready)
+        out = fit(cfg, run, dist, drafter, train_src, val_src, head, t0)
     out["target"] = target.resolve(cfg.target.model)
     return out
