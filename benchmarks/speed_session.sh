@@ -62,7 +62,7 @@
 #   bash benchmarks/speed_session.sh start-e19   # the nineteenth session's lane: the GPU tests
 #   of tests/test_train.py, then 200-step trains after a cold extract with train's first step
 #   made ahead on a thread (train.prewarm) or not, alternating (w1 o1 .. w4 o4), a second cold
-#   extract, o5 w5 o6 w6
+#   extract, o5 w5 o6 w6 (run at 9afb541; train.prewarm is gone since 32027ac)
 #
 #   bash benchmarks/speed_session.sh start-f19   # its second lane, SpecForge's wheel in .whl
 #   carried (nothing staged): issue 18's table beside SpecForge in one call (SmolLM2 shape,
@@ -271,7 +271,8 @@ lane_d18() {  # the eighteenth session's second lane: the GPU tests, then 200-st
 
 lane_e19() {  # the nineteenth session: train's first step made ahead on a thread while it
   # sets up (train.prewarm): 200-step trains after a cold extract, prewarm on (w) and off (o)
-  # alternating, then a second cold extract with two more of each; the GPU tests first
+  # alternating, then a second cold extract with two more of each; the GPU tests first. Ran at
+  # 9afb541; train.prewarm was taken out after it (32027ac): the w trains no longer run
   local v t ts ind=/tmp/inductor-e19
   start_lane
   restore_answers
