@@ -526,6 +526,7 @@ def test_compile_cache_keys_do_not_depend_on_the_import_order():
     assert after == before
 
 
+@pytest.mark.slow  # two processes under TORCH_TRACE, each compiling: ~45 s on two cores
 def test_cache_keys_names_the_component_two_processes_differ_in(tmp_path):
     """benchmarks/cache_keys.py reads two processes' TORCH_TRACE and names what differs in
     Inductor's FX-graph cache key: here two compiles of one function, the second process with
