@@ -14,6 +14,10 @@ Each prints one JSON line: the first call's seconds (load included), and for loa
 output's and gradients' largest difference from uncompiled FlexAttention on the same batch. The
 SmolLM2 drafter's attention shape: 8 rows x 2,048 tokens, 9 query heads, 3 key/value heads of
 64, bf16. Needs a CUDA GPU (FlexAttention has no backward on the CPU).
+
+On the H200 with torch 2.11 (nineteenth session, BENCHMARKS.md): the save took 20.1 s (5.8 MB),
+but the loading process failed ("RuntimeError: TracingContext.get() must be called within an
+ongoing trace."): FlexAttention cannot be loaded whole there, so train traces it.
 """
 from __future__ import annotations
 
