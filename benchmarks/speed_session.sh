@@ -62,7 +62,7 @@
 #   bash benchmarks/speed_session.sh start-e19   # the nineteenth session's lane: the GPU tests
 #   of tests/test_train.py, then 200-step trains after a cold extract with train's first step
 #   made ahead on a thread (train.prewarm) or not, alternating (w1 o1 .. w4 o4), a second cold
-#   extract, o5 w5 o6 w6 (run at 9afb541; train.prewarm is gone since 32027ac)
+#   extract, o5 w5 o6 w6 (run at 9afb541; train.prewarm is gone since 32027ac: no rerun)
 #
 #   bash benchmarks/speed_session.sh start-f19   # its second lane, SpecForge's wheel in .whl
 #   carried (nothing staged): issue 18's table beside SpecForge in one call (SmolLM2 shape,
@@ -250,21 +250,10 @@ lane_c18() {  # the eighteenth session: train's pieces loaded whole (drafter/aot
 
 lane_d18() {  # the eighteenth session's second lane: the GPU tests, then 200-step trains
   # after two more cold extracts (the pieces loaded whole)
-  local v t ts ind=/tmp/inductor-d18
   start_lane
   restore_answers
   step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_train.py
-  for v in p3:s5,s6,s7 p4:s8,s9; do
-    rm -rf "$ind"
-    TORCHINDUCTOR_CACHE_DIR=$ind step "speed-aot-${v%%:*}-extract" $DRAFTER extract $CFG --force
-    keep_extract "aot-${v%%:*}"
-    ts=${v#*:}
-    for t in ${ts//,/ }; do
-      TORCHINDUCTOR_CACHE_DIR=$ind step "speed-aot-$t" $DRAFTER train $CFG train.max_steps=200 \
-        --force
-      keep_train "aot-$t"
-    done
-  done
+  trains_after_cold aot /tmp/inductor-d18 no_overrides p3:s5,s6,s7 p4:s8,s9
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane
 }
@@ -272,25 +261,39 @@ lane_d18() {  # the eighteenth session's second lane: the GPU tests, then 200-st
 lane_e19() {  # the nineteenth session: train's first step made ahead on a thread while it
   # sets up (train.prewarm): 200-step trains after a cold extract, prewarm on (w) and off (o)
   # alternating, then a second cold extract with two more of each; the GPU tests first. Ran at
-  # 9afb541; train.prewarm was taken out after it (32027ac): the w trains no longer run
-  local v t ts ind=/tmp/inductor-e19
+  # 9afb541; train.prewarm was taken out after it (32027ac), so its trains no longer run here:
+  # the config refuses the key (a rerun of its o trains: lane_d18's shape, no_overrides)
   start_lane
   restore_answers
   step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_train.py
-  for v in p1:w1,o1,w2,o2,w3,o3,w4,o4 p2:o5,w5,o6,w6; do
-    rm -rf "$ind"
-    TORCHINDUCTOR_CACHE_DIR=$ind step "speed-pw-${v%%:*}-extract" $DRAFTER extract $CFG --force
-    keep_extract "pw-${v%%:*}"
-    ts=${v#*:}
-    for t in ${ts//,/ }; do
-      TORCHINDUCTOR_CACHE_DIR=$ind step "speed-pw-$t" $DRAFTER train $CFG train.max_steps=200 \
-        "train.prewarm=$([ "${t:0:1}" = w ] && echo true || echo false)" --force
-      keep_train "pw-$t"
-    done
-  done
+  trains_after_cold pw /tmp/inductor-e19 prewarm_override p1:w1,o1,w2,o2,w3,o3,w4,o4 \
+    p2:o5,w5,o6,w6
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane
 }
+
+trains_after_cold() {  # trains_after_cold TAG IND OVERRIDES SPEC...: per SPEC "pN:t1,t2,..", a
+  # cold extract (its precompile into a fresh Inductor cache IND: speed-TAG-pN-extract), then
+  # 200-step trains t1, t2 .. reading that cache (speed-TAG-t1 ..); `OVERRIDES t` prints train
+  # t's extra config overrides
+  local tag=$1 ind=$2 over=$3 v t ts
+  shift 3
+  for v in "$@"; do
+    rm -rf "$ind"
+    TORCHINDUCTOR_CACHE_DIR=$ind step "speed-$tag-${v%%:*}-extract" $DRAFTER extract $CFG --force
+    keep_extract "$tag-${v%%:*}"
+    ts=${v#*:}
+    for t in ${ts//,/ }; do
+      # shellcheck disable=SC2046  # the overrides are words
+      TORCHINDUCTOR_CACHE_DIR=$ind step "speed-$tag-$t" $DRAFTER train $CFG train.max_steps=200 \
+        $($over "$t") --force
+      keep_train "$tag-$t"
+    done
+  done
+}
+
+no_overrides() { :; }
+prewarm_override() { [ "${1:0:1}" = w ] && echo train.prewarm=true || echo train.prewarm=false; }
 
 lane_f19() {  # the nineteenth session's second lane: issue 18's table at one commit, in one
   # call, beside SpecForge (no model, no data: random features, train_throughput.py); the

@@ -5,17 +5,15 @@ steps after the warm-up against the steady speed; steps51-100/steady: the first 
 interval after the warm-up against the steady speed (the median of the last half of the
 intervals, drafter/metrics.py throughput)."""
 import glob
-import json
 import os
+
+import derive_train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 for f in sorted(glob.glob(f"{HERE}/speed-aot-*-eighteenth-train-manifest.json")):
     t = os.path.basename(f).split("-")[2]
-    m = json.load(open(f))
-    rs = [r for r in map(json.loads, open(f.replace("manifest.json", "metrics.jsonl")))
-          if r.get("split") == "train"]
-    tok, el, n = sum(r["tokens"] for r in rs), rs[-1]["elapsed_s"], m["final_step"]
-    after = (tok - 10 * tok / n) / (el - m["warmup_s"]) / m["steady_tokens_per_s"]
+    m, rs, el, after = derive_train.load(f)
+    n = m["final_step"]
     c = m["warmup_compile"]
     saved = "loaded" if c["saved"] and all(r["result"] == "loaded" for r in c["saved"]) else "jit"
     print(f"{t:3} steps {n} {saved:6} warmup {m['warmup_s']:5.2f} step1 "

@@ -10,15 +10,13 @@ import glob
 import json
 import os
 
+import derive_train
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ORDER = ["w1", "o1", "w2", "o2", "w3", "o3", "w4", "o4", "o5", "w5", "o6", "w6"]
 for t in ORDER:
     f = f"{HERE}/speed-pw-{t}-nineteenth-train-manifest.json"
-    m = json.load(open(f))
-    rs = [r for r in map(json.loads, open(f.replace("manifest.json", "metrics.jsonl")))
-          if r.get("split") == "train"]
-    tok, el, n = sum(r["tokens"] for r in rs), rs[-1]["elapsed_s"], m["final_step"]
-    after = (tok - 10 * tok / n) / (el - m["warmup_s"]) / m["steady_tokens_per_s"]
+    m, rs, el, after = derive_train.load(f)
     pw = m["prewarm"]
     ahead = "-" if "skipped" in pw else f"{pw['seconds']:.2f}/{pw['waited_s']:.2f}"
     print(f"{t:3} setup {m['setup_s']:5.2f} ahead(s/waited) {ahead:9} warmup "
