@@ -292,6 +292,7 @@ def target_embeddings(tcfg) -> torch.Tensor:
             weight_map = {k: "model.safetensors" for k in f.keys()}
     else:
         weight_map = {}
+
     def read(name: str) -> torch.Tensor:
         file = folder / weight_map[name]
         if not file.exists():
