@@ -265,16 +265,9 @@ def load_model(tcfg, device: str | None = None, dtype=None, **kw):
     return model
 
 
-# Where nearly every decoder keeps its input embeddings: read by that name when its shape is the
-# config's (vocab, hidden), without building the model to ask it
-USUAL_EMBEDDINGS = "model.embed_tokens.weight"
-
-
 def target_embeddings(tcfg) -> torch.Tensor:
     """The target's input embeddings [V, Ht] read from its safetensors (no model load): the
-    usual tensor (USUAL_EMBEDDINGS) when its shape is the config's, else the tensor of the
-    module transformers calls the input embeddings (the model built on the meta device, which
-    imports its modeling code: 2.0 s of a train's setup on two CPU cores), else a known name."""
+    tensor of the module transformers calls the input embeddings, else a known name."""
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -292,20 +285,7 @@ def target_embeddings(tcfg) -> torch.Tensor:
             weight_map = {k: "model.safetensors" for k in f.keys()}
     else:
         weight_map = {}
-
-    def read(name: str) -> torch.Tensor:
-        file = folder / weight_map[name]
-        if not file.exists():
-            from huggingface_hub import hf_hub_download
-            file = Path(hf_hub_download(spec, weight_map[name], revision=tcfg.revision))
-        with safe_open(str(file), "pt") as f:
-            return f.get_tensor(name)
-
     config = load_config(tcfg)
-    if USUAL_EMBEDDINGS in weight_map:
-        w = read(USUAL_EMBEDDINGS)
-        if tuple(w.shape) == (vocab_size(config), hidden_size(config)):
-            return w
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=tcfg.trust_remote_code)
     emb = meta.get_input_embeddings()
@@ -316,7 +296,12 @@ def target_embeddings(tcfg) -> torch.Tensor:
     shape = tuple(emb.weight.shape)
     for name in names:
         if name in weight_map:
-            w = read(name)
+            file = folder / weight_map[name]
+            if not file.exists():
+                from huggingface_hub import hf_hub_download
+                file = Path(hf_hub_download(spec, weight_map[name], revision=tcfg.revision))
+            with safe_open(str(file), "pt") as f:
+                w = f.get_tensor(name)
             if tuple(w.shape) == shape:
                 return w
     log.info("train: embeddings not found by name in %s; loading the target to read them", spec)

@@ -152,34 +152,3 @@ def test_tokenizer_matches_llama_cpp_on_the_gguf_vocabulary(smollm2_dir):
     assert json.loads((smollm2_dir / "tokenizer.json").read_text())["pre_tokenizer"][
         "pretokenizers"][0] == {"type": "Digits", "individual_digits": True}
     assert T.MATERIALISE_VERSION >= 2  # caches of the old tokenizer are materialised again
-
-
-def test_embeddings_read_by_the_usual_name_without_building_the_model(tmp_path, monkeypatch):
-    """target_embeddings reads `model.embed_tokens.weight` when its shape is the config's (no
-    model built: building one imports its modeling code, ~2 s of train's setup here); a target
-    that keeps them under another name (GPT-2's transformer.wte) is asked through the model
-    built on the meta device. Both give the model's own input embeddings."""
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    from tests.tiny import make_tiny
-
-    llama = make_tiny("llama", tmp_path)
-    want = AutoModelForCausalLM.from_pretrained(llama).get_input_embeddings().weight
-    gpt2 = tmp_path / "gpt2"
-    torch.manual_seed(0)
-    g = AutoModelForCausalLM.from_config(transformers.GPT2Config(
-        n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32))
-    g.save_pretrained(gpt2)
-
-    def refuse(*a, **k):
-        raise AssertionError("the model was built")
-
-    with monkeypatch.context() as m:
-        m.setattr(AutoModelForCausalLM, "from_config", refuse)
-        got = T.target_embeddings(C.TargetConfig(model=str(llama)))
-        assert torch.equal(got, want.detach())
-        with pytest.raises(AssertionError, match="the model was built"):  # GPT-2: asks it
-            T.target_embeddings(C.TargetConfig(model=str(gpt2)))
-    assert torch.equal(T.target_embeddings(C.TargetConfig(model=str(gpt2))),
-                       g.get_input_embeddings().weight.detach())
