@@ -21,7 +21,6 @@ ongoing trace."): FlexAttention cannot be loaded whole there, so train traces it
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import time
@@ -31,6 +30,7 @@ import torch
 from torch.nn.attention import flex_attention as fa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from drafter.aot import _aot_enabled  # noqa: E402
 from drafter.ttt import doc_causal  # noqa: E402
 
 B, NH, NKV, T, HD = 8, 9, 3, 2048, 64
@@ -77,9 +77,7 @@ def main(mode: str, folder: Path) -> dict:
     t = time.perf_counter()
     if mode == "save":
         q, k, v, mask = batch(0)
-        cfg = torch._dynamo.config  # torch 2.11 offers aot_compile only under this flag
-        with cfg.patch(enable_aot_compile=True) if hasattr(cfg, "enable_aot_compile") \
-                else contextlib.nullcontext():
+        with _aot_enabled():  # torch 2.11 offers aot_compile only under dynamo's flag
             aot = torch.compile(attend, fullgraph=True, dynamic=False).aot_compile(
                 ((q, k, v, mask), {}))
         run(aot, q, k, v, mask)
