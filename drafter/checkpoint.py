@@ -125,6 +125,12 @@ def tokens_seen(state: dict, metrics: list[dict]) -> int:
                if r.get("split") == "train" and r.get("step", 0) <= state.get("step", 0))
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a verified checkpoint was saved at (its state.json): train's data position,
+    known before the model is built (the loader starts first)."""
+    return int(read_json(path / "state.json")["step"])
+
+
 def load_checkpoint(path: Path, d: Dist, ttt, opt, sched, fsdp: bool) -> dict:
     from safetensors.torch import load_file
 

@@ -228,6 +228,10 @@ def test_loss_falls_when_overfitting(world, tmp_path):
     assert out["final_step"] >= 10 and 0 < out["warmup_s"] < elapsed[-1]
     assert 0 <= out["warmup_data_wait_s"] < out["warmup_s"]    # waiting for batches, of it
     assert out["setup_s"] > 0                                   # fit's own, before the loop
+    # in parts, in the order they ran: the loader starts before the model is set up
+    parts = out["setup_parts_s"]
+    assert list(parts) == ["device", "plan", "loader", "model", "resume"]
+    assert min(parts.values()) >= 0 and sum(parts.values()) <= out["setup_s"] + 0.005
     steps = out["warmup_steps_s"]                               # each warm-up step, apart
     assert len(steps) == 10 and min(steps) > 0
     # (steps rounded to 1 ms, warmup_s to 10 ms: the sum may pass it by 10 x 0.5 + 5 ms)
@@ -455,6 +459,8 @@ def test_two_ranks_equal_one_rank_with_accumulation(pipe, one_rank, tmp_path, fs
     cli(["train", str(cfg)], nproc=2)
     # the process's setup before the loop (the store, the target's files, the model) timed
     assert all(Run(r).read_manifest("train")["setup_s"] > 0 for r in (one_rank, run))
+    parts = Run(run).read_manifest("train")["setup_parts_s"]  # the step's own parts first
+    assert list(parts)[:5] == ["vocab", "target_config", "store", "embeddings", "drafter"]
     m1, m2 = train_records(one_rank), train_records(run)
     assert len(m1) == len(m2) == 12
     assert [r["tokens"] for r in m1] == [r["tokens"] for r in m2]

@@ -44,16 +44,17 @@ import torch
 from .. import DrafterError, store, target, tokens
 from ..batches import Prefetch, Source, device_batch, epoch_micro_batches, grouped, \
     host_batch, host_batches, model_inputs, pack
-from ..checkpoint import best_checkpoint, load_checkpoint, prune_checkpoints, resume_from, \
-    save_checkpoint, tokens_seen
+from ..checkpoint import best_checkpoint, checkpoint_step, load_checkpoint, prune_checkpoints, \
+    resume_from, save_checkpoint, tokens_seen
 from ..config import ConfigError
 from ..dist import Dist, all_sum, close_dist, dist_env
 from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_writer, \
     throughput
 from ..model import Drafter, param_count
 from ..rundir import JsonlAppender, Run, read_jsonl
-from ..trainer import WARMUP_STEPS, GcClock, build_drafter, compile_stats, compiled_graphs, \
-    compiles_hold, device_setup, pick_attention, setup_model, sync_device, train_step
+from ..trainer import WARMUP_STEPS, GcClock, Phases, build_drafter, compile_stats, \
+    compiled_graphs, compiles_hold, device_setup, pick_attention, setup_model, sync_device, \
+    train_step
 
 log = logging.getLogger("drafter")
 
@@ -85,25 +86,28 @@ def _check(tc) -> None:
 
 
 def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
-        val_src: Source | None, head, t0: float | None = None) -> dict:
+        val_src: Source | None, head, t0: float | None = None,
+        setup: Phases | None = None) -> dict:
     """The training loop: plain PyTorch, top to bottom. Returns the manifest extras. t0: when
-    train started setting up (perf_counter; default: now): setup_s, its seconds to the loop."""
+    train started setting up (perf_counter; default: now): setup_s, its seconds to the loop;
+    setup: the caller's clock of the setup's parts (setup_parts_s), continued here."""
     t0 = time.perf_counter() if t0 is None else t0
     tc = cfg.train
     _check(tc)
     dev, cuda = dist.device, dist.device.type == "cuda"
+    setup = setup if setup is not None else Phases({}, dev)
     amp = device_setup(tc, dev)
     attention = pick_attention(tc, dev)
     fused = attention == "flex"
     K, T = tc.ttt_steps, tc.max_length
     B = tc.batch_tokens // T
     head = head.to(dev)
-
-    ttt, model, opt = setup_model(drafter, tc, dist, attention)
-    params = [p for p in ttt.parameters() if p.requires_grad]
+    setup.tick("device")  # a GPU's context, made by the first copy to it
     fsdp = tc.fsdp and dist.world > 1
 
-    # data plan
+    # data plan, and the step a resume starts at: known before the model, so that the loader
+    # builds the first batches while the model is set up (issue 18: a first step waited 0.29-0.41
+    # s for its batch on the H200)
     rows = pack(train_src.lengths, T, tc.seed)
     n_micro = math.ceil(len(rows) / B)
     per_step = dist.world * tc.grad_accum
@@ -113,29 +117,9 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                            f"{B} rows × {T} tokens, fewer than world size × grad_accum = "
                            f"{per_step}: lower train.batch_tokens or train.max_length")
     total = tc.max_steps or tc.epochs * steps_per_epoch
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, total))
-
-    # resume
-    step, metrics_path, metrics, tb, state0, seen0 = 0, run.train_metrics(), None, None, {}, 0
     ckpt = resume_from(run, tc)
-    if ckpt is not None:
-        state0 = load_checkpoint(ckpt, dist, ttt, opt, sched, fsdp)
-        step = state0["step"]
-        log.info("train: resumed from %s (step %d)", ckpt, step)
-    if dist.main:  # the metrics of steps after the checkpoint are redone
-        for pattern in (".tmp-step_*", ".old-step_*"):  # what a kill in a save or prune leaves
-            for junk in run.step_dir("train").glob(pattern):
-                shutil.rmtree(junk, ignore_errors=True)
-        kept = [r for r in read_jsonl(metrics_path, repair=True) if r.get("step", 0) <= step]
-        seen0 = tokens_seen(state0, kept) if ckpt is not None else 0  # before this run
-        atomic_json_lines(metrics_path, kept)
-        metrics = JsonlAppender(metrics_path)
-        tb = tensorboard_writer(run, step) if tc.tensorboard else None
-        log.info("train: drafter %s trainable params, H=%d, Vd=%d, K=%d, %s attention, "
-                 "%d rows/micro-batch × %d tokens, %d micro-batches/epoch, %d steps "
-                 "(%d/epoch), world %d%s", f"{param_count(drafter):,}", drafter.cfg.hidden_size,
-                 drafter.cfg.draft_vocab_size, K, attention, B, T, n_micro, total,
-                 steps_per_epoch, dist.world, " fsdp" if fsdp else "")
+    step = checkpoint_step(ckpt) if ckpt is not None else 0
+    setup.tick("plan")
 
     def jobs(from_step):  # this rank's micro-batches from a step on (the data position)
         plan = (None, None)
@@ -146,6 +130,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
             for a in range(tc.grad_accum):
                 yield plan[1][(k * tc.grad_accum + a) * dist.world + dist.rank]
 
+    # the frozen table on the CPU: TTT leaves it there, so the model's set-up does not touch it
     make = lambda g: host_batches(train_src, g, B, T, tc, drafter.embed_tokens.weight)  # noqa
     # online, the thread runs the target too: on a stream of its own on a GPU, over the samples
     # of online_group micro-batches at once (issue 18); with two groups queued, one being built
@@ -154,32 +139,63 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     feed = Prefetch(make, grouped(jobs(step), group, step * tc.grad_accum), depth=2 * group,
                     device=dev if tc.online else None,
                     threads=1 if tc.online else tc.loader_threads)
-    meter, val, last_val, last_train = Meter(K, dev), None, None, None
-    autocast = torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext()
-    first, t_start, tokens_total = step, time.perf_counter(), 0
-    setup_s = t_start - t0  # the store, the target's config and embeddings, the model, resume
-    if dist.main:
-        log.info("train: set up in %.1f s", setup_s)
-    # Time in train steps only (validation and checkpoints set aside), so that tokens_per_s,
-    # elapsed_s and warmup_s measure training: issue 18 compares the whole run with steady state.
-    aside, train_s_log, warmup_s, warmup_wait_s, rates = 0.0, 0.0, None, None, []
-    warmup_compile = None  # compile_stats() when the warm-up ends (compiled path)
-    warmup_steps = []  # each warm-up step's seconds, waited for on the device: where it goes
-    first_step = {}  # this process's first step in parts (batch, forward, backward, optimizer)
-    # seconds this thread blocked on the prefetch thread: since the last log, and in all
-    waited = [0.0, 0.0]
-    gc_clock = GcClock(freeze=tc.gc_freeze)  # Python's collections: per log interval, in all
-    gc_warmup = None
-
-    def take() -> dict:
-        t = time.perf_counter()
-        hb = feed.next()
-        dt = time.perf_counter() - t
-        waited[0] += dt
-        waited[1] += dt
-        return hb
-
+    setup.tick("loader")
+    metrics, tb, gc_clock = None, None, None
     try:
+        ttt, model, opt = setup_model(drafter, tc, dist, attention)
+        params = [p for p in ttt.parameters() if p.requires_grad]
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, total))
+        setup.tick("model")
+
+        # resume: the metrics of steps after the checkpoint are redone
+        metrics_path, state0, seen0 = run.train_metrics(), {}, 0
+        if ckpt is not None:
+            state0 = load_checkpoint(ckpt, dist, ttt, opt, sched, fsdp)
+            assert state0["step"] == step, (ckpt, state0["step"], step)
+            log.info("train: resumed from %s (step %d)", ckpt, step)
+        if dist.main:
+            for pattern in (".tmp-step_*", ".old-step_*"):  # a kill in a save or prune left it
+                for junk in run.step_dir("train").glob(pattern):
+                    shutil.rmtree(junk, ignore_errors=True)
+            kept = [r for r in read_jsonl(metrics_path, repair=True) if r.get("step", 0) <= step]
+            seen0 = tokens_seen(state0, kept) if ckpt is not None else 0  # before this run
+            atomic_json_lines(metrics_path, kept)
+            metrics = JsonlAppender(metrics_path)
+            tb = tensorboard_writer(run, step) if tc.tensorboard else None
+            log.info("train: drafter %s trainable params, H=%d, Vd=%d, K=%d, %s attention, "
+                     "%d rows/micro-batch × %d tokens, %d micro-batches/epoch, %d steps "
+                     "(%d/epoch), world %d%s", f"{param_count(drafter):,}",
+                     drafter.cfg.hidden_size, drafter.cfg.draft_vocab_size, K, attention, B, T,
+                     n_micro, total, steps_per_epoch, dist.world, " fsdp" if fsdp else "")
+        meter, val, last_val, last_train = Meter(K, dev), None, None, None
+        autocast = torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext()
+        setup.tick("resume")
+        first, t_start, tokens_total = step, time.perf_counter(), 0
+        setup_s = t_start - t0  # the store, the target's config and embeddings, the model, resume
+        setup_parts = {k: round(v, 3) for k, v in setup.into.items()}
+        if dist.main:
+            log.info("train: set up in %.1f s (%s)", setup_s,
+                     ", ".join(f"{k} {v:.2f}" for k, v in setup_parts.items()))
+        # Time in train steps only (validation and checkpoints set aside), so that tokens_per_s,
+        # elapsed_s and warmup_s measure training: issue 18 compares the whole run with steady
+        # state.
+        aside, train_s_log, warmup_s, warmup_wait_s, rates = 0.0, 0.0, None, None, []
+        warmup_compile = None  # compile_stats() when the warm-up ends (compiled path)
+        warmup_steps = []  # each warm-up step's seconds, waited for on the device: where it goes
+        first_step = {}  # this process's first step in parts (batch, forward, backward, optimizer)
+        # seconds this thread blocked on the prefetch thread: since the last log, and in all
+        waited = [0.0, 0.0]
+        gc_clock = GcClock(freeze=tc.gc_freeze)  # Python's collections: per interval, in all
+        gc_warmup = None
+
+        def take() -> dict:
+            t = time.perf_counter()
+            hb = feed.next()
+            dt = time.perf_counter() - t
+            waited[0] += dt
+            waited[1] += dt
+            return hb
+
         while step < total:
             t_step = time.perf_counter()
             micro = (device_batch(take(), dev, head, fused) for _ in range(tc.grad_accum))
@@ -260,7 +276,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                     prune_checkpoints(run, tc.keep_checkpoints)
             aside += time.perf_counter() - t_aside
     finally:
-        gc_clock.close()
+        if gc_clock is not None:
+            gc_clock.close()
         feed.close()
         if metrics:
             metrics.close()
@@ -283,6 +300,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         "warmup_steps_s": [round(t, 3) for t in warmup_steps] or None,
         "warmup_first_step_s": {k: round(v, 3) for k, v in first_step.items()} or None,
         "warmup_gc": gc_warmup, "gc": gc_clock.summary(), "setup_s": round(setup_s, 3),
+        "setup_parts_s": setup_parts,
         "drafter_config": drafter.cfg.to_dict(), "attention": attention,
         "world_size": dist.world, "fsdp": fsdp,
         "last_checkpoint": str(run.checkpoints()[-1]) if run.checkpoints() else None,
@@ -348,10 +366,13 @@ def main(cfg) -> dict:
 
 def _main(cfg, dist: Dist) -> dict:
     t0 = time.perf_counter()
+    setup = Phases({}, dist.device)  # where the setup goes: setup_parts_s
     run, tc = Run.of(cfg), cfg.train
     _check(tc)
     d2t, t2d, _ = tokens.load_vocab(run.require(run.vocab(), "vocab"))
+    setup.tick("vocab")
     target_config = target.load_config(cfg.target)
+    setup.tick("target_config")
     if tc.online:
         from ..capture import load_capture
         cap = load_capture(cfg, device=str(dist.device))
@@ -368,9 +389,12 @@ def _main(cfg, dist: Dist) -> dict:
         if run.shard_index("val").exists():
             vr = store.Reader(run, "val")
             val_src = Source.offline(vr) if len(vr) else None
+    setup.tick("capture" if tc.online else "store")
     embeddings = target.target_embeddings(cfg.target)  # from its files in both modes: the same table
+    setup.tick("embeddings")
     drafter = build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings)
+    setup.tick("drafter")
     with compiles_hold(cap.lock) if tc.online else contextlib.nullcontext():
-        out = fit(cfg, run, dist, drafter, train_src, val_src, head, t0)
+        out = fit(cfg, run, dist, drafter, train_src, val_src, head, t0, setup)
     out["target"] = target.resolve(cfg.target.model)
     return out
