@@ -68,6 +68,10 @@
 #   carried (nothing staged): issue 18's table beside SpecForge in one call (SmolLM2 shape,
 #   Llama-8B at 2,048 and 4,096, top-k and hidden teachers)
 #
+#   bash benchmarks/speed_session.sh start-g20   # the twentieth session's lane: train's loader
+#   started before the model, against the tree before it (.carry_d), 200-step trains after one
+#   cold extract; a profiled 10-step train; the GPU tests of tests/test_train.py
+#
 #   bash benchmarks/speed_session.sh start-pre   # the fifteenth session's lane: precompiling
 #   1 the GPU tests of tests/test_model.py and tests/test_train.py (a train after `drafter
 #     precompile` finds every graph in Inductor's cache; extract's precompile beside the target)
@@ -306,6 +310,47 @@ lane_f19() {  # the nineteenth session's second lane: issue 18's table at one co
   done
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane
+}
+
+lane_g20() {  # the twentieth session: train's loader started before the model is set up (n),
+  # against the tree before it (o: 076190b, unpacked from .carry_d by old_tree, first on
+  # PYTHONPATH), 200-step trains alternating after one cold extract; then a 10-step train (n)
+  # under cProfile (its setup and first step); the GPU tests last
+  local t
+  start_lane
+  restore_answers
+  old_tree
+  rm -rf /tmp/inductor-g20
+  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-g20 step speed-ld-p1-extract $DRAFTER extract $CFG --force
+  keep_extract ld-p1
+  for t in o1 n1 o2 n2 o3 n3 o4 n4 o5 n5; do
+    # shellcheck disable=SC2046  # the tree's command is words
+    TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-g20 step "speed-ld-$t" $(tree_for "$t") train $CFG \
+      train.max_steps=200 --force
+    keep_train "ld-$t"
+  done
+  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-g20 step prof-first $PY -m cProfile \
+    -o "$RES/prof-first.out" -m drafter.cli train $CFG train.max_steps=10 train.eval_every=0 \
+    --force
+  pstats_text prof-first
+  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_train.py
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
+  mark lane
+}
+
+old_tree() {  # the tree before this session's change, for A/B trains: .carry_d/old-drafter.tar.gz
+  # (here: git archive 076190b drafter | gzip) unpacked into /tmp/old
+  [ -n "${CHECK:-}" ] && return
+  rm -rf /tmp/old && mkdir -p /tmp/old && tar -xzf .carry_d/old-drafter.tar.gz -C /tmp/old \
+    && log "old tree: $(ls /tmp/old/drafter | wc -l) entries"
+}
+
+tree_for() {  # tree_for TRAIN: the drafter command for train TRAIN: o.. the old tree, else this
+  if [ "${1:0:1}" = o ]; then
+    echo "env PYTHONPATH=/tmp/old:$PYTHONPATH $PY -m drafter.cli"
+  else
+    echo "$DRAFTER"
+  fi
 }
 
 bytecode_state() {  # whether this machine's processes write bytecode now, and how much there is
