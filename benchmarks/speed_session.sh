@@ -72,6 +72,9 @@
 #   started before the model, against the tree before it (.carry_d), 200-step trains after one
 #   cold extract; a profiled 10-step train; the GPU tests of tests/test_train.py
 #
+#   bash benchmarks/speed_session.sh start-h20   # its second lane: the image's bytecode compiled
+#   first, then the A/B lane g20 meant (the tree before the change run with python -P)
+#
 #   bash benchmarks/speed_session.sh start-pre   # the fifteenth session's lane: precompiling
 #   1 the GPU tests of tests/test_model.py and tests/test_train.py (a train after `drafter
 #     precompile` finds every graph in Inductor's cache; extract's precompile beside the target)
@@ -313,9 +316,10 @@ lane_f19() {  # the nineteenth session's second lane: issue 18's table at one co
 }
 
 lane_g20() {  # the twentieth session: train's loader started before the model is set up (n),
-  # against the tree before it (o: 076190b, unpacked from .carry_d by old_tree, first on
-  # PYTHONPATH), 200-step trains alternating after one cold extract; then a 10-step train (n)
-  # under cProfile (its setup and first step); the GPU tests last
+  # meant against the tree before it (o), 200-step trains alternating after one cold extract;
+  # then a 10-step train under cProfile (its setup and first step); the GPU tests last. As run
+  # (b99a820), its o trains ran this tree too: `python -m` put the working directory ahead of
+  # PYTHONPATH (tree_for now runs python -P; lane_h20 is the A/B)
   local t
   start_lane
   restore_answers
@@ -338,16 +342,48 @@ lane_g20() {  # the twentieth session: train's loader started before the model i
   mark lane
 }
 
+lane_h20() {  # the twentieth session's second lane: the image's packages compiled to bytecode
+  # first (bytecode_all: as pip does on install), then after one cold extract 200-step trains
+  # alternating this tree (n) and the tree before it (o, old_tree), n first
+  local t
+  start_lane
+  restore_answers
+  old_tree
+  bytecode_all
+  rm -rf /tmp/inductor-h20
+  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-h20 step speed-ab-p1-extract $DRAFTER extract $CFG --force
+  keep_extract ab-p1
+  for t in n1 o1 n2 o2 n3 o3 n4 o4 n5 o5; do
+    # shellcheck disable=SC2046  # the tree's command is words
+    TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-h20 step "speed-ab-$t" $(tree_for "$t") train $CFG \
+      train.max_steps=200 --force
+    keep_train "ab-$t"
+  done
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
+  mark lane
+}
+
+bytecode_all() {  # the image's site-packages compiled to bytecode under PYTHONPYCACHEPREFIX (the
+  # image ships none: gpu_env.sh), as `pip install` leaves an ordinary install: otherwise the
+  # first process to import a module pays its compile (a lane's first train after extract)
+  local site
+  site=$($PY -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+  step bytecode-all timeout 240 $PY -m compileall -q -j 16 "$site"
+  bytecode_state
+}
+
 old_tree() {  # the tree before this session's change, for A/B trains: .carry_d/old-drafter.tar.gz
   # (here: git archive 076190b drafter | gzip) unpacked into /tmp/old
   [ -n "${CHECK:-}" ] && return
   rm -rf /tmp/old && mkdir -p /tmp/old && tar -xzf .carry_d/old-drafter.tar.gz -C /tmp/old \
-    && log "old tree: $(ls /tmp/old/drafter | wc -l) entries"
+    && log "old tree: $(ls /tmp/old/drafter | wc -l) entries, $(env PYTHONPATH="/tmp/old:$PYTHONPATH" \
+    $PY -P -c 'import drafter; print(drafter.__file__)')"
 }
 
 tree_for() {  # tree_for TRAIN: the drafter command for train TRAIN: o.. the old tree, else this
+  # one (python -P: the working directory, this tree, not ahead of PYTHONPATH)
   if [ "${1:0:1}" = o ]; then
-    echo "env PYTHONPATH=/tmp/old:$PYTHONPATH $PY -m drafter.cli"
+    echo "env PYTHONPATH=/tmp/old:$PYTHONPATH $PY -P -m drafter.cli"
   else
     echo "$DRAFTER"
   fi
