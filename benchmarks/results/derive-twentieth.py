@@ -2,7 +2,7 @@
     python3 benchmarks/results/derive-twentieth.py
 Lane g20: ten 200-step trains t1..t10 in run order after one cold extract, all on this tree's
 loader-first train (its "o" trains ran this tree too: see speed_session.sh lane_g20). Lane h20,
-when its files are here: n1..n5 this tree, o1..o5 the tree before it (076190b), alternating, n1
+when its files are here: n1..n4 this tree, o1..o4 the tree before it (076190b), alternating, n1
 first. Columns as derive-nineteenth.py (derive_train.load); setup in parts (setup_parts_s: the
 tree before it has none) and the first step's batch and forward (warmup_first_step_s)."""
 import glob
@@ -37,7 +37,7 @@ def summary(label: str, r: list[float]) -> None:
 g = [row(f"t{i}", f"{HERE}/speed-ld-t{i}-twentieth-train-manifest.json") for i in range(1, 11)]
 summary("lane g20 (this tree)", g)
 summary("lane g20 after its first train", g[1:])
-order = [f"{p}{i}" for i in range(1, 6) for p in "no"]
+order = [f"{p}{i}" for i in range(1, 5) for p in "no"]
 files = {t: f"{HERE}/speed-ab-{t}-twentieth-train-manifest.json" for t in order}
 if all(os.path.exists(f) for f in files.values()):
     ab = {t: row(t, files[t]) for t in order}
