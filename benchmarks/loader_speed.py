@@ -98,11 +98,14 @@ def parts_of_one_build(src, rows, B, T, tc, emb) -> dict:
     return {"read": t1 - t0, "collate": t2 - t1, "align": t3 - t2, "embed": t4 - t3}
 
 
-def rate(src, mbs, B, T, tc, emb, threads: int, warm: int) -> tuple[float, float]:
-    """(batches/s, tokens/s) of a Prefetch with `threads` builders, drained as fast as it goes,
-    after `warm` untimed batches (a GPU host's pinned-memory cache fills with the first ones)."""
+def rate(src, mbs, B, T, tc, emb, threads: int, warm: int,
+         intra_op: int = 1) -> tuple[float, float]:
+    """(batches/s, tokens/s) of a Prefetch with `threads` builders, their ops on `intra_op`
+    intra-op threads each (0: torch's default), drained as fast as it goes, after `warm` untimed
+    batches (a GPU host's pinned-memory cache fills with the first ones)."""
     feed = batches.Prefetch(lambda job: batches.host_batches(src, job, B, T, tc, emb),
-                            ([m] for m in mbs), depth=2 * threads, threads=threads)
+                            ([m] for m in mbs), depth=2 * threads, threads=threads,
+                            intra_op=intra_op)
     tokens = 0
     try:
         for _ in range(warm):
@@ -114,6 +117,33 @@ def rate(src, mbs, B, T, tc, emb, threads: int, warm: int) -> tuple[float, float
         feed.close()
     dt = time.perf_counter() - t
     return (len(mbs) - warm) / dt, tokens / dt
+
+
+def host_step(ops: int, x: torch.Tensor) -> float:
+    """A stand-in for train's host-bound step on the main thread: `ops` tiny torch ops (the
+    dispatcher and Python, as launching kernels is). Returns its seconds."""
+    t = time.perf_counter()
+    for _ in range(ops):
+        x.add_(1.0)
+    return time.perf_counter() - t
+
+
+def contention(src, mbs, B, T, tc, emb, threads: int, intra_op: int, ops: int) -> float:
+    """The main thread's host step (host_step) in ms, one per batch taken, while `threads`
+    builders keep the queue full (train's loop): what building batches costs the step that
+    waits on no batch."""
+    x = torch.zeros(16)
+    feed = batches.Prefetch(lambda job: batches.host_batches(src, job, B, T, tc, emb),
+                            ([m] for m in mbs), depth=2, threads=threads, intra_op=intra_op)
+    spent = []
+    try:
+        feed.next()
+        for _ in mbs[1:]:
+            spent.append(host_step(ops, x))
+            feed.next()
+    finally:
+        feed.close()
+    return 1e3 * sorted(spent)[len(spent) // 2]
 
 
 def main(argv=None) -> None:
@@ -129,6 +159,12 @@ def main(argv=None) -> None:
                    help="of them, untimed first (the H200 runs of the ninth session: 0)")
     p.add_argument("--threads", default="1,4", help="builder threads to time, comma-separated")
     p.add_argument("--dir", help="keep the store here (default: a temporary folder)")
+    p.add_argument("--intra-op", default="1",
+                   help="builder threads' intra-op threads to time, comma-separated (0: torch's "
+                        "default, as train ran before; 1: as train runs)")
+    p.add_argument("--contend", type=int, default=0, metavar="OPS",
+                   help="also time a main-thread step of OPS tiny torch ops, alone and while "
+                        "the builders run (the GIL and the cores they share with train's step)")
     p.add_argument("--decoded", action="store_true",
                    help="also time samples decoded on the host (the path before)")
     a = p.parse_args(argv)
@@ -158,9 +194,19 @@ def main(argv=None) -> None:
             print(f"{name} samples, one build, mean of 5: " + ", ".join(
                 f"{k} {1e3 * sum(d[k] for d in parts) / len(parts):.1f} ms" for k in parts[0]))
             for n in [int(x) for x in a.threads.split(",")]:
-                bps, tps = rate(s, mbs, B, T, tc, emb, n, a.warm)
-                print(f"{name} samples, threads {n}: {bps:.2f} micro-batches/s, "
-                      f"{tps:,.0f} tokens/s")
+                for io in [int(x) for x in a.intra_op.split(",")]:
+                    bps, tps = rate(s, mbs, B, T, tc, emb, n, a.warm, io)
+                    print(f"{name} samples, threads {n}, intra-op {io or 'default'}: "
+                          f"{bps:.2f} micro-batches/s, {tps:,.0f} tokens/s")
+        if a.contend:
+            x = torch.zeros(16)
+            alone = sorted(host_step(a.contend, x) for _ in range(len(mbs)))[len(mbs) // 2]
+            print(f"main-thread step of {a.contend} ops, alone: {1e3 * alone:.1f} ms (median)")
+            for n in [int(x) for x in a.threads.split(",")]:
+                for io in [int(x) for x in a.intra_op.split(",")]:
+                    ms = contention(src, mbs, B, T, tc, emb, n, io, a.contend)
+                    print(f"main-thread step while threads {n}, intra-op {io or 'default'} "
+                          f"build: {ms:.1f} ms (median, {ms / (1e3 * alone):.2f}x alone)")
 
 
 if __name__ == "__main__":

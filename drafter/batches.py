@@ -265,15 +265,26 @@ class Prefetch:
     batch and marks its tensors as in use there (the allocator then keeps them until that
     stream is done). Without, `threads` threads build host batches (pinned) for the main thread,
     each a job at a time, handed over in the jobs' order (offline training: one thread fell
-    behind an H200's step, issue 18)."""
+    behind an H200's step, issue 18), their torch ops on `intra_op` intra-op threads each (0:
+    torch's default, one per core): a building thread's ops otherwise start a team of threads
+    per core, which take the cores the training step's own host work needs (issue 18, H200, 16
+    cores, benchmarks/loader_speed.py --contend: a main-thread stand-in for the step ran 1.18x
+    slower while 4 default threads built, 0.92x with one intra-op thread each, which built as
+    fast: 27.2 batches/s against 25.4)."""
 
-    def __init__(self, make, jobs, depth: int = 2, device=None, threads: int = 1):
+    def __init__(self, make, jobs, depth: int = 2, device=None, threads: int = 1,
+                 intra_op: int = 1):
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.stop, self.device = False, device
         stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" \
             else None
         if stream is not None and threads != 1:
             raise ValueError("Prefetch: one thread runs the target (online)")
+
+        def own_threads():  # this thread's count; threads running keep theirs (a thread
+            # started later takes the count set last, by any thread)
+            if stream is None and intra_op:
+                torch.set_num_threads(intra_op)
 
         def build(job):
             if stream is None:
@@ -288,7 +299,8 @@ class Prefetch:
             if threads == 1:
                 yield from map(build, jobs)
                 return
-            pool = ThreadPoolExecutor(threads, thread_name_prefix="train-build")
+            pool = ThreadPoolExecutor(threads, thread_name_prefix="train-build",
+                                      initializer=own_threads)
             try:
                 pending: collections.deque = collections.deque()
                 for job in jobs:
@@ -303,6 +315,7 @@ class Prefetch:
         def loop():
             if stream is not None:
                 torch.cuda.set_device(device)
+            own_threads()  # the one that builds when threads == 1
             try:
                 for items, done in built():
                     for item in items:

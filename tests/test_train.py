@@ -207,6 +207,27 @@ def test_prefetch_threads_hand_batches_over_in_order():
     assert not endless.thread.is_alive()
 
 
+def test_prefetch_builders_keep_to_one_intra_op_thread():
+    """Host builders run their torch ops on one intra-op thread each (a team per core in each
+    took the cores the step needs: issue 18); the main thread's count is left as it was; 0
+    leaves what a new thread gets (torch's count set last)."""
+    before = torch.get_num_threads()  # one: this module runs under the one_thread fixture
+    torch.set_num_threads(2)
+    try:
+        for threads in (1, 3):
+            feed = batches.Prefetch(lambda j: [torch.get_num_threads()], iter(range(6)),
+                                    threads=threads)
+            assert [feed.next() for _ in range(6)] == [1] * 6
+            feed.close()
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(2)  # what a new thread takes: the count set last, by any thread
+        feed = batches.Prefetch(lambda j: [torch.get_num_threads()], iter(range(2)), intra_op=0)
+        assert [feed.next() for _ in range(2)] == [2] * 2
+        feed.close()
+    finally:
+        torch.set_num_threads(before)
+
+
 # --------------------------------------------------------------------------------- learning
 def test_loss_falls_when_overfitting(world, tmp_path):
     cfg = cfg_for(world, tmp_path, "train.epochs=40", "train.save_every=60")
