@@ -75,6 +75,9 @@
 #   bash benchmarks/speed_session.sh start-h20   # its second lane: the image's bytecode compiled
 #   first, then the A/B lane g20 meant (the tree before the change run with python -P)
 #
+#   bash benchmarks/speed_session.sh start-i21   # not yet run: the batch builders on one
+#   intra-op thread (88dd702) against the tree before (a084507 in .carry_d)
+#
 #   bash benchmarks/speed_session.sh start-pre   # the fifteenth session's lane: precompiling
 #   1 the GPU tests of tests/test_model.py and tests/test_train.py (a train after `drafter
 #     precompile` finds every graph in Inductor's cache; extract's precompile beside the target)
@@ -320,19 +323,10 @@ lane_g20() {  # the twentieth session: train's loader started before the model i
   # then a 10-step train under cProfile (its setup and first step); the GPU tests last. As run
   # (b99a820), its o trains ran this tree too: `python -m` put the working directory ahead of
   # PYTHONPATH (tree_for now runs python -P; lane_h20 is the A/B)
-  local t
   start_lane
   restore_answers
   old_tree
-  rm -rf /tmp/inductor-g20
-  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-g20 step speed-ld-p1-extract $DRAFTER extract $CFG --force
-  keep_extract ld-p1
-  for t in o1 n1 o2 n2 o3 n3 o4 n4 o5 n5; do
-    # shellcheck disable=SC2046  # the tree's command is words
-    TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-g20 step "speed-ld-$t" $(tree_for "$t") train $CFG \
-      train.max_steps=200 --force
-    keep_train "ld-$t"
-  done
+  trains_ab ld /tmp/inductor-g20 o1 n1 o2 n2 o3 n3 o4 n4 o5 n5
   TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-g20 step prof-first $PY -m cProfile \
     -o "$RES/prof-first.out" -m drafter.cli train $CFG train.max_steps=10 train.eval_every=0 \
     --force
@@ -345,22 +339,41 @@ lane_g20() {  # the twentieth session: train's loader started before the model i
 lane_h20() {  # the twentieth session's second lane: the image's packages compiled to bytecode
   # first (bytecode_all: as pip does on install), then after one cold extract 200-step trains
   # alternating this tree (n) and the tree before it (o, old_tree), n first
-  local t
   start_lane
   restore_answers
   old_tree
   bytecode_all
-  rm -rf /tmp/inductor-h20
-  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-h20 step speed-ab-p1-extract $DRAFTER extract $CFG --force
-  keep_extract ab-p1
-  for t in n1 o1 n2 o2 n3 o3 n4 o4; do
-    # shellcheck disable=SC2046  # the tree's command is words
-    TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-h20 step "speed-ab-$t" $(tree_for "$t") train $CFG \
-      train.max_steps=200 --force
-    keep_train "ab-$t"
-  done
+  trains_ab ab /tmp/inductor-h20 n1 o1 n2 o2 n3 o3 n4 o4
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane
+}
+
+lane_i21() {  # not yet run (the twentieth session's device time ran out): the batch builders on
+  # one intra-op thread each (88dd702 on, n) against the tree before it (o: .carry_d from
+  # `git archive a084507 drafter | gzip`), ten 200-step trains after one cold extract
+  start_lane
+  restore_answers
+  old_tree
+  bytecode_all
+  trains_ab io /tmp/inductor-i21 n1 o1 n2 o2 n3 o3 n4 o4 n5 o5
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
+  mark lane
+}
+
+trains_ab() {  # trains_ab TAG IND TRAIN...: a cold extract, its precompile into a fresh Inductor
+  # cache IND (speed-TAG-p1-extract), then a 200-step train per TRAIN reading that cache, on
+  # the tree tree_for picks (o..: the tree before, else this one): speed-TAG-TRAIN
+  local tag=$1 ind=$2 t
+  shift 2
+  rm -rf "$ind"
+  TORCHINDUCTOR_CACHE_DIR=$ind step "speed-$tag-p1-extract" $DRAFTER extract $CFG --force
+  keep_extract "$tag-p1"
+  for t in "$@"; do
+    # shellcheck disable=SC2046  # the tree's command is words
+    TORCHINDUCTOR_CACHE_DIR=$ind step "speed-$tag-$t" $(tree_for "$t") train $CFG \
+      train.max_steps=200 --force
+    keep_train "$tag-$t"
+  done
 }
 
 bytecode_all() {  # the image's site-packages compiled to bytecode under PYTHONPYCACHEPREFIX (the
