@@ -102,7 +102,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     K, T = tc.ttt_steps, tc.max_length
     B = tc.batch_tokens // T
     head = head.to(dev)
-    setup.tick("device")  # a GPU's context, made by the first copy to it
+    setup.tick("device")  # the head on the device
     fsdp = tc.fsdp and dist.world > 1
 
     # data plan, and the step a resume starts at: known before the model, so that the loader
@@ -150,8 +150,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         # resume: the metrics of steps after the checkpoint are redone
         metrics_path, state0, seen0 = run.train_metrics(), {}, 0
         if ckpt is not None:
-            state0 = load_checkpoint(ckpt, dist, ttt, opt, sched, fsdp)
-            assert state0["step"] == step, (ckpt, state0["step"], step)
+            state0 = load_checkpoint(ckpt, dist, ttt, opt, sched, fsdp)  # its step: `step`
             log.info("train: resumed from %s (step %d)", ckpt, step)
         if dist.main:
             for pattern in (".tmp-step_*", ".old-step_*"):  # a kill in a save or prune left it
