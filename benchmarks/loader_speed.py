@@ -2,6 +2,7 @@
 
     python benchmarks/loader_speed.py                      # SmolLM2's shape: fp8 aux, top-k 64
     python benchmarks/loader_speed.py --teacher hidden --aux-dtype bf16 --batches 40
+    python benchmarks/loader_speed.py --intra-op 0,1 --contend 20000   # what building costs the step
 
 A real run (store-fp8, 500 steps on an H200) waited 2.4-5.6 s for batches in every 50 steps of
 ~10 s: the train step outran the thread that builds them. This writes a store of chat-like
@@ -11,7 +12,10 @@ host_batches), and reports batches/s and tokens/s, with one builder thread and w
 `train.loader_threads` of them (batches.Prefetch), and the time per part of one build (read,
 collate, align, embed). --decoded also times the samples decoded on the host (store.Reader[i]:
 bf16 aux, int64 ids, float32 log-probs), as train built its batches before the stored dtypes
-went to the device.
+went to the device. --intra-op times the builders with that many intra-op threads each (0:
+torch's default, a team per core; 1: what Prefetch sets); --contend OPS also times a stand-in for
+train's host-bound step on the main thread (OPS tiny torch ops) alone and while the builders
+keep the queue full.
 """
 from __future__ import annotations
 
