@@ -2,7 +2,7 @@
 
     python benchmarks/loader_speed.py                      # SmolLM2's shape: fp8 aux, top-k 64
     python benchmarks/loader_speed.py --teacher hidden --aux-dtype bf16 --batches 40
-    python benchmarks/loader_speed.py --intra-op 0,1 --contend 20000   # what building costs the step
+    python benchmarks/loader_speed.py --intra-op 0,1 --contend 20000  # what building costs the step
 
 A real run (store-fp8, 500 steps on an H200) waited 2.4-5.6 s for batches in every 50 steps of
 ~10 s: the train step outran the thread that builds them. This writes a store of chat-like
