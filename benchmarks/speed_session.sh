@@ -368,11 +368,26 @@ trains_ab() {  # trains_ab TAG IND TRAIN...: a cold extract, its precompile into
   rm -rf "$ind"
   TORCHINDUCTOR_CACHE_DIR=$ind step "speed-$tag-p1-extract" $DRAFTER extract $CFG --force
   keep_extract "$tag-p1"
+  triton_kernels "$ind" "after the extract"
   for t in "$@"; do
     # shellcheck disable=SC2046  # the tree's command is words
     TORCHINDUCTOR_CACHE_DIR=$ind step "speed-$tag-$t" $(tree_for "$t") train $CFG \
       train.max_steps=200 --force
     keep_train "$tag-$t"
+    triton_kernels "$ind" "after train $t"
+  done
+}
+
+triton_kernels() {  # triton_kernels IND WHEN: compiled Triton kernels in Inductor's cache IND and
+  # in Triton's own (~/.triton/cache), the merge's (drafter/ttt.py: forward, backward) by name: the
+  # first train after an extract took ~1 s longer (BENCHMARKS.md, twentieth session); if it
+  # compiles the merge that the precompile process compiled elsewhere, these counts move
+  [ -n "${CHECK:-}" ] && return
+  local d n
+  for d in "$1" "$HOME/.triton/cache"; do
+    n=$(find "$d" -name '*.cubin' 2>/dev/null | wc -l)
+    log "triton kernels $2: $n in $d, the merge's: $(find "$d" -name 'forward.json' \
+      -o -name 'backward.json' 2>/dev/null | wc -l)"
   done
 }
 
