@@ -69,8 +69,9 @@
 #   Llama-8B at 2,048 and 4,096, top-k and hidden teachers)
 #
 #   bash benchmarks/speed_session.sh start-g20   # the twentieth session's lane: train's loader
-#   started before the model, against the tree before it (.carry_d), 200-step trains after one
-#   cold extract; a profiled 10-step train; the GPU tests of tests/test_train.py
+#   started before the model, meant against the tree before it (.carry_d; as run, its o trains
+#   ran this tree: lane_g20), 200-step trains after one cold extract; a profiled 10-step train;
+#   the GPU tests of tests/test_train.py
 #
 #   bash benchmarks/speed_session.sh start-h20   # its second lane: the image's bytecode compiled
 #   first, then the A/B lane g20 meant (the tree before the change run with python -P)
@@ -263,7 +264,7 @@ lane_d18() {  # the eighteenth session's second lane: the GPU tests, then 200-st
   start_lane
   restore_answers
   step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_train.py
-  trains_after_cold aot /tmp/inductor-d18 no_overrides p3:s5,s6,s7 p4:s8,s9
+  trains_after_cold aot /tmp/inductor-d18 no_overrides this_tree p3:s5,s6,s7 p4:s8,s9
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane
 }
@@ -276,33 +277,37 @@ lane_e19() {  # the nineteenth session: train's first step made ahead on a threa
   start_lane
   restore_answers
   step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_train.py
-  trains_after_cold pw /tmp/inductor-e19 prewarm_override p1:w1,o1,w2,o2,w3,o3,w4,o4 \
+  trains_after_cold pw /tmp/inductor-e19 prewarm_override this_tree p1:w1,o1,w2,o2,w3,o3,w4,o4 \
     p2:o5,w5,o6,w6
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane
 }
 
-trains_after_cold() {  # trains_after_cold TAG IND OVERRIDES SPEC...: per SPEC "pN:t1,t2,..", a
-  # cold extract (its precompile into a fresh Inductor cache IND: speed-TAG-pN-extract), then
-  # 200-step trains t1, t2 .. reading that cache (speed-TAG-t1 ..); `OVERRIDES t` prints train
-  # t's extra config overrides
-  local tag=$1 ind=$2 over=$3 v t ts
-  shift 3
+trains_after_cold() {  # trains_after_cold TAG IND OVERRIDES TREE SPEC...: per SPEC
+  # "pN:t1,t2,..", a cold extract (its precompile into a fresh Inductor cache IND:
+  # speed-TAG-pN-extract), then 200-step trains t1, t2 .. reading that cache (speed-TAG-t1 ..);
+  # `OVERRIDES t` prints train t's extra config overrides, `TREE t` its drafter command
+  # (this_tree, or tree_for: the tree before for o..); the Triton kernels logged after each
+  local tag=$1 ind=$2 over=$3 tree=$4 v t ts
+  shift 4
   for v in "$@"; do
     rm -rf "$ind"
     TORCHINDUCTOR_CACHE_DIR=$ind step "speed-$tag-${v%%:*}-extract" $DRAFTER extract $CFG --force
     keep_extract "$tag-${v%%:*}"
+    triton_kernels "$ind" "after the extract"
     ts=${v#*:}
     for t in ${ts//,/ }; do
-      # shellcheck disable=SC2046  # the overrides are words
-      TORCHINDUCTOR_CACHE_DIR=$ind step "speed-$tag-$t" $DRAFTER train $CFG train.max_steps=200 \
-        $($over "$t") --force
+      # shellcheck disable=SC2046  # the command and the overrides are words
+      TORCHINDUCTOR_CACHE_DIR=$ind step "speed-$tag-$t" $($tree "$t") train $CFG \
+        train.max_steps=200 $($over "$t") --force
       keep_train "$tag-$t"
+      triton_kernels "$ind" "after train $t"
     done
   done
 }
 
 no_overrides() { :; }
+this_tree() { echo "$DRAFTER"; }
 prewarm_override() { [ "${1:0:1}" = w ] && echo train.prewarm=true || echo train.prewarm=false; }
 
 lane_f19() {  # the nineteenth session's second lane: issue 18's table at one commit, in one
@@ -326,7 +331,7 @@ lane_g20() {  # the twentieth session: train's loader started before the model i
   start_lane
   restore_answers
   old_tree
-  trains_ab ld /tmp/inductor-g20 o1 n1 o2 n2 o3 n3 o4 n4 o5 n5
+  trains_after_cold ld /tmp/inductor-g20 no_overrides tree_for p1:o1,n1,o2,n2,o3,n3,o4,n4,o5,n5
   TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-g20 step prof-first $PY -m cProfile \
     -o "$RES/prof-first.out" -m drafter.cli train $CFG train.max_steps=10 train.eval_every=0 \
     --force
@@ -343,7 +348,7 @@ lane_h20() {  # the twentieth session's second lane: the image's packages compil
   restore_answers
   old_tree
   bytecode_all
-  trains_ab ab /tmp/inductor-h20 n1 o1 n2 o2 n3 o3 n4 o4
+  trains_after_cold ab /tmp/inductor-h20 no_overrides tree_for p1:n1,o1,n2,o2,n3,o3,n4,o4
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane
 }
@@ -355,27 +360,9 @@ lane_i21() {  # not yet run (the twentieth session's device time ran out): the b
   restore_answers
   old_tree
   bytecode_all
-  trains_ab io /tmp/inductor-i21 n1 o1 n2 o2 n3 o3 n4 o4 n5 o5
+  trains_after_cold io /tmp/inductor-i21 no_overrides tree_for p1:n1,o1,n2,o2,n3,o3,n4,o4,n5,o5
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane
-}
-
-trains_ab() {  # trains_ab TAG IND TRAIN...: a cold extract, its precompile into a fresh Inductor
-  # cache IND (speed-TAG-p1-extract), then a 200-step train per TRAIN reading that cache, on
-  # the tree tree_for picks (o..: the tree before, else this one): speed-TAG-TRAIN
-  local tag=$1 ind=$2 t
-  shift 2
-  rm -rf "$ind"
-  TORCHINDUCTOR_CACHE_DIR=$ind step "speed-$tag-p1-extract" $DRAFTER extract $CFG --force
-  keep_extract "$tag-p1"
-  triton_kernels "$ind" "after the extract"
-  for t in "$@"; do
-    # shellcheck disable=SC2046  # the tree's command is words
-    TORCHINDUCTOR_CACHE_DIR=$ind step "speed-$tag-$t" $(tree_for "$t") train $CFG \
-      train.max_steps=200 --force
-    keep_train "$tag-$t"
-    triton_kernels "$ind" "after train $t"
-  done
 }
 
 triton_kernels() {  # triton_kernels IND WHEN: compiled Triton kernels in Inductor's cache IND and
@@ -400,12 +387,12 @@ bytecode_all() {  # the image's site-packages compiled to bytecode under PYTHONP
   bytecode_state
 }
 
-old_tree() {  # the tree before this session's change, for A/B trains: .carry_d/old-drafter.tar.gz
-  # (here: git archive 076190b drafter | gzip) unpacked into /tmp/old
+old_tree() {  # the tree before a change, for A/B trains: .carry_d/old-drafter.tar.gz (here:
+  # git archive REV drafter | gzip, REV as the lane says) unpacked into /tmp/old
   [ -n "${CHECK:-}" ] && return
   rm -rf /tmp/old && mkdir -p /tmp/old && tar -xzf .carry_d/old-drafter.tar.gz -C /tmp/old \
-    && log "old tree: $(ls /tmp/old/drafter | wc -l) entries, $(env PYTHONPATH="/tmp/old:$PYTHONPATH" \
-    $PY -P -c 'import drafter; print(drafter.__file__)')"
+    && log "old tree: $(ls /tmp/old/drafter | wc -l) entries, $(env \
+    PYTHONPATH="/tmp/old:$PYTHONPATH" $PY -P -c 'import drafter; print(drafter.__file__)')"
 }
 
 tree_for() {  # tree_for TRAIN: the drafter command for train TRAIN: o.. the old tree, else this
