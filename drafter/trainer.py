@@ -284,7 +284,8 @@ class GcClock:
 class Phases:
     """Seconds of a step's parts into `into` ({part: seconds}, summed over micro-batches), the
     device waited for at each tick; with `into` None it does nothing (steps after the first
-    run unsynced). compile_stats says which of it torch.compile took."""
+    run unsynced). compile_stats says which of it torch.compile took. Train's setup is timed
+    with one too (setup_parts_s)."""
 
     def __init__(self, into: dict | None, device):
         self.into, self.device = into, device
