@@ -591,7 +591,7 @@ def test_continuous_batching_gives_the_static_tokens(smol):
     assert dec.last["iterations"] < it_static and dec.last["row_steps"] == \
         3 * dec.last["iterations"]
     ref, V = _ref(prompts, static), model.config.vocab_size
-    # each proposer once, each tree once (all four pairs: the test took ~90 s on two cores)
+    # each proposer once, each tree once (all four pairs took ~90 s on two cores)
     for tree, P in ((TreeSpec.chain(3), RefDrafter(ref, V, "noisy")),
                     (TreeSpec(3, 2, 6), EagleDraft(_tiny_drafter(model.config)))):
         want = dec.generate(prompts, n, stop_ids=stop, proposer=P, tree=tree, tree_stats=True)
