@@ -79,6 +79,12 @@
 #   bash benchmarks/speed_session.sh start-i21   # not yet run: the batch builders on one
 #   intra-op thread (88dd702) against the tree before (a084507 in .carry_d)
 #
+#   bash benchmarks/speed_session.sh start-j21   # the twenty-first session: the merge's Triton
+#   kernels compiled into Inductor's Triton cache in every process (precompile.share_triton_cache)
+#   against the tree before (.carry_d from `git archive 5fa95f6 drafter | gzip`): three cold
+#   extracts with two 200-step trains after each, the tree before's first; the GPU tests of
+#   tests/test_train.py
+#
 #   bash benchmarks/speed_session.sh start-pre   # the fifteenth session's lane: precompiling
 #   1 the GPU tests of tests/test_model.py and tests/test_train.py (a train after `drafter
 #     precompile` finds every graph in Inductor's cache; extract's precompile beside the target)
@@ -287,12 +293,15 @@ trains_after_cold() {  # trains_after_cold TAG IND OVERRIDES TREE SPEC...: per S
   # "pN:t1,t2,..", a cold extract (its precompile into a fresh Inductor cache IND:
   # speed-TAG-pN-extract), then 200-step trains t1, t2 .. reading that cache (speed-TAG-t1 ..);
   # `OVERRIDES t` prints train t's extra config overrides, `TREE t` its drafter command
-  # (this_tree, or tree_for: the tree before for o..); the Triton kernels logged after each
+  # (this_tree, or tree_for: the tree before for o.., an extract "opN" too); the Triton kernels
+  # logged after each
   local tag=$1 ind=$2 over=$3 tree=$4 v t ts
   shift 4
   for v in "$@"; do
     rm -rf "$ind"
-    TORCHINDUCTOR_CACHE_DIR=$ind step "speed-$tag-${v%%:*}-extract" $DRAFTER extract $CFG --force
+    # shellcheck disable=SC2046  # the command is words
+    TORCHINDUCTOR_CACHE_DIR=$ind step "speed-$tag-${v%%:*}-extract" $($tree "${v%%:*}") \
+      extract $CFG --force
     keep_extract "$tag-${v%%:*}"
     triton_kernels "$ind" "after the extract"
     ts=${v#*:}
@@ -365,6 +374,23 @@ lane_i21() {  # not yet run (the twentieth session's device time ran out): the b
   mark lane
 }
 
+lane_j21() {  # the twenty-first session: the merge's Triton kernels (drafter/ttt.py) in
+  # Inductor's Triton cache in every process (precompile.share_triton_cache, n) against the tree
+  # before (o: .carry_d from `git archive 5fa95f6 drafter | gzip`, its extract's precompile child
+  # included), whose first train after an extract took ~1 s longer (twentieth session): three
+  # cold extracts, two 200-step trains after each, the tree before's first; Triton's own cache
+  # emptied first; the GPU tests of tests/test_train.py (the merge's kernels where Inductor's are)
+  start_lane
+  restore_answers
+  old_tree
+  bytecode_all
+  [ -z "${CHECK:-}" ] && rm -rf "$HOME/.triton/cache"
+  trains_after_cold tc /tmp/inductor-j21 no_overrides tree_for op1:o1,o2 p2:n1,n2 p3:n3,n4
+  step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_train.py
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
+  mark lane
+}
+
 triton_kernels() {  # triton_kernels IND WHEN: compiled Triton kernels in Inductor's cache IND and
   # in Triton's own (~/.triton/cache), the merge's (drafter/ttt.py: forward, backward) by name: the
   # first train after an extract took ~1 s longer (BENCHMARKS.md, twentieth session); if it
@@ -396,9 +422,10 @@ old_tree() {  # the tree before a change, for A/B trains: .carry_d/old-drafter.t
 }
 
 tree_for() {  # tree_for TRAIN: the drafter command for train TRAIN: o.. the old tree, else this
-  # one (python -P: the working directory, this tree, not ahead of PYTHONPATH)
+  # one (PYTHONSAFEPATH, python -P for its children too (extract's precompile): the working
+  # directory, this tree, not ahead of PYTHONPATH)
   if [ "${1:0:1}" = o ]; then
-    echo "env PYTHONPATH=/tmp/old:$PYTHONPATH $PY -P -m drafter.cli"
+    echo "env PYTHONSAFEPATH=1 PYTHONPATH=/tmp/old:$PYTHONPATH $PY -m drafter.cli"
   else
     echo "$DRAFTER"
   fi

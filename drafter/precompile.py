@@ -29,6 +29,7 @@ and validation's no-grad graphs go through torch.compile and Inductor's cache as
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -190,6 +191,25 @@ def inductor_cache_dir() -> str:
         return cache_dir()
     except (ImportError, AttributeError):  # pragma: no cover - older torch
         return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+
+
+@functools.cache
+def share_triton_cache(index: int) -> None:
+    """drafter's own Triton kernels (the merge, drafter/ttt.py) compiled into the cache Inductor
+    compiles its kernels into: TRITON_CACHE_DIR when set, else `<Inductor's cache>/triton/<device
+    index>`, which Inductor itself puts into TRITON_CACHE_DIR, for the rest of the process, once
+    it sets up a kernel in that process (not when its compile workers send the kernel back). So
+    whether the merge's first compile came before or after that depended on the process: the
+    precompile process and train each found their own cache, and the first train after an
+    extract compiled the merge again (about 1 s of its first step on the H200, issue 18).
+    Called before the merge's first launch; a TRITON_CACHE_DIR already set is left as it is."""
+    if os.environ.get("TRITON_CACHE_DIR") is not None:
+        return
+    try:
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+    except ImportError:  # pragma: no cover - older torch: Triton's own default
+        return
+    os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(index)
 
 
 # ---------------------------------------------------------------------- the parent: start, finish

@@ -695,12 +695,36 @@ def test_train_after_precompile_compiles_nothing(pipe, tmp_path):
     cfg = write_pipe_config(tmp_path / "cfg.yaml", run, pipe.shared, **TWO_RANK_STEPS)
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     cli(["precompile", str(cfg)], env=env)
+    # the merge's Triton kernels (drafter/ttt.py: forward, backward) where Inductor keeps its own
+    # (precompile.share_triton_cache), and train compiles no Triton kernel at all (a first
+    # train after an extract compiled the merge again: about 1 s on the H200)
+    kernels = Path(os.environ.get("TRITON_CACHE_DIR") or tmp_path / "inductor" / "triton")
+    compiled = {p.parent.name for p in kernels.rglob("*.json")}
+    assert {p.name for p in kernels.rglob("*.json")} >= {"forward.json", "backward.json"}
     cli(["train", str(cfg)], env=env)
+    assert {p.parent.name for p in kernels.rglob("*.json")} == compiled
     c = Run(run).read_manifest("train")["warmup_compile"]
     assert c["fx_graph_cache"]["misses"] == 0 and c["fx_graph_cache"]["hits"] >= 1, c
     assert [(r["graph"], r["result"]) for r in c["saved"]] == [
         ("pre", "loaded"), ("post", "loaded"), ("chunk_stats", "loaded")], c["saved"]
     assert not [f for f in c["frames"] if f["pass"] == "backward" and f["graph"] != "flex_attention"]
+
+
+def test_drafters_triton_kernels_share_inductors_cache(tmp_path, monkeypatch):
+    """share_triton_cache (before the merge's first launch): TRITON_CACHE_DIR, when unset, is
+    Inductor's per-device Triton cache under TORCHINDUCTOR_CACHE_DIR, in every process alike;
+    one the user set is kept."""
+    from drafter import precompile
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "ind"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    precompile.share_triton_cache.cache_clear()
+    precompile.share_triton_cache(3)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "ind" / "triton" / "3")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    precompile.share_triton_cache.cache_clear()
+    precompile.share_triton_cache(0)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    precompile.share_triton_cache.cache_clear()
 
 
 def test_prune_keeps_the_newest_and_the_best(tmp_path):
