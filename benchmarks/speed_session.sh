@@ -85,6 +85,9 @@
 #   extracts with two 200-step trains after each, the tree before's first; the GPU tests of
 #   tests/test_train.py
 #
+#   bash benchmarks/speed_session.sh start-k21   # its second lane: what `drafter run` does,
+#   five times: a cold extract, then one 200-step train (this tree)
+#
 #   bash benchmarks/speed_session.sh start-pre   # the fifteenth session's lane: precompiling
 #   1 the GPU tests of tests/test_model.py and tests/test_train.py (a train after `drafter
 #     precompile` finds every graph in Inductor's cache; extract's precompile beside the target)
@@ -387,6 +390,16 @@ lane_j21() {  # the twenty-first session: the merge's Triton kernels (drafter/tt
   [ -z "${CHECK:-}" ] && rm -rf "$HOME/.triton/cache"
   trains_after_cold tc /tmp/inductor-j21 no_overrides tree_for op1:o1,o2 p2:n1,n2 p3:n3,n4
   step gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_train.py
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
+  mark lane
+}
+
+lane_k21() {  # the twenty-first session's second lane: the train a user's `drafter run` makes,
+  # the first after a cold extract, five times on this tree (lane j21 had two)
+  start_lane
+  restore_answers
+  bytecode_all
+  trains_after_cold uc /tmp/inductor-k21 no_overrides this_tree p1:u1 p2:u2 p3:u3 p4:u4 p5:u5
   [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
   mark lane
 }
