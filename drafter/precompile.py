@@ -197,12 +197,13 @@ def inductor_cache_dir() -> str:
 def share_triton_cache(index: int) -> None:
     """drafter's own Triton kernels (the merge, drafter/ttt.py) compiled into the cache Inductor
     compiles its kernels into: TRITON_CACHE_DIR when set, else `<Inductor's cache>/triton/<device
-    index>`, which Inductor itself puts into TRITON_CACHE_DIR, for the rest of the process, once
-    it sets up a kernel in that process (not when its compile workers send the kernel back). So
-    whether the merge's first compile came before or after that depended on the process: the
-    precompile process and train each found their own cache, and the first train after an
-    extract compiled the merge again (about 1 s of its first step on the H200, issue 18).
-    Called before the merge's first launch; a TRITON_CACHE_DIR already set is left as it is."""
+    index>`, which Inductor itself puts into TRITON_CACHE_DIR, for the rest of the process, only
+    when it sets up a kernel's autotuner there. The precompile process, compiling, had it set
+    before the merge's first launch; a train loading its graphs did not, and compiled the merge
+    again into Triton's default ~/.triton/cache (about 1 s of the first step of the first train
+    after an extract on the H200; later trains found it there: issue 18, BENCHMARKS.md,
+    twenty-first session). Called before the merge's first launch; a TRITON_CACHE_DIR already
+    set is left as it is."""
     if os.environ.get("TRITON_CACHE_DIR") is not None:
         return
     try:
