@@ -339,7 +339,8 @@ lane_g20() {  # the twentieth session: train's loader started before the model i
   # meant against the tree before it (o), 200-step trains alternating after one cold extract;
   # then a 10-step train under cProfile (its setup and first step); the GPU tests last. As run
   # (b99a820), its o trains ran this tree too: `python -m` put the working directory ahead of
-  # PYTHONPATH (tree_for now runs python -P; lane_h20 is the A/B)
+  # PYTHONPATH (tree_for now sets PYTHONSAFEPATH: python -P for a process and its children;
+  # lane_h20 is the A/B)
   start_lane
   restore_answers
   old_tree

@@ -29,7 +29,6 @@ and validation's no-grad graphs go through torch.compile and Inductor's cache as
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -193,7 +192,6 @@ def inductor_cache_dir() -> str:
         return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
 
 
-@functools.cache
 def share_triton_cache(index: int) -> None:
     """drafter's own Triton kernels (the merge, drafter/ttt.py) compiled into the cache Inductor
     compiles its kernels into: TRITON_CACHE_DIR when set, else `<Inductor's cache>/triton/<device
@@ -202,8 +200,8 @@ def share_triton_cache(index: int) -> None:
     before the merge's first launch; a train loading its graphs did not, and compiled the merge
     again into Triton's default ~/.triton/cache (about 1 s of the first step of the first train
     after an extract on the H200; later trains found it there: issue 18, BENCHMARKS.md,
-    twenty-first session). Called before the merge's first launch; a TRITON_CACHE_DIR already
-    set is left as it is."""
+    twenty-first session). Set by trainer.device_setup on a GPU, in train and precompile alike;
+    a TRITON_CACHE_DIR already set is left as it is."""
     if os.environ.get("TRITON_CACHE_DIR") is not None:
         return
     try:

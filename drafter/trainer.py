@@ -150,11 +150,14 @@ def compiles_hold(lock):
 
 def device_setup(tc, device):
     """What train sets for the device before the model: TF32 matmuls on a GPU (a setting that
-    Inductor's cache keys hold: drafter/precompile.py must set it as train does). Returns the
-    autocast dtype: bfloat16 on a GPU under dtype auto, else None (float32)."""
+    Inductor's cache keys hold: drafter/precompile.py must set it as train does), and the Triton
+    cache of drafter's own kernels (precompile.share_triton_cache: the one precompile filled).
+    Returns the autocast dtype: bfloat16 on a GPU under dtype auto, else None (float32)."""
     cuda = device.type == "cuda"
     if cuda:
+        from .precompile import share_triton_cache
         torch.backends.cuda.matmul.allow_tf32 = True
+        share_triton_cache(torch.cuda.current_device() if device.index is None else device.index)
     return torch.bfloat16 if (tc.dtype == "bfloat16" or (tc.dtype == "auto" and cuda)) else None
 
 

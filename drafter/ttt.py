@@ -37,7 +37,6 @@ from torch.func import functional_call
 
 from .model import Drafter, DrafterConfig, _f32, fuse
 from .paged import triton_available
-from .precompile import share_triton_cache
 
 
 def attention_scale(cfg: DrafterConfig) -> float:
@@ -152,7 +151,6 @@ class _FusedMerge(torch.autograd.Function):
         out = torch.empty_like(o0)                       # o0's layout: see _MergeDiagonal
         lse = torch.empty(B, nh, T, dtype=torch.float32, device=q.device)
         grid, meta = _merge_launch(B, nh, nkv, T, hd)
-        share_triton_cache(q.device.index or 0)  # where precompile compiled it (its docstring)
         _merge_kernels()[0][grid](
             q, o0, lse0, kst, vst, out, lse, T, n, nh // nkv, nkv, scale,
             *q.stride(), *o0.stride(), *lse0.stride(), *kst.stride()[:4], *out.stride(),

@@ -711,20 +711,20 @@ def test_train_after_precompile_compiles_nothing(pipe, tmp_path):
 
 
 def test_drafters_triton_kernels_share_inductors_cache(tmp_path, monkeypatch):
-    """share_triton_cache (before the merge's first launch): TRITON_CACHE_DIR, when unset, is
-    Inductor's per-device Triton cache under TORCHINDUCTOR_CACHE_DIR, in every process alike;
-    one the user set is kept."""
+    """share_triton_cache (trainer.device_setup on a GPU, in train and precompile alike):
+    TRITON_CACHE_DIR, when unset, is Inductor's per-device Triton cache under
+    TORCHINDUCTOR_CACHE_DIR; one the user set is kept; the CPU's setup leaves it alone."""
     from drafter import precompile
+    from drafter.trainer import device_setup
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "ind"))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    precompile.share_triton_cache.cache_clear()
+    assert device_setup(SimpleNamespace(dtype="auto"), torch.device("cpu")) is None
+    assert "TRITON_CACHE_DIR" not in os.environ
     precompile.share_triton_cache(3)
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "ind" / "triton" / "3")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
-    precompile.share_triton_cache.cache_clear()
     precompile.share_triton_cache(0)
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
-    precompile.share_triton_cache.cache_clear()
 
 
 def test_prune_keeps_the_newest_and_the_best(tmp_path):
