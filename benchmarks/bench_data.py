@@ -61,7 +61,7 @@ def main() -> int:
     n = 2000 if args.tiny else args.n
     logging.basicConfig(level=logging.WARNING)
 
-    from drafter import config as C
+    from drafter.core import config as C
     from drafter.steps import prepare, tokenize, vocab
 
     work = Path(tempfile.mkdtemp(prefix="bench-data-"))

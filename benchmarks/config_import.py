@@ -11,7 +11,7 @@ import time
 
 import drafter.cli  # noqa: F401 - the modules train's process has before its setup
 import drafter.steps.train  # noqa: F401
-from drafter import config, target
+from drafter.core import config, target
 
 cfg = config.load(sys.argv[1] if len(sys.argv) > 1 else "configs/quickstart.yaml")
 before = set(sys.modules)

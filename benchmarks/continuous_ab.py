@@ -15,12 +15,12 @@ import torch
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from drafter.config import load
-    from drafter.decode import Decoder, EagleDraft, TreeSpec
-    from drafter.enginedir import load_drafter_dir
-    from drafter.engines import target_info
-    from drafter.sources import load_prompts
-    from drafter.target import resolve
+    from drafter.core.config import load
+    from drafter.core.target import resolve
+    from drafter.data.sources import load_prompts
+    from drafter.engine.decode import Decoder, EagleDraft, TreeSpec
+    from drafter.export.enginedir import load_drafter_dir
+    from drafter.export.engines import target_info
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", required=True)

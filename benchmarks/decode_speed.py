@@ -1,4 +1,4 @@
-"""Decode speed of drafter.decode: plain step and speculative step (evaluate's decoding).
+"""Decode speed of drafter.engine.decode: plain step and speculative step (evaluate's decoding).
 
     python benchmarks/decode_speed.py                      # SmolLM2-135M on the GPU (the goals)
     python benchmarks/decode_speed.py --tiny               # a tiny random target on CPU (smoke)
@@ -40,16 +40,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from op_count import OpCount  # noqa: E402
 
-from drafter.config import EvaluateConfig, TargetConfig  # noqa: E402
-from drafter.decode import Decoder, EagleDraft, TreeSpec, acceptance_stats  # noqa: E402
-from drafter.target import load_model  # noqa: E402
+from drafter.core.config import EvaluateConfig, TargetConfig  # noqa: E402
+from drafter.core.target import load_model  # noqa: E402
+from drafter.engine.decode import Decoder, EagleDraft, TreeSpec, acceptance_stats  # noqa: E402
 
 
 def tiny_target(out: Path) -> str:
     """A tiny random Llama with the embedded SmolLM2 tokenizer."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from drafter.target import resolve
+    from drafter.core.target import resolve
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
@@ -77,8 +77,8 @@ def random_smollm2(out: Path) -> str:
 
 
 def random_drafter(config, draft_vocab: int):
-    from drafter.model import Drafter, DrafterConfig
-    from drafter.target import default_layer_ids, num_layers
+    from drafter.core.target import default_layer_ids, num_layers
+    from drafter.train.model import Drafter, DrafterConfig
 
     torch.manual_seed(0)
     return Drafter(DrafterConfig.from_target(config, draft_vocab,
@@ -90,7 +90,7 @@ def step_parts(dec, P) -> list[tuple]:
     construction, its drafter forwards nested in it), the drafter forwards, the verification
     forward, the ancestor matrix, the acceptance, the drafter's re-read of the committed tokens,
     the commit; what none of them runs is the step's setup and bookkeeping."""
-    from drafter import decode
+    from drafter.engine import decode
 
     return [(decode, "build_tree", "tree construction (build_tree)"),
             (P, "score", "drafter forwards"), (dec.target, "forward", "verify forward"),
@@ -269,12 +269,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--top-chunks", type=int,
                     help="the tree's top-k searches in chunks of this many columns "
-                         "(drafter.tree.TOP_CHUNKS; default: its own)")
+                         "(drafter.engine.tree.TOP_CHUNKS; default: its own)")
     ap.add_argument("--no-fused-search", action="store_true",
                     help="a greedy tree's expansion by eager kernels (top_indices, log_softmax), "
-                         "not tree.fused_children's one Triton kernel (drafter.tree.FUSED_SEARCH)")
+                         "not tree.fused_children's one Triton kernel (drafter.engine.tree.FUSED_SEARCH)")
     a = ap.parse_args(argv)
-    from drafter import tree  # build_tree reads these module settings on every expansion
+    from drafter.engine import tree  # build_tree reads these module settings on every expansion
     if a.top_chunks:
         tree.TOP_CHUNKS = (a.top_chunks,)
     tree.FUSED_SEARCH = not a.no_fused_search
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
     model = load_model(TargetConfig(model=a.target))
     dev, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     if a.drafter:
-        from drafter.enginedir import load_drafter_dir
+        from drafter.export.enginedir import load_drafter_dir
 
         dr = load_drafter_dir(a.drafter, device=dev, dtype=dtype)
     else:

@@ -31,11 +31,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter import capture as C  # noqa: E402
-from drafter import store, target, tokens  # noqa: E402
-from drafter.config import ExtractConfig, TargetConfig  # noqa: E402
-from drafter.dist import all_gather, dist_env  # noqa: E402
-from drafter.rundir import Run  # noqa: E402
+from drafter.core import target
+from drafter.core.config import ExtractConfig, TargetConfig  # noqa: E402
+from drafter.core.dist import all_gather, dist_env  # noqa: E402
+from drafter.core.rundir import Run  # noqa: E402
+from drafter.data import tokens
+from drafter.features import capture as C  # noqa: E402
+from drafter.features import store  # noqa: E402
 from drafter.steps import extract  # noqa: E402
 
 OPTIONS = [("bf16", "hidden"), ("bf16", "topk"), ("fp8", "hidden"), ("fp8", "topk")]
@@ -61,7 +63,7 @@ class Ranks:
     """torchrun's ranks (or one process): barriers, max/sum over ranks, rank 0's objects."""
 
     def __init__(self, device: str):
-        self.d = dist_env(device)  # drafter.dist, as the extract step reads it
+        self.d = dist_env(device)  # drafter.core.dist, as the extract step reads it
         self.rank, self.world, self.local = self.d.rank, self.d.world, self.d.local_rank
         self.device = str(self.d.device)
 

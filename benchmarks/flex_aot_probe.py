@@ -1,5 +1,5 @@
 """Can FlexAttention's compiled graph be saved whole and loaded in another process, as train's
-layer pieces are (drafter/aot.py)? Its block mask is rebuilt every batch around a new closure
+layer pieces are (drafter/train/aot.py)? Its block mask is rebuilt every batch around a new closure
 (ttt.doc_causal over the batch's sample ids): the question is whether a loaded function's
 guards take a new closure's mask, and what its first call then costs against torch.compile's
 trace from a warm Inductor cache (0.34-0.88 s of train's first step on the H200, issue 18).
@@ -30,8 +30,8 @@ import torch
 from torch.nn.attention import flex_attention as fa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from drafter.aot import _aot_enabled  # noqa: E402
-from drafter.ttt import doc_causal  # noqa: E402
+from drafter.train.aot import _aot_enabled  # noqa: E402
+from drafter.train.ttt import doc_causal  # noqa: E402
 
 B, NH, NKV, T, HD = 8, 9, 3, 2048, 64
 

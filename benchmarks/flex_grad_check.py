@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import drafter.ttt as tt  # noqa: E402
+import drafter.train.ttt as tt  # noqa: E402
 import tests.test_model as tm  # noqa: E402
 
 

@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_speed import random_smollm2, tiny_target  # noqa: E402
 
-from drafter.config import TargetConfig  # noqa: E402
-from drafter.decode import _time_ms  # noqa: E402
-from drafter.static import StaticTarget  # noqa: E402
-from drafter.target import default_layer_ids, load_model, num_layers  # noqa: E402
+from drafter.core.config import TargetConfig  # noqa: E402
+from drafter.core.target import default_layer_ids, load_model, num_layers  # noqa: E402
+from drafter.engine.decode import _time_ms  # noqa: E402
+from drafter.engine.static import StaticTarget  # noqa: E402
 
 
 def inputs(B: int, T: int, context: int, span: int, dev):

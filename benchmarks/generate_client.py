@@ -36,11 +36,10 @@ from urllib.parse import urlsplit
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from drafter import config as C  # noqa: E402
-from drafter import serve  # noqa: E402
-from drafter.rundir import Run, atomic_json  # noqa: E402
+from drafter.core import config as C  # noqa: E402
+from drafter.core.rundir import Run, atomic_json  # noqa: E402
+from drafter.serve import servers as serve  # noqa: E402
 from drafter.steps import generate  # noqa: E402
-
 
 # --fake: an OpenAI-compatible server that answers at once (raw ASGI on uvicorn, which
 # transformers[serving] installs), so that the client is the bottleneck: its own ceiling.

@@ -1,4 +1,4 @@
-"""Throughput of the data engine (drafter.engine: generate.server.engine: local) per batch size.
+"""Throughput of the data engine (drafter.engine.generator: generate.server.engine: local) per batch size.
 
     python benchmarks/generate_throughput.py --data ../shared/data/train --prompts 10000 \
         --batches 256,512,1024,2048 --max-new 512 --json gen.json          # one H200 (issue 14)
@@ -12,7 +12,7 @@ every prompt; reported: completion tokens/s end to end (prefill, refills, the ta
 graph capture included, as the generate step counts them), the same without capture, seconds of
 prefill, decode steps, row utilisation (tokens / (steps x batch)), peak GPU memory and the KV
 pool, and how many answers equal the first batch size's (bf16 greedy: near-ties may flip with
-the batch shape). --static adds drafter.decode's static batches at the first batch size (the
+the batch shape). --static adds drafter.engine.decode's static batches at the first batch size (the
 decoder the engine replaced). --profile prints the top CUDA kernels of 16 decode steps.
 """
 from __future__ import annotations
@@ -27,11 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter.config import TargetConfig  # noqa: E402
-from drafter.decode import Decoder, stop_ids_of  # noqa: E402
-from drafter.engine import Engine  # noqa: E402
-from drafter.sources import load_prompts  # noqa: E402
-from drafter.target import load_model, load_tokenizer  # noqa: E402
+from drafter.core.config import TargetConfig  # noqa: E402
+from drafter.core.target import load_model, load_tokenizer  # noqa: E402
+from drafter.data.sources import load_prompts  # noqa: E402
+from drafter.engine.decode import Decoder, stop_ids_of  # noqa: E402
+from drafter.engine.generator import Engine  # noqa: E402
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "drafter" / "data" / "quickstart_prompts.jsonl"
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".gz")
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     if a.all_gpus and torch.cuda.device_count() > 1:
-        from drafter.engine import LocalGenerator
+        from drafter.engine.generator import LocalGenerator
 
         gen = LocalGenerator(TargetConfig(model=a.target, dtype=a.dtype, device="auto"),
                              batch_size=batches[0])

@@ -31,10 +31,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from drafter import batches, store  # noqa: E402
-from drafter.capture import Head  # noqa: E402
-from drafter.rundir import Run  # noqa: E402
 from train_throughput import chat_lengths, prompt_lengths  # noqa: E402
+
+from drafter.core.rundir import Run  # noqa: E402
+from drafter.features import store
+from drafter.features.capture import Head  # noqa: E402
+from drafter.train import batches  # noqa: E402
 
 SHAPES = {"smollm2": (576, 49152, 32000), "llama8b": (4096, 128256, 32000)}  # Ht, V, Vd
 

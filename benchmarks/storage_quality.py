@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter import config as C  # noqa: E402
-from drafter import pipeline  # noqa: E402
-from drafter.rundir import Run  # noqa: E402
+from drafter.core import config as C  # noqa: E402
+from drafter.core.rundir import Run  # noqa: E402
+from drafter.run import pipeline  # noqa: E402
 
 OPTIONS = [("bf16", "hidden"), ("bf16", "topk"), ("fp8", "hidden"), ("fp8", "topk")]
 UPSTREAM = ["prepare", "generate", "tokenize", "vocab"]
@@ -31,8 +31,8 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 def tiny_config(out: Path) -> tuple[Path, list[str]]:
     """A tiny random Llama with the SmolLM2 tokenizer on ShareGPT answers (no generation)."""
+    from drafter.core.target import resolve
     from tests.tiny import make_tiny
-    from drafter.target import resolve
 
     model = make_tiny("llama", out, tokenizer_dir=Path(resolve("builtin:smollm2-135m-instruct")))
     data = SHARED / "train" / "sharegpt_dummy_conversation.json"

@@ -5,8 +5,8 @@ diverse they are against the shared prompt pools (issue 14 B).
         --out runs/synthetic-100k.jsonl.gz --json syn.json --compare ../shared/data/train   # H200
     python benchmarks/synthetic_prompts.py --count 40 --batch 8 --max-tokens 48      # CPU smoke
 
-The same pieces as the generate step's synthetic source (drafter.synthetic: PreQuery,
-PromptFilter; drafter.engine.LocalGenerator): the chat template up to the start of a user turn,
+The same pieces as the generate step's synthetic source (drafter.data.synthetic: PreQuery,
+PromptFilter; drafter.engine.generator.LocalGenerator): the chat template up to the start of a user turn,
 sampled at --temperature, each sample filtered (empty, truncated, length, non-text, markup, exact
 and near duplicates), in rounds until --count are kept. Reported: seconds, kept prompts per
 second, samples, rejections by reason, tokens written; then diversity (distinct 1-3-gram ratios,
@@ -28,15 +28,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter.config import TargetConfig  # noqa: E402
-from drafter.engine import LocalGenerator  # noqa: E402
-from drafter.synthetic import PreQuery, PromptFilter, diversity  # noqa: E402
+from drafter.core.config import TargetConfig  # noqa: E402
+from drafter.data.synthetic import PreQuery, PromptFilter, diversity  # noqa: E402
+from drafter.engine.generator import LocalGenerator  # noqa: E402
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".gz")
 
 
 def pool_prompts(data: Path) -> list[str]:
-    from drafter.sources import load_prompts
+    from drafter.data.sources import load_prompts
 
     files = sorted(p for p in data.iterdir() if p.name.endswith(DATA_SUFFIXES)) \
         if data.is_dir() else [data]

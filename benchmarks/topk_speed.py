@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter.decode import _time_ms  # noqa: E402
-from drafter.tree import chunk_width, fused_children, greedy_children, top_indices  # noqa: E402
+from drafter.engine.decode import _time_ms  # noqa: E402
+from drafter.engine.tree import chunk_width, fused_children, greedy_children, top_indices  # noqa: E402
 
 
 def two_stage(x: torch.Tensor, k: int, chunk: int) -> torch.Tensor:

@@ -13,8 +13,8 @@ Shapes (issue 6), TTT 7 steps, one sample per row unless --data or --real:
     llama8b  (b) H = Ht = 4096, 32 / 8 heads of 128, I 14336, V 128256, Vd 32000, batch 1 × 2048
     tiny     H = Ht = 64, 4 / 2 heads of 16, I 128, V 1024, Vd 512, batch 2 × 128, TTT 3
 
-One timed step is exactly drafter train's (drafter/trainer.py; batches from
-drafter/batches.py): the host batch (pinned, built once: collate, align, embedding lookup on the
+One timed step is exactly drafter train's (drafter/train/trainer.py; batches from
+drafter/train/batches.py): the host batch (pinned, built once: collate, align, embedding lookup on the
 CPU) goes to the device, the teacher is formed (`--teacher topk`: k=64 draft-vocab log-probs as
 stored, never densified; `hidden`: the final hidden state through the draft-vocab head into dense
 log-probs), then `train_step`: TTT forward + fused loss, backward, gradient scaling, clip, fused
@@ -34,7 +34,7 @@ the loop never waits on the GPU. As train does, both modes freeze what is alive 
 garbage collections after the warm-up (--real: after the first step; train.gc_freeze,
 trainer.GcClock); each result holds `gc_s`, the collections' seconds in the timed steps.
 --online trains the same way with the target in the loop
-(drafter/capture.py on the prefetch thread, nothing stored) after the offline run, and prints the
+(drafter/features/capture.py on the prefetch thread, nothing stored) after the offline run, and prints the
 ratio (goal >= 0.7x offline for SmolLM2): `--target random` (default) is a SmolLM2-135M-shaped
 Llama with random weights (its lm_head rows outside the draft vocab zeroed, so that nearly every
 position is in the vocab, as the synthetic offline rows are), or any target spec
@@ -82,13 +82,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import specforge_anchor  # noqa: E402
 from op_count import OpCount  # noqa: E402
 
-from drafter import batches, trainer  # noqa: E402
-from drafter import ttt as ttt_mod  # noqa: E402
-from drafter import config as C  # noqa: E402
-from drafter.capture import Head  # noqa: E402
-from drafter.dist import close_dist, dist_env  # noqa: E402
-from drafter.metrics import throughput  # noqa: E402
-from drafter.model import Drafter, DrafterConfig, param_count  # noqa: E402
+from drafter.core import config as C  # noqa: E402
+from drafter.core.dist import close_dist, dist_env  # noqa: E402
+from drafter.features.capture import Head  # noqa: E402
+from drafter.train import (
+    batches,  # noqa: E402
+    trainer,
+)
+from drafter.train import ttt as ttt_mod  # noqa: E402
+from drafter.train.metrics import throughput  # noqa: E402
+from drafter.train.model import Drafter, DrafterConfig, param_count  # noqa: E402
 
 SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
@@ -141,7 +144,7 @@ def shape_config(name: str, args, layer_ids: list[int] | None = None):
 
 def setup(c: DrafterConfig, B: int, T: int, K: int, args, dist, attention: str) -> dict:
     """The drafter, a random draft-vocab head, and the model and optimizer as train sets them
-    up (drafter/trainer.py)."""
+    up (drafter/train/trainer.py)."""
     cuda = dist.device.type == "cuda"
     cfg = C.load(None, [f"train.ttt_steps={K}", f"train.max_length={T}",
                         f"train.batch_tokens={B * T}", f"train.attention={attention}",
@@ -201,8 +204,8 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
     S = setup(c, B, T, K, args, dist, attention)
     tc, cuda, fused, drafter, head = S["tc"], S["cuda"], S["fused"], S["drafter"], S["head"]
     if args.data:  # real rows, through the prefetch thread as in training
-        from drafter import store
-        from drafter.rundir import Run
+        from drafter.core.rundir import Run
+        from drafter.features import store
         src = batches.Source.offline(store.Reader(Run(args.data), "train"))
         rows = batches.pack(src.lengths, T, 0)
         mbs = batches.epoch_micro_batches(rows, B, 0, 0)
@@ -227,7 +230,7 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
 
     check = None
     if fused and not args.no_check:  # the fast path against the exact one, same batch, no grad
-        from drafter.ttt import TTT
+        from drafter.train.ttt import TTT
         hb = next_host()
         with torch.no_grad(), S["amp"]:
             fast = S["model"](**batches.model_inputs(batches.device_batch(hb, dist.device, head,
@@ -364,8 +367,8 @@ def load_target(name: str, args, device):
     config for smollm2 (30 layers), 4 layers for tiny; its lm_head rows outside the draft vocab
     (the first Vd ids) zeroed, so the argmax nearly always lies in it, as in the synthetic rows.
     Otherwise the target spec (builtin:smollm2-135m-instruct, a path) loaded as train does."""
-    from drafter import target
-    from drafter.capture import decoder_layers
+    from drafter.core import target
+    from drafter.features.capture import decoder_layers
     c0, _, T, K = shape_config(name, args)
     if args.target == "random":
         from transformers import AutoModelForCausalLM, LlamaConfig
@@ -394,7 +397,7 @@ def online_source(model, c: DrafterConfig, lengths: list[int], teacher: str, k: 
     """The samples as train.online sees them: token rows through the target (Capture), so
     every micro-batch runs the target's forward; nothing stored. -> (Source, teacher head,
     the capture's lock: held while torch.compile compiles, as train holds it)."""
-    from drafter.capture import Capture
+    from drafter.features.capture import Capture
     d2t = torch.zeros(c.draft_vocab_size, dtype=torch.long)        # draft id j = target id j
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
     t2d[:c.draft_vocab_size] = True
@@ -728,10 +731,10 @@ def main(argv=None):
                    help="fixed rows: after the timed steps, one step under the allocator's "
                    "history: what is alive at its peak, by the frame that allocated it")
     p.add_argument("--loss-chunk", type=int, default=0,
-                   help="rows per fused-loss chunk (0: the automatic size, drafter/ttt.py)")
+                   help="rows per fused-loss chunk (0: the automatic size, drafter/train/ttt.py)")
     p.add_argument("--no-fused-merge", action="store_true",
                    help="the diagonal merge as eager ops (ttt._MergeDiagonal), not its two "
-                   "Triton kernels (drafter.ttt.FUSED_MERGE)")
+                   "Triton kernels (drafter.train.ttt.FUSED_MERGE)")
     p.add_argument("--switch-interval", type=float,
                    help="sys.setswitchinterval seconds (Python's default 0.005): how long a "
                    "thread keeps the GIL while the other waits (online: the prefetch thread "

@@ -27,9 +27,9 @@ import signal
 import sys
 from pathlib import Path
 
-from . import DrafterError
-from . import config as C
-from .rundir import STEPS
+from drafter import DrafterError
+from drafter.core import config as C
+from drafter.core.rundir import STEPS
 
 STEP_HELP = {
     "prepare": "read the sources into canonical conversations",
@@ -58,7 +58,7 @@ def _load(args):
 
 
 def cmd_step(args) -> int:
-    from . import pipeline
+    from drafter.run import pipeline
 
     cfg = _load(args)
     if args.command == "run":
@@ -80,7 +80,7 @@ def _mib(n: int) -> str:
 
 
 def cmd_status(args) -> int:
-    from . import pipeline
+    from drafter.run import pipeline
 
     st = pipeline.status(args.run_dir)
     if args.json:
@@ -110,23 +110,23 @@ def _dispatch(module: str, fn: str, *a) -> int:
 
 
 def cmd_serve(args) -> int:
-    return _dispatch("drafter.serve", "main", _load(args))
+    return _dispatch("drafter.serve.servers", "main", _load(args))
 
 
 def cmd_plan(args) -> int:
-    return _dispatch("drafter.plan", "main", _load(args), args.json)
+    return _dispatch("drafter.run.plan", "main", _load(args), args.json)
 
 
 def cmd_doctor(args) -> int:
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config and not Path(config).exists():  # `drafter doctor key=value`
         config, overrides = None, [config, *overrides]
-    return _dispatch("drafter.doctor", "main", C.load(config, overrides), args.json)
+    return _dispatch("drafter.run.doctor", "main", C.load(config, overrides), args.json)
 
 
 def cmd_precompile(args) -> int:
-    from .precompile import main as precompile
-    from .rundir import atomic_json
+    from drafter.core.rundir import atomic_json
+    from drafter.train.precompile import main as precompile
 
     out = precompile(_load(args), args.device)
     if args.result:  # extract's child: its figures for extract's manifest
@@ -135,7 +135,7 @@ def cmd_precompile(args) -> int:
 
 
 def cmd_check(args) -> int:
-    return _dispatch("drafter.check", "main", args)
+    return _dispatch("drafter.export.check", "main", args)
 
 
 def cmd_report(args) -> int:
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"drafter: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        from .pipeline import signalled
+        from drafter.run.pipeline import signalled
 
         sig = signalled()
         if sig is not None:  # a signal raised inside C code that came out as another error

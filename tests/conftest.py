@@ -39,7 +39,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def smollm2_dir(_cache_dir) -> Path:
     """The builtin target as an HF folder (materialised once per session)."""
-    from drafter.target import resolve
+    from drafter.core.target import resolve
 
     return Path(resolve("builtin:smollm2-135m-instruct"))
 

@@ -1,5 +1,5 @@
 """The train step's pieces compiled whole, saved by one process and loaded by another without
-dynamo (drafter/aot.py, issue 18): on the CPU with Inductor's C++ kernels, against eager."""
+dynamo (drafter/train/aot.py, issue 18): on the CPU with Inductor's C++ kernels, against eager."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter import aot
+from drafter.train import aot
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -114,9 +114,9 @@ def test_the_key_holds_shapes_strides_grad_mode_and_modules_but_not_dynamic_rows
 
 _TTT = """
 import json, sys, torch
-from drafter.aot import report
-from drafter.trainer import compile_stats
-from drafter.ttt import TTT, head_loss
+from drafter.train.aot import report
+from drafter.train.trainer import compile_stats
+from drafter.train.ttt import TTT, head_loss
 from tests.test_model import batch_of, make_drafter, packed_rows, run_ttt
 mode = sys.argv[1]
 d = make_drafter()

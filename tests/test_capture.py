@@ -6,9 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from drafter import capture as C
+from drafter.features import capture as C
 from tests.tiny import ARCHS, make_tiny
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-from drafter import engines as E
-from drafter.check import FAIL, PASS, WARN, format_report, run_checks
 from test_engines import make_drafter, tiny_target  # noqa: F401 (a fixture)
+
+from drafter.export import engines as E
+from drafter.export.check import FAIL, PASS, WARN, format_report, run_checks
 
 REPO = Path(__file__).resolve().parents[1]
 

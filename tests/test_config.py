@@ -1,7 +1,7 @@
 """Config: YAML sections, dotted overrides, unknown keys and wrong types named with file:line."""
 import pytest
 
-from drafter import config as C
+from drafter.core import config as C
 
 
 def write(tmp_path, text):

@@ -1,4 +1,4 @@
-"""drafter.decode: static-cache plain decoding against HF, speculative decoding (lossless, oracle
+"""drafter.engine.decode: static-cache plain decoding against HF, speculative decoding (lossless, oracle
 and always-wrong drafters), the EAGLE drafter's static path against Drafter.forward, and rejection
 sampling preserving the target distribution. CPU, float32."""
 from __future__ import annotations
@@ -12,11 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter import tree as tree_mod
-from drafter.decode import (Decoder, EagleDraft, TreeSpec, acceptance_stats, ancestors,
-                            build_tree, verify_chain_sample, verify_sample)
-from drafter.model import Drafter, DrafterConfig
-
+from drafter.engine import tree as tree_mod
+from drafter.engine.decode import (
+    Decoder,
+    EagleDraft,
+    TreeSpec,
+    acceptance_stats,
+    ancestors,
+    build_tree,
+    verify_chain_sample,
+    verify_sample,
+)
+from drafter.train.model import Drafter, DrafterConfig
 from tests.tiny import make_tiny
 
 MAX_NEW = 9  # 1 token from the prefill + 2 full chain steps of K=3
@@ -216,7 +223,7 @@ def test_fused_children_in_the_interpreter():
     tree built with it is the eager kernels' tree."""
     pytest.importorskip("triton")
     code = textwrap.dedent("""
-        from drafter import tree as tree_mod
+        from drafter.engine import tree as tree_mod
         from tests.test_decode import (_assert_same_tree, _check_children, _children_cases,
                                        _wide_vocab_tree)
         for x, k in _children_cases():
@@ -377,7 +384,7 @@ def test_runners_up_leave_out_the_picked_token_among_ties():
     """bf16 logits tie exactly; argmax's choice need not come first in topk's order. The
     runner-up tied with the picked token stays listed at gap 0 (the lossless check then calls a
     flip between them a tie), and the picked token is never its own runner-up."""
-    from drafter.decode import NEAR, runners_up
+    from drafter.engine.decode import NEAR, runners_up
 
     lg = torch.tensor([[1.0, 5.0, 5.0, 2.0] + [0.0] * 12,
                        [3.0, 1.0, 0.5, 9.0] + [-1.0] * 12])
@@ -411,8 +418,8 @@ def test_prompts_padded_to_a_graphed_prefills_length_give_the_same_tokens(smol, 
     multiple of PREFILL_BUCKET: more pad slots before each prompt, its positions unchanged. On
     the CPU, with that padding forced: the plain and speculative tokens and acceptance are the
     unpadded run's, static and continuous (whose first fill is padded, its refills not)."""
-    from drafter.decode import PREFILL_BUCKET
-    from drafter.static import round_up
+    from drafter.engine.decode import PREFILL_BUCKET
+    from drafter.engine.static import round_up
 
     model, plain, V = smol["model"], smol["plain"], smol["model"].config.vocab_size
     prompts = smol["prompts"] + smol["prompts"][::-1]
@@ -675,7 +682,7 @@ def test_graphed_prefills_give_the_eager_prefills_tokens(smollm2_dir):
     here are not padded, so the margins may differ in the last bits, not the tokens."""
     from transformers import AutoModelForCausalLM
 
-    from drafter.decode import PREFILL_BUCKET
+    from drafter.engine.decode import PREFILL_BUCKET
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).cuda().eval()
     g = torch.Generator().manual_seed(2)
@@ -753,7 +760,7 @@ def test_gqa_sdpa_equals_transformers_sdpa():
     never repeated) gives transformers' SDPA result under a per-row mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from drafter.static import _gqa_sdpa
+    from drafter.engine.static import _gqa_sdpa
 
     torch.manual_seed(0)
     B, nh, nkv, T, S, hd = 3, 6, 2, 4, 11, 8
@@ -796,7 +803,7 @@ def test_slot_cache_moves_every_pooled_layer_in_one_gather_and_scatter():
     latent, say), whatever the number of layers."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from drafter.static import _slot_cache_class
+    from drafter.engine.static import _slot_cache_class
 
     g = torch.Generator().manual_seed(0)
     SlotCache = _slot_cache_class()
@@ -866,7 +873,7 @@ def test_a_forward_folds_its_mask_for_the_grouped_heads_once(tiny_llama):
     of a SmolLM2 verification); the next forward, with a new mask, makes its own."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from drafter.static import StaticTarget
+    from drafter.engine.static import StaticTarget
 
     model = tiny_llama["model"]
     c = model.config
@@ -905,7 +912,7 @@ def test_shape_acceptance_on_a_hand_made_step():
     """Six nodes of a (3, 2, 6) tree, ranked by score, the path 1 -> 5 -> 6 accepted; a depth-3
     node of the other branch (4) outranks path node 5, which counts at depth 3 but not at depth
     2; a second row accepted nothing."""
-    from drafter.tree import shape_acceptance
+    from drafter.engine.tree import shape_acceptance
 
     #                  node  1  2  3  4  5  6     (2 -> 3 -> 4 and 1 -> 5 -> 6)
     depth = torch.tensor([[1, 1, 2, 3, 2, 3]] * 2)
@@ -962,7 +969,7 @@ def test_folded_verification_gives_the_same_tokens_and_logits(arch, tmp_path):
     are never folded)."""
     from transformers import AutoModelForCausalLM
 
-    from drafter.static import StaticTarget
+    from drafter.engine.static import StaticTarget
 
     model = AutoModelForCausalLM.from_pretrained(make_tiny(arch, tmp_path),
                                                  dtype=torch.float32).eval()

@@ -45,7 +45,7 @@ def test_healthy_machine(healthy):
     assert py["safetensors"]["detail"] == version("safetensors")
     assert sys.version.split()[0] in py["python"]["detail"]
     # GPUs: exactly what NVML reports
-    from drafter import gpu
+    from drafter.core import gpu
 
     devs = gpu.devices()
     assert len(rep["devices"]) == len(devs)
@@ -69,7 +69,7 @@ def test_healthy_machine(healthy):
 
 
 def test_text_output(healthy):
-    from drafter import doctor as D
+    from drafter.run import doctor as D
 
     text = D.render(healthy[1])
     for needle in ["python", "torch", "transformers", "gpu", "disk", "run dir", "cache dir",
@@ -117,7 +117,7 @@ def test_tiny_and_read_only_dirs_fail(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_rows_match_nvml():
-    from drafter import gpu
+    from drafter.core import gpu
 
     devs = gpu.devices()
     if not devs:

@@ -1,4 +1,4 @@
-"""drafter.engine and drafter.paged: the paged, continuously batched generation of the generate
+"""drafter.engine.generator and drafter.engine.paged: the paged, continuously batched generation of the generate
 step equals plain decoding token for token (float32) on every architecture it runs, refills and
 compacts rows, refuses what cannot fit per request, samples reproducibly; the Triton decode
 kernel equals the gather reference. CPU; GPU tests skip themselves."""
@@ -12,12 +12,10 @@ import textwrap
 import pytest
 import torch
 
-from drafter.decode import Decoder
-from drafter.engine import Engine, EngineUnsupported, LocalGenerator
-from drafter.paged import paged_attention_reference
-
+from drafter.engine.decode import Decoder
+from drafter.engine.generator import Engine, EngineUnsupported, LocalGenerator
+from drafter.engine.paged import paged_attention_reference
 from tests.tiny import make_tiny
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -108,7 +106,7 @@ def test_engine_refuses_unsupported_models_and_local_generator_falls_back(tmp_pa
                                                                           smollm2_dir):
     """Gemma 2 (sliding windows, softcapping) is refused by the paged engine; LocalGenerator then
     decodes it in static batches. SmolLM2: stop token stripped, finish reasons, seeded."""
-    from drafter.config import TargetConfig
+    from drafter.core.config import TargetConfig
 
     with pytest.raises(EngineUnsupported, match="sliding"):
         Engine(_model("gemma2", tmp_path))
@@ -169,7 +167,7 @@ def test_triton_kernel_equals_reference_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch
-        from drafter.paged import paged_attention_reference, paged_attention_triton
+        from drafter.engine.paged import paged_attention_reference, paged_attention_triton
         torch.manual_seed(0)
         for B, nh, nkv, hdk, hdv, P in [(5, 9, 3, 64, 64, 16), (3, 4, 4, 24, 16, 16),
                                         (2, 8, 2, 32, 32, 32)]:
@@ -202,7 +200,7 @@ def test_engine_on_the_gpu(smollm2_dir):
     table = torch.stack([torch.randperm(63)[:8] + 1 for _ in range(5)]).int().cuda()
     lens = torch.tensor([0, 1, 64, 300, 512], dtype=torch.int32).cuda()
     q = torch.randn(5, 9, 64).cuda()
-    from drafter.paged import paged_attention_triton
+    from drafter.engine.paged import paged_attention_triton
     torch.testing.assert_close(paged_attention_triton(q, kp, vp, table, lens, 0.125, 64),
                                paged_attention_reference(q, kp, vp, table, lens, 0.125, 64),
                                atol=1e-4, rtol=1e-4)
@@ -223,7 +221,7 @@ def test_engine_on_the_gpu(smollm2_dir):
 def test_local_generator_data_parallel(smollm2_dir):
     """Two visible GPUs: one engine each draining one queue; results in prompt order and equal to
     one device's (float32)."""
-    from drafter.config import TargetConfig
+    from drafter.core.config import TargetConfig
 
     prompts = [torch.randint(100, 40000, (n,)).tolist() for n in (40, 30, 7, 90, 12, 5)]
     gen = LocalGenerator(TargetConfig(model=str(smollm2_dir), dtype="float32"), batch_size=2)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-from drafter import engines as E
-from drafter.enginedir import load_drafter_dir, read_dir
-from drafter.model import Drafter, DrafterConfig
 from tiny import make_tiny
+
+from drafter.export import engines as E
+from drafter.export.enginedir import load_drafter_dir, read_dir
+from drafter.train.model import Drafter, DrafterConfig
 
 N_LAYERS = 8  # default ids [2, 4, 5]; SpecForge's output-of-layer spelling [1, 3, 4]
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -345,7 +345,7 @@ def test_writer_refuses_what_engines_cannot_serve(tiny_target, tmp_path):
 
 
 def test_load_our_checkpoint_dir(tiny_target, tmp_path):
-    from drafter.model import save_drafter
+    from drafter.train.model import save_drafter
 
     m = make_drafter(tiny_target, seed=9)
     save_drafter(m, tmp_path)

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter import config as C
-from drafter.decode import Output
-from drafter.model import Drafter, DrafterConfig, save_drafter
-from drafter.rundir import Run
+from drafter.core import config as C
+from drafter.core.rundir import Run
+from drafter.engine.decode import Output
 from drafter.steps import evaluate as E
+from drafter.train.model import Drafter, DrafterConfig, save_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,8 +27,8 @@ def _drafter_dir(target_dir, out: Path, seed: int, native: bool = False) -> Path
     exported native dir."""
     from transformers import AutoConfig
 
-    from drafter import engines
-    from drafter.target import default_layer_ids
+    from drafter.core.target import default_layer_ids
+    from drafter.export import engines
 
     tc = AutoConfig.from_pretrained(target_dir)
     torch.manual_seed(seed)
@@ -62,8 +62,9 @@ def test_lossless_verdicts():
 
 
 def test_second_mt_bench_turn_carries_the_model_answer(smollm2_dir, shared_data):
-    from drafter.sources import load_prompts
     from transformers import AutoTokenizer
+
+    from drafter.data.sources import load_prompts
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     recs = load_prompts(str(shared_data / "eval" / "mt_bench_questions.jsonl"), 2)
@@ -193,7 +194,7 @@ def test_continuous_and_static_batches_give_the_same_decodings(smollm2_dir, shar
     from tests.tiny import make_tiny
 
     target = make_tiny("llama", tmp_path, tokenizer_dir=smollm2_dir)
-    from drafter.decode import Decoder
+    from drafter.engine.decode import Decoder
 
     dr = _drafter_dir(target, tmp_path / "native", 0, native=True)
     got, calls, real = {}, [], Decoder._continuous
@@ -280,7 +281,7 @@ def test_a_drafter_for_another_target_is_refused(smollm2_dir, tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(make_tiny("llama", tmp_path))
     d = _drafter_dir(smollm2_dir, tmp_path / "ckpt", 0)
-    from drafter.model import load_drafter
+    from drafter.train.model import load_drafter
 
     with pytest.raises(E.EvaluateError, match="target_hidden_size 576 != the target's 64"):
         E._check_drafter(load_drafter(d), model, "drafter", d)

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from drafter import config as C
-from drafter import engines as E
-from drafter.enginedir import load_drafter_dir
-from drafter import pipeline
-from drafter.check import PASS, WARN, run_checks
-from drafter.model import load_drafter, save_drafter
-from drafter.rundir import MissingInput, Run, atomic_json
-from drafter.steps import export
 from test_engines import draft_logits, make_drafter, tiny_target  # noqa: F401 (a fixture)
+
+from drafter.core import config as C
+from drafter.core.rundir import MissingInput, Run, atomic_json
+from drafter.export import engines as E
+from drafter.export.check import PASS, WARN, run_checks
+from drafter.export.enginedir import load_drafter_dir
+from drafter.run import pipeline
+from drafter.steps import export
+from drafter.train.model import load_drafter, save_drafter
 
 
 def checkpoint(run: Run, step: int, model, sim_tau: float | None, complete: bool = True) -> Path:

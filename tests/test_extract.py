@@ -18,9 +18,10 @@ import pytest
 import torch
 import yaml
 
-from drafter import config as C
-from drafter import pipeline, store
-from drafter.rundir import MissingInput, Run, read_json
+from drafter.core import config as C
+from drafter.core.rundir import MissingInput, Run, read_json
+from drafter.features import store
+from drafter.run import pipeline
 from drafter.steps import extract
 from tests.tiny import make_tiny
 
@@ -94,7 +95,7 @@ def test_shards_index_and_manifest(base):
             p = run.shard(split, i)
             assert e["file"] == p.name and e["sha256"] == store.file_sha256(p)
         # every tokenized sample is there, longest first within a shard
-        from drafter import tokens
+        from drafter.data import tokens
         rows = tokens.read_rows(run.tokens(split), list(range(tokens.num_rows(run.tokens(split)))))
         assert sorted(sid for e in ix["shards"] for sid in e["ids"]) == sorted(r["id"] for r in rows)
         for e in ix["shards"]:
@@ -104,13 +105,13 @@ def test_shards_index_and_manifest(base):
 
 def test_reader_equals_online_capture(base):
     """What training reads offline is what online capture hands it (same batches: exact)."""
-    from drafter.capture import load_capture, split
+    from drafter.features.capture import load_capture, split
 
     run, cfg = base["run"], base["cfg"]
     cap = load_capture(cfg)
     r = store.Reader(run, "train", verify=True)
     ix = r.index
-    from drafter import tokens
+    from drafter.data import tokens
     by_id = {row["id"]: row for row in tokens.iter_samples(run.tokens("train"))}
     shard = ix["shards"][0]
     rows = [by_id[i] for i in shard["ids"]]
@@ -278,11 +279,11 @@ json.dump({"graphs": 4}, open(sys.argv[1], "w"))
 
 def test_extract_starts_its_precompile_child_first_and_stops_it_with_nothing_to_do(
         base, tmp_path, monkeypatch):
-    """Extract starts train's precompile process (a GPU's, drafter/precompile.py; here a real
+    """Extract starts train's precompile process (a GPU's, drafter/train/precompile.py; here a real
     process in its place) before it plans, loads the target or writes a shard, waits for it
     and puts its figures in the manifest; with every shard kept it stops the process at once
     and says so (issue 18: the process's set-up overlaps extract's own)."""
-    from drafter import precompile
+    from drafter.train import precompile
     mode = {}
 
     def start(cfg, run, device, tconf, extract_bytes, rank=0):

@@ -31,9 +31,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drafter import config as C
-from drafter import checkpoint, gpu, pipeline, store
-from drafter.rundir import Run, atomic_json, atomic_write, read_json, read_jsonl
+from drafter.core import config as C
+from drafter.core import gpu
+from drafter.core.rundir import Run, atomic_json, atomic_write, read_json, read_jsonl
+from drafter.features import store
+from drafter.run import pipeline
+from drafter.train import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
@@ -211,7 +214,7 @@ def assert_consistent_after_kill(run: Run, where: dict, sig: int) -> None:
     # a server drafter started dies with it (PR_SET_PDEATHSIG), even after kill -9
     for pgid in server_pgids(run):
         t_end = time.time() + 60
-        from drafter.supervisor import group_alive
+        from drafter.serve.supervisor import group_alive
         while group_alive(pgid):
             assert time.time() < t_end, f"server group {pgid} outlived drafter"
             time.sleep(0.2)
@@ -544,8 +547,8 @@ def test_one_drafter_per_run_dir(tmp_path):
     atomic_json(run.started("generate"), {"fingerprint": {}, "time": time.time()})
     code = textwrap.dedent(f"""
         import time
-        from drafter import pipeline
-        from drafter.rundir import Run
+        from drafter.run import pipeline
+        from drafter.core.rundir import Run
         with pipeline.run_lock(Run({str(tmp_path)!r})):
             print("locked", flush=True)
             time.sleep(120)
@@ -577,8 +580,9 @@ def test_one_drafter_per_run_dir(tmp_path):
 RANKS = """
 import json, os, sys
 import torch.distributed as td
-from drafter import config, pipeline
-from drafter.rundir import Run
+from drafter.core import config
+from drafter.run import pipeline
+from drafter.core.rundir import Run
 
 def step(cfg):
     run = Run.of(cfg)

@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drafter import config as C
-from drafter import pipeline, serve, supervisor
-from drafter.rundir import Run, atomic_json, read_json, read_jsonl
+from drafter.core import config as C
+from drafter.core.rundir import Run, atomic_json, read_json, read_jsonl
+from drafter.run import pipeline
+from drafter.serve import servers as serve
+from drafter.serve import supervisor
 from drafter.steps import generate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -457,7 +459,7 @@ def test_split_reasoning():
 
 
 def test_local_engine(tmp_path, smollm2_dir):
-    """engine=local through drafter.engine.LocalGenerator: multi-turn, turn by turn."""
+    """engine=local through drafter.engine.generator.LocalGenerator: multi-turn, turn by turn."""
     from transformers import AutoTokenizer
 
     records = [conv(0, "Say hi."), conv(1, "Name a color.", "Another one?")]

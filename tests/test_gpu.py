@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from drafter import gpu
+from drafter.core import gpu
 
 GiB = gpu.GiB
 
@@ -94,7 +94,7 @@ def test_process_name_and_sibling_ranks(tmp_path):
     child = textwrap.dedent(f"""
         import json, os, sys, time
         from pathlib import Path
-        from drafter import gpu
+        from drafter.core import gpu
         d = Path({str(tmp_path)!r})
         def wait(pattern):   # a barrier over files: both siblings alive until both are done
             while len(list(d.glob(pattern))) < 2:

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drafter import cli, pipeline, store
-from drafter.rundir import STEPS, Run, atomic_write
+from drafter import cli
+from drafter.core.rundir import STEPS, Run, atomic_write
+from drafter.features import store
+from drafter.run import pipeline
 
 # ------------------------------------------------------------------------------------ the world
 BASE = {
@@ -469,7 +471,7 @@ def test_a_bug_is_one_line_and_debug_shows_the_traceback(world, tmp_path, capsys
 def test_allowed_remote_host_loads_and_warns(world, caplog):
     """generate.server.allow_remote: true lets a non-local host through; the server start
     warns (serve.servers, tested here through the config alone)."""
-    from drafter import config as C
+    from drafter.core import config as C
 
     cfg = C.load(world["cfg"], ["generate.server.host=0.0.0.0",
                                 "generate.server.allow_remote=true"])

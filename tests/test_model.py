@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter import store
-from drafter.batches import align, collate
-from drafter.model import Drafter, DrafterConfig, load_drafter, save_drafter
-from drafter.ttt import TTT, dense_mask, doc_causal, flex_part0, head_loss, merge_diagonal
+from drafter.features import store
+from drafter.train.batches import align, collate
+from drafter.train.model import Drafter, DrafterConfig, load_drafter, save_drafter
+from drafter.train.ttt import TTT, dense_mask, doc_causal, flex_part0, head_loss, merge_diagonal
 
 V, VD, HT = 96, 40, 24
 
@@ -284,7 +284,7 @@ def _check_fused_merge(device: str) -> None:
     """ttt._FusedMerge (its two Triton kernels) against _MergeDiagonal's eager ops, forward
     and backward: the output in o0's layout, values and every input's gradient within float32
     rounding (bf16 inputs: bf16 rounding)."""
-    from drafter import ttt as ttt_mod
+    from drafter.train import ttt as ttt_mod
     for q, o0, lse0, ks, vs in _merge_cases(device):
         ins = [t.requires_grad_() for t in (q, o0, lse0, *ks, *vs)]
         res = {}
@@ -323,7 +323,7 @@ def test_fused_merge_on_the_gpu():
 def test_memory_lean_functions_have_exact_gradients():
     """The hand-written backwards (RMSNorm, SwiGLU + down_proj, the diagonal merge) that keep
     fewer tensors than autograd would: gradcheck in float64."""
-    from drafter.model import _RMSNormFn, _SwiGLUDown
+    from drafter.train.model import _RMSNormFn, _SwiGLUDown
     g = torch.Generator().manual_seed(0)
 
     def r(*shape):
@@ -505,8 +505,7 @@ def test_compile_cache_keys_do_not_depend_on_the_import_order():
     input is the same after a module that holds `torch` is put first in sys.modules."""
     import types
 
-    from torch._inductor.codecache import FxGraphCachePickler, \
-        extract_tensor_metadata_for_cache_key
+    from torch._inductor.codecache import FxGraphCachePickler, extract_tensor_metadata_for_cache_key
     TTT(make_drafter(), attention="flex", compile=True, backend="aot_eager")
     meta = extract_tensor_metadata_for_cache_key(torch.zeros(2, 3))
     assert meta.memory_format is torch.contiguous_format
@@ -561,7 +560,7 @@ def test_compiled_flex_keeps_one_graph_across_packings(monkeypatch):
     import torch._dynamo
     from torch.nn.attention import flex_attention as fa
 
-    from drafter import ttt as ttt_mod
+    from drafter.train import ttt as ttt_mod
     torch._dynamo.reset()
     monkeypatch.setitem(ttt_mod._FLEX, "fn", torch.compile(fa.flex_attention, dynamic=False,
                                                             backend="eager"))
@@ -622,7 +621,7 @@ def test_half_precision_products_accumulate_in_float32(device):
     """The lm_head gradient's sum over loss chunks (FusedHeadLoss): float32 += bf16 @ bf16, one
     GEMM into the sum on a GPU whose torch has addmm's float32 output, the product and an add
     otherwise; either way the float64 sum of the same products, to bf16 rounding."""
-    from drafter import ttt
+    from drafter.train import ttt
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

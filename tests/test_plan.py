@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from drafter import config as C
-from drafter import plan as P
-from drafter.counts import PlanError
-from drafter.rundir import Run, atomic_json
+from drafter.core import config as C
+from drafter.core.rundir import Run, atomic_json
+from drafter.run import plan as P
+from drafter.run.counts import PlanError
+from drafter.train.memory import train_gpu_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 KIMI_YAML = REPO / "configs" / "plan-kimi-k2.5.yaml"
@@ -120,13 +121,13 @@ def test_online_train_memory_counts_the_features_in_flight():
     d = {"trainable": 10_000, "total": 30_000, "hidden_size": 64, "intermediate_size": 128,
          "draft_vocab_size": 512}
     base = ["train.batch_tokens=4096", "train.max_length=1024"]
-    off = P.train_gpu_bytes(C.load(None, base), d, 1, ht=96)
+    off = train_gpu_bytes(C.load(None, base), d, 1, ht=96)
     assert off["online_features"] == 0
     for teacher, per_token in (("hidden", 3 * 96 * 2 + 96 * 2), ("topk", 3 * 96 * 2 + 64 * 12)):
         for group in (1, 4):
             cfg = C.load(None, base + ["train.online=true", f"train.online_group={group}",
                                        f"extract.teacher={teacher}"])
-            on = P.train_gpu_bytes(cfg, d, 1, ht=96)
+            on = train_gpu_bytes(cfg, d, 1, ht=96)
             assert on["online_features"] == (3 * group + 1) * 4096 * per_token
             assert on["total"] == int((sum(off[k] for k in ("states", "frozen", "activations",
                                                             "teacher"))
@@ -164,7 +165,7 @@ def test_kimi_text_output(kimi):
 def test_measured_tokens_and_throughputs_win(tmp_path, monkeypatch):
     """With tokenize output and earlier manifests in the run dir, plan measures instead of
     estimating; measured tokens/s are scaled from the run's world size to plan.gpus."""
-    from drafter.tokens import TokenWriter
+    from drafter.data.tokens import TokenWriter
 
     monkeypatch.chdir(REPO)
     cfg = C.load(KIMI_YAML, [f"run_dir={tmp_path}", "plan.train_tokens_per_s=1234"])
@@ -230,7 +231,7 @@ def test_no_data_and_remote_sources_is_a_clear_error(tmp_path):
 def test_extra_temperatures_multiply_the_conversations(tmp_path):
     """generate.extra_temperatures answers every conversation once more per entry: the plan
     counts the copies (from plan.samples here; from prepare's output or the sources alike)."""
-    from drafter.counts import data_counts
+    from drafter.run.counts import data_counts
 
     def counts(*over):
         cfg = C.load(KIMI_YAML, [f"run_dir={tmp_path / 'run'}", *over])

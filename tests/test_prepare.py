@@ -5,10 +5,10 @@ import json
 import pytest
 
 from drafter import DrafterError
-from drafter import config as C
-from drafter import pipeline
-from drafter.rundir import Run, read_jsonl
-from drafter.sources import SourceError, read_source
+from drafter.core import config as C
+from drafter.core.rundir import Run, read_jsonl
+from drafter.data.sources import SourceError, read_source
+from drafter.run import pipeline
 from drafter.steps import prepare as P
 
 README_TRAIN = {"gsm8k_train.jsonl": 7473, "codealpaca_4k.json": 4535, "codealpaca_2k.json": 2017,

@@ -11,9 +11,9 @@ import textwrap
 
 import pytest
 
-from drafter import config as C
-from drafter import pipeline
-from drafter.rundir import MissingInput, Run, atomic_write, read_jsonl, JsonlAppender
+from drafter.core import config as C
+from drafter.core.rundir import JsonlAppender, MissingInput, Run, atomic_write, read_jsonl
+from drafter.run import pipeline
 
 CALLS = []
 
@@ -81,7 +81,7 @@ def test_new_fields_at_their_neutral_value_keep_fingerprints(tmp_path):
     of a step finished before it existed unchanged (no 4-minute generate redone)."""
     import hashlib
 
-    from drafter.rundir import NEUTRAL, SECTIONS
+    from drafter.core.rundir import NEUTRAL, SECTIONS
 
     for dotted in NEUTRAL:
         step = next(s for s, secs in SECTIONS.items() if dotted.split(".")[0] in secs)
@@ -129,7 +129,7 @@ def test_atomic_write_killed_writer_leaves_no_partial_file(tmp_path):
     target.write_bytes(b"old")
     code = textwrap.dedent(f"""
         import os, sys, time
-        from drafter.rundir import atomic_open
+        from drafter.core.rundir import atomic_open
         with atomic_open({str(target)!r}, "wb") as f:
             f.write(b"x" * 1_000_000)
             f.flush()

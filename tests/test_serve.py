@@ -17,8 +17,9 @@ import httpx
 import pytest
 import yaml
 
-from drafter import config as C
-from drafter import serve, supervisor
+from drafter.core import config as C
+from drafter.serve import servers as serve
+from drafter.serve import supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 

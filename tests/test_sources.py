@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from drafter.config import SourceConfig
-from drafter.sources import Reject, SourceError, load_prompts, read_source
+from drafter.core.config import SourceConfig
+from drafter.data.sources import Reject, SourceError, load_prompts, read_source
 
 SHARED = [  # (file, records in ../shared/data/README.md, format)
     ("train/gsm8k_train.jsonl", 7473, "prompt"),

@@ -9,9 +9,9 @@ import pickle
 import pytest
 import torch
 
-from drafter import store
-from drafter.capture import Head
-from drafter.rundir import Run
+from drafter.core.rundir import Run
+from drafter.features import store
+from drafter.features.capture import Head
 
 HT, L, VD = 48, 3, 300
 OPTIONS = [("bf16", "hidden"), ("bf16", "topk"), ("fp8", "hidden"), ("fp8", "topk")]
@@ -108,7 +108,7 @@ def test_offline_batches_carry_the_stored_dtypes_and_widen_to_the_decoded_batch(
     the model gets is the decoded samples' batch, to the bit."""
     from types import SimpleNamespace
 
-    from drafter import batches
+    from drafter.train import batches
 
     run = Run(tmp_path)
     lengths = [[[7, 5], [3, 9]], [[11, 2, 4]]]

@@ -1,4 +1,4 @@
-"""Synthetic prompts (drafter.synthetic; prepare source `synthetic`, written by generate's local
+"""Synthetic prompts (drafter.data.synthetic; prepare source `synthetic`, written by generate's local
 engine): the pre-query prefix of real chat templates, the filters and their reasons, the
 diversity figures, and the pipeline end to end on the embedded SmolLM2 (multi-turn, steering,
 rejections counted, resumed after kill -9 with nothing lost or repeated)."""
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drafter import config as C
-from drafter import pipeline
-from drafter.rundir import Run, read_json, read_jsonl
-from drafter.synthetic import PreQuery, PromptFilter, diversity
+from drafter.core import config as C
+from drafter.core.rundir import Run, read_json, read_jsonl
+from drafter.data.synthetic import PreQuery, PromptFilter, diversity
+from drafter.run import pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 

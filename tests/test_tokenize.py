@@ -12,9 +12,10 @@ import json
 import pytest
 
 from drafter import DrafterError
-from drafter import config as C
-from drafter import pipeline, tokens
-from drafter.rundir import Run
+from drafter.core import config as C
+from drafter.core.rundir import Run
+from drafter.data import tokens
+from drafter.run import pipeline
 from drafter.steps import tokenize as T
 
 CHATML = None  # SmolLM2's own template

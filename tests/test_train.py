@@ -20,13 +20,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from drafter import batches, target
-from drafter import config as C
-from drafter.capture import Capture
-from drafter.dist import Dist
-from drafter.rundir import Run, read_json, read_jsonl
+from drafter.core import config as C
+from drafter.core import target
+from drafter.core.dist import Dist
+from drafter.core.rundir import Run, read_json, read_jsonl
+from drafter.features.capture import Capture
 from drafter.steps import train
-
+from drafter.train import batches
 from tests.tiny import make_tiny
 
 VOCAB, VD = 512, 256
@@ -271,7 +271,7 @@ def test_loss_falls_when_overfitting(world, tmp_path):
     assert len(out["gc"]["collections"]) == 3   # (whether any ran depends on the allocations)
     assert sum(out["gc"]["collections"]) >= sum(out["warmup_gc"]["collections"]) >= 0
     assert out["gc"]["seconds"] >= out["warmup_gc"]["seconds"] >= 0
-    from drafter.trainer import GcClock
+    from drafter.train.trainer import GcClock
     assert gc.get_freeze_count() == 0 and not any(
         isinstance(getattr(cb, "__self__", None), GcClock) for cb in gc.callbacks)
 
@@ -280,7 +280,7 @@ def test_gc_clock_times_collections_and_freezes_what_is_alive():
     """GcClock (train's garbage-collection figures, issue 18): a full collection is counted and
     timed, an interval read resets, freeze() moves what is alive into the permanent
     generation and close() thaws it; with freeze off nothing is frozen."""
-    from drafter.trainer import GcClock
+    from drafter.train.trainer import GcClock
 
     clock = GcClock(freeze=True)
     try:
@@ -307,7 +307,7 @@ def test_loss_chunk_reaches_the_ttt(world, tmp_path):
     """train.loss_chunk (rows of the fast path's loss chunks; 0 sizes them by memory) is what
     the TTT runs with (issue 18: fewer compiled calls a step), and a negative one is refused
     by name before any step."""
-    from drafter import trainer
+    from drafter.train import trainer
 
     cfg = cfg_for(world, tmp_path / "a", "train.loss_chunk=4096")
     ttt, _, _ = trainer.setup_model(drafter_for(world, cfg), cfg.train, Dist(), "sdpa")
@@ -318,7 +318,7 @@ def test_loss_chunk_reaches_the_ttt(world, tmp_path):
 
 def test_throughput_summary():
     """Warm-up counted in the whole run's average, steady state = the median of the last half."""
-    from drafter.metrics import throughput
+    from drafter.train.metrics import throughput
     rates = [100.0, 900.0, 1000.0, 1100.0, 1000.0, 990.0]        # per interval; the first warms up
     out = throughput(tokens=6000, seconds=7.5, rates=rates, warmup_s=2.5)
     assert out == {"warmup_s": 2.5, "avg_tokens_per_s": 800.0, "steady_tokens_per_s": 1000.0,
@@ -344,7 +344,7 @@ def test_checkpoint_layout_and_pruning(world, tmp_path):
          "rng.safetensors", "state.json"])
     state = read_json(ck / "state.json")
     assert state["step"] == 7 and state["val"]["step"] == 7 and len(state["val"]["acc"]) == 3
-    from drafter.model import load_drafter
+    from drafter.train.model import load_drafter
     d = load_drafter(ck)
     assert d.cfg.aux_layer_ids == world.layer_ids
     assert torch.equal(d.embed_tokens.weight, world.model.get_input_embeddings().weight)
@@ -410,7 +410,7 @@ def write_pipe_config(path: Path, run_dir: Path, shared_data: Path, **train_kw) 
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory, smollm2_dir, shared_data):
     """SmolLM2 through the real prepare (ShareGPT file), tokenize, vocab and extract steps."""
-    from drafter import pipeline
+    from drafter.run import pipeline
     d = tmp_path_factory.mktemp("train-pipe")
     cfg = C.load(write_pipe_config(d / "cfg.yaml", d / "run", shared_data))
     threads = torch.get_num_threads()
@@ -507,7 +507,7 @@ def test_two_ranks_equal_one_rank_with_accumulation(pipe, one_rank, tmp_path, fs
 def test_offline_equals_online(pipe, tmp_path):
     """The same config trained from extract's shards and with the target running beside the
     drafter (train.online: extract stores nothing) gives the same losses, metrics and weights."""
-    from drafter import pipeline
+    from drafter.run import pipeline
     off = copy_run(pipe, tmp_path / "off")
     on = copy_run(pipe, tmp_path / "on", steps=("prepare", "generate", "tokenize", "vocab"))
     cfg_off = C.load(write_pipe_config(tmp_path / "off.yaml", off, pipe.shared))
@@ -558,7 +558,8 @@ def test_precompile_batches_look_like_trains_batches(pipe):
     """The precompile process's random micro-batches reach the model as the real ones do: the
     same names, dtypes, devices and shapes (Inductor's cache keys hold these, not the values),
     from a store of extract's shards; and its steps run (on the CPU, nothing compiles)."""
-    from drafter import precompile, store
+    from drafter.features import store
+    from drafter.train import precompile
     cfg = C.load(write_pipe_config(pipe.dir / "cfg.yaml", pipe.run, pipe.shared))
     dev = torch.device("cpu")
     S = precompile.setup(cfg, dev)
@@ -572,7 +573,7 @@ def test_precompile_batches_look_like_trains_batches(pipe):
                                        fused))
         assert a == b
     assert precompile.applies(cfg, dev) == "train compiles only on a GPU"
-    from drafter.trainer import compiled_graphs
+    from drafter.train.trainer import compiled_graphs
     before = compiled_graphs()  # process-wide: other tests in this process may have compiled
     out = precompile.run_steps(cfg, dev)
     assert out["graphs"] == before and out["steps"] == precompile.OPTIMIZER_STEPS
@@ -588,7 +589,8 @@ def test_precompile_batches_look_like_trains_batches(pipe):
 def test_precompile_topk_batches_look_like_captured_ones(world, tmp_path):
     """The same for a top-k teacher, against samples the capture made in memory (the contract's
     dtypes, as train's offline batches are once widened): the fused loss's ids and log-probs."""
-    from drafter import precompile, tokens
+    from drafter.data import tokens
+    from drafter.train import precompile
     cfg = cfg_for(world, tmp_path / "run", "extract.teacher=topk", "extract.topk=8")
     tokens.save_vocab(Run(tmp_path / "run").vocab(), world.d2t, world.t2d,
                       torch.ones(VOCAB, dtype=torch.long))
@@ -605,7 +607,7 @@ def test_precompile_topk_batches_look_like_captured_ones(world, tmp_path):
 
 
 def _vocab(run_dir):
-    from drafter import tokens
+    from drafter.data import tokens
     d2t, t2d, _ = tokens.load_vocab(Run(run_dir).vocab())
     return d2t, t2d
 
@@ -613,7 +615,7 @@ def _vocab(run_dir):
 def test_extract_waits_for_its_precompile_child_and_stops_it_when_extract_fails(tmp_path):
     """finish(): a finished child's figures join extract's manifest; a child of a failed extract
     is stopped at once; one still running at the timeout is stopped and reported."""
-    from drafter import precompile
+    from drafter.train import precompile
 
     def handle(code: str) -> precompile.Handle:  # in a temp folder of its own, as start's
         d = Path(tempfile.mkdtemp(dir=tmp_path))
@@ -638,7 +640,7 @@ def test_extract_waits_for_its_precompile_child_and_stops_it_when_extract_fails(
 _SPAWNER = """
 import sys, time
 from pathlib import Path
-from drafter.precompile import spawn
+from drafter.train.precompile import spawn
 p = spawn([sys.executable, "-c", "import time; time.sleep(120)"], Path(sys.argv[1]))
 print(p.pid, flush=True)
 time.sleep(120)
@@ -685,7 +687,7 @@ def test_train_after_precompile_compiles_nothing(pipe, tmp_path):
     `drafter precompile` into an empty Inductor cache, then `drafter train` in another process
     (other imports, other batches): train's warm-up finds every graph in the cache, none
     compiled again (issue 18: a cold run's 19.6 s of compiling), and the layer pieces and the
-    loss chunk loaded whole, not traced (drafter/aot.py): only FlexAttention's graphs and
+    loss chunk loaded whole, not traced (drafter/train/aot.py): only FlexAttention's graphs and
     validation's no-grad ones (within this short run's warm-up) go through dynamo."""
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
@@ -695,8 +697,8 @@ def test_train_after_precompile_compiles_nothing(pipe, tmp_path):
     cfg = write_pipe_config(tmp_path / "cfg.yaml", run, pipe.shared, **TWO_RANK_STEPS)
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     cli(["precompile", str(cfg)], env=env)
-    # the merge's Triton kernels (drafter/ttt.py: forward, backward) where Inductor keeps its own
-    # (precompile.share_triton_cache), and train compiles no Triton kernel at all (a first
+    # the merge's Triton kernels (drafter/train/ttt.py: forward, backward) where Inductor keeps its own
+    # (aot.share_triton_cache), and train compiles no Triton kernel at all (a first
     # train after an extract compiled the merge again: about 1 s on the H200)
     kernels = Path(os.environ.get("TRITON_CACHE_DIR") or tmp_path / "inductor" / "triton")
     compiled = {p.parent.name for p in kernels.rglob("*.json")}
@@ -714,16 +716,16 @@ def test_drafters_triton_kernels_share_inductors_cache(tmp_path, monkeypatch):
     """share_triton_cache (trainer.device_setup on a GPU, in train and precompile alike):
     TRITON_CACHE_DIR, when unset, is Inductor's per-device Triton cache under
     TORCHINDUCTOR_CACHE_DIR; one the user set is kept; the CPU's setup leaves it alone."""
-    from drafter import precompile
-    from drafter.trainer import device_setup
+    from drafter.train import aot
+    from drafter.train.trainer import device_setup
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "ind"))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     assert device_setup(SimpleNamespace(dtype="auto"), torch.device("cpu")) is None
     assert "TRITON_CACHE_DIR" not in os.environ
-    precompile.share_triton_cache(3)
+    aot.share_triton_cache(3)
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "ind" / "triton" / "3")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
-    precompile.share_triton_cache(0)
+    aot.share_triton_cache(0)
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
 
 
@@ -751,7 +753,7 @@ def test_compile_stats_count_what_a_compile_cost():
     graph, its forward's compile seconds and then its backward's (compiled at the first
     backward), and nothing for a call that reuses the graph; the compile caches' counts are
     whole numbers (aot_eager here: no Inductor)."""
-    from drafter.trainer import compile_stats
+    from drafter.train.trainer import compile_stats
 
     def g(x):
         for _ in range(12):
@@ -782,8 +784,11 @@ def test_compile_stats_count_what_a_compile_cost():
     # record of that graph, with no function name: the frames name it after the graph and
     # keep the next graph's names. Made as Inductor makes it: a runtime-timed span of the
     # graph, which its compiled graph's first call then records (finish).
-    from torch._dynamo.utils import dynamo_timed, get_compilation_metrics, \
-        get_runtime_metrics_context
+    from torch._dynamo.utils import (
+        dynamo_timed,
+        get_compilation_metrics,
+        get_runtime_metrics_context,
+    )
     from torch._guards import CompileId
 
     cid = str(list(get_compilation_metrics())[-2].compile_id)                      # g's
@@ -803,8 +808,8 @@ def test_compile_stats_count_what_a_compile_cost():
 
 _AOT_PROBE = """
 import json, torch
-from drafter.trainer import compile_stats
-from drafter.ttt import TTT
+from drafter.train.trainer import compile_stats
+from drafter.train.ttt import TTT
 from tests.test_model import batch_of, make_drafter, packed_rows, run_ttt
 d = make_drafter()
 ttt = TTT(d, attention="sdpa", compile=True)  # inductor: pre and post hold _RMSNormFn
@@ -821,7 +826,7 @@ def test_a_second_process_reads_pre_and_post_from_aotautograds_cache(tmp_path):
     cache refuses unless TTT allows it: a second process (a second `drafter train` on one
     machine) then reads both graphs' traced forward and backward from the cache instead of
     tracing them again (issue 18: a warm warm-up's 13.5 s of compiling became 3.5 s). Train
-    traces them only with train.saved_graphs=false or FSDP now (drafter/aot.py)."""
+    traces them only with train.saved_graphs=false or FSDP now (drafter/train/aot.py)."""
     import json
 
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
@@ -844,7 +849,7 @@ def _trace_while_a_module_runs(hold: bool) -> list:
     other thread's forward gave: a tensor, or the exception it raised."""
     import threading
 
-    from drafter import trainer
+    from drafter.train import trainer
 
     lock, layer, out = threading.RLock(), torch.nn.Linear(4, 4), []
     ran = threading.Event()

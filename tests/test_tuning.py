@@ -1,9 +1,9 @@
-"""drafter.tuning: the serving setting from acceptance and step costs (pure arithmetic)."""
+"""drafter.engine.tuning: the serving setting from acceptance and step costs (pure arithmetic)."""
 from __future__ import annotations
 
 import pytest
 
-from drafter.tuning import chain_step_ms, expected_tau, recommend, shape_taus
+from drafter.engine.tuning import chain_step_ms, expected_tau, recommend, shape_taus
 
 
 def test_expected_tau_is_the_chain_formula():

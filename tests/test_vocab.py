@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from drafter import DrafterError
-from drafter import config as C
-from drafter import tokens
-from drafter.rundir import Run, atomic_open
+from drafter.core import config as C
+from drafter.core.rundir import Run, atomic_open
+from drafter.data import tokens
 from drafter.steps import vocab as Vs
 
 

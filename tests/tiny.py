@@ -3,7 +3,7 @@
     path = make_tiny("deepseek_v3", tmp_path, tokenizer_dir=smollm2_dir)
 
 Each is saved as a normal HF folder (config.json + safetensors, plus the SmolLM2 tokenizer when
-given) so that it loads through drafter.target like any user model."""
+given) so that it loads through drafter.core.target like any user model."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -3,7 +3,7 @@
 after-warm-up = (tokens - 10 x tokens / steps) / (last elapsed_s - warmup_s) / steady: the
 steps after the warm-up against the steady speed; steps51-100/steady: the first whole log
 interval after the warm-up against the steady speed (the median of the last half of the
-intervals, drafter/metrics.py throughput)."""
+intervals, drafter/train/metrics.py throughput)."""
 import glob
 import os
 

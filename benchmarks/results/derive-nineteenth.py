@@ -3,7 +3,7 @@ script:
     python3 benchmarks/results/derive-nineteenth.py
 after-warm-up = (tokens - 10 x tokens / steps) / (last elapsed_s - warmup_s) / steady: the
 steps after the warm-up against the steady speed (the median of the last half of the log
-intervals, drafter/metrics.py throughput). wall = setup_s + the last elapsed_s: the process's
+intervals, drafter/train/metrics.py throughput). wall = setup_s + the last elapsed_s: the process's
 setup before the loop (the store, the target's config and embeddings, the model) and the
 loop's train time (validation and checkpoints set aside)."""
 import glob

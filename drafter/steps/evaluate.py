@@ -37,8 +37,8 @@ import shutil
 import time
 from pathlib import Path
 
-from .. import DrafterError
-from ..rundir import MissingInput, Run, atomic_json, atomic_write, read_json
+from drafter import DrafterError
+from drafter.core.rundir import MissingInput, Run, atomic_json, atomic_write, read_json
 
 log = logging.getLogger("drafter")
 
@@ -50,8 +50,8 @@ class EvaluateError(DrafterError):
 # ------------------------------------------------------------------------------------ the inputs
 def _load_drafter(spec: str, what: str, run: Run, cfg, device, dtype):
     """-> (Drafter, resolved path)."""
-    from ..enginedir import load_drafter_dir
-    from ..engines import target_info
+    from drafter.export.enginedir import load_drafter_dir
+    from drafter.export.engines import target_info
 
     if spec == "export":
         path = run.require(run.export("native"), "export")
@@ -74,7 +74,7 @@ def _load_drafter(spec: str, what: str, run: Run, cfg, device, dtype):
 
 
 def _check_drafter(dr, model, what: str, path) -> None:
-    from ..target import hidden_size, num_layers, vocab_size
+    from drafter.core.target import hidden_size, num_layers, vocab_size
 
     c, tc = dr.cfg, model.config
     problems = []
@@ -92,8 +92,8 @@ def _check_drafter(dr, model, what: str, path) -> None:
 
 
 def _datasets(ev) -> list[tuple[str, str, list[dict]]]:
-    """[(name, path, records)]: records hold only system/user turns (drafter.sources)."""
-    from ..sources import load_prompts
+    """[(name, path, records)]: records hold only system/user turns (drafter.data.sources)."""
+    from drafter.data.sources import load_prompts
 
     out, seen = [], set()
     for i, ds in enumerate(ev.datasets):
@@ -112,7 +112,7 @@ def _datasets(ev) -> list[tuple[str, str, list[dict]]]:
 
 
 def _methods(ev):
-    from ..decode import TreeSpec
+    from drafter.engine.decode import TreeSpec
 
     out = []
     for m in ev.methods:
@@ -217,7 +217,7 @@ def _pass(run: Run, key: str, prompts: _Prompts, fn):
     """One decoding pass (fn() -> _decode's result), kept in evaluate/passes/ so that a killed
     evaluate resumes after the passes it finished. A plain pass also keeps the prompt rounds it
     built (MT-bench's second turns carry its answers)."""
-    from ..decode import Output
+    from drafter.engine.decode import Output
 
     name = hashlib.sha256(key.encode()).hexdigest()[:16]
     p = run.step_dir("evaluate") / "passes" / f"{name}.json"
@@ -276,7 +276,7 @@ def _speed(new: int, seconds: float, iterations: int, prefill: float | None = No
 
 
 def _accept(hist: list[int], tree) -> dict:
-    from ..decode import acceptance_stats
+    from drafter.engine.decode import acceptance_stats
 
     st = acceptance_stats(hist)
     drafted = st["steps"] * tree.nodes
@@ -339,8 +339,8 @@ def _r(x, n=3):
 def main(cfg) -> dict:
     import torch
 
-    from ..decode import Decoder, EagleDraft, stop_ids_of
-    from ..target import load_model, load_tokenizer, pick_device, pick_dtype, text_config
+    from drafter.core.target import load_model, load_tokenizer, pick_device, pick_dtype, text_config
+    from drafter.engine.decode import Decoder, EagleDraft, stop_ids_of
 
     ev, run = cfg.evaluate, Run.of(cfg)
     if 0.0 not in [float(t) for t in ev.temperatures]:
@@ -485,13 +485,13 @@ def finish(run: Run, settings: dict, runs: list[dict], plain: dict) -> dict:
 
 
 def _recommend(runs: list[dict], plain: dict, batch: int, drafter_dir: str) -> dict | None:
-    """The serving setting (drafter.tuning) from the drafter's greedy chain run: its conditional
+    """The serving setting (drafter.engine.tuning) from the drafter's greedy chain run: its conditional
     acceptance, the step costs measured per batch size, calibrated on this run's step times
     (decode steps, prefills left out: the per-step figures an engine with continuous batching
     gets) against the costs timed at `batch`, the rows those steps ran at (a batch_size 64 run of
     21 and 22-row batches, calibrated against costs timed at 64 rows, had come out x0.876); and
     from each greedy tree run, its own tau and those of its smaller shapes."""
-    from ..tuning import chain_step_ms, recommend, tree_step_ms
+    from drafter.engine.tuning import chain_step_ms, recommend, tree_step_ms
 
     chain = next((r for r in runs if r["drafter"] == "drafter" and r["method"] == "chain"
                   and r["temperature"] == 0), None)
@@ -636,7 +636,7 @@ def render_report(m: dict) -> str:
     if rec:
         L += ["", "## Serving setting (expected speedup per batch size)", "",
               "From the greedy chain run's conditional acceptance and the step costs measured at "
-              "each batch size (drafter/tuning.py; model calibrated on this run's decode step "
+              "each batch size (drafter/engine/tuning.py; model calibrated on this run's decode step "
               f"times against the costs at batch {rec['calibration']['batch']}, the rows they "
               f"ran at: speculative x{rec['calibration']['spec_ratio']}, plain "
               f"x{rec['calibration']['plain_ratio']}); a greedy tree run's own τ and step, and "
@@ -690,7 +690,7 @@ def _plots(run: Run, runs: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..rundir import atomic_open
+    from drafter.core.rundir import atomic_open
 
     names = [n for n in runs[0]["datasets"] if n != "overall"] + ["overall"]
     cols = min(3, len(runs))

@@ -9,7 +9,7 @@ Writes  export/native/       LlamaForCausalLMEagle3, midlayer.*  (SGLang, vLLM, 
         renamed into place, then linted with `drafter check` (a failed check fails the step).
 Command drafter export CONFIG [export.checkpoint=best] [--force]
 
-Layouts, names and id conventions live in drafter/engines.py (contract: ENGINES.md).
+Layouts, names and id conventions live in drafter/export/engines.py (contract: ENGINES.md).
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ import logging
 import math
 from pathlib import Path
 
-from .. import DrafterError
-from .. import engines as E
-from ..check import format_report, run_checks
-from ..checkpoint import intact, verify_checkpoint
-from ..model import load_drafter, param_count
-from ..rundir import MissingInput, Run, atomic_dir, dir_bytes, read_json
+from drafter import DrafterError
+from drafter.core.rundir import MissingInput, Run, atomic_dir, dir_bytes, read_json
+from drafter.export import engines as E
+from drafter.export.check import format_report, run_checks
+from drafter.train.checkpoint import intact, verify_checkpoint
+from drafter.train.model import load_drafter, param_count
 
 log = logging.getLogger("drafter")
 

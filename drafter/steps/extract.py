@@ -1,8 +1,8 @@
 """The extract step: prefill-only target forwards -> aux hidden states + teacher, sharded on disk.
 
-Reads   tokenize/{train,val}.parquet   input_ids, loss_mask (drafter/tokens.py)
+Reads   tokenize/{train,val}.parquet   input_ids, loss_mask (drafter/data/tokens.py)
         vocab/vocab.safetensors        d2t, t2d: the draft vocab (in_vocab, top-k ids)
-Writes  extract/{train,val}/shard_NNNNN.safetensors + index.json   (format: drafter/store.py)
+Writes  extract/{train,val}/shard_NNNNN.safetensors + index.json   (format: drafter/features/store.py)
         extract/head.safetensors       the target's lm_head rows of the draft vocab
 Command drafter extract CONFIG [key=value ...]
         torchrun --nproc-per-node 8 -m drafter.cli extract CONFIG                 data parallel
@@ -11,12 +11,12 @@ Command drafter extract CONFIG [key=value ...]
 
 The plan is a pure function of the token files and the config, so ranks and reruns agree: samples
 sorted longest first, cut into shards of `extract.shard_tokens` tokens, each shard cut into
-forwards of `extract.batch_tokens` tokens (drafter/capture.py does the forward and the hooks).
+forwards of `extract.batch_tokens` tokens (drafter/features/capture.py does the forward and the hooks).
 Data parallel: rank r of W writes the shards i with i % W == r; every shard is computed from the
 same forwards whatever W, so the shard files are the same. Tensor parallel: every rank runs every
 forward of one sharded target (transformers tp_plan="auto") and rank 0 writes.
 
-Before any weights load: the GPU preflight (drafter/gpu.py) compares free memory with the
+Before any weights load: the GPU preflight (drafter/core/gpu.py) compares free memory with the
 estimated need and refuses when other processes hold memory (extract.preflight). After loading,
 `Capture.self_check` compares the hooks with a plain forward on one real sample.
 
@@ -25,7 +25,7 @@ and the planned sample ids and options) is kept; a missing or corrupt one is (re
 of a killed write are removed. The index is written last. train.online=true: nothing is stored.
 
 On a GPU, train's graphs compile in a process of their own, started just after the preflight, while
-extract plans, loads the target and runs, when memory allows (drafter/precompile.py;
+extract plans, loads the target and runs, when memory allows (drafter/train/precompile.py;
 extract.precompile=false: off): extract waits for it before it returns (and stops it when every
 shard was kept), and its figures are the manifest's "precompile".
 """
@@ -39,10 +39,13 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from .. import capture as C
-from .. import gpu, precompile, store, target, tokens
-from ..dist import Dist, all_gather, barrier, init_dist, read_env
-from ..rundir import Run
+from drafter.core import gpu, target
+from drafter.core.dist import Dist, all_gather, barrier, init_dist, read_env
+from drafter.core.rundir import Run
+from drafter.data import tokens
+from drafter.features import capture as C
+from drafter.features import store
+from drafter.train import precompile
 
 log = logging.getLogger("drafter")
 

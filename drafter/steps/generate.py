@@ -18,8 +18,8 @@ more at each generate.extra_temperatures entry T as a copy with id `ID@tT` (its 
 meta.generate_temperature; the same split). Greedy answers alone give a drafter greedy contexts
 only; sampled copies beside them raised its T=1 acceptance (BENCHMARKS.md, issue 15).
 
-Engines: a server drafter starts (transformers, vllm, sglang: drafter/serve.py), external URLs
-(load-balanced), or `local` (in-process: drafter.engine.LocalGenerator, paged KV cache and
+Engines: a server drafter starts (transformers, vllm, sglang: drafter/serve/servers.py), external URLs
+(load-balanced), or `local` (in-process: drafter.engine.generator.LocalGenerator, paged KV cache and
 continuous batching).
 
 Resume: finished conversations are appended to conversations.jsonl as they complete (one line
@@ -42,9 +42,9 @@ import zlib
 from pathlib import Path
 from typing import Iterator
 
-from .. import DrafterError
-from ..rundir import JsonlAppender, Run, atomic_open, read_jsonl
-from ..synthetic import UserTurns, synthetic_stats
+from drafter import DrafterError
+from drafter.core.rundir import JsonlAppender, Run, atomic_open, read_jsonl
+from drafter.data.synthetic import UserTurns, synthetic_stats
 
 log = logging.getLogger("drafter")
 
@@ -273,7 +273,7 @@ class _Fits:
     context length the server is left to judge."""
 
     def __init__(self, cfg):
-        from .. import target
+        from drafter.core import target
 
         self.tok, self.ctx = None, None
         self.max_tokens, self.kw = cfg.generate.max_tokens, cfg.generate.chat_template_kwargs
@@ -307,7 +307,7 @@ class _Fits:
 
 async def _answer(conv: _Conversation, client, model: str, g, sink: _Sink,
                   fits: _Fits | None = None) -> None:
-    from ..client import RequestError
+    from drafter.serve.client import RequestError
 
     try:
         if not conv.points:
@@ -338,7 +338,7 @@ async def _answer(conv: _Conversation, client, model: str, g, sink: _Sink,
 
 async def _run_http(g, pool, records: Iterator[dict], sink: _Sink,
                     fits: _Fits | None = None) -> None:
-    from ..client import ChatClient
+    from drafter.serve.client import ChatClient
 
     client = ChatClient(pool, g.request_timeout, g.max_retries, g.retry_backoff,
                         concurrency=g.concurrency)
@@ -378,8 +378,8 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> None:
     write the finished ones, refill the pool, repeat; <think> is split off the decoded text.
     Synthetic conversations get their user turns written in the same calls (per-request
     temperature and token cap)."""
-    from ..engine import LocalGenerator
-    from ..target import load_tokenizer
+    from drafter.core.target import load_tokenizer
+    from drafter.engine.generator import LocalGenerator
 
     g = cfg.generate
     tok = load_tokenizer(cfg.target)
@@ -628,7 +628,7 @@ def main(cfg) -> dict:
             finally:
                 sink.close()
         else:
-            from .. import serve
+            from drafter.serve import servers as serve
 
             fits = _Fits(cfg)
             with serve.servers(cfg, run.server_log()) as pool:

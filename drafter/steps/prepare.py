@@ -1,7 +1,7 @@
 """The prepare step: every source in the config -> one canonical conversations file.
 
 Reads   prepare.sources: JSON/JSONL(.gz)/Parquet files, folders, HF datasets, builtin:NAME
-        (drafter/sources.py reads them and detects each one's format)
+        (drafter/data/sources.py reads them and detects each one's format)
 Writes  prepare/conversations.jsonl  {id, source, split: train|val, messages, meta?, tools?}
         prepare/rejects.jsonl        per malformed record: source, file, line, reason, detail
 Command drafter prepare CONFIG
@@ -28,10 +28,10 @@ from collections import Counter
 import numpy as np
 from tqdm import tqdm
 
-from .. import DrafterError
-from ..config import ConfigError
-from ..rundir import JsonlAppender, Run, atomic_open
-from ..sources import Reject, read_source, source_name
+from drafter import DrafterError
+from drafter.core.config import ConfigError
+from drafter.core.rundir import JsonlAppender, Run, atomic_open
+from drafter.data.sources import Reject, read_source, source_name
 
 log = logging.getLogger("drafter")
 

@@ -2,7 +2,7 @@
 
 Reads   generate/conversations.jsonl when generate.enabled, else prepare/conversations.jsonl;
         the target's tokenizer and chat template (target.chat_template overrides it)
-Writes  tokenize/train.parquet, tokenize/val.parquet (schema in drafter/tokens.py)
+Writes  tokenize/train.parquet, tokenize/val.parquet (schema in drafter/data/tokens.py)
 Command drafter tokenize CONFIG
 
 loss_mask is 1 on exactly the tokens the assistant generates: its reasoning (as the template
@@ -52,9 +52,10 @@ from typing import Iterator
 
 from tqdm import tqdm
 
-from .. import DrafterError, target
-from ..rundir import Run, atomic_open
-from ..tokens import TokenWriter
+from drafter import DrafterError
+from drafter.core import target
+from drafter.core.rundir import Run, atomic_open
+from drafter.data.tokens import TokenWriter
 
 log = logging.getLogger("drafter")
 

@@ -11,7 +11,7 @@ Writes  train/step_NNNNNN/  model.safetensors + drafter_config.json (model.save_
     drafter train CONFIG [train.lr=3e-4 ...]
     torchrun --nproc-per-node 8 -m drafter.cli train CONFIG [train.fsdp=true]
 
-This file is the loop, top to bottom. What it calls: drafter/batches.py (the data pipeline),
+This file is the loop, top to bottom. What it calls: drafter/train/batches.py (the data pipeline),
 trainer.py (the model set up for the ranks, one optimizer step), ttt.py (the K-step unroll and
 its loss), checkpoint.py, metrics.py, and dist.py (torchrun's environment).
 
@@ -41,20 +41,56 @@ import time
 
 import torch
 
-from .. import DrafterError, store, target, tokens
-from ..batches import Prefetch, Source, device_batch, epoch_micro_batches, grouped, \
-    host_batch, host_batches, model_inputs, pack
-from ..checkpoint import best_checkpoint, checkpoint_step, load_checkpoint, prune_checkpoints, \
-    resume_from, save_checkpoint, tokens_seen
-from ..config import ConfigError
-from ..dist import Dist, all_sum, close_dist, dist_env
-from ..metrics import Meter, atomic_json_lines, fmt_line, tb_write, tensorboard_writer, \
-    throughput
-from ..model import Drafter, param_count
-from ..rundir import JsonlAppender, Run, read_jsonl
-from ..trainer import WARMUP_STEPS, GcClock, Phases, build_drafter, compile_stats, \
-    compiled_graphs, compiles_hold, device_setup, pick_attention, setup_model, sync_device, \
-    train_step
+from drafter import DrafterError
+from drafter.core import target
+from drafter.core.config import ConfigError
+from drafter.core.dist import Dist, all_sum, close_dist, dist_env
+from drafter.core.rundir import JsonlAppender, Run, read_jsonl
+from drafter.data import tokens
+from drafter.features import store
+from drafter.train.batches import (
+    Prefetch,
+    Source,
+    device_batch,
+    epoch_micro_batches,
+    grouped,
+    host_batch,
+    host_batches,
+    model_inputs,
+    pack,
+)
+from drafter.train.checkpoint import (
+    best_checkpoint,
+    checkpoint_step,
+    load_checkpoint,
+    prune_checkpoints,
+    resume_from,
+    save_checkpoint,
+    tokens_seen,
+)
+from drafter.train.metrics import (
+    Meter,
+    atomic_json_lines,
+    fmt_line,
+    tb_write,
+    tensorboard_writer,
+    throughput,
+)
+from drafter.train.model import Drafter, param_count
+from drafter.train.trainer import (
+    WARMUP_STEPS,
+    GcClock,
+    Phases,
+    build_drafter,
+    compile_stats,
+    compiled_graphs,
+    compiles_hold,
+    device_setup,
+    pick_attention,
+    setup_model,
+    sync_device,
+    train_step,
+)
 
 log = logging.getLogger("drafter")
 
@@ -134,7 +170,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     make = lambda g: host_batches(train_src, g, B, T, tc, drafter.embed_tokens.weight)  # noqa
     # online, the thread runs the target too: on a stream of its own on a GPU, over the samples
     # of online_group micro-batches at once (issue 18); with two groups queued, one being built
-    # and one batch in use, plan.train_gpu_bytes counts 3 x online_group + 1 in flight
+    # and one batch in use, memory.train_gpu_bytes counts 3 x online_group + 1 in flight
     group = tc.online_group if tc.online else 1
     feed = Prefetch(make, grouped(jobs(step), group, step * tc.grad_accum), depth=2 * group,
                     device=dev if tc.online else None,
@@ -373,7 +409,7 @@ def _main(cfg, dist: Dist) -> dict:
     target_config = target.load_config(cfg.target)
     setup.tick("target_config")
     if tc.online:
-        from ..capture import load_capture
+        from drafter.features.capture import load_capture
         cap = load_capture(cfg, device=str(dist.device))
         layer_ids, head = cap.layer_ids, cap.head
         train_src = Source.online(run.require(run.tokens("train"), "tokenize"), cap)

@@ -1,7 +1,7 @@
 """The vocab step: which target tokens the drafter can propose (DESIGN.md, "Vocab map").
 
 Reads   tokenize/train.parquet (input_ids where loss_mask == 1); the target's config (vocab size)
-Writes  vocab/vocab.safetensors  d2t [Vd] int64, t2d [V] bool, counts [V] int64 (drafter/tokens.py)
+Writes  vocab/vocab.safetensors  d2t [Vd] int64, t2d [V] bool, counts [V] int64 (drafter/data/tokens.py)
         vocab/vocab.json         coverage, sizes, and the coverage other draft vocab sizes would get
 Command drafter vocab CONFIG
 
@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .. import DrafterError, target
-from ..rundir import Run, atomic_json
-from ..tokens import iter_token_batches, num_rows, save_vocab
+from drafter import DrafterError
+from drafter.core import target
+from drafter.core.rundir import Run, atomic_json
+from drafter.data.tokens import iter_token_batches, num_rows, save_vocab
 
 log = logging.getLogger("drafter")
 

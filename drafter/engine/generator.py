@@ -1,0 +1,542 @@
+"""The data engine: batched generation of a target in-process, as fast as one GPU allows, for the
+generate step's `engine: local` (answers, and the user turns of synthetic prompts).
+
+    eng = Engine(model, max_batch=1024)                        # any HF causal LM it supports
+    res = eng.generate(prompts, max_new=512, stop_ids=[2])     # list[Result], prompt order
+    gen = LocalGenerator(cfg.target, batch_size=1024)          # one Engine per visible GPU
+    gen.generate(prompts, 512, temperature=0.0, top_p=1.0, seed=0)   # [(token_ids, finish)]
+
+Shapes: B rows (max_batch), V target vocab, P tokens per page, W pages per row (table width).
+
+How it works:
+  - KV cache: drafter.engine.paged, pages of P tokens. A request is admitted when the pages for its prompt
+    plus its max_new tokens are free, so a batch never runs out of memory mid-answer and each row
+    holds only its own length (the static cache held every row at the longest prompt's length).
+  - Memory plan (`plan`): pages = the free GPU memory times `memory_fraction`, less what a prefill
+    chunk and the decode step need (measured on a dry run), capped at what the requests can use.
+    A request that can never fit (prompt + max_new over the pool or the model's positions) is
+    returned as finish "too_long" instead of failing the batch.
+  - Continuous batching: every `sync_every` steps the host reads which rows finished (one sync),
+    collects them, and once `refill_fraction` of the rows are free prefills the next prompts into
+    them (right-padded chunks of at most `prefill_tokens`, logits only at each prompt's last
+    token). A long answer never holds the others back.
+  - The decode step (B rows, one token each) is one CUDA graph per batch bucket (B, B/2, ... 8):
+    rows without a request write to the sink page and attend to nothing. When the queue is empty
+    the live rows are compacted into the lowest rows (their page tables move, their pages do not)
+    and the smallest bucket that holds them runs, so the tail of long answers runs small.
+  - Sampling per row: greedy at temperature 0, else Gumbel-max over logits / temperature (with
+    nucleus top_p for all rows), one seeded stream per call.
+
+Models with sliding windows, softcapping or scaled logits (drafter.engine.paged.unsupported) run on the
+static decoder instead (drafter.engine.decode.Decoder: static batches, same results, slower).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from drafter.core.gpu import triton_available
+from drafter.engine.paged import (
+    PagedCache,
+    paged_context,
+    unsupported,
+    use_paged_attention,
+)
+from drafter.engine.static import Graphs
+from drafter.engine.tree import DecodeError, _gumbel_like, nucleus
+
+log = logging.getLogger("drafter")
+
+MIN_BUCKET = 8
+
+
+@dataclass
+class Result:
+    tokens: list[int]   # new tokens; the stop token is kept when it ended the text
+    finish: str         # "stop", "length", or "too_long" (never started: it cannot fit)
+
+
+@dataclass
+class _Request:
+    index: int
+    ids: list[int]
+    max_new: int
+    temperature: float
+
+
+def _requests(prompts, max_new, temperature) -> list[_Request]:
+    """One request per prompt; max_new and temperature: one value, or one per prompt."""
+    n = len(prompts)
+    mx = list(max_new) if isinstance(max_new, Sequence) else [max_new] * n
+    tp = list(temperature) if isinstance(temperature, Sequence) else [temperature] * n
+    reqs = [_Request(i, list(map(int, p)), int(m), float(t))
+            for i, (p, m, t) in enumerate(zip(prompts, mx, tp))]
+    if any(not q.ids for q in reqs):
+        raise DecodeError("empty prompt: every prompt needs at least one token")
+    if any(q.max_new < 1 for q in reqs):
+        raise DecodeError("max_new must be >= 1")
+    return reqs
+
+
+class _Queue:
+    """Requests shared by the replicas of one call (longest prompt first), thread-safe."""
+
+    def __init__(self, reqs: list[_Request]):
+        self.reqs = sorted(reqs, key=lambda r: -len(r.ids))
+        self.head = 0
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.reqs) - self.head
+
+    def peek(self) -> _Request | None:
+        with self.lock:
+            return self.reqs[self.head] if self.head < len(self.reqs) else None
+
+    def take_if(self, req: _Request) -> bool:
+        """Take `req` if it is still the head (another replica may have taken it)."""
+        with self.lock:
+            if self.head < len(self.reqs) and self.reqs[self.head] is req:
+                self.head += 1
+                return True
+            return False
+
+
+class _Rows:
+    """Persistent per-row decode state (updated in place: the captured step reads it)."""
+
+    def __init__(self, B: int, W: int, out_width: int, n_stop: int, device):
+        z = dict(dtype=torch.long, device=device)
+        self.tok, self.ctx, self.n_out, self.max_new, self.write = (torch.zeros(B, **z)
+                                                                     for _ in range(5))
+        self.temp = torch.zeros(B, dtype=torch.float32, device=device)
+        self.active = torch.zeros(B, dtype=torch.bool, device=device)
+        self.out = torch.zeros(B, out_width, **z)
+        self.table = torch.zeros(B, W, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(B, dtype=torch.int32, device=device)
+        self.stop = torch.full((max(1, n_stop),), -1, **z)
+
+    def tensors(self) -> list[Tensor]:
+        return [self.tok, self.ctx, self.n_out, self.max_new, self.write, self.temp, self.active,
+                self.out, self.table, self.lens]
+
+
+class EngineUnsupported(DecodeError):
+    pass
+
+
+class Engine:
+    """Batched generation of one target on its device (module docstring). `last` holds the
+    figures of the latest call: seconds, prefill_seconds, capture_seconds, steps, tokens,
+    pages, page_bytes, peak_bytes, batch."""
+
+    def __init__(self, model, max_batch: int = 256, page_size: int = 64,
+                 prefill_tokens: int = 32768, memory_fraction: float = 0.9,
+                 cuda_graphs: bool = True, sync_every: int = 8, refill_fraction: float = 1 / 16):
+        why = unsupported(model)
+        if why:
+            raise EngineUnsupported(f"{type(model).__name__}: {why}")
+        use_paged_attention(model)
+        self.model, self.decoder = model, model.get_decoder()
+        self.head = model.get_output_embeddings()
+        emb = model.get_input_embeddings().weight
+        self.device, self.dtype = emb.device, emb.dtype
+        params = inspect.signature(self.decoder.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5.2x
+        from drafter.core.target import text_config
+        self.max_positions = int(getattr(text_config(model.config), "max_position_embeddings",
+                                         0) or 0)
+        self.max_batch, self.P = max_batch, page_size
+        self.prefill_tokens, self.memory_fraction = prefill_tokens, memory_fraction
+        self.sync_every, self.refill_fraction = max(1, sync_every), refill_fraction
+        self.graphs = Graphs(cuda_graphs and self.device.type == "cuda")
+        self.cache = PagedCache()
+        self.cache.use_triton = triton_available(self.device)
+        with paged_context(self.cache):                        # the probe: head layout per layer
+            self.cache.prefill(None)
+            self._forward(torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                          torch.zeros(1, 1, dtype=torch.long, device=self.device))
+        self.page_bytes = self.cache.bytes_per_token(self.dtype) * page_size
+        self.pages = 0
+        self.rows: _Rows | None = None
+        self._reserve: int | None = None
+        self.last: dict = {}
+
+    # ------------------------------------------------------------------------ the forwards
+    def _forward(self, ids: Tensor, pos: Tensor) -> Tensor:
+        """The decoder over ids [R, T] at positions pos [R, T] -> last hidden states [R, T, H]."""
+        out = self.decoder(input_ids=ids, position_ids=pos, use_cache=True,
+                           **{self._cache_kw: self.cache})
+        return out.last_hidden_state
+
+    def _pick(self, logits: Tensor, temp: Tensor, top_p: float, sampling: bool) -> Tensor:
+        """Next token per row from logits [R, V] (float): argmax where temp == 0, else a
+        Gumbel-max sample of logits / temp within the top_p nucleus."""
+        greedy = logits.argmax(-1)
+        if not sampling:
+            return greedy
+        lg = nucleus(logits / temp.clamp(min=1e-6)[:, None], top_p)
+        return torch.where(temp > 0, (lg + _gumbel_like(lg)).argmax(-1), greedy)
+
+    def _step(self, b: int, top_p: float, sampling: bool) -> None:
+        """One decode step of rows [0, b): captured once per (b, sampling, top_p)."""
+        r, P = self.rows, self.P
+        act = r.active[:b]
+        ctx = r.ctx[:b]
+        page = r.table[:b].gather(1, (ctx // P).clamp(max=r.table.shape[1] - 1)[:, None])[:, 0]
+        r.write[:b] = torch.where(act, page.long() * P + ctx % P, 0)
+        r.lens[:b] = torch.where(act, ctx + 1, 0).int()
+        self.cache.decode(r.write[:b], r.table[:b], r.lens[:b])
+        h = self._forward(r.tok[:b, None], ctx[:, None])[:, -1]                    # [b, H]
+        nxt = self._pick(self.head(h).float(), r.temp[:b], top_p, sampling)        # [b]
+        col = torch.where(act, r.n_out[:b], r.out.shape[1] - 1)
+        r.out[:b].scatter_(1, col[:, None], nxt[:, None])
+        r.n_out[:b] += act.long()
+        r.ctx[:b] += act.long()
+        r.tok[:b] = torch.where(act, nxt, r.tok[:b])
+        done = (nxt[:, None] == r.stop).any(-1) | (r.n_out[:b] >= r.max_new[:b])
+        r.active[:b] = act & ~done
+
+    def _prefill(self, rows: list[int], reqs: list[_Request], top_p: float,
+                 sampling: bool) -> None:
+        """Prompts into rows (their page tables are set): right-padded chunks of at most
+        prefill_tokens tokens; each row's first new token from its last prompt position."""
+        r, P, dev = self.rows, self.P, self.device
+        i = 0
+        while i < len(reqs):
+            Tq = len(reqs[i].ids)
+            n = max(1, min(len(reqs) - i, self.prefill_tokens // max(Tq, 1)))
+            grp, rws = reqs[i:i + n], rows[i:i + n]
+            i += n
+            Tq = max(len(q.ids) for q in grp)
+            ids = torch.zeros(len(grp), Tq, dtype=torch.long)
+            for j, q in enumerate(grp):
+                ids[j, :len(q.ids)] = torch.tensor(q.ids)
+            ids = ids.to(dev)
+            lens = torch.tensor([len(q.ids) for q in grp], device=dev)
+            ridx = torch.tensor(rws, device=dev)
+            t = torch.arange(Tq, device=dev)
+            tab = r.table.index_select(0, ridx).long()                              # [R, W]
+            slot = tab.gather(1, (t // P).expand(len(grp), -1)) * P + t % P         # [R, Tq]
+            slot = torch.where(t[None] < lens[:, None], slot, 0)
+            self.cache.prefill(slot.reshape(-1))
+            h = self._forward(ids, t.expand(len(grp), -1))                          # [R, Tq, H]
+            last = h[torch.arange(len(grp), device=dev), lens - 1]                  # [R, H]
+            temp = torch.tensor([q.temperature for q in grp], dtype=torch.float32, device=dev)
+            first = self._pick(self.head(last).float(), temp, top_p, sampling)      # [R]
+            max_new = torch.tensor([q.max_new for q in grp], device=dev)
+            for dst, v in ((r.tok, first), (r.ctx, lens), (r.n_out, torch.ones_like(lens)),
+                           (r.max_new, max_new), (r.temp, temp)):
+                dst.index_copy_(0, ridx, v.to(dst.dtype))
+            out = torch.zeros(len(grp), r.out.shape[1], dtype=torch.long, device=dev)
+            out[:, 0] = first
+            r.out.index_copy_(0, ridx, out)
+            done = (first[:, None] == r.stop).any(-1) | (max_new <= 1)
+            r.active.index_copy_(0, ridx, ~done)
+
+    # ------------------------------------------------------------------------ memory
+    def _activation_reserve(self, top_p: float) -> int:
+        """Bytes a prefill chunk and the decode step need beyond the pools, measured once on a
+        dry run (pages: the sink only), plus the decode logits at max_batch."""
+        if self._reserve is not None:
+            return self._reserve
+        if self.device.type != "cuda":
+            self._reserve = 0
+            return 0
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        T = min(self.prefill_tokens, 2048)
+        R = max(1, self.prefill_tokens // T)
+        self.cache.allocate(1, self.P, self.dtype, self.device)
+        with paged_context(self.cache), torch.no_grad():
+            self.cache.prefill(torch.zeros(R * T, dtype=torch.long, device=self.device))
+            h = self._forward(torch.zeros(R, T, dtype=torch.long, device=self.device),
+                              torch.arange(T, device=self.device).expand(R, -1))
+            self.head(h[:, -1]).float()
+            del h
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.cache.allocate(0, self.P, self.dtype, self.device)
+        V = self.head.weight.shape[0]
+        logits = self.max_batch * V * (4 * 3 + (8 if top_p < 1 else 0))
+        self._reserve = int(peak + logits + (512 << 20))  # + the graph pool, cuBLAS workspace
+        return self._reserve
+
+    def plan(self, reqs: Sequence[_Request], top_p: float = 1.0) -> int:
+        """Pages for the pools: what the largest max_batch requests could hold at once, capped on
+        CUDA by free memory x memory_fraction less the activation reserve. Raises when not even
+        the smallest request fits."""
+        P = self.P
+        need = [math.ceil((len(q.ids) + q.max_new) / P) for q in reqs]
+        want = 1 + sum(sorted(need, reverse=True)[:self.max_batch])
+        if self.device.type != "cuda":
+            return want
+        reserve = self._activation_reserve(top_p)
+        self.cache.allocate(0, P, self.dtype, self.device)             # free the old pools
+        self.pages, self.rows = 0, None
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = int(free * self.memory_fraction) - reserve
+        fit = budget // self.page_bytes
+        if fit < 1 + min(need):
+            raise DecodeError(
+                f"generate (local): {free / 2**30:.1f} GiB free on {self.device}, the decode step "
+                f"and prefill need {reserve / 2**30:.1f} GiB and the shortest request "
+                f"{min(need) * self.page_bytes / 2**30:.2f} GiB of KV cache: lower "
+                f"generate.batch_size (now {self.max_batch}) or generate.max_tokens, or free the "
+                f"GPU")
+        return int(min(want, fit))
+
+    def _allocate(self, pages: int, out_width: int, W: int, n_stop: int) -> None:
+        shape = (self.max_batch, W, out_width, n_stop)
+        if pages != self.pages or self.rows is None or self._shape != shape:
+            self.graphs.clear()
+            self.cache.allocate(pages, self.P, self.dtype, self.device)
+            self.rows = _Rows(self.max_batch, W, out_width, n_stop, self.device)
+            self.pages, self._shape = pages, shape
+
+    # ------------------------------------------------------------------------ the loop
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new: int | Sequence[int], *,
+                 stop_ids: Sequence[int] = (), temperature: float | Sequence[float] = 0.0,
+                 top_p: float = 1.0, progress=None) -> list[Result]:
+        """Decode each prompt (token ids) for up to max_new new tokens (one value, or one per
+        prompt), stopping at a stop id. Results come back in prompt order."""
+        reqs = _requests(prompts, max_new, temperature)
+        n = len(reqs)
+        results: list[Result | None] = [None] * n
+        self.run(_Queue(reqs), results, stop_ids, top_p, progress)
+        return results  # type: ignore[return-value]
+
+    def run(self, queue: _Queue, results: list, stop_ids: Sequence[int], top_p: float,
+            progress=None) -> None:
+        """Drain `queue` (shared with other replicas) into `results[request.index]`."""
+        t_start = time.perf_counter()
+        cap0 = self.graphs.capture_seconds
+        last = {"seconds": 0.0, "prefill_seconds": 0.0, "capture_seconds": 0.0, "steps": 0,
+                "tokens": 0, "requests": 0, "too_long": 0}
+        self.last = last
+        reqs = queue.reqs[queue.head:]
+        if not reqs:
+            return
+        use_paged_attention(self.model)  # a static decoder on the same model may have switched it
+        fits = [q for q in reqs if not self.max_positions
+                or len(q.ids) + q.max_new <= self.max_positions]
+        pages = self.plan(fits or reqs[:1], top_p)
+        P = self.P
+        W = max(1, max(math.ceil((len(q.ids) + q.max_new) / P) for q in (fits or reqs)))
+        W = min(W, pages - 1) if pages > 1 else 1
+        self._allocate(pages, max(q.max_new for q in reqs) + 1, W, len(stop_ids))
+        r, B = self.rows, self.max_batch
+        for t in r.tensors():
+            t.zero_()
+        r.stop.fill_(-1)
+        if stop_ids:
+            r.stop[:len(stop_ids)] = torch.tensor(list(stop_ids), device=self.device)
+        sampling = any(q.temperature > 0 for q in reqs)
+        stops = set(int(s) for s in stop_ids)
+        free_pages = list(range(pages - 1, 0, -1))                 # page 0: the sink
+        free_rows = list(range(B - 1, -1, -1))
+        live: dict[int, tuple[_Request, list[int]]] = {}
+        refill_min = max(1, int(B * self.refill_fraction))
+        buckets = sorted({B} | {b for b in (B >> i for i in range(1, 12)) if b >= MIN_BUCKET})
+        last.update(pages=pages, page_bytes=self.page_bytes, batch=B, table_width=W,
+                    triton=self.cache.use_triton)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+        def done(q: _Request, res: Result) -> None:
+            results[q.index] = res
+            last["requests"] += 1
+            if progress is not None:
+                progress.update(1)
+
+        with paged_context(self.cache):
+            while True:
+                # admit: once enough rows are free (or none are live), the head of the queue
+                if free_rows and (len(free_rows) >= refill_min or not live) and len(queue):
+                    adm_rows, adm = [], []
+                    while free_rows:
+                        q = queue.peek()
+                        if q is None:
+                            break
+                        need = math.ceil((len(q.ids) + q.max_new) / P)
+                        if need > W or (self.max_positions
+                                        and len(q.ids) + q.max_new > self.max_positions):
+                            if queue.take_if(q):
+                                last["too_long"] += 1
+                                done(q, Result([], "too_long"))
+                            continue
+                        if need > len(free_pages) or not queue.take_if(q):
+                            break
+                        row = free_rows.pop()
+                        pg = [free_pages.pop() for _ in range(need)]
+                        live[row] = (q, pg)
+                        adm_rows.append(row)
+                        adm.append(q)
+                    if adm:
+                        t0 = time.perf_counter()
+                        tab = torch.zeros(len(adm), W, dtype=torch.int32)    # one copy for all
+                        for j, row in enumerate(adm_rows):
+                            pg = live[row][1]
+                            tab[j, :len(pg)] = torch.tensor(pg, dtype=torch.int32)
+                        r.table.index_copy_(0, torch.tensor(adm_rows, device=self.device),
+                                            tab.to(self.device))
+                        self._prefill(adm_rows, adm, top_p, sampling)
+                        last["prefill_seconds"] += time.perf_counter() - t0
+                if not live:
+                    if not len(queue):
+                        break
+                    continue
+                if not len(queue):                    # the tail: compact into the low rows
+                    self._compact(live, free_rows)
+                hi = max(live) + 1
+                b = next(x for x in buckets if x >= hi)
+                key = ("decode", b, sampling, top_p)
+                for _ in range(self.sync_every):
+                    self.graphs.run(key, lambda: self._step(b, top_p, sampling), r.tensors())
+                last["steps"] += self.sync_every
+                active = r.active.tolist()                                   # one sync
+                ended = [row for row in live if not active[row]]
+                if ended:
+                    idx = torch.tensor(ended, device=self.device)
+                    n_out = r.n_out[idx].tolist()
+                    width = max(n_out)
+                    outs = r.out[idx, :width].tolist()
+                    for row, k, toks in zip(ended, n_out, outs):
+                        q, pg = live.pop(row)
+                        toks = toks[:min(k, q.max_new)]
+                        cut = next((i for i, t in enumerate(toks) if t in stops), None)
+                        toks = toks if cut is None else toks[:cut + 1]
+                        last["tokens"] += len(toks)
+                        done(q, Result(toks, "stop" if cut is not None else "length"))
+                        free_pages.extend(pg)
+                        free_rows.append(row)
+                    free_rows.sort(reverse=True)                    # the lowest rows first
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            last["peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        last["capture_seconds"] = self.graphs.capture_seconds - cap0
+        last["seconds"] = time.perf_counter() - t_start - last["capture_seconds"]
+
+    def _compact(self, live: dict, free_rows: list[int]) -> None:
+        """Move live rows above the lowest free rows down into them (state and page tables;
+        the pages themselves stay), so that a smaller bucket holds every live row."""
+        moves = []
+        for row in sorted(live, reverse=True):
+            if not free_rows or free_rows[-1] > row:
+                break
+            dst = free_rows.pop()
+            moves.append((row, dst))
+            live[dst] = live.pop(row)
+            free_rows.append(row)
+            free_rows.sort(reverse=True)
+        if not moves:
+            return
+        src = torch.tensor([m[0] for m in moves], device=self.device)
+        dst = torch.tensor([m[1] for m in moves], device=self.device)
+        for t in self.rows.tensors():
+            t.index_copy_(0, dst, t.index_select(0, src))
+        self.rows.active.index_fill_(0, src, False)
+
+
+# ----------------------------------------------------------------------- generate, engine=local
+class LocalGenerator:
+    """In-process generation for `generate.server.engine: local`: one Engine per visible GPU
+    (`target.device: auto`), all draining one queue, each in its own thread (a graph replay leaves
+    the GIL free); the static decoder for models the paged engine does not support.
+
+        gen = LocalGenerator(cfg.target, batch_size=cfg.generate.batch_size)
+        for token_ids, finish_reason in gen.generate(prompts, 512, 0.0, 1.0, seed=0): ...
+
+    token_ids exclude the stop token (as OpenAI-compatible servers return text); finish_reason is
+    "stop", "length" or "too_long" (the prompt and max_new_tokens do not fit: nothing generated).
+    """
+
+    def __init__(self, target_cfg, batch_size: int = 64, cuda_graphs: bool = True, **engine_kw):
+        from drafter.core.target import load_model, load_tokenizer
+        from drafter.engine.decode import Decoder, stop_ids_of
+
+        n = torch.cuda.device_count() if target_cfg.device == "auto" else 1
+        devices = [f"cuda:{i}" for i in range(n)] if n > 1 else [None]
+        self.models = [load_model(target_cfg, device=d) for d in devices]
+        self.model = self.models[0]
+        self.tokenizer = load_tokenizer(target_cfg)
+        self.stop_ids = stop_ids_of(self.tokenizer, self.model)
+        self.batch_size = batch_size
+        try:
+            self.engines = [Engine(m, max_batch=batch_size, cuda_graphs=cuda_graphs, **engine_kw)
+                            for m in self.models]
+        except EngineUnsupported as e:
+            log.info("generate (local): %s; decoding in static batches", e)
+            self.engines = [Decoder(m, max_batch=batch_size, cuda_graphs=cuda_graphs)
+                            for m in self.models]
+        self.replicas = len(self.engines)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | Sequence[int],
+                 temperature: float | Sequence[float] = 0.0, top_p: float = 1.0,
+                 seed: int = 0, stop_ids: Sequence[int] | None = None
+                 ) -> list[tuple[list[int], str]]:
+        """max_new_tokens and temperature: one value, or one per prompt; stop_ids: the model's
+        end-of-text ids by default."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tqdm import tqdm
+
+        reqs = _requests(prompts, max_new_tokens, temperature)
+        n = len(reqs)
+        stop = list(self.stop_ids if stop_ids is None else stop_ids)
+        bar = tqdm(total=n, desc="generate (local)", unit="prompt", disable=n <= self.batch_size)
+        results: list = [None] * n
+        if not isinstance(self.engines[0], Engine):
+            outs = self._static(reqs, top_p, seed, bar, stop)
+        else:
+            queue = _Queue(reqs)
+
+            def work(i):
+                eng = self.engines[i]
+                with torch.cuda.device(eng.device) if eng.device.type == "cuda" \
+                        else nullcontext():
+                    torch.manual_seed(seed + i)
+                    eng.run(queue, results, stop, top_p, bar)
+            try:
+                if len(self.engines) == 1:
+                    work(0)
+                else:
+                    with ThreadPoolExecutor(len(self.engines)) as ex:
+                        list(ex.map(work, range(len(self.engines))))
+            except torch.cuda.OutOfMemoryError as e:
+                raise DecodeError(f"generate (local): out of GPU memory at batch "
+                                  f"{self.batch_size}: lower generate.batch_size ({e})") from None
+            finally:
+                bar.close()
+            outs = results
+        return [(o.tokens[:-1] if o.finish == "stop" else o.tokens, o.finish) for o in outs]
+
+    def _static(self, reqs: list[_Request], top_p, seed, bar, stop) -> list[Result]:
+        """The static decoder (one device): batches of equal max_new and temperature."""
+        dec = self.engines[0]
+        res: list = [None] * len(reqs)
+        groups: dict = {}
+        for q in reqs:
+            groups.setdefault((q.max_new, q.temperature), []).append(q.index)
+        torch.manual_seed(seed)
+        try:
+            for (m, t), idx in groups.items():
+                outs = dec.generate([reqs[i].ids for i in idx], m, stop_ids=stop,
+                                    temperature=t, top_p=top_p, progress=bar)
+                for i, o in zip(idx, outs):
+                    res[i] = Result(o.tokens, o.finish)
+        finally:
+            bar.close()
+        return res

@@ -1,0 +1,297 @@
+"""The paged KV cache and its attention: what lets the data engine (drafter.engine.generator) hold each row's
+keys and values at its own length, and read only those.
+
+    cache = PagedCache()                                   # a transformers Cache
+    cache.allocate(pages=4096, page_size=64, shapes={0: (3, 64, 64), ...}, dtype, device)
+    use_paged_attention(model)                             # attention through `paged_attention`
+    with paged_context(cache):                             # this thread's forwards use the cache
+        cache.prefill(write)   / cache.decode(write, table, lens)
+        model.get_decoder()(input_ids=..., position_ids=..., cache=cache)
+
+Shapes: B rows, T tokens of a forward, P tokens per page, W pages a row may hold (table width),
+nh query heads, nkv key/value heads, hdk / hdv key / value head dims (MLA: 192 / 128), g = nh/nkv.
+
+Layout. Per layer one key pool [pages·P, nkv, hdk] and one value pool [pages·P, nkv, hdv]; token
+position p of row b lives at flat slot table[b, p // P]·P + p % P. Page 0 is a sink that rows
+without a request (and prefill padding) write to and nobody reads: every shape stays fixed, so
+the decode step is one CUDA graph however many rows are live and however long they are.
+
+Two modes, set per forward:
+  prefill  right-padded prompts [B, T] from position 0: keys/values are written to their slots and
+           attention is plain causal SDPA over the fresh keys (padding sits after every real token
+           of its row, so no real token sees it);
+  decode   one token per row: written at its slot, then attention over the row's lens[b] tokens
+           read through its page table: a Triton kernel on CUDA (`_paged_decode_kernel`, one
+           program per (row, kv head), online softmax over the row's pages only), a gather + SDPA
+           anywhere else (`paged_attention_reference`, also the kernel's test oracle).
+
+The cost of decode attention is then the row's own length, not the longest row's: the static cache
+(drafter.engine.static) reads every row's slots up to the batch's longest, and its buffer [rows, slots]
+is sized by the longest prompt, which is what ran an H200 out of memory at batch 1024.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+_IMPL = "drafter_paged"
+_local = threading.local()   # LocalGenerator runs one replica per GPU, each in its own thread
+
+
+# ------------------------------------------------------------------------------ the cache
+def _paged_cache_class():
+    from transformers.cache_utils import Cache
+
+    class PagedCache(Cache):
+        """Per-layer key/value pools written at flat slots (module docstring). Before a forward
+        the caller sets the mode with `prefill(write)` or `decode(write, table, lens)`; `write`
+        [B·T] holds each token's slot (0: the sink). Pools are allocated by `allocate`, or, when
+        `shapes` is None, by the first forward (a probe: it records each layer's head layout)."""
+
+        def __init__(self):
+            super().__init__(layers=[])
+            self.k: dict[int, Tensor] = {}
+            self.v: dict[int, Tensor] = {}
+            self.shapes: dict[int, tuple[int, int, int]] = {}   # layer -> (nkv, hdk, hdv)
+            # layers whose attention does not read what the cache returns (MLA caches latents
+            # and expands them after): decode hands them each row's gathered pages instead
+            self.gather: set[int] = set()
+            self.returned: dict[int, int] = {}
+            self.mode, self.write, self.table, self.lens = "prefill", None, None, None
+            self.page_size, self.use_triton = 0, False
+
+        def allocate(self, pages: int, page_size: int, dtype, device) -> None:
+            """Pools of `pages` pages of `page_size` tokens for every layer seen by the probe."""
+            self.k, self.v, self.page_size = {}, {}, page_size
+            for i, (nkv, hdk, hdv) in self.shapes.items():
+                self.k[i] = torch.zeros(pages * page_size, nkv, hdk, dtype=dtype, device=device)
+                self.v[i] = torch.zeros(pages * page_size, nkv, hdv, dtype=dtype, device=device)
+
+        def bytes_per_token(self, dtype) -> int:
+            size = torch.empty((), dtype=dtype).element_size()
+            return sum(nkv * (hdk + hdv) * size for nkv, hdk, hdv in self.shapes.values())
+
+        def prefill(self, write: Tensor | None) -> None:
+            self.mode, self.write = "prefill", write
+
+        def decode(self, write: Tensor, table: Tensor, lens: Tensor) -> None:
+            self.mode, self.write, self.table, self.lens = "decode", write, table, lens
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            B, nkv, T, hdk = key_states.shape
+            if layer_idx not in self.k:                      # the probe: record, store nothing
+                self.shapes[layer_idx] = (nkv, hdk, value_states.shape[-1])
+                self.returned[layer_idx] = id(key_states)
+                return key_states, value_states
+            kp, vp = self.k[layer_idx], self.v[layer_idx]
+            kp.index_copy_(0, self.write, key_states.transpose(1, 2).reshape(B * T, nkv, hdk)
+                           .to(kp.dtype))
+            vp.index_copy_(0, self.write, value_states.transpose(1, 2)
+                           .reshape(B * T, nkv, vp.shape[-1]).to(vp.dtype))
+            if self.mode == "prefill":
+                return key_states, value_states
+            if layer_idx in self.gather or -1 in self.gather:
+                return (gather_rows(kp, self.table, self.page_size),
+                        gather_rows(vp, self.table, self.page_size))
+            return kp, vp                                    # decode: attention reads the pools
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return 0  # positions are always given explicitly
+
+    return PagedCache
+
+
+def PagedCache():  # noqa: N802  (a class made on first use: transformers is imported lazily)
+    global _CLS
+    if "_CLS" not in globals():
+        _CLS = _paged_cache_class()
+    return _CLS()
+
+
+@contextmanager
+def paged_context(cache):
+    """Forwards on this thread read `cache`'s mode, page table and lengths."""
+    prev = getattr(_local, "cache", None)
+    _local.cache = cache
+    try:
+        yield cache
+    finally:
+        _local.cache = prev
+
+
+# -------------------------------------------------------------------------- attention
+def gather_rows(pool: Tensor, table: Tensor, page_size: int) -> Tensor:
+    """Each row's pages of a pool [pages·P, nkv, hd] -> [B, nkv, W·P, hd] (position order)."""
+    B, W = table.shape
+    idx = (table.long()[:, :, None] * page_size
+           + torch.arange(page_size, device=pool.device)).reshape(B, W * page_size)
+    return pool[idx].transpose(1, 2)
+
+
+def masked_decode_sdpa(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, scale: float) -> Tensor:
+    """One query token per row over k [B, nkv, S, hdk], v [B, nkv, S, hdv], of which the first
+    lens[b] are the row's: q [B, nh, hdk] -> [B, nh, hdv] (0 for rows with lens 0)."""
+    B, nh, hdk = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    seen = torch.arange(S, device=q.device)[None] < lens[:, None]          # [B, S]
+    mask = torch.zeros(B, 1, 1, S, dtype=q.dtype, device=q.device) \
+        .masked_fill(~seen[:, None, None], float("-inf"))
+    qg = q.reshape(B, nkv, nh // nkv, hdk)                                 # head h = kv·g + j
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [B, nkv, g, hdv]
+    o = torch.where((lens > 0)[:, None, None, None], o, 0.0)              # idle rows: no keys
+    return o.reshape(B, nh, v.shape[-1])
+
+
+def paged_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor,
+                              lens: Tensor, scale: float, page_size: int) -> Tensor:
+    """Decode attention by gathering each row's pages: q [B, nh, hdk], pools [pages·P, nkv, hd],
+    table [B, W] page ids, lens [B] tokens to attend (0: the row is idle, output 0).
+    Returns [B, nh, hdv]. Exact; reads all W pages of every row whatever its length."""
+    return masked_decode_sdpa(q, gather_rows(k_pool, table, page_size),
+                              gather_rows(v_pool, table, page_size), lens, scale)
+
+
+def _triton_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(Q, K, V, O, table, lens, scale,
+               s_qb, s_qh, s_kt, s_kh, s_vt, s_vh, s_tb, s_ob, s_oh,
+               G: tl.constexpr, GP: tl.constexpr, HDK: tl.constexpr, HDKP: tl.constexpr,
+               HDV: tl.constexpr, HDVP: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr):
+        b = tl.program_id(0)
+        kh = tl.program_id(1)
+        n = tl.load(lens + b)
+        g = tl.arange(0, GP)
+        dk = tl.arange(0, HDKP)
+        dv = tl.arange(0, HDVP)
+        t = tl.arange(0, P)
+        heads = kh * G + g
+        q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + dk[None, :],
+                    mask=(g[:, None] < G) & (dk[None, :] < HDK), other=0.0)        # [GP, HDKP]
+        m = tl.full([GP], float("-inf"), tl.float32)
+        s_sum = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, HDVP], tl.float32)
+        for i in range(0, tl.cdiv(n, P)):
+            page = tl.load(table + b * s_tb + i).to(tl.int64)
+            tok = page * P + t                                                     # [P]
+            k = tl.load(K + tok[:, None] * s_kt + kh * s_kh + dk[None, :],
+                        mask=dk[None, :] < HDK, other=0.0)                         # [P, HDKP]
+            v = tl.load(V + tok[:, None] * s_vt + kh * s_vh + dv[None, :],
+                        mask=dv[None, :] < HDV, other=0.0)                         # [P, HDVP]
+            if IEEE:  # float32 models: exact products (the default would be tf32)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale         # [GP, P]
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where((i * P + t)[None, :] < n, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            s_sum = s_sum * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / tl.maximum(s_sum, 1e-30)[:, None]                              # idle: 0
+        tl.store(O + b * s_ob + heads[:, None] * s_oh + dv[None, :], out.to(O.dtype.element_ty),
+                 mask=(g[:, None] < G) & (dv[None, :] < HDV))
+
+    return kernel
+
+
+_KERNEL = None
+
+
+def _next_pow2(x: int, floor: int = 16) -> int:
+    return max(floor, 1 << (int(x) - 1).bit_length())
+
+
+def paged_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor,
+                           lens: Tensor, scale: float, page_size: int) -> Tensor:
+    """The Triton decode kernel (same contract as `paged_attention_reference`)."""
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = _triton_kernel()
+    B, nh, hdk = q.shape
+    nkv, hdv = k_pool.shape[1], v_pool.shape[-1]
+    g = nh // nkv
+    q = q.contiguous()
+    out = torch.empty(B, nh, hdv, dtype=q.dtype, device=q.device)
+    _KERNEL[(B, nkv)](q, k_pool, v_pool, out, table, lens, scale,
+                      q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+                      v_pool.stride(0), v_pool.stride(1), table.stride(0),
+                      out.stride(0), out.stride(1),
+                      G=g, GP=_next_pow2(g), HDK=hdk, HDKP=_next_pow2(hdk), HDV=hdv,
+                      HDVP=_next_pow2(hdv), P=page_size, IEEE=q.dtype == torch.float32,
+                      num_warps=4, num_stages=2)
+    return out
+
+
+def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lens: Tensor,
+                 scale: float, page_size: int, use_triton: bool) -> Tensor:
+    if use_triton:
+        return paged_attention_triton(q, k_pool, v_pool, table, lens, scale, page_size)
+    return paged_attention_reference(q, k_pool, v_pool, table, lens, scale, page_size)
+
+
+def _paged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                     is_causal=None, **kwargs):
+    """transformers attention function (registered as `drafter_paged`): query [B, nh, T, hdk]
+    after RoPE; key/value are what PagedCache.update returned. Returns [B, T, nh, hdv]."""
+    cache = _local.cache
+    B, nh, T, hdk = query.shape
+    scale = scaling if scaling is not None else hdk ** -0.5
+    if cache.returned and not cache.k:                  # the probe: does attention see the cache?
+        i = getattr(module, "layer_idx", None)
+        if i is None or cache.returned.get(i) != id(key):
+            cache.gather.add(i if i is not None else -1)
+    if cache.mode == "prefill":
+        if key.shape[1] != nh:  # grouped heads repeated: enable_gqa would leave the flash kernel
+            key = key.repeat_interleave(nh // key.shape[1], dim=1)
+            value = value.repeat_interleave(nh // value.shape[1], dim=1)
+        o = F.scaled_dot_product_attention(query, key, value, is_causal=T > 1, scale=scale)
+        return o.transpose(1, 2).contiguous(), None
+    if key.dim() == 4:                                  # gathered rows (cache.gather)
+        o = masked_decode_sdpa(query[:, :, 0], key, value, cache.lens, scale)
+    else:
+        o = paged_decode(query[:, :, 0], key, value, cache.table, cache.lens, scale,
+                         cache.page_size, cache.use_triton)                      # [B, nh, hdv]
+    return o[:, None], None
+
+
+def use_paged_attention(model) -> None:
+    """Switch an HF model to `_paged_attention`. No mask function is registered: transformers
+    then builds no mask at all (prefill is causal, decode reads lens)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_IMPL, _paged_attention)
+    if model.config._attn_implementation != _IMPL:
+        model.set_attn_implementation(_IMPL)
+
+
+def unsupported(model) -> str | None:
+    """Why the paged engine cannot run this model exactly (None: it can): sliding windows, logit
+    softcapping, attention sinks and scaled logits need masks or outputs it does not build."""
+    from drafter.core.target import text_config
+
+    tc = text_config(model.config)
+    types = set(getattr(tc, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:
+        return f"layer types {sorted(types)} (full attention only)"
+    if getattr(tc, "layer_types", None) is None and getattr(tc, "sliding_window", None) \
+            and getattr(tc, "use_sliding_window", True):
+        return f"sliding-window attention (window {tc.sliding_window})"
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(tc, key, None):
+            return f"{key}={getattr(tc, key)}"
+    for key in ("logit_scale", "logits_scaling"):
+        if getattr(tc, key, None) not in (None, 1, 1.0):
+            return f"{key}={getattr(tc, key)}"
+    return None

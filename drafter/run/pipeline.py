@@ -1,0 +1,688 @@
+"""Step order, the skip/stale logic, and what happens between steps (docs/operations.md).
+
+A step's fingerprint is the hash of the config sections it depends on (rundir.SECTIONS) plus the
+hashes of its inputs' manifests (rundir.step_inputs). Running a step:
+
+- inputs missing      -> MissingInput naming the step that makes them;
+- manifest matches    -> skipped (unless force);
+- a partial folder from an interrupted run with the same fingerprint -> the step resumes in it;
+- otherwise (config or inputs changed, or force) -> the folder is renamed away and deleted, and
+  the step runs.
+
+Each step's `main(cfg)` returns a dict of counts (and optional extras); this module writes
+`manifest.json` with counts, timings and package versions, or `failed.json` on an error or a
+signal. Around that:
+
+- one drafter process per run dir (an flock on RUN_DIR/.lock, released by the kernel on kill -9);
+- SIGTERM and SIGHUP unwind a step like Ctrl-C, so servers stop and folders stay resumable;
+- under torchrun only rank 0 touches the folder; the other ranks wait for its decision;
+- `run_all`: the generation server lives inside generate; before the next step that loads the
+  target on a GPU, GPU memory must be back at its level from before generate (NVML), or the
+  error names the PIDs holding it. drafter never kills a process it did not start.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import time
+from typing import Callable
+
+from drafter import DrafterError
+from drafter.core import config as C
+from drafter.core.dist import agent_store, rank_world, restart_count
+from drafter.core.rundir import (
+    NEUTRAL,
+    SECTIONS,
+    SNAPSHOT_HEADER,
+    STEPS,
+    Damaged,
+    DamagedInput,
+    ForeignFolder,
+    MissingInput,
+    Run,
+    atomic_json,
+    atomic_write,
+    dir_bytes,
+    read_json,
+    remove_dir,
+    sealed,
+    step_inputs,
+)
+from drafter.run.preflight import preflight
+
+log = logging.getLogger("drafter")
+
+
+def _step_fn(name: str) -> Callable:
+    """The step's main(cfg). Imported lazily so that `drafter status` stays fast."""
+    import importlib
+
+    return importlib.import_module(f"drafter.steps.{name}").main
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    from importlib.metadata import PackageNotFoundError, version
+
+    for pkg in ("drafter", "torch", "transformers", "safetensors", "pyarrow"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _section_value(cfg, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def config_hash(cfg, step: str) -> str:
+    parts = {s: C.to_dict(_section_value(cfg, s)) for s in SECTIONS[step]}
+    for dotted, value in NEUTRAL.items():  # new fields at their neutral value: as if absent
+        section, *path = dotted.split(".")
+        d = parts.get(section)
+        for key in path[:-1]:
+            d = d.get(key) if isinstance(d, dict) else None
+        if isinstance(d, dict) and path and path[-1] in d and d[path[-1]] == value:
+            del d[path[-1]]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def manifest_hash(run: Run, step: str) -> str | None:
+    p = run.manifest(step)
+    return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.exists() else None
+
+
+# Steps whose outputs `_lead` hashes in full before skipping them (a shard or a checkpoint is
+# GBs: `status` compares sizes and times only).
+HASHED = ("extract", "train")
+
+
+def damage(run: Run, step: str, full: bool = False) -> str | None:
+    """Why a step's finished output cannot be trusted, or None: its manifest is torn or fails
+    its checksum, a later step found it damaged (damaged.json), or (extract) a shard is missing,
+    resized or rewritten since the index (`full`: its sha256 differs), or (train) the last
+    checkpoint fails its checksums. Cheap unless `full`."""
+    try:
+        m = run.read_manifest(step)
+    except Damaged as e:
+        return str(e)
+    if m is None:
+        return None
+    if run.damaged(step).exists():
+        try:
+            return str(read_json(run.damaged(step)).get("reason"))
+        except (OSError, ValueError):
+            return f"{run.damaged(step)} marks it damaged"
+    if step == "extract" and m.get("mode") != "online":  # online: nothing stored
+        from drafter.features import store
+
+        bad = store.verify_extract(run, full=full)
+        return "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "") \
+            if bad else None
+    if step == "train":
+        from drafter.train.checkpoint import verify_checkpoint
+
+        last = run.checkpoints()
+        return verify_checkpoint(last[-1], full=full) if last else None
+    return None
+
+
+def fingerprint(cfg, run: Run, step: str) -> dict:
+    inputs = {}
+    for dep in step_inputs(cfg, step):
+        h = manifest_hash(run, dep)
+        if h is None:
+            raise MissingInput(f"step '{step}' needs the output of '{dep}', which is not in "
+                               f"{run.root}: run `drafter {dep} CONFIG` first "
+                               f"(or `drafter run CONFIG`)")
+        why = damage(run, dep)
+        if why is not None:
+            raise DamagedInput(f"step '{step}' needs the output of '{dep}', which is damaged "
+                               f"({why}): run `drafter {dep} CONFIG` (it redoes what is "
+                               f"damaged and keeps the rest), or `drafter run CONFIG`")
+        inputs[dep] = h
+    return {"config": config_hash(cfg, step), "inputs": inputs}
+
+
+def state(cfg, run: Run, step: str, _memo: dict | None = None, running: bool = False) -> str:
+    """done / stale / pending / failed / interrupted / running (a step is stale when any input
+    is not done). `running`: a drafter process holds the run dir's lock now."""
+    memo = {} if _memo is None else _memo
+    if step in memo:
+        return memo[step]
+    if run.failed(step).exists():
+        try:
+            s = "interrupted" if read_json(run.failed(step)).get("interrupted") else "failed"
+        except (OSError, ValueError, AttributeError):
+            s = "failed"
+    elif not run.manifest(step).exists():
+        # started.json without a manifest: the step runs now, or its process was killed
+        s = ("running" if running else "interrupted") if run.started(step).exists() else "pending"
+    elif damage(run, step) is not None:
+        s = "damaged"
+    else:
+        m = run.read_manifest(step) or {}
+        try:
+            fp = fingerprint(cfg, run, step)
+        except MissingInput:
+            fp = None
+        upstream_stale = any(state(cfg, run, d, memo, running) != "done"
+                             for d in step_inputs(cfg, step))
+        s = "done" if fp == m.get("fingerprint") and not upstream_stale else "stale"
+    memo[step] = s
+    return s
+
+
+# ------------------------------------------------------------------------------------ signals
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C so that every `finally` runs (servers stop, temp
+    files go, failed.json is written); `signum` gives the exit status 128 + signum."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+_SIGNALLED: list[int] = []   # the signals this process received, in order
+
+
+def signalled() -> int | None:
+    """The signal that stopped this process, if any. Raised inside C code (a safetensors read,
+    say), the KeyboardInterrupt can surface as another exception: this says what it was."""
+    return _SIGNALLED[-1] if _SIGNALLED else None
+
+
+def _install_signal_handlers() -> None:
+    """SIGINT (Ctrl-C), SIGTERM (kill, schedulers, torchrun) and SIGHUP (a closed terminal):
+    steps unwind and leave their folder consistent for a rerun to resume. A second signal while
+    unwinding is not caught again (the default: the process ends; the folder stays resumable)."""
+    _SIGNALLED.clear()
+
+    def handler(signum, frame):
+        _SIGNALLED.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
+        raise Interrupted(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(sig, handler)
+        except ValueError:  # not the main thread (tests calling steps from threads)
+            pass
+
+
+# ------------------------------------------------------------------------------------ locking
+_LOCKS: dict[str, list] = {}   # run dir -> [open lock file, depth]: reentrant within a process
+
+
+@contextlib.contextmanager
+def run_lock(run: Run):
+    """One drafter process at a time in a run directory (flock: released by the kernel when the
+    process dies, even by kill -9). Raises RunBusy naming the holder's PID."""
+    key = str(run.root.resolve())
+    held = _LOCKS.get(key)
+    if held is not None:
+        held[1] += 1
+        try:
+            yield
+        finally:
+            held[1] -= 1
+        return
+    run.root.mkdir(parents=True, exist_ok=True)
+    f = open(run.lock(), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise RunBusy(f"{run.root} is in use by another drafter process (PID {pid}); wait for "
+                      f"it or stop it (`drafter status {run.root}` shows its progress)") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _LOCKS[key] = [f, 1]
+    try:
+        yield
+    finally:
+        del _LOCKS[key]
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
+def lock_holder(run: Run) -> int | None:
+    """PID of the drafter process working in `run` now, or None."""
+    p = run.lock()
+    if not p.exists():
+        return None
+    with open(p) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            text = f.read().strip()
+            return int(text) if text.isdigit() else -1
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
+class RunBusy(DrafterError):
+    pass
+
+
+# ----------------------------------------------------------------------------------- torchrun
+# Rank 0 may spend minutes clearing a stale folder of shards before the others may start.
+RANK_WAIT_S = 3600
+
+
+def _rank_key(step: str) -> str:
+    return f"drafter/pipeline/{step}/{restart_count()}"
+
+
+# ------------------------------------------------------------------------------------ one step
+def _clear(run: Run, step: str) -> None:
+    """Remove a step folder atomically (a kill mid-delete leaves a `.trash-*` folder that the
+    next run removes, never a half folder that looks like the step's)."""
+    remove_dir(run.step_dir(step), run.trash(step))
+
+
+def _clean_trash(run: Run) -> None:
+    for t in run.trash_dirs():
+        shutil.rmtree(t, ignore_errors=True)
+
+
+def _release_memory() -> None:
+    """Give back what a finished step left cached on the GPU (the next step's preflight counts
+    free memory, and a server started next needs it)."""
+    import gc
+    import sys
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        torch.cuda.ipc_collect()
+
+
+def up_to_date(run: Run, step: str, fp: dict, full: bool = False) -> dict | None:
+    """The step's manifest when it matches `fp`, the step has not failed since and its output
+    is intact (`damage`; `full` hashes every shard), else None."""
+    if run.manifest(step).exists() and not run.failed(step).exists():
+        try:
+            m = run.read_manifest(step)
+        except Damaged:
+            return None
+        if m.get("fingerprint") == fp and damage(run, step, full=full) is None:
+            return m
+    return None
+
+
+def run_step(cfg, step: str, force: bool = False) -> dict:
+    """Run one step unless its manifest is up to date. Returns the manifest.
+
+    Under torchrun every rank calls this: rank 0 alone decides, clears or keeps the folder and
+    writes started.json, manifest.json and failed.json; the other ranks wait for its decision
+    (through torchrun's store) and then run the step with it."""
+    assert step in STEPS, step
+    run = Run.of(cfg)
+    rank, world = rank_world()
+    if rank != 0:
+        return _follow(cfg, run, step, force)
+    preflight(cfg, run, step)  # nothing in the run dir is touched before this passes
+    with run_lock(run):
+        return _lead(cfg, run, step, force, world)
+
+
+def _lead(cfg, run: Run, step: str, force: bool, world: int) -> dict:
+    d = run.step_dir(step)
+    fp = fingerprint(cfg, run, step)
+    store = agent_store(RANK_WAIT_S) if world > 1 else None
+    # extract's shards and train's last checkpoint are hashed in full here: a byte flipped in
+    # place (same size and time) is caught before a later step reads it
+    full = step in HASHED
+    m = None if force else up_to_date(run, step, fp, full=full)
+    if m is not None:
+        log.info("%s: up to date, skipped (use --force to redo)", step)
+        if store is not None:
+            store.set(_rank_key(step), "skip")
+        return m
+    _check_owned(run, step)
+    _verify_inputs(cfg, run, step)
+    _clean_trash(run)
+    # A partial folder belongs to this fingerprint only if started.json says so; else clear it.
+    # A finished one whose output is damaged resumes too: the step redoes what fails its
+    # checksums and keeps the rest.
+    if d.exists():
+        same = _started_fingerprint(run, step) == fp
+        why = None if force else damage(run, step, full=full)
+        if same and why is not None and run.manifest(step).exists():
+            log.warning("%s: %s; redoing what is damaged, keeping the rest", step, why)
+            run.manifest(step).unlink()
+        elif force or not same or run.manifest(step).exists():
+            _clear(run, step)
+        else:
+            log.info("%s: resuming the partial output in %s", step, d)
+    d.mkdir(parents=True, exist_ok=True)
+    run.failed(step).unlink(missing_ok=True)
+    atomic_json(run.started(step), {"fingerprint": fp, "time": time.time(), "pid": os.getpid()})
+    atomic_write(run.config_snapshot(), SNAPSHOT_HEADER + C.dump(cfg))
+    if store is not None:
+        store.set(_rank_key(step), "run")
+    _install_signal_handlers()
+    log.info("%s: running", step)
+    t0 = time.time()
+    try:
+        result = _step_fn(step)(cfg) or {}
+    except BaseException as e:
+        if isinstance(e, Damaged) and e.step in STEPS and e.step != step:
+            _mark_damaged(run, e)
+        _write_failed(run, step, e)
+        raise
+    finally:
+        _release_memory()
+    seconds = time.time() - t0
+    manifest = {
+        "step": step,
+        "fingerprint": fp,
+        "counts": result.pop("counts", {}),
+        **result,
+        "started": t0,
+        "seconds": round(seconds, 3),
+        "versions": versions(),
+    }
+    atomic_json(run.manifest(step), sealed(manifest))
+    run.failed(step).unlink(missing_ok=True)
+    run.damaged(step).unlink(missing_ok=True)
+    log.info("%s: done in %.1fs %s", step, seconds, json.dumps(manifest["counts"]))
+    return manifest
+
+
+def _started_fingerprint(run: Run, step: str) -> dict | None:
+    try:
+        return read_json(run.started(step)).get("fingerprint")
+    except (OSError, ValueError, AttributeError):  # absent or torn: not this fingerprint's
+        return None
+
+
+def _check_owned(run: Run, step: str) -> None:
+    """Refuse to clear or write into what drafter did not write: a step folder of the user's
+    (no started.json, manifest.json or failed.json in it), or a config.yaml of theirs."""
+    names = run.foreign(step)
+    if names:
+        shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+        raise ForeignFolder(
+            f"{run.step_dir(step)} holds files drafter did not write ({shown}); drafter keeps "
+            f"the {step} step's output there and would replace them. Move them away or choose "
+            f"another run_dir; nothing was changed.")
+    if not run.snapshot_is_ours():
+        raise ForeignFolder(
+            f"{run.config_snapshot()} was not written by drafter; drafter keeps the resolved "
+            f"config of each command there. Move it away or choose another run_dir; nothing "
+            f"was changed.")
+
+
+def _mark_damaged(run: Run, e: Damaged) -> None:
+    """A step found an earlier step's output damaged: record it in that step's folder, so that
+    `status` shows it and the next run redoes it (keeping what verifies)."""
+    try:
+        atomic_json(run.damaged(e.step), {"reason": str(e), "path": e.path, "time": time.time()})
+    except OSError as err:
+        log.warning("could not write %s: %s", run.damaged(e.step), err)
+
+
+def _verify_inputs(cfg, run: Run, step: str) -> None:
+    """Offline train reads every shard: hash them all before the train folder is touched, so
+    that a corrupt shard is redone by extract, never trained on."""
+    if step != "train" or cfg.train.online:
+        return
+    with contextlib.suppress(Damaged):
+        m = run.read_manifest("extract")
+        if m is None or m.get("mode") == "online":  # nothing stored: train says what to run
+            return
+    from drafter.features import store
+
+    bad = store.verify_extract(run, full=True)
+    if bad:
+        e = Damaged(f"{'; '.join(bad[:3])}", "extract", run.step_dir("extract"))
+        _mark_damaged(run, e)
+        raise DamagedInput(f"train needs the output of extract, which is damaged ({e}): run "
+                           f"`drafter extract CONFIG` (it redoes only the damaged shards), or "
+                           f"`drafter run CONFIG`")
+
+
+def _follow(cfg, run: Run, step: str, force: bool) -> dict:
+    """A torchrun rank > 0: wait for rank 0's decision on the folder, then do the same."""
+    store = agent_store(RANK_WAIT_S)
+    if store is not None:
+        decision = store.get(_rank_key(step)).decode()
+    else:  # launched by hand with RANK/WORLD_SIZE: rank 0 cannot be waited for; trust the files
+        fp = fingerprint(cfg, run, step)
+        decision = "run" if force or up_to_date(run, step, fp) is None else "skip"
+    if decision == "skip":
+        return run.read_manifest(step)
+    _install_signal_handlers()
+    try:
+        result = _step_fn(step)(cfg) or {}
+    except BaseException as e:
+        if isinstance(e, Damaged) and e.step in STEPS and e.step != step:
+            _mark_damaged(run, e)
+        if not run.failed(step).exists():  # rank 0's own error, if any, says more
+            _write_failed(run, step, e)
+        raise
+    finally:
+        _release_memory()
+    return {"step": step, "counts": result.pop("counts", {}), **result}
+
+
+def _write_failed(run: Run, step: str, e: BaseException) -> None:
+    sig = signalled()
+    interrupted = isinstance(e, KeyboardInterrupt) or sig is not None
+    if isinstance(e, KeyboardInterrupt):
+        msg = str(e) or "interrupted by SIGINT (Ctrl-C)"
+    elif sig is not None:
+        msg = f"interrupted by {signal.Signals(sig).name} (it surfaced as {type(e).__name__}: {e})"
+    else:
+        msg = f"{type(e).__name__}: {e}"
+    try:
+        atomic_json(run.failed(step), {"error": msg, "interrupted": interrupted,
+                                       "time": time.time(), "pid": os.getpid()})
+    except OSError as err:  # a full disk must not hide the step's own error
+        log.warning("%s: could not write %s: %s", step, run.failed(step), err)
+
+
+# ------------------------------------------------------------------------- the whole pipeline
+# Steps that load the target on a GPU (train only in online mode): before they start, the memory
+# that generate's server held must be back.
+def loads_target(cfg, step: str) -> bool:
+    return step in ("extract", "evaluate") and not (step == "extract" and cfg.train.online) or \
+        (step == "train" and cfg.train.online)
+
+
+def starts_server(cfg) -> bool:
+    """generate runs the target on this machine (a server drafter starts, or in-process)."""
+    return cfg.generate.enabled and cfg.generate.server.engine != "external"
+
+
+# GPU memory back "at baseline" allows this much more use than before generate (the driver's own
+# bookkeeping, and drafter's CUDA context where NVML cannot attribute it).
+GPU_SLACK = 1 << 30
+
+
+class GpuNotReleased(DrafterError):
+    """GPU memory is still held after generate, by processes drafter did not start or cannot
+    stop; the message names them."""
+
+
+def _gpu_snapshot():
+    from drafter.core import gpu
+
+    return gpu.devices()
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:  # gone, or not ours to ask
+        return None
+
+
+def wait_gpu_released(baseline: list, timeout: float, what: str = "the next step",
+                      snapshot: Callable | None = None, poll: float = 1.0,
+                      sleep: Callable | None = None, own: set[int] | None = None,
+                      started: set[int] | None = None,
+                      session: Callable[[int], int | None] | None = None) -> dict:
+    """Wait (at most `timeout` s) until every GPU of `baseline` (gpu.devices() taken before
+    generate started its server) is back at its used memory (+GPU_SLACK, not counting this
+    process's own) and no leftover of a server drafter started holds memory. Returns the last
+    check; raises GpuNotReleased naming the PIDs. Never kills anything.
+
+    A process that appeared since the baseline is a leftover when its session is one drafter
+    started a server in, or drafter's own (`started`: supervisor.STARTED_SESSIONS and this
+    process's session; a server's workers keep its session when it dies first). Another new
+    holder is someone else's job (a second run on the same GPU): it is named in a warning and
+    its memory is not counted, when NVML says how much it holds and its session can be read;
+    otherwise (containers, MIG, another PID namespace) it is waited for like a leftover."""
+    from drafter.core import gpu
+    from drafter.serve.supervisor import STARTED_SESSIONS
+
+    snapshot = snapshot or _gpu_snapshot
+    sleep = sleep or time.sleep
+    own = gpu.related_pids() if own is None else own
+    session = session or _session
+    # this process's own session counts as started: children it spawned without one of their
+    # own (a local engine's workers) are ours too
+    started = (STARTED_SESSIONS | {session(os.getpid())}) if started is None else started
+    base = {g.index: g for g in baseline}
+    base_pids = {p.pid for g in baseline for p in g.processes}
+    waited = 0.0  # counted in polls, not wall time: NVML calls are quick
+    while True:
+        problems, others = [], []
+        for g in snapshot():
+            b = base.get(g.index)
+            if b is None:
+                continue
+            ours = sum(p.used_bytes or 0 for p in g.processes if p.pid in own)
+            new = [p for p in g.processes if p.pid not in base_pids and p.pid not in own]
+            theirs = [p for p in new if p.used_bytes is not None
+                      and session(p.pid) not in started | {None}]  # None: cannot tell
+            new = [p for p in new if p not in theirs]
+            others += [(g.index, p) for p in theirs]
+            extra = g.used - ours - sum(p.used_bytes for p in theirs) - b.used
+            if new or extra > GPU_SLACK:
+                problems.append({"gpu": g.index, "extra_bytes": extra, "holders": [
+                    {"pid": p.pid, "name": p.name, "bytes": p.used_bytes, "new": p in new}
+                    for p in g.processes if p.pid not in own and p not in theirs]})
+        if not problems:
+            if waited:
+                log.info("GPU memory back at its level before generate after %.0fs", waited)
+            for i, p in others:
+                log.warning("GPU %d: PID %d (%s) started during generate and holds %.1f GiB: not "
+                            "a process drafter started; left alone and not counted", i, p.pid,
+                            p.name, p.used_bytes / gpu.GiB)
+            return {"ok": True, "waited": waited, "others": [p.pid for _, p in others]}
+        if waited >= timeout:
+            lines = []
+            for pr in problems:
+                lines.append(f"GPU {pr['gpu']}: {pr['extra_bytes'] / gpu.GiB:+.1f} GiB used "
+                             f"compared with before generate")
+                for h in pr["holders"]:
+                    mem = f"{h['bytes'] / gpu.GiB:.1f} GiB" if h["bytes"] else "memory"
+                    since = " (appeared during generate)" if h["new"] else ""
+                    lines.append(f"  PID {h['pid']} ({h['name']}) holds {mem}{since}")
+            raise GpuNotReleased(
+                f"GPU memory is not back at its level before generate after {timeout:.0f}s, so "
+                f"{what} would run out of memory:\n  " + "\n  ".join(lines) + "\ndrafter never "
+                "kills a process it did not start: stop them yourself, then rerun the same "
+                "command (finished steps are kept).")
+        sleep(poll)
+        waited += poll
+
+
+def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[dict]:
+    """Run every step in order (each skipped when up to date). The generation server lives
+    only inside generate; before the first later step that loads the target on a GPU, the GPU
+    memory must be back at its level from before generate."""
+    run = Run.of(cfg)
+    out = []
+    baseline = None
+    for step in steps or STEPS:  # the whole config, before any step touches the run dir
+        preflight(cfg, run, step, upfront=True)
+    with run_lock(run):
+        for step in steps or STEPS:
+            will_run = force or _will_run(cfg, run, step)
+            if step == "generate" and will_run and starts_server(cfg):
+                baseline = _gpu_snapshot() or None   # None on a machine without GPU
+            if baseline is not None and will_run and loads_target(cfg, step):
+                wait_gpu_released(baseline, timeout=max(60.0, 2 * cfg.generate.server.stop_timeout),
+                                  what=f"drafter {step}")
+                baseline = None
+            out.append(run_step(cfg, step, force=force))
+    return out
+
+
+def _will_run(cfg, run: Run, step: str) -> bool:
+    try:
+        return up_to_date(run, step, fingerprint(cfg, run, step)) is None
+    except MissingInput:
+        return True  # an earlier step of this run makes it
+
+
+def status(run_dir) -> dict:
+    """{"run_dir", "running_pid", "bytes", "seconds", "steps": [{"name", "state", "activity",
+    "dir", "counts", "seconds", "bytes", "started", "tokens_per_s"?, "error"?}]} for
+    `drafter status`; state is done / stale / pending / failed.
+    A running step's seconds are the time since it started (this invocation)."""
+    run = Run(run_dir)
+    snap = run.config_snapshot()
+    if not snap.is_file():
+        raise FileNotFoundError(f"{run.root} is not a drafter run directory (no config.yaml)")
+    # the ranges are not checked again: a snapshot written by an older drafter still reads
+    cfg = C.load(snap, validate=False)
+    pid = lock_holder(run)
+    memo: dict = {}
+    rows = []
+    for step in STEPS:
+        try:
+            m = run.read_manifest(step) or {}
+        except Damaged:
+            m = {}
+        st = state(cfg, run, step, memo, running=pid is not None)
+        # The public state is one of done / stale / pending / failed; `activity` says more:
+        # "running" (pending: a drafter process works on it now), "interrupted" (failed: a
+        # signal or a kill stopped it; a rerun resumes it) or "damaged" (stale: an output fails
+        # its checksum; a rerun redoes what is damaged and keeps the rest).
+        activity = st if st in ("running", "interrupted", "damaged") else None
+        st = {"running": "pending", "interrupted": "failed", "damaged": "stale"}.get(st, st)
+        started = m.get("started")
+        if not m and run.started(step).exists():
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                started = read_json(run.started(step)).get("time")
+        seconds = m.get("seconds")
+        if activity == "running" and started:
+            seconds = round(time.time() - started, 1)
+        row = {"name": step, "state": st, "activity": activity, "dir": str(run.step_dir(step)),
+               "counts": m.get("counts", {}), "seconds": seconds,
+               "bytes": dir_bytes(run.step_dir(step)), "started": started}
+        tps = m.get("tokens_per_s") or (m.get("throughput") or {}).get("completion_tokens_per_s")
+        if tps:
+            row["tokens_per_s"] = tps
+        if run.failed(step).exists():
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                row["error"] = read_json(run.failed(step)).get("error")
+        elif activity == "damaged":
+            row["error"] = damage(run, step)
+        rows.append(row)
+    return {"run_dir": str(run.root), "running_pid": pid,
+            "bytes": sum(r["bytes"] for r in rows),
+            "seconds": round(sum(r["seconds"] or 0 for r in rows), 3), "steps": rows}

@@ -1,0 +1,381 @@
+"""`drafter plan CONFIG`: tokens, disk bytes, GPU memory and time of every step, before any load.
+
+Reads   what drafter.run.counts counts: the target's config.json or GGUF metadata (never its
+        weights), the run directory when it has something (token files, conversations, earlier
+        manifests), else the sources and the `plan` section; and the GPUs (NVML) and free disk.
+Writes  nothing.
+Command drafter plan CONFIG [key=value ...] [--json]
+
+Every figure names where it comes from: `measured` (this run directory), `config` (the `plan`
+section) or `estimated` (the formulas below, documented in docs/operations.md):
+
+- parameters (drafter.run.counts): the model built on the meta device (capture.param_count); MoE
+  active parameters = total - routed experts * (1 - k/E).
+- disk: store.bytes_per_token for each storage option times the tokens extract stores (train +
+  val); the reference layout's 8*Ht+16 for comparison.
+- GPU memory per rank: capture.estimate_gpu_bytes for the target steps; for train, the drafter's
+  weights + grads + AdamW (16 bytes per trainable parameter, / GPUs under FSDP) + activations
+  (+ the target and the micro-batches' captured features in flight, online).
+- time: tokens / tokens-per-second. Prefill and training: mfu * gpu_tflops over 2 (prefill) or
+  6 * ttt_steps (training) FLOPs per parameter and token. Decoding is bandwidth bound: a step of
+  batch B reads the dense weights and the share 1-(1-k/E)^B of the experts it touches.
+  Weight loading: bytes / load_gbps.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+
+from drafter.core.rundir import Run, cache_dir
+from drafter.features import capture, store
+from drafter.run.counts import (
+    CHARS_PER_TOKEN,
+    data_counts,
+    describe_target,
+    dtype_bytes,
+    measured_throughputs,
+    param_counts,
+    target_config,
+)
+from drafter.train.memory import drafter_shape, train_gpu_bytes
+
+log = logging.getLogger("drafter")
+
+GiB = 1 << 30
+# tokenize throughput per worker when nothing is measured (chat template + fast tokenizer):
+# `python benchmarks/bench_data.py --tiny` measured 51k tokens/s with one worker on a shared
+# 2-core CPU (SmolLM2 tokenizer, 1.7 M tokens).
+TOKENIZE_TOKENS_PER_S_PER_WORKER = 50_000
+# Free space kept in reserve below which a disk warning fires.
+DISK_MARGIN = 0.05
+# Usable share of a GPU's memory (the CUDA context, NCCL buffers and the allocator take the rest).
+GPU_USABLE = 0.95
+
+
+# ---------------------------------------------------------------------------------- estimates
+def decode_tokens_per_s(p, batch: int, params: dict, nbytes: int, gpus: int) -> float:
+    """Bandwidth-bound decoding: one step of `batch` sequences reads the dense weights and the
+    experts that its tokens route to (share 1-(1-k/E)^batch), spread over `gpus`."""
+    routed = params["routed_experts"]
+    dense = params["total"] - routed
+    e, k = params["experts"], params["experts_per_token"]
+    touched = 1 - (1 - k / e) ** batch if e else 1.0
+    step_bytes = (dense + routed * touched) * nbytes / gpus
+    step_s = step_bytes / (p.gpu_hbm_tbps * 1e12 * p.hbm_efficiency)
+    return batch / step_s
+
+
+def _pick(configured, measured: tuple | None, estimate, per_gpu: bool, gpus: int):
+    """(tokens/s for the whole run, source): config > measured (scaled per GPU) > estimate."""
+    if configured is not None:
+        return configured * (gpus if per_gpu else 1), "config"
+    if measured is not None:
+        tps, world = measured
+        return (tps / world * gpus if per_gpu else tps), "measured"
+    if estimate is None:
+        return None, "unknown"
+    return estimate * (gpus if per_gpu else 1), "estimated"
+
+
+def _free_bytes(path: Path) -> tuple[Path, int]:
+    """Free bytes on the file system that holds `path` (its first existing ancestor)."""
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return p, shutil.disk_usage(p).free
+
+
+def _gpu_env(p) -> tuple[int, float | None, str]:
+    from drafter.core import gpu
+
+    devs = gpu.devices()
+    n = p.gpus or (len(gpu.visible_indices(devs)) if devs else None) or 1
+    if p.gpu_memory_gib is not None:
+        return n, p.gpu_memory_gib * GiB, "config (plan.gpu_memory_gib)"
+    if devs:
+        return n, float(min(g.total for g in devs)), "measured (NVML)"
+    return n, None, "unknown (no GPU here: set plan.gpu_memory_gib)"
+
+
+# ------------------------------------------------------------------------------------ the plan
+def storage(cfg, f: dict) -> dict:
+    """Bytes per token and in total of every storage option over what extract stores."""
+    ec, ht, tokens = cfg.extract, f["ht"], f["data"]["tokens"]
+    options = []
+    for aux in ("bf16", "fp8"):
+        for teacher in ("hidden", "topk"):
+            bpt = store.bytes_per_token(ht, f["n_aux"], aux, teacher, ec.topk, f["vd"])
+            options.append({"aux_dtype": aux, "teacher": teacher, "bytes_per_token": bpt,
+                            "bytes": bpt * tokens, "chosen": not cfg.train.online
+                            and (aux, teacher) == (ec.aux_dtype, ec.teacher)})
+    ref = store.reference_bytes_per_token(ht)
+    return {"tokens": tokens, "hidden_size": ht, "n_aux": f["n_aux"], "topk": ec.topk,
+            "draft_vocab_size": f["vd"], "options": options,
+            "reference": {"bytes_per_token": ref, "bytes": ref * tokens},
+            "online": cfg.train.online}
+
+
+def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
+    """Bytes each step leaves in the run dir, and the target's weights in a cache; warns when
+    the file systems have less free space."""
+    run, ds = Run.of(cfg), f["drafter"]
+    ckpt = ds["total"] * 4 + ds["trainable"] * 8  # fp32 weights + AdamW moments
+    out = {
+        # JSONL conversations (prepare + generate, ~CHARS_PER_TOKEN bytes a token each) and the
+        # token file (int32 id + int8 mask)
+        "data": int(st["tokens"] * (2 * CHARS_PER_TOKEN + 5)),
+        "extract": next((o["bytes"] for o in st["options"] if o["chosen"]), 0),
+        # kept checkpoints + the best one + the one being written
+        "train": ckpt * (cfg.train.keep_checkpoints + 2),
+        "export": 2 * ds["total"] * 2,  # native + speculators, bf16
+    }
+    out["total"] = sum(out.values())
+    run_fs, run_free = _free_bytes(run.root)
+    spec, cache_path, cache_need = cfg.target.model, None, 0
+    if spec.startswith("builtin:") or f["gguf_bytes"] is not None:
+        cache_path, cache_need = cache_dir() / "models", f["params"]["total"] * 2  # bf16 folder
+    elif not Path(os.path.expanduser(spec)).is_dir():  # an HF id: downloaded into the hub cache
+        hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
+        cache_path = Path(os.environ.get("HF_HUB_CACHE") or f"{hf_home}/hub").expanduser()
+        stored = str(getattr(f["config"], "torch_dtype", None) or "bfloat16")
+        cache_need = f["params"]["total"] * (4 if "32" in stored else 2)
+    cache_fs, cache_free = _free_bytes(cache_path) if cache_path else (None, None)
+    same_fs = cache_fs is not None and os.stat(cache_fs).st_dev == os.stat(run_fs).st_dev
+    need = out["total"] + (cache_need if same_fs else 0)
+    if need > run_free * (1 - DISK_MARGIN):
+        big = max(("extract", "train", "data"), key=lambda k: out[k])
+        hint = (" Smaller storage: extract.aux_dtype=fp8, extract.teacher=topk, or none at all "
+                "with train.online=true." if big == "extract" else "")
+        warnings.append(f"disk: {run.root} needs ~{_size(need)} ({big} {_size(out[big])}), "
+                        f"{_size(run_free)} free on {run_fs}.{hint}")
+    if cache_need and not same_fs and cache_need > cache_free * (1 - DISK_MARGIN):
+        warnings.append(f"disk: the target's weights need ~{_size(cache_need)} in {cache_path}, "
+                        f"{_size(cache_free)} free on {cache_fs}")
+    return {**out, "run_dir_free": run_free, "run_dir_fs": str(run_fs),
+            "cache_path": str(cache_path) if cache_path else None, "cache_need": cache_need,
+            "cache_free": cache_free}
+
+
+def gpu_memory(cfg, f: dict, warnings: list[str]) -> dict:
+    """Bytes per GPU of each step that uses one; warns when above the GPUs' memory."""
+    gpus, weights, total = f["gpus"], f["weights"], f["params"]["total"]
+    tp = gpus if cfg.extract.tp else 1  # extract, online train and evaluate shard alike
+    ext = capture.estimate_gpu_bytes(f["config"], f["nbytes"], cfg.extract.batch_tokens,
+                                     f["n_aux"], tp=tp, params=total)
+    ev = capture.estimate_gpu_bytes(f["config"], f["nbytes"], cfg.evaluate.max_new_tokens + 2048,
+                                    f["n_aux"], tp=tp, params=total)
+    tr = train_gpu_bytes(cfg, f["drafter"], gpus, f["ht"], f["n_aux"])
+    online = cfg.train.online
+    gen_tp = f["gen_tp"]
+    mem = {
+        "generate": {"total": weights // gen_tp if gen_tp else 0, "tp": gen_tp,
+                     "note": "weights; the engine fills the rest with KV cache" if gen_tp
+                     else "external server"},
+        "extract": {**ext, "tp": tp} if not online else {"total": 0, "tp": 0, "note": "online"},
+        "train": {**tr, "target": ext["total"] if online else 0, "tp": tp if online else 1,
+                  "total": tr["total"] + (ext["total"] if online else 0)},
+        "evaluate": {**ev, "tp": tp, "total": ev["total"] + f["drafter"]["total"] * 2},
+    }
+    have = f["gpu_memory"]
+    if have is None:
+        return mem
+    usable = have * GPU_USABLE
+    n_need = math.ceil(weights * 1.25 / usable)
+    for step, m in mem.items():
+        if m["total"] <= usable:
+            continue
+        if weights / max(m.get("tp") or 1, 1) > usable / 2:
+            how = ("generate.server.extra_args, e.g. --tensor-parallel-size" if step == "generate"
+                   else "extract.tp=true under torchrun")
+            fix = (f" The weights alone need >= {n_need} GPUs of this size: shard the target "
+                   f"over more GPUs ({how}; {gpus} planned), or use a smaller dtype or a "
+                   f"quantised checkpoint.")
+        else:
+            fix = " Lower extract.batch_tokens or train.batch_tokens."
+        warnings.append(f"GPU memory: {step} needs ~{_size(m['total'])} per GPU, "
+                        f"{_size(have)} per GPU.{fix}")
+    return mem
+
+
+def times(cfg, f: dict) -> list[dict]:
+    """Tokens, tokens/s (config > measured > estimated) and seconds of each long step, plus the
+    target's load time where the step loads it."""
+    p, tc, data, gpus = cfg.plan, cfg.train, f["data"], f["gpus"]
+    params, online, gen_tp = f["params"], cfg.train.online, f["gen_tp"]
+    configured = {"generate": p.generate_tokens_per_s, "tokenize": p.tokenize_tokens_per_s,
+                  "extract": p.extract_tokens_per_s, "train": p.train_tokens_per_s,
+                  "evaluate": p.evaluate_tokens_per_s}
+    flops = p.mfu * p.gpu_tflops * 1e12
+    estimate = {
+        "generate": decode_tokens_per_s(p, cfg.generate.concurrency, params, f["nbytes"], gen_tp)
+        if gen_tp else None,
+        "tokenize": TOKENIZE_TOKENS_PER_S_PER_WORKER * (cfg.tokenize.workers
+                                                        or min(8, os.cpu_count() or 1)),
+        "extract": flops / (2 * params["flop_params"]),
+        "train": flops / (6 * tc.ttt_steps * f["drafter"]["trainable"]
+                          + (2 * params["flop_params"] if online else 0)),
+        "evaluate": decode_tokens_per_s(p, cfg.evaluate.batch_size, params, f["nbytes"],
+                                        gpus if cfg.extract.tp else 1),
+    }
+    per_gpu = {"extract", "train"}  # the others: one server / one process
+    # train.max_steps wins over epochs (train then runs as many epochs as it takes)
+    n_train = data["train"]["tokens"] * tc.epochs if tc.max_steps is None else \
+        tc.max_steps * tc.batch_tokens * tc.grad_accum * gpus
+    prompts = sum(d.max_prompts or 80 for d in cfg.evaluate.datasets)
+    work = {
+        "generate": data["generated_tokens"] if cfg.generate.enabled else 0,
+        "tokenize": data["tokens"],
+        "extract": 0 if online else data["tokens"],
+        "train": n_train,
+        # every prompt decoded by the target alone and with each method, at each temperature
+        "evaluate": prompts * cfg.evaluate.max_new_tokens * len(cfg.evaluate.temperatures)
+        * (len(cfg.evaluate.methods) + 1),
+    }
+    load_s = f["weights"] / (p.load_gbps * 1e9)
+    loads = {"generate": bool(gen_tp), "extract": not online, "train": online, "evaluate": True}
+    out = []
+    for step in configured:
+        tps, src = _pick(configured[step], f["measured"].get(step), estimate[step],
+                         step in per_gpu, gpus)
+        n = work[step]
+        secs = 0.0 if not n else (n / tps if tps else None)
+        load = load_s if loads.get(step) and n else 0.0
+        out.append({"step": step, "tokens": n, "tokens_per_s": tps, "source": src,
+                    "seconds": secs, "load_seconds": load,
+                    "total_seconds": None if secs is None else secs + load})
+    return out
+
+
+def make_plan(cfg) -> dict:
+    """The whole plan as a JSON-able dict (what `--json` prints)."""
+    run = Run.of(cfg)
+    config, where, gguf_bytes = target_config(cfg.target)
+    info = describe_target(config)
+    params = param_counts(config)
+    gpus, gpu_mem, gpu_mem_src = _gpu_env(cfg.plan)
+    # a machine with GPUs, or a plan for one (plan.gpus / plan.gpu_memory_gib set)
+    on_gpu = gpu_mem is not None or cfg.plan.gpus is not None
+    dname, nbytes = dtype_bytes(cfg, on_gpu)
+    engine = cfg.generate.server.engine
+    f = {"config": config, "params": params, "nbytes": nbytes, "gguf_bytes": gguf_bytes,
+         "weights": params["total"] * nbytes, "ht": info["hidden_size"],
+         "n_aux": len(cfg.extract.layer_ids) if cfg.extract.layer_ids else 3,
+         "vd": min(cfg.vocab.draft_vocab_size, info["vocab_size"]),
+         "data": data_counts(cfg, run), "drafter": drafter_shape(cfg, config),
+         "gpus": gpus, "gpu_memory": gpu_mem, "measured": measured_throughputs(run),
+         # vLLM / SGLang shard the target over the GPUs (--tensor-parallel-size in extra_args);
+         # transformers serve and local decoding use one device; an external server none here
+         "gen_tp": {"vllm": gpus, "sglang": gpus, "transformers": 1, "local": 1}.get(engine, 0)}
+    warnings: list[str] = []
+    st = storage(cfg, f)
+    dk = disk(cfg, f, st, warnings)
+    mem = gpu_memory(cfg, f, warnings)
+    tm = times(cfg, f)
+    return {
+        "run_dir": str(run.root),
+        "target": {**info, "source": where, "params": params["total"],
+                   "active_params": params["active"],
+                   "routed_expert_params": params["routed_experts"],
+                   "dtype": dname, "weights_bytes": f["weights"], "gguf_bytes": gguf_bytes},
+        "data": f["data"], "storage": st, "disk": dk, "drafter": f["drafter"],
+        "gpus": {"count": gpus, "memory": gpu_mem, "memory_source": gpu_mem_src},
+        "gpu_memory": mem, "time": tm,
+        "total_seconds": sum(t["total_seconds"] for t in tm if t["total_seconds"] is not None),
+        "warnings": warnings,
+    }
+
+
+# ---------------------------------------------------------------------------------- rendering
+def _size(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.1f} B" if n >= 1e9 else f"{n / 1e6:,.1f} M"
+
+
+def _dur(s: float | None) -> str:
+    if s is None:
+        return "?"
+    if s < 90:
+        return f"{s:.0f}s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
+def render(plan: dict) -> str:
+    t, d, s = plan["target"], plan["data"], plan["storage"]
+    moe = f", MoE {t['experts']} experts ({t['experts_per_token']} per token)" if t["experts"] else ""
+    lines = [
+        f"drafter plan for {plan['run_dir']} (nothing loaded)",
+        f"target   {t['source']}",
+        f"         {t['architecture']}: {t['num_layers']} layers, hidden {t['hidden_size']:,}, "
+        f"vocab {t['vocab_size']:,}{moe}{', MLA' if t['mla'] else ''}",
+        f"         {t['params']:,} parameters ({_count(t['params'])}; "
+        f"{_count(t['active_params'])} active per token); "
+        f"weights at {t['dtype']}: {_size(t['weights_bytes'])}",
+        f"data     {d['samples']:,} samples (train {d['train']['samples']:,}, val "
+        f"{d['val']['samples']:,}), {d['tokens']:,} tokens, {d['masked_tokens']:,} "
+        f"assistant tokens",
+        f"         {d['source']}",
+        f"storage  extract stores {s['tokens']:,} tokens (Ht {s['hidden_size']}, {s['n_aux']} "
+        f"aux layers, draft vocab {s['draft_vocab_size']:,}, top-k {s['topk']})",
+    ]
+    for o in s["options"]:
+        mark = "*" if o["chosen"] else " "
+        lines.append(f"       {mark} aux {o['aux_dtype']:<4} teacher {o['teacher']:<6} "
+                     f"{o['bytes_per_token']:>9,} B/token {_size(o['bytes']):>10}  "
+                     f"({o['bytes_per_token'] / s['reference']['bytes_per_token']:.2f}x reference)")
+    r = s["reference"]
+    lines.append(f"         reference 8*Ht+16     {r['bytes_per_token']:>9,} B/token "
+                 f"{_size(r['bytes']):>10}")
+    lines.append(f"       {'*' if s['online'] else ' '} train.online=true     "
+                 f"{0:>9,} B/token {_size(0):>10}  (the target runs beside the drafter)")
+    k = plan["disk"]
+    lines.append(f"disk     run dir {_size(k['total'])}: data {_size(k['data'])}, extract "
+                 f"{_size(k['extract'])}, train checkpoints {_size(k['train'])}, export "
+                 f"{_size(k['export'])}; {_size(k['run_dir_free'])} free on {k['run_dir_fs']}")
+    if k["cache_path"]:
+        lines.append(f"         target weights in {k['cache_path']}: {_size(k['cache_need'])}, "
+                     f"{_size(k['cache_free'])} free")
+    g = plan["gpus"]
+    lines.append(f"GPU      {g['count']} GPU(s) of {_size(g['memory'])} "
+                 f"[{g['memory_source']}]; per GPU:")
+    for step, m in plan["gpu_memory"].items():
+        tp = f" (tp {m['tp']})" if m.get("tp", 1) > 1 else ""
+        note = f"  {m['note']}" if m.get("note") else ""
+        lines.append(f"         {step:<9}{_size(m['total']):>10}{tp}{note}")
+    lines.append("time     step         tokens     tokens/s   source     compute + load")
+    for r in plan["time"]:
+        tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "?"
+        load = f" + {_dur(r['load_seconds'])} load" if r["load_seconds"] >= 1 else ""
+        lines.append(f"         {r['step']:<9}{r['tokens']:>13,} {tps:>12}   {r['source']:<10} "
+                     f"{_dur(r['seconds'])}{load}")
+    lines.append(f"         total ~{_dur(plan['total_seconds'])} (steps with a known time)")
+    if plan["warnings"]:
+        lines.append("warnings")
+        lines += [f"  ! {w}" for w in plan["warnings"]]
+    else:
+        lines.append("no warnings: disk and GPU memory suffice")
+    return "\n".join(lines)
+
+
+def main(cfg, as_json: bool = False) -> int:
+    plan = make_plan(cfg)
+    if as_json:
+        print(json.dumps(plan, indent=2, default=str))
+    else:
+        print(render(plan))
+    return 0
