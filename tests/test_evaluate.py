@@ -317,7 +317,7 @@ def test_a_killed_evaluate_resumes_after_its_finished_passes(smollm2_dir, shared
     passes = Run.of(killed).step_dir("evaluate") / "passes"
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys, torch; torch.set_num_threads(1); "
-         "from drafter import config as C; from drafter.steps import evaluate as E; "
+         "from drafter.core import config as C; from drafter.steps import evaluate as E; "
          "E.main(C.load(sys.argv[1], []))", str(tmp_path / "killed.yaml")],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -113,7 +113,8 @@ def test_stop_escalates_to_sigkill_and_kills_workers(tmp_path):
 def test_server_dies_when_drafter_is_killed(tmp_path):
     cfg = fake_cfg(tmp_path, "child")
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(C.to_dict(cfg)))
-    code = ("import sys, time; from drafter import config, serve; "
+    code = ("import sys, time; from drafter.core import config; "
+            "from drafter.serve import servers as serve; "
             "cfg = config.load(sys.argv[1]); "
             "ctx = serve.servers(cfg, sys.argv[2]); pool = ctx.__enter__(); "
             "print(pool.endpoints[0].server.pgid, flush=True); time.sleep(600)")

@@ -261,7 +261,7 @@ def test_equal_shards_are_equal_files_across_processes(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys, torch; from pathlib import Path; from drafter import store; "
+    code = ("import sys, torch; from pathlib import Path; from drafter.features import store; "
             "t = {'offsets': torch.tensor([0, 3]), 'aux': torch.arange(12.).reshape(3, 4)}; "
             "store.write_shard(Path(sys.argv[1]), t, {'a': 1, 'b': [2], 'c': 'x'}, ['s0'])")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "a")], check=True, timeout=120)
