@@ -1,5 +1,5 @@
 """The train step's pieces compiled whole, saved by one process and loaded by another without
-dynamo (drafter/train/aot.py, issue 18): on the CPU with Inductor's C++ kernels, against eager."""
+dynamo (drafter/train/aot.py): on the CPU with Inductor's C++ kernels, against eager."""
 from __future__ import annotations
 
 import json

@@ -485,7 +485,7 @@ def tiny_llama(tmp_path_factory):
 def test_caches_are_sized_for_the_longest_prompt_before_timing(tiny_llama):
     """At batch 1 with prompts growing in length, the caches are allocated once, before the
     first batch (each growth inside the timed loop reallocated them and recaptured every CUDA
-    graph, time that evaluate's step_ms counted: issue 16), and the tokens do not change."""
+    graph, time that evaluate's step_ms counted), and the tokens do not change."""
     prompts = sorted(tiny_llama["prompts"], key=len)          # 9, 16, 23 tokens
     dec = Decoder(tiny_llama["model"], max_batch=1, span_bucket=8)  # caps round up to 8 slots
     calls = []
@@ -675,11 +675,11 @@ def test_cuda_graphs_give_the_eager_tokens(smollm2_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_graphed_prefills_give_the_eager_prefills_tokens(smollm2_dir):
-    """Batch 1 and 2 prefills replayed from CUDA graphs (one per padded length, issue 16: a
-    small prefill is kernel launches) give the tokens and acceptance of eager prefills, plain
-    and speculative (EAGLE drafter, greedy gaps recorded), static and continuous; each length
-    is captured once; prefill_seconds still counts them. float32 on the GPU: eager prefills
-    here are not padded, so the margins may differ in the last bits, not the tokens."""
+    """Batch 1 and 2 prefills replayed from CUDA graphs (one per padded length: a small prefill
+    is kernel launches) give the tokens and acceptance of eager prefills, plain and speculative
+    (EAGLE drafter, greedy gaps recorded), static and continuous; each length is captured once;
+    prefill_seconds still counts them. float32 on the GPU: eager prefills here are not padded,
+    so the margins may differ in the last bits, not the tokens."""
     from transformers import AutoModelForCausalLM
 
     from drafter.engine.decode import PREFILL_BUCKET
@@ -731,8 +731,8 @@ def test_fused_children_on_the_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_trees_at_batch_64_give_the_plain_tokens_in_float32(smollm2_dir):
-    """The strict check at the shapes evaluate serves (issue 16): 64 rows, CUDA graphs, the
-    6/8/48 tree and smaller ones, in float32 on the GPU, token-identical to plain greedy decoding.
+    """The strict check at the shapes evaluate serves: 64 rows, CUDA graphs, the 6/8/48 tree
+    and smaller ones, in float32 on the GPU, token-identical to plain greedy decoding.
     In bf16 the same trees flip near-ties (verification GEMMs of 64 x 49 rows round otherwise
     than the plain step's 64); float32 tells such flips from a decoder error."""
     from transformers import AutoModelForCausalLM

@@ -282,7 +282,7 @@ def test_extract_starts_its_precompile_child_first_and_stops_it_with_nothing_to_
     """Extract starts train's precompile process (a GPU's, drafter/train/precompile.py; here a real
     process in its place) before it plans, loads the target or writes a shard, waits for it
     and puts its figures in the manifest; with every shard kept it stops the process at once
-    and says so (issue 18: the process's set-up overlaps extract's own)."""
+    and says so (the process's set-up overlaps extract's own)."""
     from drafter.train import precompile
     mode = {}
 

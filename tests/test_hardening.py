@@ -1,4 +1,4 @@
-"""Nothing lost, nothing silently accepted (issue 17): a table of bad inputs, each refused by the
+"""Nothing lost, nothing silently accepted: a table of bad inputs, each refused by the
 real CLI (in-process) with exit status 2 and one message that names the key (or file:line),
 after a finished run whose files must not change; folders and files drafter did not write are
 never cleared or overwritten; user errors are one line, bugs one line too (the traceback behind

@@ -104,7 +104,7 @@ def test_offline_batches_carry_the_stored_dtypes_and_widen_to_the_decoded_batch(
                                                                                aux_dtype, teacher):
     """Source.offline hands collate the samples as stored (fp8 aux and its scales, int16 ids,
     float16 log-probs: half the bytes of the decoded ones, and none of the conversions that
-    took most of a build, issue 18); device_batch widens them where the batch lands. What
+    took most of a build); device_batch widens them where the batch lands. What
     the model gets is the decoded samples' batch, to the bit."""
     from types import SimpleNamespace
 

@@ -209,7 +209,7 @@ def test_prefetch_threads_hand_batches_over_in_order():
 
 def test_prefetch_builders_keep_to_one_intra_op_thread():
     """Host builders run their torch ops on one intra-op thread each (a team per core in each
-    took the cores the step needs: issue 18); the main thread's count is left as it was; 0
+    took the cores the step needs); the main thread's count is left as it was; 0
     leaves what a new thread gets (torch's count set last)."""
     before = torch.get_num_threads()  # one: this module runs under the one_thread fixture
     torch.set_num_threads(2)
@@ -243,7 +243,7 @@ def test_loss_falls_when_overfitting(world, tmp_path):
     assert out["drafter_config"]["draft_vocab_size"] == VD
     assert out["val"]["sim_tau"] >= 1.0 and out["tokens_per_s"] > 0
     assert Path(out["last_checkpoint"]).name == f"step_{out['final_step']:06d}"
-    # issue 18: seconds of train steps only, growing; warm-up and whole run against steady state
+    # seconds of train steps only, growing; warm-up and whole run against steady state
     elapsed = [r["elapsed_s"] for r in recs]
     assert elapsed == sorted(elapsed) and elapsed[0] > 0 and "graphs" not in recs[0]
     assert out["final_step"] >= 10 and 0 < out["warmup_s"] < elapsed[-1]
@@ -277,7 +277,7 @@ def test_loss_falls_when_overfitting(world, tmp_path):
 
 
 def test_gc_clock_times_collections_and_freezes_what_is_alive():
-    """GcClock (train's garbage-collection figures, issue 18): a full collection is counted and
+    """GcClock (train's garbage-collection figures): a full collection is counted and
     timed, an interval read resets, freeze() moves what is alive into the permanent
     generation and close() thaws it; with freeze off nothing is frozen."""
     from drafter.train.trainer import GcClock
@@ -305,7 +305,7 @@ def test_gc_clock_times_collections_and_freezes_what_is_alive():
 
 def test_loss_chunk_reaches_the_ttt(world, tmp_path):
     """train.loss_chunk (rows of the fast path's loss chunks; 0 sizes them by memory) is what
-    the TTT runs with (issue 18: fewer compiled calls a step), and a negative one is refused
+    the TTT runs with (fewer compiled calls a step), and a negative one is refused
     by name before any step."""
     from drafter.train import trainer
 
@@ -686,7 +686,7 @@ def test_train_after_precompile_compiles_nothing(pipe, tmp_path):
     """On a GPU: extract started a precompile beside the target (its manifest's figures);
     `drafter precompile` into an empty Inductor cache, then `drafter train` in another process
     (other imports, other batches): train's warm-up finds every graph in the cache, none
-    compiled again (issue 18: a cold run's 19.6 s of compiling), and the layer pieces and the
+    compiled again (a cold run spent 19.6 s compiling), and the layer pieces and the
     loss chunk loaded whole, not traced (drafter/train/aot.py): only FlexAttention's graphs and
     validation's no-grad ones (within this short run's warm-up) go through dynamo."""
     if not torch.cuda.is_available():
@@ -749,7 +749,7 @@ def test_prune_keeps_the_newest_and_the_best(tmp_path):
 
 
 def test_compile_stats_count_what_a_compile_cost():
-    """compile_stats (train's warmup_compile, issue 18: where a warm-up goes) counts a new
+    """compile_stats (train's warmup_compile: where a warm-up goes) counts a new
     graph, its forward's compile seconds and then its backward's (compiled at the first
     backward), and nothing for a call that reuses the graph; the compile caches' counts are
     whole numbers (aot_eager here: no Inductor)."""
@@ -825,7 +825,7 @@ def test_a_second_process_reads_pre_and_post_from_aotautograds_cache(tmp_path):
     """pre and post hold a custom autograd.Function (_RMSNormFn), which AOTAutograd's on-disk
     cache refuses unless TTT allows it: a second process (a second `drafter train` on one
     machine) then reads both graphs' traced forward and backward from the cache instead of
-    tracing them again (issue 18: a warm warm-up's 13.5 s of compiling became 3.5 s). Train
+    tracing them again (a warm warm-up's 13.5 s of compiling became 3.5 s). Train
     traces them only with train.saved_graphs=false or FSDP now (drafter/train/aot.py)."""
     import json
 

@@ -47,8 +47,7 @@ log = logging.getLogger("drafter")
 
 GiB = 1 << 30
 # tokenize throughput per worker when nothing is measured (chat template + fast tokenizer):
-# `python benchmarks/bench_data.py --tiny` measured 51k tokens/s with one worker on a shared
-# 2-core CPU (SmolLM2 tokenizer, 1.7 M tokens).
+# measured 51k tokens/s with one worker on a shared 2-core CPU (SmolLM2 tokenizer, 1.7 M tokens).
 TOKENIZE_TOKENS_PER_S_PER_WORKER = 50_000
 # Free space kept in reserve below which a disk warning fires.
 DISK_MARGIN = 0.05

@@ -142,8 +142,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     fsdp = tc.fsdp and dist.world > 1
 
     # data plan, and the step a resume starts at: known before the model, so that the loader
-    # builds the first batches while the model is set up (issue 18: a first step waited 0.29-0.41
-    # s for its batch on the H200)
+    # builds the first batches while the model is set up (without that, a first step waited
+    # 0.29-0.41 s for its batch on the H200)
     rows = pack(train_src.lengths, T, tc.seed)
     n_micro = math.ceil(len(rows) / B)
     per_step = dist.world * tc.grad_accum
@@ -169,7 +169,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     # the frozen table on the CPU: TTT leaves it there, so the model's set-up does not touch it
     make = lambda g: host_batches(train_src, g, B, T, tc, drafter.embed_tokens.weight)  # noqa
     # online, the thread runs the target too: on a stream of its own on a GPU, over the samples
-    # of online_group micro-batches at once (issue 18); with two groups queued, one being built
+    # of online_group micro-batches at once; with two groups queued, one being built
     # and one batch in use, memory.train_gpu_bytes counts 3 x online_group + 1 in flight
     group = tc.online_group if tc.online else 1
     feed = Prefetch(make, grouped(jobs(step), group, step * tc.grad_accum), depth=2 * group,
@@ -212,8 +212,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
             log.info("train: set up in %.1f s (%s)", setup_s,
                      ", ".join(f"{k} {v:.2f}" for k, v in setup_parts.items()))
         # Time in train steps only (validation and checkpoints set aside), so that tokens_per_s,
-        # elapsed_s and warmup_s measure training: issue 18 compares the whole run with steady
-        # state.
+        # elapsed_s and warmup_s measure training: avg_over_steady compares the whole run with
+        # steady state.
         aside, train_s_log, warmup_s, warmup_wait_s, rates = 0.0, 0.0, None, None, []
         warmup_compile = None  # compile_stats() when the warm-up ends (compiled path)
         warmup_steps = []  # each warm-up step's seconds, waited for on the device: where it goes
@@ -271,7 +271,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                 if cuda:
                     m["mem_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
                     # the caching allocator's cudaMalloc calls so far: still rising mid-run, the
-                    # steps still wait on new memory (issue 18: later intervals ran faster)
+                    # steps still wait on new memory (later intervals ran faster)
                     m["cuda_mallocs"] = torch.cuda.memory_stats(dev).get("segment.all.allocated")
                 if dist.main:
                     eta = (total - step) * (now - t_start) / max(step - first, 1)
@@ -345,7 +345,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
 
 def log_warmup(seconds: float, steps: list[float], c: dict | None, first: dict,
                gcs: dict | None = None) -> None:
-    """The warm-up in the log (issue 18: where it goes): its seconds, each step's, the first
+    """The warm-up in the log (where it goes): its seconds, each step's, the first
     step's parts, Python's garbage collections in it (GcClock), and on the compiled path what
     compiling took, graph by graph (compile_stats)."""
     log.info("train: warm-up (the first %d steps) %.1f s%s", WARMUP_STEPS, seconds,

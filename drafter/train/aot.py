@@ -1,12 +1,12 @@
-"""The train step's compiled pieces saved whole and loaded back, without dynamo (issue 18).
+"""The train step's compiled pieces saved whole and loaded back, without dynamo.
 
-A train whose graphs are all in Inductor's cache (drafter/train/precompile.py fills it beside extract)
-still spent 2.3-3.8 s of its first step compiling on the H200: dynamo traced each piece's Python
-again, and AOTAutograd and Inductor then found their work on disk. torch's ahead-of-time
-compile (`torch.compile(fn, fullgraph=True).aot_compile(example inputs)`, experimental in torch)
-saves the whole result, dynamo's guards and bytecode with the forward and backward kernels, and
-`torch.compiler.load_compiled_function` reads it back: no tracing at all. On the H200 (SmolLM2
-real run, eighteenth session) the three pieces loaded in 0.52-0.97 s and the warm-up took
+A train whose graphs are all in Inductor's cache (drafter/train/precompile.py fills it beside
+extract) still spent 2.3-3.8 s of its first step compiling on the H200: dynamo traced each
+piece's Python again, and AOTAutograd and Inductor then found their work on disk. torch's
+ahead-of-time compile (`torch.compile(fn, fullgraph=True).aot_compile(example inputs)`,
+experimental in torch) saves the whole result, dynamo's guards and bytecode with the forward
+and backward kernels, and `torch.compiler.load_compiled_function` reads it back: no tracing at
+all. On the H200 (SmolLM2 real run) the three pieces loaded in 0.52-0.97 s and the warm-up took
 2.37-4.65 s, against 4.20-5.12 s traced from a warm cache (BENCHMARKS.md).
 
 A `Piece` stands where TTT called a torch.compile'd function (the layer's pre and post pieces,

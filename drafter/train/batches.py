@@ -167,7 +167,7 @@ def host_batches(src: Source, jobs: list[list[list[int]]], B: int, T: int, tc,
     """Micro-batches (each a list of rows of sample indices), before the device: collated,
     aligned, embedded (the frozen table lives on the CPU, so only [B, T, H] crosses to the
     GPU). Their samples are loaded in one call: online, one capture call, whose forwards group
-    the samples of all of them by length (fewer, fuller forwards than one call each: issue 18).
+    the samples of all of them by length (fewer, fuller forwards than one call each).
     Online, the features are on the GPU already: the token fields follow them there (pinned,
     non-blocking) and are aligned there. Nothing here waits on the GPU but align's nonzero
     (pinned): see Capture.run for why."""
@@ -265,12 +265,11 @@ class Prefetch:
     batch and marks its tensors as in use there (the allocator then keeps them until that
     stream is done). Without, `threads` threads build host batches (pinned) for the main thread,
     each a job at a time, handed over in the jobs' order (offline training: one thread fell
-    behind an H200's step, issue 18), their torch ops on `intra_op` intra-op threads each (0:
-    torch's default, one per core): a building thread's ops otherwise start a team of threads
-    per core, which take the cores the training step's own host work needs (issue 18, H200, 16
-    cores, benchmarks/loader_speed.py --contend: a main-thread stand-in for the step ran 1.18x
-    slower while 4 default threads built, 0.92x with one intra-op thread each, which built as
-    fast: 27.2 batches/s against 25.4)."""
+    behind an H200's step), their torch ops on `intra_op` intra-op threads each (0: torch's
+    default, one per core): a building thread's ops otherwise start a team of threads per core,
+    which take the cores the training step's own host work needs (on an H200 host with 16
+    cores a main-thread stand-in for the step ran 1.18x slower while 4 default threads built,
+    0.92x with one intra-op thread each, which built as fast: 27.2 batches/s against 25.4)."""
 
     def __init__(self, make, jobs, depth: int = 2, device=None, threads: int = 1,
                  intra_op: int = 1):

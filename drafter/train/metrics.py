@@ -60,7 +60,7 @@ def summarize(s: list[list[float]], decay: float) -> dict:
 
 def throughput(tokens: int, seconds: float, rates: list[float],
                warmup_s: float | None) -> dict:
-    """A run's tokens/s against its steady state (issue 18: >= 0.85 for runs of >= 200 steps).
+    """A run's tokens/s against its steady state (aim: >= 0.85 for runs of >= 200 steps).
     tokens over `seconds` of train steps (warm-up and compiles included) -> avg_tokens_per_s;
     `rates`, the tokens/s of each log interval (or step) in order -> steady_tokens_per_s, the
     median of their last half; avg_over_steady, their ratio; warmup_s as measured."""

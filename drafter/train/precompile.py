@@ -1,4 +1,4 @@
-"""Compile the train step's graphs before train runs, while extract runs (issue 18).
+"""Compile the train step's graphs before train runs, while extract runs.
 
     drafter precompile CONFIG [key=value ...] [--device cuda:N]
 

@@ -1,6 +1,6 @@
 """One optimizer step of the drafter, and what it needs: the drafter shaped from the target
-(`build_drafter`: train and drafter/train/precompile.py build it alike), the attention path for a device
-(`pick_attention`), the TTT module on the device wrapped for the ranks with its AdamW
+(`build_drafter`: train and drafter/train/precompile.py build it alike), the attention path for a
+device (`pick_attention`), the TTT module on the device wrapped for the ranks with its AdamW
 (`setup_model`), and the step itself (`train_step`: forward and backward over the micro-batches,
 gradients scaled to the step's loss positions, clipped, AdamW). The train step's loop
 (drafter/steps/train.py) and benchmarks/train_throughput.py both call these, so the benchmark
@@ -21,8 +21,8 @@ from drafter.train.batches import model_inputs
 from drafter.train.model import Drafter, DrafterConfig
 from drafter.train.ttt import TTT
 
-# Warm-up = the train time of a process's first 10 optimizer steps (compiles included): issue 18
-# asks for <= 30 s, and the benchmark reports the same span.
+# Warm-up = the train time of a process's first 10 optimizer steps (compiles included): the aim
+# is <= 30 s, and the benchmark reports the same span.
 WARMUP_STEPS = 10
 
 
@@ -53,13 +53,13 @@ def sync_device(device) -> None:
 
 def compiled_graphs() -> int:
     """Graphs torch.compile has built in this process: constant after warm-up unless something
-    recompiles (issue 18's storm: one graph per new loss-row count until recompile_limit)."""
+    recompiles (a recompile storm: one graph per new loss-row count until recompile_limit)."""
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
 
 
 def compile_stats() -> dict:
-    """What torch.compile has cost this process so far (issue 18: where a warm-up goes): the
+    """What torch.compile has cost this process so far (where a warm-up goes): the
     seconds dynamo spent compiling frames (their forward graphs, AOTAutograd and Inductor
     inside) and backward graphs (compiled at their first backward), the graphs built, and the
     hits and misses of Inductor's FX graph cache and AOTAutograd's cache (on disk under
@@ -90,8 +90,8 @@ def compile_frames() -> list[dict]:
     torch timed while a compiled graph first ran, after its compile (Triton autotuning its
     kernels where the autotune cache is cold). torch records it as a runtime record of that
     graph with no function name; read as a forward, it showed as a 0-second frame named by its
-    compile id ("0/0") and renamed the graph's backward (every cold run on the H200, thirteenth
-    session). A torch without these metrics gives []."""
+    compile id ("0/0") and renamed the graph's backward (every cold run on the H200). A torch
+    without these metrics gives []."""
     try:
         from torch._dynamo.utils import get_compilation_metrics
         records = list(get_compilation_metrics())
@@ -203,7 +203,7 @@ def train_step(model, params, opt, micro, tc, dist: Dist, autocast, meter=None,
     """One optimizer step over `micro` (grad_accum device batches, made one at a time).
     Returns the gradient norm before clipping (a device tensor: no host sync). `phases`, a
     dict: the step is timed in parts, the device waited for after each (Phases): where a
-    process's first step goes (issue 18)."""
+    process's first step goes."""
     fsdp = tc.fsdp and dist.world > 1
     clock = Phases(phases, dist.device)
     n0 = torch.zeros((), dtype=torch.float64, device=dist.device)
@@ -239,12 +239,11 @@ class GcClock:
     """Python's garbage collections while it is open (gc.callbacks): seconds and count per
     generation, in all and since the last `interval()`. A full collection scans every object
     alive: after the first step of a compiled SmolLM2 train on the H200, about 575,000 objects
-    and 0.25-0.33 s (seventeenth session). `freeze()` moves every object alive now into
-    Python's permanent generation (gc.freeze), which later collections skip: what the step
-    loop creates is still collected. Train freezes after its first step and unfreezes when
-    it ends: full collections after the warm-up then cost 0.01-0.02 s a run against
-    0.25-0.64 s (issue 18, BENCHMARKS.md). A collection runs
-    on whichever thread triggered it; it stops them all."""
+    and 0.25-0.33 s. `freeze()` moves every object alive now into Python's permanent
+    generation (gc.freeze), which later collections skip: what the step loop creates is still
+    collected. Train freezes after its first step and unfreezes when it ends: full collections
+    after the warm-up then cost 0.01-0.02 s a run against 0.25-0.64 s (BENCHMARKS.md). A
+    collection runs on whichever thread triggered it; it stops them all."""
 
     def __init__(self, freeze: bool = True):
         self.seconds, self.count, self.since = [0.0, 0.0, 0.0], [0, 0, 0], 0.0
