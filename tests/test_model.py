@@ -8,7 +8,6 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -432,7 +431,7 @@ def test_compiled_pieces_under_autocast_sum_gradients_as_eager(head):
         assert a.dtype == torch.float32 and torch.equal(a, c), n
 
 
-# ------------------------------------------------------------ no recompilation (issue 18)
+# ------------------------------------------------------------ no recompilation
 def _graphs() -> int:
     from torch._dynamo.utils import counters
     return counters["stats"]["unique_graphs"]
@@ -524,34 +523,6 @@ def test_compile_cache_keys_do_not_depend_on_the_import_order():
         sys.modules.update(saved)
     assert after == before
 
-
-@pytest.mark.slow  # two processes under TORCH_TRACE, each compiling: ~45 s on two cores
-def test_cache_keys_names_the_component_two_processes_differ_in(tmp_path):
-    """benchmarks/cache_keys.py reads two processes' TORCH_TRACE and names what differs in
-    Inductor's FX-graph cache key: here two compiles of one function, the second process with
-    deterministic algorithms on (part of the key)."""
-    code = textwrap.dedent("""
-        import sys, torch
-        if sys.argv[1] == "b":
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.compile(lambda x: (x.sin() * 2).sum())(torch.randn(8))
-    """)
-    repo = Path(__file__).resolve().parents[1]
-    for name in "ab":
-        env = {**os.environ, "TORCH_TRACE": str(tmp_path / name),
-               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-        r = subprocess.run([sys.executable, "-c", code, name], env=env, capture_output=True,
-                           text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
-    r = subprocess.run([sys.executable, str(repo / "benchmarks/cache_keys.py"),
-                        str(tmp_path / "a"), str(tmp_path / "b")], capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "A: 1 lookups (0 hits); B: 1 lookups (0 hits)" in r.stdout, r.stdout
-    differing = [line.strip().rstrip(":") for line in r.stdout.splitlines()
-                 if line.startswith("  ") and not line.startswith("    ")]
-    assert "deterministic_algorithms_settings" in differing, r.stdout
-    assert not any(d.startswith("example_inputs") or d == "gm" for d in differing), r.stdout
 
 def test_compiled_flex_keeps_one_graph_across_packings(monkeypatch):
     """flex_part0 builds a new block mask (a new mask_mod closure over seq_id) for each batch:
