@@ -1,5 +1,16 @@
 """Decode speed of drafter.engine.decode: plain step and speculative step (evaluate's decoding).
 
+Headline figure (BENCHMARKS.md, Decoding): the graph-captured steps on one H200 at SmolLM2-135M's
+shape (random weights: the step time does not depend on them), each against its parts:
+
+    python benchmarks/decode_speed.py --random-target --batches 1 --prefill-lengths 8
+    python benchmarks/decode_speed.py --random-target --batches 64 --prefill-lengths 0
+
+It prints a markdown table per batch size: the plain step, the chain K=5 and tree 6/8/48 steps
+(ms), their prefills, the target forward / verification / drafter forward they are made of, c
+and step / (verify + depth x drafter), and with --prefill-lengths the batch-1 prefills at new
+prompt lengths, graphed and eager. Other uses:
+
     python benchmarks/decode_speed.py                      # SmolLM2-135M on the GPU (the goals)
     python benchmarks/decode_speed.py --tiny               # a tiny random target on CPU (smoke)
     python benchmarks/decode_speed.py --drafter runs/x/export/native --json out.json
@@ -19,7 +30,7 @@ Measures, on whatever device the target loads to (CUDA graphs on when there is a
     evaluate's are; with --profile-prefill, more of them under torch.profiler (GPU and CPU time
     of the target's forwards and the drafter's observe calls per prefill); with --ops, the
     prefill's kernel count, plain and speculative.
-Goal (../shared/docs/REFERENCES.md, issue 8): <= 10 ms per speculative step for SmolLM2. Batched
+Goal (../shared/docs/REFERENCES.md): <= 10 ms per speculative step for SmolLM2. Batched
 generation (the generate step's engine) is benchmarks/generate_throughput.py's.
 A random drafter is used unless --drafter is given (step time does not depend on its quality).
 """
@@ -206,7 +217,7 @@ def prefill_profile(dec, P, k: int, prompts: list) -> str:
     """Batch-1 prefills at prompt lengths new to each method, under torch.profiler: per prefill,
     the host's time (what evaluate's prefill_seconds counts), and the GPU and CPU time inside the
     prefill, the target model's forwards and (speculative) the drafter's observe calls; then each
-    method's top ops by self CPU time. Where the speculative prefill's extra time goes (issue 16:
+    method's top ops by self CPU time. Where the speculative prefill's extra time goes (eager,
     23-27 ms a prompt more than the plain one on the H200, about 4 ms of it in extra kernels)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 

@@ -1,5 +1,14 @@
 """Extraction throughput and storage size, per storage option, against a raw forward.
 
+Headline figure (BENCHMARKS.md, Data engine): tokens/s and bytes/token of each storage option
+(bf16 or fp8 aux states, hidden or top-k teacher) for SmolLM2-135M-Instruct on one GPU:
+
+    python benchmarks/extract_throughput.py --model builtin:smollm2-135m-instruct
+
+It prints a markdown table (one row per mode: tokens/s, against the raw forward, bytes/token,
+against 8*Ht+16, peak GiB), then the bytes/token formula at larger targets' hidden sizes. Other
+uses:
+
     python benchmarks/extract_throughput.py                       # SmolLM2-135M on the GPU
     python benchmarks/extract_throughput.py --model meta-llama/Llama-3.1-8B --tokens 2000000
     python benchmarks/extract_throughput.py --tiny                # any machine, a minute on CPU

@@ -1,7 +1,16 @@
 """Throughput of the data engine (drafter.engine.generator: generate.server.engine: local) per batch size.
 
+Headline figure (BENCHMARKS.md, Data engine): completion tokens/s end to end over 10,000 real
+prompts, greedy, at most 512 new tokens, SmolLM2-135M-Instruct on one H200:
+
     python benchmarks/generate_throughput.py --data ../shared/data/train --prompts 10000 \
-        --batches 256,512,1024,2048 --max-new 512 --json gen.json          # one H200 (issue 14)
+        --batches 1024,2048,512,256 --max-new 512 --profile
+
+It prints a JSON line per batch size as it goes, then a markdown table (one row per batch size, the
+columns below) and, with --profile, the top CUDA kernels of 16 decode steps. Other uses:
+
+    python benchmarks/generate_throughput.py --data ../shared/data/train --prompts 10000 \
+        --batches 256,512,1024,2048 --max-new 512 --json gen.json          # one H200
     python benchmarks/generate_throughput.py --prompts 16 --batches 4,8 --max-new 24   # CPU smoke
     python benchmarks/generate_throughput.py --profile --batches 1024      # + a kernel table
 

@@ -1,5 +1,5 @@
 """The side-by-side anchor of benchmarks/train_throughput.py: SpecForge's own EAGLE-3 model and
-training step at the same shape, timed the same way (issue 18). Optional: it runs when
+training step at the same shape, timed the same way. Optional: it runs when
 `import specforge` works on a CUDA machine, and the benchmark prints why it skipped otherwise.
 
     pip install 'drafter[bench]'   # SpecForge from PyPI, with its pins (torch 2.11, sglang, ...)

@@ -1,5 +1,15 @@
 """Synthetic prompts at scale: how many distinct user prompts the target writes per minute, and how
-diverse they are against the shared prompt pools (issue 14 B).
+diverse they are against the shared prompt pools.
+
+Headline figure (BENCHMARKS.md, Data engine): seconds to 100,000 distinct prompts written by
+SmolLM2-135M-Instruct on one H200; the file it writes is the synthetic source of
+configs/scale-smollm2.yaml (benchmarks/reproduce_h200.sh makes it first):
+
+    python benchmarks/synthetic_prompts.py --count 100000 --batch 2048 --max-tokens 128 \
+        --out runs/synthetic-100k.jsonl.gz --compare ../shared/data/train
+
+It prints one line per sampling pass, then the totals (seconds, kept prompts/s, samples,
+rejections by reason, tokens written) and a diversity table. Other uses:
 
     python benchmarks/synthetic_prompts.py --count 100000 --batch 1024 \
         --out runs/synthetic-100k.jsonl.gz --json syn.json --compare ../shared/data/train   # H200

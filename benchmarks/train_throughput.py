@@ -1,4 +1,16 @@
-"""Training throughput of the EAGLE-3 drafter: tokens/s, MFU and peak memory, one command.
+"""Training throughput of the EAGLE-3 drafter: tokens/s, MFU and peak memory, beside SpecForge.
+
+Headline figure (BENCHMARKS.md, Training): drafter's training step against SpecForge 0.2.0's own
+EAGLE-3 model and step at the same shape, in the same process, on one H200:
+
+    pip install --no-deps specforge==0.2.0                     # the anchor (or drafter[bench])
+    python benchmarks/train_throughput.py --shape smollm2 --teacher topk,hidden
+    python benchmarks/train_throughput.py --shape llama8b --seq 2048 --teacher topk,hidden
+    python benchmarks/train_throughput.py --shape llama8b --seq 4096 --teacher topk,hidden
+
+It prints one line per run (tokens/s, ms a step, warm-up, the fast path's loss against the exact
+path's), SpecForge's line, then a markdown table: tokens/s, step ms, GFLOP/token, MFU, peak GiB,
+the anchor's tokens/s and GiB, and x anchor (ours over SpecForge's tokens/s). Other uses:
 
     python benchmarks/train_throughput.py                       # shapes (a) and (b), one GPU
     python benchmarks/train_throughput.py --shape llama8b --seq 4096
@@ -8,7 +20,7 @@
     torchrun --nproc-per-node 2 benchmarks/train_throughput.py --shape llama8b     # DDP scaling
     python benchmarks/train_throughput.py --tiny [--real [--online]]   # CPU: checks the script
 
-Shapes (issue 6), TTT 7 steps, one sample per row unless --data or --real:
+Shapes, TTT 7 steps, one sample per row unless --data or --real:
     smollm2  (a) H = Ht = 576, 9 / 3 heads of 64, I 1536, V 49152, Vd 32000, batch 4 × 2048
     llama8b  (b) H = Ht = 4096, 32 / 8 heads of 128, I 14336, V 128256, Vd 32000, batch 1 × 2048
     tiny     H = Ht = 64, 4 / 2 heads of 16, I 128, V 1024, Vd 512, batch 2 × 128, TTT 3
@@ -21,7 +33,7 @@ log-probs), then `train_step`: TTT forward + fused loss, backward, gradient scal
 AdamW. Random features: aux N(0, 1), all tokens in the loss. With --data RUN_DIR the batches
 are real packed rows from the run's extract shards (the prefetch thread included).
 
---real (issue 18: warm-up and recompiles on real runs). Samples of chat-like lengths (log-normal,
+--real (warm-up and recompiles on real runs). Samples of chat-like lengths (log-normal,
 median 250 tokens, clipped to 50..2048: the reference run's regenerated data averaged 335), a
 prompt of 10-50% of each out of the loss, packed first-fit into rows of --seq and grouped into
 micro-batches exactly as train does, built on the prefetch thread; every micro-batch has its own
@@ -59,7 +71,8 @@ the whole run).
 The anchor (benchmarks/specforge_anchor.py): when `import specforge` works on a CUDA machine
 (`pip install 'drafter[bench]'`), SpecForge's own model and training step run at the same shape
 and features (one sample per row, its hidden teacher) and each table row shows the ratio to it;
-otherwise a line says why it was skipped, and the ratio is to the figures issue 6 recorded.
+otherwise a line says why it was skipped, and the ratio is to SpecForge's figures recorded
+on an H200 before (ANCHOR).
 """
 from __future__ import annotations
 
@@ -105,7 +118,7 @@ SHAPES = {
                  num_key_value_heads=2, head_dim=16, vocab_size=1024, draft_vocab_size=512,
                  target_hidden_size=64, batch=2, seq=128, ttt=3),
 }
-# The widely used open-source trainer on the same H200 (issue 6): (shape, seq) -> tokens/s, GiB;
+# SpecForge, the widely used open-source trainer, recorded on an H200: (shape, seq) -> tokens/s, GiB;
 # the ratio falls back to these when SpecForge cannot run here
 ANCHOR = {("llama8b", 2048): (23_300, 9.1), ("llama8b", 4096): (24_900, 14.7),
           ("smollm2", 2048): (78_000, 18.3)}
@@ -538,7 +551,7 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
 
 
 def compile_report(name: str, warm_steps: list[float]) -> None:
-    """--compile-times: where a cold warm-up goes (issue 18: warm-up <= 30 s). The warm-up steps'
+    """--compile-times: where a cold warm-up goes (goal: warm-up <= 30 s). The warm-up steps'
     seconds, then torch's own compile timers (torch._dynamo.utils.compilation_time_metrics,
     seconds per call, in call order: one entry per graph that dynamo, AOTAutograd or Inductor
     compiled, forward and backward)."""
@@ -627,7 +640,7 @@ def _f(x, fmt: str) -> str:
 
 def table(rows: list[dict], anchors: dict) -> str:
     """One markdown row per setting; x anchor: tokens/s over SpecForge's at the same shape
-    (measured here, or issue 6's figure when it could not run)."""
+    (measured here, or its recorded figure when it could not run)."""
     real = any("source" in r for r in rows)
     head = ["shape", "seq", "batch", "attn", "teacher", "world", "params", "tokens/s",
             "step ms", "GFLOP/tok", "MFU 989", "MFU 790", "peak GiB", "anchor", "x anchor"]
@@ -804,7 +817,7 @@ def main(argv=None):
         if a:
             anchors[(name, T, B)] = (a["tok_s"], a["mem_gib"], "SpecForge here")
         elif (name, T) in ANCHOR and B == shape["batch"]:
-            anchors[(name, T, B)] = (*ANCHOR[(name, T)], "issue 6")
+            anchors[(name, T, B)] = (*ANCHOR[(name, T)], "recorded")
     if dist.main and rows:
         print("\n" + table(rows, anchors))
     close_dist()
