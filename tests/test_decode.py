@@ -1,6 +1,6 @@
-"""drafter.engine.decode: static-cache plain decoding against HF, speculative decoding (lossless, oracle
-and always-wrong drafters), the EAGLE drafter's static path against Drafter.forward, and rejection
-sampling preserving the target distribution. CPU, float32."""
+"""drafter.engine.decode: static-cache plain decoding against HF, speculative decoding (lossless,
+oracle and always-wrong drafters), the EAGLE drafter's static path against Drafter.forward, and
+rejection sampling preserving the target distribution. CPU, float32."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,7 @@
-"""drafter.engine.generator and drafter.engine.paged: the paged, continuously batched generation of the generate
-step equals plain decoding token for token (float32) on every architecture it runs, refills and
-compacts rows, refuses what cannot fit per request, samples reproducibly; the Triton decode
-kernel equals the gather reference. CPU; GPU tests skip themselves."""
+"""drafter.engine.generator and drafter.engine.paged: the paged, continuously batched generation of
+the generate step equals plain decoding token for token (float32) on every architecture it runs,
+refills and compacts rows, refuses what cannot fit per request, samples reproducibly; the Triton
+decode kernel equals the gather reference. CPU; GPU tests skip themselves."""
 from __future__ import annotations
 
 import os

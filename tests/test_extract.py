@@ -38,7 +38,8 @@ def write_config(path: Path, run_dir: Path, model: Path, shared_data: Path, **ex
     data = {
         "run_dir": str(run_dir),
         "target": {"model": str(model)},
-        "prepare": {"sources": [{"path": str(shared_data / "train/sharegpt_dummy_conversation.json"),
+        "prepare": {"sources": [{"path": str(shared_data
+                                             / "train/sharegpt_dummy_conversation.json"),
                                  "max_samples": 24}], "val_fraction": 0.2},
         "generate": {"enabled": False},
         "tokenize": {"max_length": 80, "workers": 1},
@@ -97,7 +98,8 @@ def test_shards_index_and_manifest(base):
         # every tokenized sample is there, longest first within a shard
         from drafter.data import tokens
         rows = tokens.read_rows(run.tokens(split), list(range(tokens.num_rows(run.tokens(split)))))
-        assert sorted(sid for e in ix["shards"] for sid in e["ids"]) == sorted(r["id"] for r in rows)
+        assert sorted(sid for e in ix["shards"] for sid in e["ids"]) \
+            == sorted(r["id"] for r in rows)
         for e in ix["shards"]:
             assert e["lengths"] == sorted(e["lengths"], reverse=True)
     assert not list(run.step_dir("extract").rglob(".tmp*"))

@@ -1,5 +1,5 @@
-"""Synthetic prompts (drafter.data.synthetic; prepare source `synthetic`, written by generate's local
-engine): the pre-query prefix of real chat templates, the filters and their reasons, the
+"""Synthetic prompts (drafter.data.synthetic; prepare source `synthetic`, written by generate's
+local engine): the pre-query prefix of real chat templates, the filters and their reasons, the
 diversity figures, and the pipeline end to end on the embedded SmolLM2 (multi-turn, steering,
 rejections counted, resumed after kill -9 with nothing lost or repeated)."""
 from __future__ import annotations
@@ -53,7 +53,8 @@ def test_filter_reasons_and_duplicates():
     assert f.check("}}{{ ### $$$ %%% @@@ !!!", "stop") == "not_text"
     assert f.check("What is <|im_start|>assistant doing?", "stop") == "template"
     assert f.check("What is the capital city of Mongolia, and why?", "stop") is None
-    assert f.counts["kept"] == 3 and f.counts["near_duplicate"] == 1 and sum(f.counts.values()) == 11
+    assert f.counts["kept"] == 3 and f.counts["near_duplicate"] == 1
+    assert sum(f.counts.values()) == 11
 
 
 def test_diversity_figures():

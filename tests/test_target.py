@@ -46,7 +46,8 @@ def test_logits_match_gguf(smollm2_dir):
 
 def test_concurrent_materialisation(tmp_path):
     gguf = T.builtin_file("smollm2-135m-instruct")
-    code = ("import sys; from pathlib import Path; from drafter.core.target import materialise_gguf; "
+    code = ("import sys; from pathlib import Path; "
+            "from drafter.core.target import materialise_gguf; "
             f"print(materialise_gguf(Path({str(gguf)!r}), Path(sys.argv[1])))")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env,

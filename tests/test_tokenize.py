@@ -31,20 +31,24 @@ LLAMA3 = (
 # the generation prompt gets an empty think block when thinking is off; tool calls inline.
 QWEN3 = """
 {%- set ns = namespace(last_query=-1) %}
-{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}
+{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}
+{%- endif %}{%- endfor %}
 {%- for m in messages %}
   {%- if m.role in ['system', 'user'] %}
     {{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}
   {%- elif m.role == 'assistant' %}
-    {%- set r = m.reasoning_content if m.reasoning_content is defined and m.reasoning_content else '' %}
+    {%- set r = m.reasoning_content
+          if m.reasoning_content is defined and m.reasoning_content else '' %}
     {%- if loop.index0 > ns.last_query and (loop.last or r) %}
-      {{- '<|im_start|>assistant\n<think>\n' + r.strip('\n') + '\n</think>\n\n' + m.content.lstrip('\n') }}
+      {{- '<|im_start|>assistant\n<think>\n' + r.strip('\n') + '\n</think>\n\n'
+          + m.content.lstrip('\n') }}
     {%- else %}
       {{- '<|im_start|>assistant\n' + m.content }}
     {%- endif %}
     {%- if m.tool_calls %}{%- for tc in m.tool_calls %}
       {%- if (loop.first and m.content) or not loop.first %}{{- '\n' }}{%- endif %}
-      {{- '<tool_call>\n{"name": "' + tc.function.name + '", "arguments": ' + tc.function.arguments + '}\n</tool_call>' }}
+      {{- '<tool_call>\n{"name": "' + tc.function.name + '", "arguments": '
+          + tc.function.arguments + '}\n</tool_call>' }}
     {%- endfor %}{%- endif %}
     {{- '<|im_end|>\n' }}
   {%- elif m.role == 'tool' %}
@@ -52,37 +56,43 @@ QWEN3 = """
   {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}
-  {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+  {%- if enable_thinking is defined and enable_thinking is false %}
+    {{- '<think>\n\n</think>\n\n' }}{%- endif %}
 {%- endif %}"""
 
 # DeepSeek-V3.1 style: `thinking` opens <think> in the generation prompt; history answers get
 # '</think>' + content; the answer after the last user turn keeps its reasoning.
 DEEPSEEK = """{{ bos_token }}
 {%- set ns = namespace(last_query=-1, sys='') %}
-{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}
+{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}
+{%- endif %}
 {%- if m.role == 'system' %}{%- set ns.sys = m.content %}{%- endif %}{%- endfor %}
 {{- ns.sys }}
 {%- for m in messages %}
   {%- if m.role == 'user' %}{{- '<｜User｜>' + m.content }}
   {%- elif m.role == 'assistant' %}
     {%- if loop.index0 > ns.last_query and m.reasoning_content %}
-      {{- '<｜Assistant｜><think>' + m.reasoning_content + '</think>' + m.content + '<｜end▁of▁sentence｜>' }}
+      {{- '<｜Assistant｜><think>' + m.reasoning_content + '</think>' + m.content
+          + '<｜end▁of▁sentence｜>' }}
     {%- else %}
       {{- '<｜Assistant｜></think>' + m.content + '<｜end▁of▁sentence｜>' }}
     {%- endif %}
   {%- endif %}
 {%- endfor %}
-{%- if add_generation_prompt %}{{- '<｜Assistant｜>' + ('<think>' if thinking else '</think>') }}{%- endif %}"""
+{%- if add_generation_prompt %}
+  {{- '<｜Assistant｜>' + ('<think>' if thinking else '</think>') }}{%- endif %}"""
 
 # Kimi-K2-Thinking style: the model writes <think>...</think> itself after the header.
 KIMI = """
 {%- set ns = namespace(last_query=-1) %}
-{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}
+{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}
+{%- endif %}{%- endfor %}
 {%- for m in messages %}
   {%- if m.role == 'system' %}<|im_system|>system<|im_middle|>{{ m.content }}<|im_end|>
   {%- elif m.role == 'user' %}<|im_user|>user<|im_middle|>{{ m.content }}<|im_end|>
   {%- elif m.role == 'assistant' %}<|im_assistant|>assistant<|im_middle|><think>
-    {{- (m.reasoning_content or '') if loop.index0 > ns.last_query else '' }}</think>{{ m.content }}<|im_end|>
+    {{- (m.reasoning_content or '')
+        if loop.index0 > ns.last_query else '' }}</think>{{ m.content }}<|im_end|>
   {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{%- endif %}"""
@@ -99,10 +109,10 @@ CHATML_GEN = (
     "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
-SPECIAL = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<｜User｜>", "<｜Assistant｜>",
-           "<｜end▁of▁sentence｜>", "<|im_system|>", "<|im_user|>", "<|im_assistant|>",
-           "<|im_middle|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
-           "<|observation|>"]
+SPECIAL = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<｜User｜>",
+           "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<|im_system|>", "<|im_user|>",
+           "<|im_assistant|>", "<|im_middle|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>",
+           "<|assistant|>", "<|observation|>"]
 ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]  # added, not special (as in Qwen3)
 
 CONV = [

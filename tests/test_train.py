@@ -57,7 +57,7 @@ def test_alignment_respects_samples_and_vocab():
     seq = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, -1, -1]])
     lm = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 0, 0]])
     inv = torch.ones(1, 10, dtype=torch.bool)
-    inv[0, 5] = False                                     # teacher argmax at 5 not in the draft vocab
+    inv[0, 5] = False                                # teacher argmax at 5 not in the draft vocab
     a = batches.align(seq, lm, inv, steps=2, decay=0.5)
     rows = [(s, r % 10) for r, s in zip(a["rows"].tolist(), a["row_step"].tolist())]
     # step 0: sample 0 positions 0,1 (targets 2,3); sample 1 positions 4,5 but 4 uses teacher 5
@@ -92,7 +92,8 @@ def _token_rows(n: int, seed: int) -> list[dict]:
         L = int(torch.randint(14, 40, (1,), generator=g))
         p = int(torch.randint(3, 8, (1,), generator=g))
         ids = torch.randint(0, VOCAB, (L,), generator=g).tolist()
-        out.append({"id": f"s{seed}-{i:03d}", "input_ids": ids, "loss_mask": [0] * p + [1] * (L - p)})
+        out.append({"id": f"s{seed}-{i:03d}", "input_ids": ids,
+                    "loss_mask": [0] * p + [1] * (L - p)})
     return out
 
 
@@ -697,9 +698,9 @@ def test_train_after_precompile_compiles_nothing(pipe, tmp_path):
     cfg = write_pipe_config(tmp_path / "cfg.yaml", run, pipe.shared, **TWO_RANK_STEPS)
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     cli(["precompile", str(cfg)], env=env)
-    # the merge's Triton kernels (drafter/train/ttt.py: forward, backward) where Inductor keeps its own
-    # (aot.share_triton_cache), and train compiles no Triton kernel at all (a first
-    # train after an extract compiled the merge again: about 1 s on the H200)
+    # the merge's Triton kernels (drafter/train/ttt.py: forward, backward) where Inductor keeps its
+    # own (aot.share_triton_cache), and train compiles no Triton kernel at all (a first train
+    # after an extract compiled the merge again: about 1 s on the H200)
     kernels = Path(os.environ.get("TRITON_CACHE_DIR") or tmp_path / "inductor" / "triton")
     compiled = {p.parent.name for p in kernels.rglob("*.json")}
     assert {p.name for p in kernels.rglob("*.json")} >= {"forward.json", "backward.json"}
@@ -709,7 +710,8 @@ def test_train_after_precompile_compiles_nothing(pipe, tmp_path):
     assert c["fx_graph_cache"]["misses"] == 0 and c["fx_graph_cache"]["hits"] >= 1, c
     assert [(r["graph"], r["result"]) for r in c["saved"]] == [
         ("pre", "loaded"), ("post", "loaded"), ("chunk_stats", "loaded")], c["saved"]
-    assert not [f for f in c["frames"] if f["pass"] == "backward" and f["graph"] != "flex_attention"]
+    assert not [f for f in c["frames"]
+                if f["pass"] == "backward" and f["graph"] != "flex_attention"]
 
 
 def test_drafters_triton_kernels_share_inductors_cache(tmp_path, monkeypatch):

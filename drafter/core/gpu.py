@@ -1,7 +1,8 @@
 """GPUs through NVML (nvidia-ml-py): devices, free memory, the processes holding memory, and the
 preflight that runs before any weights load.
 
-    gpu.devices()            -> [Gpu(index, name, uuid, total, free, used, processes)], [] with no GPU
+    gpu.devices()            -> [Gpu(index, name, uuid, total, free, used, processes)],
+                                [] with no GPU
     gpu.describe()           -> "no GPU" or one line per GPU with its holders
     gpu.preflight(need_bytes, policy="refuse")   before a step loads a model on the GPU
 

@@ -175,7 +175,8 @@ def diversity(texts: Iterable[str], near_dup: float = 0.8, num_perm: int = 64) -
 
     n = max(1, len(texts))
     return {"prompts": len(texts),
-            **{f"distinct_{k}gram": round(len(s) / max(1, tot), 4) for k, (s, tot) in grams.items()},
+            **{f"distinct_{k}gram": round(len(s) / max(1, tot), 4)
+               for k, (s, tot) in grams.items()},
             "exact_duplicate_rate": round(dup / n, 4), "near_duplicate_rate": round(near / n, 4),
             "words_p10": q(0.1), "words_p50": q(0.5), "words_p90": q(0.9),
             "words_mean": round(sum(lengths) / n, 1)}

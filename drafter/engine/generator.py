@@ -9,9 +9,10 @@ generate step's `engine: local` (answers, and the user turns of synthetic prompt
 Shapes: B rows (max_batch), V target vocab, P tokens per page, W pages per row (table width).
 
 How it works:
-  - KV cache: drafter.engine.paged, pages of P tokens. A request is admitted when the pages for its prompt
-    plus its max_new tokens are free, so a batch never runs out of memory mid-answer and each row
-    holds only its own length (the static cache held every row at the longest prompt's length).
+  - KV cache: drafter.engine.paged, pages of P tokens. A request is admitted when the pages for its
+    prompt plus its max_new tokens are free, so a batch never runs out of memory mid-answer and
+    each row holds only its own length (the static cache held every row at the longest prompt's
+    length).
   - Memory plan (`plan`): pages = the free GPU memory times `memory_fraction`, less what a prefill
     chunk and the decode step need (measured on a dry run), capped at what the requests can use.
     A request that can never fit (prompt + max_new over the pool or the model's positions) is
@@ -27,8 +28,8 @@ How it works:
   - Sampling per row: greedy at temperature 0, else Gumbel-max over logits / temperature (with
     nucleus top_p for all rows), one seeded stream per call.
 
-Models with sliding windows, softcapping or scaled logits (drafter.engine.paged.unsupported) run on the
-static decoder instead (drafter.engine.decode.Decoder: static batches, same results, slower).
+Models with sliding windows, softcapping or scaled logits (drafter.engine.paged.unsupported) run on
+the static decoder instead (drafter.engine.decode.Decoder: static batches, same results, slower).
 """
 from __future__ import annotations
 
@@ -45,12 +46,7 @@ import torch
 from torch import Tensor
 
 from drafter.core.gpu import triton_available
-from drafter.engine.paged import (
-    PagedCache,
-    paged_context,
-    unsupported,
-    use_paged_attention,
-)
+from drafter.engine.paged import PagedCache, paged_context, unsupported, use_paged_attention
 from drafter.engine.static import Graphs
 from drafter.engine.tree import DecodeError, _gumbel_like, nucleus
 

@@ -1,5 +1,5 @@
-"""The paged KV cache and its attention: what lets the data engine (drafter.engine.generator) hold each row's
-keys and values at its own length, and read only those.
+"""The paged KV cache and its attention: what lets the data engine (drafter.engine.generator) hold
+each row's keys and values at its own length, and read only those.
 
     cache = PagedCache()                                   # a transformers Cache
     cache.allocate(pages=4096, page_size=64, shapes={0: (3, 64, 64), ...}, dtype, device)
@@ -26,8 +26,8 @@ Two modes, set per forward:
            anywhere else (`paged_attention_reference`, also the kernel's test oracle).
 
 The cost of decode attention is then the row's own length, not the longest row's: the static cache
-(drafter.engine.static) reads every row's slots up to the batch's longest, and its buffer [rows, slots]
-is sized by the longest prompt, which is what ran an H200 out of memory at batch 1024.
+(drafter.engine.static) reads every row's slots up to the batch's longest, and its buffer
+[rows, slots] is sized by the longest prompt, which is what ran an H200 out of memory at batch 1024.
 """
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
 
 _IMPL = "drafter_paged"
 _local = threading.local()   # LocalGenerator runs one replica per GPU, each in its own thread

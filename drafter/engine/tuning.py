@@ -2,7 +2,8 @@
 the measured step costs, the chain length or tree shape with the highest expected speedup at each
 batch size, and the engine flags that select it. Evaluate calls it; no peer tool does this.
 
-    rec = recommend(alpha_cond, timings, k_measured=5, calib={"spec_ratio": 1.2, "plain_ratio": 1.1},
+    rec = recommend(alpha_cond, timings, k_measured=5,
+                    calib={"spec_ratio": 1.2, "plain_ratio": 1.1},
                     trees=[{"label": "tree 6/8/48", "tau": 2.4, ..., "timings": {...}}])
 
 Model (REFERENCES.md's theory, with measured costs):

@@ -1,6 +1,6 @@
 """What the serving engines load: the `native/` and `speculators/` layouts of an EAGLE-3 drafter,
-aux layer ids in each engine's meaning, and the writers of both layouts. drafter.export.enginedir reads
-either layout (ours or a published one) back. The contract is ../shared/docs/ENGINES.md.
+aux layer ids in each engine's meaning, and the writers of both layouts. drafter.export.enginedir
+reads either layout (ours or a published one) back. The contract is ../shared/docs/ENGINES.md.
 
     native/       LlamaForCausalLMEagle3, tensors midlayer.*      (SGLang, vLLM method eagle3,
                                                                    llama.cpp convert_hf_to_gguf.py)

@@ -8,7 +8,7 @@ Shapes: T tokens of a shard, S samples of a shard, L aux layers, Ht target hidde
         in_vocab          [T] bool      the target's argmax is in the draft vocab
         offsets           [S+1] int64   sample s = tokens offsets[s]:offsets[s+1]
         aux               [T, L, Ht] bf16, or float8_e4m3fn with
-        aux_scale         [T, L] float32  (aux = fp8 * scale; scale = amax / 448 per token and layer)
+        aux_scale         [T, L] float32  (aux = fp8 * scale; scale = amax / 448 per token, layer)
         teacher_hidden    [T, Ht] bf16                      (teacher=hidden)
         teacher_topk_ids  [T, k] int16 (int32 if Vd > 32768) (teacher=topk: draft-vocab ids)
         teacher_topk_logp [T, k] float16                    (their log-probs over the draft vocab)

@@ -202,7 +202,8 @@ def data_counts(cfg, run: Run) -> dict:
         samples_src += f" x {copies} (generate.extra_temperatures)"
     turns = st["user_turns"] / max(st["samples"], 1) if st else 1.0
     if p.answer_tokens_per_sample is not None:
-        answer, answer_src = float(p.answer_tokens_per_sample), "config (plan.answer_tokens_per_sample)"
+        answer = float(p.answer_tokens_per_sample)
+        answer_src = "config (plan.answer_tokens_per_sample)"
     elif st is not None and (not g.enabled or where and "generate" in where):
         answer, answer_src = st["answer_chars"] / CHARS_PER_TOKEN / max(st["samples"], 1), \
             f"estimated ({CHARS_PER_TOKEN:g} chars/token)"

@@ -316,7 +316,8 @@ def _dur(s: float | None) -> str:
 
 def render(plan: dict) -> str:
     t, d, s = plan["target"], plan["data"], plan["storage"]
-    moe = f", MoE {t['experts']} experts ({t['experts_per_token']} per token)" if t["experts"] else ""
+    moe = (f", MoE {t['experts']} experts ({t['experts_per_token']} per token)"
+           if t["experts"] else "")
     lines = [
         f"drafter plan for {plan['run_dir']} (nothing loaded)",
         f"target   {t['source']}",

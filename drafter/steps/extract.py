@@ -2,7 +2,8 @@
 
 Reads   tokenize/{train,val}.parquet   input_ids, loss_mask (drafter/data/tokens.py)
         vocab/vocab.safetensors        d2t, t2d: the draft vocab (in_vocab, top-k ids)
-Writes  extract/{train,val}/shard_NNNNN.safetensors + index.json   (format: drafter/features/store.py)
+Writes  extract/{train,val}/shard_NNNNN.safetensors + index.json
+                                       (format: drafter/features/store.py)
         extract/head.safetensors       the target's lm_head rows of the draft vocab
 Command drafter extract CONFIG [key=value ...]
         torchrun --nproc-per-node 8 -m drafter.cli extract CONFIG                 data parallel
@@ -11,7 +12,8 @@ Command drafter extract CONFIG [key=value ...]
 
 The plan is a pure function of the token files and the config, so ranks and reruns agree: samples
 sorted longest first, cut into shards of `extract.shard_tokens` tokens, each shard cut into
-forwards of `extract.batch_tokens` tokens (drafter/features/capture.py does the forward and the hooks).
+forwards of `extract.batch_tokens` tokens (drafter/features/capture.py does the forward and the
+hooks).
 Data parallel: rank r of W writes the shards i with i % W == r; every shard is computed from the
 same forwards whatever W, so the shard files are the same. Tensor parallel: every rank runs every
 forward of one sharded target (transformers tp_plan="auto") and rank 0 writes.

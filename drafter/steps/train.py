@@ -425,7 +425,8 @@ def _main(cfg, dist: Dist) -> dict:
             vr = store.Reader(run, "val")
             val_src = Source.offline(vr) if len(vr) else None
     setup.tick("capture" if tc.online else "store")
-    embeddings = target.target_embeddings(cfg.target)  # from its files in both modes: the same table
+    # from the target's files in both modes: the same table
+    embeddings = target.target_embeddings(cfg.target)
     setup.tick("embeddings")
     drafter = build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings)
     setup.tick("drafter")

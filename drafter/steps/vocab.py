@@ -1,7 +1,8 @@
 """The vocab step: which target tokens the drafter can propose (DESIGN.md, "Vocab map").
 
 Reads   tokenize/train.parquet (input_ids where loss_mask == 1); the target's config (vocab size)
-Writes  vocab/vocab.safetensors  d2t [Vd] int64, t2d [V] bool, counts [V] int64 (drafter/data/tokens.py)
+Writes  vocab/vocab.safetensors  d2t [Vd] int64, t2d [V] bool, counts [V] int64
+                                 (drafter/data/tokens.py)
         vocab/vocab.json         coverage, sizes, and the coverage other draft vocab sizes would get
 Command drafter vocab CONFIG
 

@@ -59,14 +59,15 @@ def inductor_cache_dir() -> str:
 
 
 def share_triton_cache(index: int) -> None:
-    """drafter's own Triton kernels (the merge, drafter/train/ttt.py) compiled into the cache Inductor
-    compiles its kernels into: TRITON_CACHE_DIR when set, else `<Inductor's cache>/triton/<device
-    index>`, which Inductor itself puts into TRITON_CACHE_DIR, for the rest of the process, only
-    when it sets up a kernel's autotuner there. The precompile process, compiling, had it set
-    before the merge's first launch; a train loading its graphs did not, and compiled the merge
-    again into Triton's default ~/.triton/cache (about 1 s of the first step of the first train
-    after an extract on the H200; later trains found it there). Set by trainer.device_setup on a GPU, in train and precompile alike;
-    a TRITON_CACHE_DIR already set is left as it is."""
+    """drafter's own Triton kernels (the merge, drafter/train/ttt.py) compiled into the cache
+    Inductor compiles its kernels into: TRITON_CACHE_DIR when set, else `<Inductor's
+    cache>/triton/<device index>`, which Inductor itself puts into TRITON_CACHE_DIR, for the rest
+    of the process, only when it sets up a kernel's autotuner there. The precompile process,
+    compiling, had it set before the merge's first launch; a train loading its graphs did not,
+    and compiled the merge again into Triton's default ~/.triton/cache (about 1 s of the first
+    step of the first train after an extract on the H200; later trains found it there). Set by
+    trainer.device_setup on a GPU, in train and precompile alike; a TRITON_CACHE_DIR already set
+    is left as it is."""
     if os.environ.get("TRITON_CACHE_DIR") is not None:
         return
     try:

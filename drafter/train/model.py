@@ -94,7 +94,8 @@ class DrafterConfig:
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
-    """Compute precision: half types go to float32, float32/float64 stay (gradcheck runs in fp64)."""
+    """Compute precision: half types go to float32, float32/float64 stay (gradcheck runs in
+    fp64)."""
     return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
 
 

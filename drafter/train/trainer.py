@@ -150,8 +150,8 @@ def compiles_hold(lock):
 
 def device_setup(tc, device):
     """What train sets for the device before the model: TF32 matmuls on a GPU (a setting that
-    Inductor's cache keys hold: drafter/train/precompile.py must set it as train does), and the Triton
-    cache of drafter's own kernels (aot.share_triton_cache: the one precompile filled).
+    Inductor's cache keys hold: drafter/train/precompile.py must set it as train does), and the
+    Triton cache of drafter's own kernels (aot.share_triton_cache: the one precompile filled).
     Returns the autocast dtype: bfloat16 on a GPU under dtype auto, else None (float32)."""
     cuda = device.type == "cuda"
     if cuda:
