@@ -45,6 +45,15 @@ def smollm2_dir(_cache_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    """A tiny random Llama target (8 layers, hidden 64, vocab 49152) as an HF folder: the
+    target of the engine layout, export and check tests."""
+    from tiny import make_tiny
+
+    return make_tiny("llama", tmp_path_factory.mktemp("target"), num_hidden_layers=8)
+
+
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.exists():
         pytest.skip(f"{SHARED_DATA} not present")

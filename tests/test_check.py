@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_engines import make_drafter, tiny_target  # noqa: F401 (a fixture)
+from test_engines import make_drafter
 
 from drafter.export import engines as E
 from drafter.export.check import FAIL, PASS, WARN, format_report, run_checks

@@ -9,24 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny import make_tiny
 
 from drafter.export import engines as E
 from drafter.export.enginedir import load_drafter_dir, read_dir
 from drafter.train.model import Drafter, DrafterConfig
 
-N_LAYERS = 8  # default ids [2, 4, 5]; SpecForge's output-of-layer spelling [1, 3, 4]
+# tiny_target's layers (conftest.py): default aux ids [2, 4, 5], in SpecForge's output-of-layer
+# spelling [1, 3, 4]
+N_LAYERS = 8
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
 
 
 # ------------------------------------------------------------------------------------ helpers
-@pytest.fixture(scope="session")
-def tiny_target(tmp_path_factory) -> Path:
-    """A tiny random Llama target (8 layers, hidden 64, vocab 49152) as an HF folder."""
-    return make_tiny("llama", tmp_path_factory.mktemp("target"), num_hidden_layers=N_LAYERS)
-
-
 def make_drafter(target_dir: Path, seed: int = 0, draft_vocab: int = 512, **overrides) -> Drafter:
     """A drafter shaped for the target, with every weight random (norms too) and a real vocab
     map, so that any mix-up of names, norms or ids changes its logits."""

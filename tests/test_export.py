@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engines import draft_logits, make_drafter, tiny_target  # noqa: F401 (a fixture)
+from test_engines import draft_logits, make_drafter
 
 from drafter.core import config as C
 from drafter.core.rundir import MissingInput, Run, atomic_json
