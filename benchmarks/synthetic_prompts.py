@@ -18,7 +18,7 @@ rejections by reason, tokens written) and a diversity table. Other uses:
 The same pieces as the generate step's synthetic source (drafter.data.synthetic: PreQuery,
 PromptFilter; drafter.engine.generator.LocalGenerator): the chat template up to the start of a user turn,
 sampled at --temperature, each sample filtered (empty, truncated, length, non-text, markup, exact
-and near duplicates), in rounds until --count are kept. Reported: seconds, kept prompts per
+and near duplicates), in passes until --count are kept. Reported: seconds, kept prompts per
 second, samples, rejections by reason, tokens written; then diversity (distinct 1-3-gram ratios,
 exact and near-duplicate rates, word lengths) of the kept prompts, and, with --compare, of the
 first user turns of the pools and of an equal-size sample of the synthetic ones (n-gram ratios
@@ -84,9 +84,9 @@ def main(argv=None) -> int:
     stop = sorted(set(gen.stop_ids) | set(pq.stop_ids))
     plain = pq.ids([])
     kept: list[str] = []
-    written = samples = rounds = 0
+    written = samples = passes = 0
     t0 = time.perf_counter()
-    while len(kept) < a.count and rounds < 30:
+    while len(kept) < a.count and passes < 30:
         need = a.count - len(kept)
         n = int(need * 1.2) + 32
         prompts = []
@@ -97,8 +97,8 @@ def main(argv=None) -> int:
             else:
                 prompts.append(plain)
         outs = gen.generate(prompts, a.max_tokens, temperature=a.temperature,
-                            seed=a.seed + rounds, stop_ids=stop)
-        rounds += 1
+                            seed=a.seed + passes, stop_ids=stop)
+        passes += 1
         for ids, finish in outs:
             samples += 1
             written += len(ids)
@@ -106,12 +106,12 @@ def main(argv=None) -> int:
             if filt.check(text, finish) is None and len(kept) < a.count:
                 kept.append(text)
         el = time.perf_counter() - t0
-        print(f"round {rounds}: {len(kept)} kept of {samples} samples, {el:.0f}s, "
+        print(f"pass {passes}: {len(kept)} kept of {samples} samples, {el:.0f}s, "
               f"{written / el:,.0f} tokens/s", flush=True)
     seconds = time.perf_counter() - t0
     rej = Counter({k: v for k, v in filt.counts.items() if k != "kept"})
     res = {"target": a.target, "count": a.count, "kept": len(kept), "samples": samples,
-           "rounds": rounds, "seconds": round(seconds, 1),
+           "passes": passes, "seconds": round(seconds, 1),
            "kept_per_s": round(len(kept) / seconds, 1), "tokens_written": written,
            "tokens_per_s": round(written / seconds, 1), "rejected_by_reason": dict(rej),
            "settings": {"temperature": a.temperature, "max_tokens": a.max_tokens,

@@ -102,7 +102,7 @@ from drafter.train import (
     batches,  # noqa: E402
     trainer,
 )
-from drafter.train import ttt as ttt_mod  # noqa: E402
+from drafter.train import merge as merge_mod  # noqa: E402
 from drafter.train.metrics import throughput  # noqa: E402
 from drafter.train.model import Drafter, DrafterConfig, param_count  # noqa: E402
 
@@ -432,7 +432,7 @@ def producer_ops(name: str, args, model, c: DrafterConfig) -> list[dict]:
     """--producer-ops: the aten ops the prefetch thread dispatches per online micro-batch (the
     target's forwards, the teacher, collate, align) when it captures --online-group
     micro-batches in one call, counted eagerly over the first group: on a GPU each that is not
-    a view is a kernel launch the thread issues while the training thread launches its own (the
+    a view is a kernel launch the thread makes while the training thread launches its own (the
     GIL is shared). Needs no GPU: the count is the device's too."""
     _, B, T, K = shape_config(name, args)
     out = []
@@ -746,14 +746,14 @@ def main(argv=None):
     p.add_argument("--loss-chunk", type=int, default=0,
                    help="rows per fused-loss chunk (0: the automatic size, drafter/train/ttt.py)")
     p.add_argument("--no-fused-merge", action="store_true",
-                   help="the diagonal merge as eager ops (ttt._MergeDiagonal), not its two "
-                   "Triton kernels (drafter.train.ttt.FUSED_MERGE)")
+                   help="the diagonal merge as eager ops (merge._MergeDiagonal), not its two "
+                   "Triton kernels (drafter.train.merge.FUSED_MERGE)")
     p.add_argument("--switch-interval", type=float,
                    help="sys.setswitchinterval seconds (Python's default 0.005): how long a "
                    "thread keeps the GIL while the other waits (online: the prefetch thread "
                    "runs the target's Python while the training thread launches kernels)")
     args = p.parse_args(argv)
-    ttt_mod.FUSED_MERGE = not args.no_fused_merge
+    merge_mod.FUSED_MERGE = not args.no_fused_merge
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     args.online = args.online or args.producer_ops
