@@ -139,7 +139,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_report(args) -> int:
-    return _dispatch("drafter.steps.evaluate", "report", args.run_dir)
+    return _dispatch("drafter.measure.report", "report", args.run_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:

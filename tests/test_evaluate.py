@@ -13,6 +13,8 @@ import torch
 from drafter.core import config as C
 from drafter.core.rundir import Run
 from drafter.engine.decode import Output
+from drafter.measure.lossless import compare
+from drafter.measure.report import render_report, report
 from drafter.steps import evaluate as E
 from drafter.train.model import Drafter, DrafterConfig, save_drafter
 
@@ -49,15 +51,15 @@ def _out(tokens, gaps=None, second=None):
 def test_lossless_verdicts():
     plain = _out([5, 6, 7, 8], gaps=[[3.0, 4, 5], [0.01, 0.02, 0.9], [2.0, 3, 4], [1.0, 2, 3]],
                  second=[[9, 1, 2], [4, 3, 2], [9, 1, 2], [9, 1, 2]])
-    assert E.compare(plain, _out([5, 6, 7, 8]), 0.0) == ("identical", None)
-    v, info = E.compare(plain, _out([5, 4, 1, 1]), 0.05)   # the runner-up, 0.01 apart: a tie
+    assert compare(plain, _out([5, 6, 7, 8]), 0.0) == ("identical", None)
+    v, info = compare(plain, _out([5, 4, 1, 1]), 0.05)   # the runner-up, 0.01 apart: a tie
     assert v == "tie" and info["index"] == 1 and info["gap"] == 0.01 and info["rank"] == 2
-    v, info = E.compare(plain, _out([5, 3, 1, 1]), 0.05)   # the third, 0.02 apart: a tie too
+    v, info = compare(plain, _out([5, 3, 1, 1]), 0.05)   # the third, 0.02 apart: a tie too
     assert v == "tie" and info["gap"] == 0.02 and info["rank"] == 3
-    assert E.compare(plain, _out([5, 4, 1, 1]), 0.0)[0] == "mismatch"   # float32: no tolerance
-    assert E.compare(plain, _out([5, 2, 1, 1]), 0.5)[0] == "mismatch"   # 0.9 below the top
-    assert E.compare(plain, _out([5, 7, 1, 1]), 1.0)[0] == "mismatch"   # not a runner-up
-    v, info = E.compare(plain, _out([5, 6, 7, 8, 2]), 1.0)               # longer
+    assert compare(plain, _out([5, 4, 1, 1]), 0.0)[0] == "mismatch"   # float32: no tolerance
+    assert compare(plain, _out([5, 2, 1, 1]), 0.5)[0] == "mismatch"   # 0.9 below the top
+    assert compare(plain, _out([5, 7, 1, 1]), 1.0)[0] == "mismatch"   # not a runner-up
+    v, info = compare(plain, _out([5, 6, 7, 8, 2]), 1.0)               # longer
     assert v == "mismatch" and info["index"] == 4
 
 
@@ -116,9 +118,9 @@ def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
     assert s["datasets"]["mt_bench"]["prompts"] == 2     # both turns
     assert s["baseline"] == str(base) and s["dtype"] == "float32"
     assert s["cuda_graphs"] is False and s["prefill_graph_tokens"] == 0   # the CPU: none
-    assert "CUDA graphs: off)" in E.render_report(m)
+    assert "CUDA graphs: off)" in render_report(m)
     graphed = {**m, "settings": {**s, "cuda_graphs": True, "prefill_graph_tokens": 2048}}
-    assert "CUDA graphs: on, prefills of up to 2048 tokens graphed)" in E.render_report(graphed)
+    assert "CUDA graphs: on, prefills of up to 2048 tokens graphed)" in render_report(graphed)
     # the untimed warm-up: MT-bench's first round (1 prompt), 2 tokens, before any timed pass
     assert s["warm_up"]["prompts"] == 1 and s["warm_up"]["seconds"] > 0
     for r in m["runs"]:
@@ -246,7 +248,7 @@ def test_a_mismatch_is_reported_and_fails_the_step(tmp_path):
     m = json.loads(run.eval_metrics().read_text())
     assert m["lossless"] is False and m["mismatches"] == 1
     assert "Lossless: FAIL" in run.eval_report().read_text()
-    assert E.report(run.root) == 1
+    assert report(run.root) == 1
 
 
 def test_report_without_an_evaluation_names_the_step(tmp_path):
@@ -378,3 +380,80 @@ def test_any_drafter_evaluates_in_a_run_dir_of_its_own(smollm2_dir, shared_data,
     assert states["evaluate"] == "done" and states["export"] == "pending"
     m = json.loads((tmp_path / "run" / "evaluate" / "metrics.json").read_text())
     assert m["settings"]["drafter"] == str(dr) and m["lossless"] is True
+
+
+def _one_dataset_cfg(smollm2_dir, tmp_path, dtype: str):
+    """A tiny random Llama target in `dtype`, a random drafter, chain K=2 on two HumanEval
+    prompts; tie_tolerance 0, so that every 16-bit divergence is a mismatch first."""
+    from tests.tiny import make_tiny
+
+    target = make_tiny("llama", tmp_path, tokenizer_dir=smollm2_dir)
+    main = _drafter_dir(target, tmp_path / "ckpt", 0)
+    return C.load(None, [
+        f"run_dir={tmp_path / 'run'}", f"target.model={target}", f"target.dtype={dtype}",
+        f"evaluate.drafter={main}", "evaluate.max_new_tokens=8", "evaluate.methods=[chain]",
+        "evaluate.k=2", "evaluate.batch_size=2", "evaluate.tie_tolerance=0",
+        "evaluate.datasets=[{name: humaneval, path: 'builtin:humaneval', max_prompts: 2}]"])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_planted_acceptance_bug_fails_in_both_precisions(smollm2_dir, tmp_path, monkeypatch,
+                                                           dtype):
+    """A speculative step that accepts one draft token more than verification allowed: in
+    bfloat16 the float32 recheck finds the same divergence (not drift), in float32 it fails at
+    once; either way the step fails naming the prompt."""
+    from drafter.engine.decode import Decoder
+
+    real = Decoder._commit
+
+    def one_too_many(self, st, emitted, n_acc, bonus, root=None):
+        if emitted.shape[1] > 1:  # a speculative step
+            n_acc = (n_acc + 1).clamp(max=emitted.shape[1] - 1)
+        return real(self, st, emitted, n_acc, bonus, root)
+
+    monkeypatch.setattr(Decoder, "_commit", one_too_many)
+    cfg = _one_dataset_cfg(smollm2_dir, tmp_path, dtype)
+    with pytest.raises(E.EvaluateError, match="NOT lossless: .*'record'"):
+        E.main(cfg)
+    m = json.loads(Run.of(cfg).eval_metrics().read_text())
+    assert m["lossless"] is False and m["mismatches"] >= 1 and m["drift"] == 0
+    assert m["settings"]["float32_recheck"] is (dtype == "bfloat16")
+    div = m["runs"][0]["datasets"]["humaneval"]["lossless"]["divergences"][0]
+    assert div["verdict"] == "mismatch"
+    if dtype == "bfloat16":
+        assert div["float32"]["verdict"] == "mismatch"
+    else:
+        assert "float32" not in div
+    assert "Lossless: FAIL" in Run.of(cfg).eval_report().read_text()
+
+
+def test_a_bfloat16_only_divergence_passes_as_drift(smollm2_dir, tmp_path, monkeypatch):
+    """A divergence that only bfloat16 decoding makes (planted: the first speculative answer's
+    second token changed while the target runs in bfloat16) is decoded again in float32, found
+    identical there, and counted as drift: the step passes and the report says so."""
+    from drafter.engine.decode import Decoder
+
+    real = Decoder.generate
+    planted = []
+
+    def drifting(self, prompts, max_new_tokens, **kw):
+        out = real(self, prompts, max_new_tokens, **kw)
+        if kw.get("proposer") is not None and self.target.dtype == torch.bfloat16 \
+                and len(out[0].tokens) > 1:
+            out[0].tokens[1] = 49_151 if out[0].tokens[1] != 49_151 else 49_150
+            planted.append(1)
+        return out
+
+    monkeypatch.setattr(Decoder, "generate", drifting)
+    cfg = _one_dataset_cfg(smollm2_dir, tmp_path, "bfloat16")
+    res = E.main(cfg)
+    assert planted and res["lossless"] is True
+    assert res["counts"]["mismatches"] == 0 and res["counts"]["drift"] >= 1
+    m = json.loads(Run.of(cfg).eval_metrics().read_text())
+    ll = m["runs"][0]["datasets"]["humaneval"]["lossless"]
+    assert ll["drift"] == res["counts"]["drift"] and ll["mismatch"] == 0
+    drift = [d for d in ll["divergences"] if d["verdict"] == "drift"]
+    assert drift and all(d["float32"]["verdict"] in ("identical", "tie") for d in drift)
+    assert m["runs"][0]["datasets"]["overall"]["lossless"]["drift"] == ll["drift"]
+    text = Run.of(cfg).eval_report().read_text()
+    assert "Lossless: PASS" in text and "bf16 drift" in text

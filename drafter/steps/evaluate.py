@@ -20,25 +20,24 @@ over steps, a = accepted draft tokens of a step. c = one drafter forward (one dr
 one verification forward, timed on their own (graph-replayed on GPU).
 
 Lossless check (temperature 0): each speculative output must equal the plain one token for token.
-In float32 (CPU) any difference fails the step. In 16-bit the verification forward (N+1 tokens)
-and the plain one (1 token) round differently, so a near-tie can flip the argmax (bf16 logits are
-coarse: several tokens often share the top value): a divergence where the speculative token is
-one of the plain run's 8 runners-up (the best tokens other than the picked one: decode.runners_up)
-and its logit is within `evaluate.tie_tolerance` of the top one is counted as a tie and reported,
-not failed. Anything else fails.
+A 16-bit near-tie (a runner-up within `evaluate.tie_tolerance`) is counted as a tie; any other
+16-bit mismatch is decoded again in float32, that prompt alone: identical there is numerical
+drift, counted and reported; different there fails the step naming the prompt
+(drafter/measure/lossless.py). In float32 any difference fails the step.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import logging
-import math
 import shutil
 import time
 from pathlib import Path
 
 from drafter import DrafterError
-from drafter.core.rundir import MissingInput, Run, atomic_json, atomic_write, read_json
+from drafter.core.rundir import Run, atomic_json, atomic_write, read_json
+from drafter.measure.lossless import compare, recheck_float32
+from drafter.measure.report import plots, render_report
 
 log = logging.getLogger("drafter")
 
@@ -239,24 +238,6 @@ def _pass(run: Run, key: str, prompts: _Prompts, fn):
     return outs, secs, it, pre, rows
 
 
-def compare(plain, spec, tol: float) -> tuple[str, dict | None]:
-    """Lossless verdict for one prompt: identical, tie (see the module doc) or mismatch."""
-    a, b = plain.tokens, spec.tokens
-    if a == b:
-        return "identical", None
-    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    near = plain.second[i] if plain.second and i < len(plain.second) else []
-    gaps = plain.gaps[i] if plain.gaps and i < len(plain.gaps) else []
-    j = near.index(b[i]) if i < len(a) and i < len(b) and b[i] in near else None
-    info = {"index": i, "plain": a[i] if i < len(a) else None,
-            "speculative": b[i] if i < len(b) else None,
-            "gap": (gaps[j] if j is not None else gaps[0]) if gaps else None, "rank": (
-                j + 2 if j is not None else None)}
-    if j is not None and gaps[j] <= tol:
-        return "tie", info
-    return "mismatch", info
-
-
 # -------------------------------------------------------------------------------------- metrics
 def _speed(new: int, seconds: float, iterations: int, prefill: float | None = None,
            row_steps: float | None = None) -> dict:
@@ -298,7 +279,7 @@ def _summary(outs, seconds, iterations, prefill=None, tree=None, plain_outs=None
         if shapes and len(shapes) == len(outs):
             m["tree_shapes"] = _sum_shapes([{"accepted": x[0], "valid": x[1]} for x in shapes])
     if plain_outs is not None:
-        verdicts = {"identical": 0, "tie": 0, "mismatch": 0}
+        verdicts = {"identical": 0, "tie": 0, "drift": 0, "mismatch": 0}
         details = []
         ref = {(i, r): o for i, r, o in plain_outs}
         for i, r, o in outs:
@@ -307,11 +288,10 @@ def _summary(outs, seconds, iterations, prefill=None, tree=None, plain_outs=None
             if info is not None:
                 rid = records[i].get("id") if records else None
                 details.append({"record": i, "id": rid, "turn": r + 1, "verdict": v, **info})
-        details.sort(key=lambda d: d["verdict"] != "mismatch")  # mismatches first, then ties
         m["lossless"] = {"compared": len(outs), **verdicts,
                          "max_tie_gap": max((d["gap"] for d in details if d["verdict"] == "tie"),
                                             default=None),
-                         "divergences": details[:20]}
+                         "divergences": details}  # all until finish_lossless keeps the first 20
     return m
 
 
@@ -374,8 +354,11 @@ def main(cfg) -> dict:
         if datasets else None
     log.info("evaluate: warm-up: %s", warm)
     cal = None  # the batch the steps run at (rows_per_step), decided by the first plain passes
+    greedy_prompts, run_parts = {}, []  # T=0's prompt rounds; each run's (Drafter, TreeSpec)
     for T in [float(t) for t in ev.temperatures]:
         plain, prompts = {}, {}
+        if T == 0:
+            greedy_prompts = prompts
         for name, path, recs in datasets:
             torch.manual_seed(ev.seed)
             prompts[name] = pr = _Prompts(tok, recs, max_len, ev.max_new_tokens)
@@ -395,7 +378,7 @@ def main(cfg) -> dict:
             # batch): the costs are timed there too, and the serving setting calibrated there
             rows = ps["overall"].get("rows_per_step")
             cal = max(1, round(rows)) if rows else ev.batch_size
-        for what, prop, path in proposers:
+        for (what, prop, path), (_, dr, _) in zip(proposers, drafters):
             for method, tree in methods:
                 key = (what, tree)
                 if key not in timings:
@@ -424,10 +407,13 @@ def main(cfg) -> dict:
                              what, tree.label(), T, name, m["tau"] or 0, m["tokens_per_s"] or 0,
                              plain[name][1]["tokens_per_s"] or 0)
                 per["overall"] = _with_speed(_overall(per, tree), ps["overall"])
+                run_parts.append((dr, tree))
                 runs.append({"name": f"{what}: {tree.label()}, T={T:g}", "drafter": what,
                              "path": str(path), "method": method, "temperature": T,
                              **_tree_settings(tree), "timing": timing, "datasets": per})
 
+    drift = _recheck(model, runs, run_parts, greedy_prompts, ev.max_new_tokens, stop) \
+        if dtype != torch.float32 else 0
     primary = runs[0]
     settings = {
         "target": cfg.target.model, "device": str(device),
@@ -441,6 +427,7 @@ def main(cfg) -> dict:
         "cuda_graphs": bool(ev.cuda_graphs and dec.graphs.enabled),
         "prefill_graph_tokens": ev.prefill_graph_tokens if dec.graphs.enabled else 0,
         "tie_tolerance": tol, "seed": ev.seed, "warm_up": warm,
+        "float32_recheck": dtype != torch.float32, "drift": drift,
         "primary": {k: primary[k] for k in ("name", "drafter", "method", "temperature",
                                             "depth", "topk", "tokens", "k")
                     if k in primary},
@@ -455,24 +442,60 @@ def main(cfg) -> dict:
         shutil.rmtree(run.step_dir("evaluate") / "passes", ignore_errors=True)
     return {"counts": {"prompts": sum(d["prompts"] for d in ds_info.values()), "runs": len(runs),
                        "new_tokens": primary["datasets"]["overall"]["new_tokens"],
-                       "mismatches": metrics["mismatches"], "ties": metrics["ties"]},
+                       "mismatches": metrics["mismatches"], "ties": metrics["ties"],
+                       "drift": metrics["drift"]},
             "tau": {n: _r(d.get("tau"), 4) for n, d in primary["datasets"].items()},
             "lossless": metrics["lossless"]}
 
 
+def _recheck(model, runs: list[dict], parts: list[tuple], prompts: dict, max_new: int,
+             stop) -> int:
+    """Every 16-bit mismatch of the greedy runs decoded again in float32 (measure.lossless): a
+    drift leaves the mismatch count for the drift count. Returns the drifts."""
+    checks = []
+    for r, (dr, tree) in zip(runs, parts):
+        if r["temperature"] != 0:
+            continue
+        for name, d in r["datasets"].items():
+            if name == "overall" or not d["lossless"]["mismatch"]:
+                continue
+            ids = {(i, t): x for t, batch in enumerate(prompts[name].rounds) for i, x in batch}
+            checks += [{"ids": ids[(x["record"], x["turn"] - 1)], "drafter": dr, "tree": tree,
+                        "divergence": x, "counts": d["lossless"]}
+                       for x in d["lossless"]["divergences"] if x["verdict"] == "mismatch"]
+    drift = recheck_float32(model, checks, max_new, stop)
+    for c in checks:
+        if c["divergence"]["verdict"] == "drift":
+            c["counts"]["mismatch"] -= 1
+            c["counts"]["drift"] += 1
+    for r in runs:
+        if r["temperature"] == 0:
+            items = [d for n, d in r["datasets"].items() if n != "overall"]
+            r["datasets"]["overall"]["lossless"] = {
+                k: sum(d["lossless"].get(k, 0) for d in items)
+                for k in ("compared", "identical", "tie", "drift", "mismatch")}
+    return drift
+
+
 def finish(run: Run, settings: dict, runs: list[dict], plain: dict) -> dict:
     """Write metrics.json, the plots and report.md; then fail (EvaluateError) if any greedy
-    speculative output differs from the plain one beyond a numerical tie."""
+    speculative output differs from the plain one beyond a numerical tie or float32-checked
+    drift."""
     lossless_runs = [r for r in runs if r["temperature"] == 0]
     verdicts = [(r, n, d) for r in lossless_runs for n, d in r["datasets"].items()
                 if n != "overall"]
+    for _, _, d in verdicts:  # mismatches first, then drift, then ties; the first 20 kept
+        order = {"mismatch": 0, "drift": 1, "tie": 2}
+        d["lossless"]["divergences"] = sorted(d["lossless"]["divergences"],
+                                              key=lambda x: order[x["verdict"]])[:20]
     mismatches = sum(d["lossless"]["mismatch"] for _, _, d in verdicts)
     ties = sum(d["lossless"]["tie"] for _, _, d in verdicts)
+    drift = sum(d["lossless"].get("drift", 0) for _, _, d in verdicts)
     metrics = {"lossless": mismatches == 0, "settings": settings,
                "datasets": runs[0]["datasets"], "plain": plain, "runs": runs,
-               "ties": ties, "mismatches": mismatches}
+               "ties": ties, "drift": drift, "mismatches": mismatches}
     atomic_json(run.eval_metrics(), metrics)
-    _plots(run, runs)
+    plots(run, runs)
     atomic_write(run.eval_report(), render_report(metrics))
     log.info("evaluate: wrote %s", run.eval_report())
     if mismatches:
@@ -485,12 +508,12 @@ def finish(run: Run, settings: dict, runs: list[dict], plain: dict) -> dict:
 
 
 def _recommend(runs: list[dict], plain: dict, batch: int, drafter_dir: str) -> dict | None:
-    """The serving setting (drafter.engine.tuning) from the drafter's greedy chain run: its conditional
-    acceptance, the step costs measured per batch size, calibrated on this run's step times
-    (decode steps, prefills left out: the per-step figures an engine with continuous batching
-    gets) against the costs timed at `batch`, the rows those steps ran at (a batch_size 64 run of
-    21 and 22-row batches, calibrated against costs timed at 64 rows, had come out x0.876); and
-    from each greedy tree run, its own tau and those of its smaller shapes."""
+    """The serving setting (drafter.engine.tuning) from the drafter's greedy chain run: its
+    conditional acceptance, the step costs measured per batch size, calibrated on this run's
+    step times (decode steps, prefills left out: the per-step figures an engine with continuous
+    batching gets) against the costs timed at `batch`, the rows those steps ran at (a batch_size
+    64 run of 21 and 22-row batches, calibrated against costs timed at 64 rows, had come out
+    x0.876); and from each greedy tree run, its own tau and those of its smaller shapes."""
     from drafter.engine.tuning import chain_step_ms, recommend, tree_step_ms
 
     chain = next((r for r in runs if r["drafter"] == "drafter" and r["method"] == "chain"
@@ -557,190 +580,5 @@ def _overall(per: dict, tree) -> dict:
             m["tree_shapes"] = _sum_shapes([d["tree_shapes"] for d in items])
         if all("lossless" in d for d in items):
             m["lossless"] = {k: sum(d["lossless"][k] for d in items)
-                             for k in ("compared", "identical", "tie", "mismatch")}
+                             for k in ("compared", "identical", "tie", "drift", "mismatch")}
     return m
-
-
-# -------------------------------------------------------------------------------- report, plots
-def _fmt(x, n=2):
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.{n}f}"
-    return str(x)
-
-
-def render_report(m: dict) -> str:
-    s, runs = m["settings"], m["runs"]
-    names = [n for n in runs[0]["datasets"] if n != "overall"] + ["overall"]
-    L = ["# Evaluation report", ""]
-    pg = s.get("prefill_graph_tokens")  # absent in metrics written before it was recorded
-    L.append(f"- target: `{s['target']}` ({s['device']}, {s['dtype']}, CUDA graphs: "
-             f"{'on' if s['cuda_graphs'] else 'off'}"
-             + (f", prefills of up to {pg} tokens graphed" if s["cuda_graphs"] and pg else "")
-             + ")")
-    L.append(f"- drafter: `{s['drafter']}`" + (f"; baseline: `{s['baseline']}`"
-                                               if s["baseline"] else ""))
-    rows = runs[0]["datasets"]["overall"].get("rows_per_step")
-    fewer = (f" (the steps ran at {_fmt(rows, 1)} rows on average: "
-             + ", ".join(f"{n} {_fmt(runs[0]['datasets'][n].get('rows_per_step'), 1)}"
-                         for n in names[:-1]) + "; a dataset with fewer prompts decodes in "
-             "smaller batches)") if rows and rows < s["batch_size"] - 0.5 else ""
-    L.append(f"- {s['max_new_tokens']} new tokens per prompt, batch {s['batch_size']}{fewer}, "
-             f"temperatures {s['temperatures']}, seed {s['seed']}")
-    L.append("- datasets: " + ", ".join(f"{n} ({d['prompts']} prompts from {d['records']} "
-                                         f"records of `{d['path']}`)"
-                                         for n, d in s["datasets"].items()))
-    L.append("")
-    tie = (f"; {m['ties']} numerical ties (a runner-up within {s['tie_tolerance']} of the top "
-           f"logit)") \
-        if m["ties"] else ""
-    if m["lossless"]:
-        L.append(f"**Lossless: PASS.** At temperature 0 every speculative output is "
-                 f"token-identical to plain greedy decoding of the target{tie}.")
-    else:
-        L.append(f"**Lossless: FAIL.** {m['mismatches']} speculative output(s) differ from plain "
-                 f"greedy decoding of the target{tie}. See the divergences in metrics.json.")
-    L += ["", "## Acceptance length τ", "",
-          "Tokens per target forward after the prefill, the bonus token counted (plain decoding "
-          "= 1.0).", "",
-          "| run | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for r in runs:
-        L.append(f"| {r['name']} | " + " | ".join(_fmt(r["datasets"][n].get("tau"))
-                                                  for n in names) + " |")
-    L += ["", "## Speed", "",
-          "Wall-clock tokens/s on this machine, plain decoding of the same prompts in the same "
-          "batches as the reference. c = one drafter forward / one verification forward. "
-          "step ms: the seconds over the decode steps, prefills included; decode ms: without "
-          "them (the time of a step itself); decode speedup: the speedup without the prefills "
-          "(the steps alone). An untimed warm-up decoding ran first.", "",
-          "| run | dataset | prompts | τ | tokens/s | plain tokens/s | speedup | decode speedup | "
-          "step ms | plain step ms | decode ms | plain decode ms |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        for n in names:
-            d = r["datasets"][n]
-            L.append(f"| {r['name']} | {n} | {d['prompts']} | {_fmt(d.get('tau'))} | "
-                     f"{_fmt(d.get('tokens_per_s'), 1)} | {_fmt(d.get('plain_tokens_per_s'), 1)} | "
-                     f"{_fmt(d.get('speedup'))}x | {_fmt(d.get('decode_speedup'))}x | "
-                     f"{_fmt(d.get('step_ms'))} | "
-                     f"{_fmt(d.get('plain_step_ms'))} | {_fmt(d.get('decode_step_ms'))} | "
-                     f"{_fmt(d.get('plain_decode_step_ms'))} |")
-    L += ["", "| run | target forward ms (1 token) | verify forward ms | drafter forward ms | c |",
-          "|---|---|---|---|---|"]
-    for r in runs:
-        t = r["timing"]
-        L.append(f"| {r['name']} | {_fmt(t['target_ms'])} | {_fmt(t['verify_ms'])} | "
-                 f"{_fmt(t['draft_ms'])} | {_fmt(t['c'], 3)} |")
-    rec = s.get("recommended")
-    if rec:
-        L += ["", "## Serving setting (expected speedup per batch size)", "",
-              "From the greedy chain run's conditional acceptance and the step costs measured at "
-              "each batch size (drafter/engine/tuning.py; model calibrated on this run's decode step "
-              f"times against the costs at batch {rec['calibration']['batch']}, the rows they "
-              f"ran at: speculative x{rec['calibration']['spec_ratio']}, plain "
-              f"x{rec['calibration']['plain_ratio']}); a greedy tree run's own τ and step, and "
-              "for each smaller depth the best number of nodes of its top-k, with the τ its "
-              "steps give for that shape (*estimated*). These are per-step figures: what an "
-              "engine with continuous batching gets. This evaluation's batches ("
-              f"{'continuous' if m['settings'].get('continuous') else 'static'}) wait for "
-              "their slowest row (continuous ones only once no prompt is left): they took "
-              f"{_fmt(rec['calibration']['static_batch_efficiency'])} of the steps' τ.", "",
-              "| batch | setting | expected τ | step ms | expected speedup |", "|---|---|---|---|---|"]
-        for b, r in rec["by_batch"].items():
-            for x in r["settings"]:
-                best = " **(best)**" if x["setting"] == r["best"] else ""
-                best += " *(estimated)*" if x.get("estimated") else ""
-                L.append(f"| {b} | {x['setting']}{best} | {_fmt(x['expected_tau'])} | "
-                         f"{_fmt(x['step_ms'])} | {_fmt(x['speedup'])}x |")
-        for b, r in rec["by_batch"].items():
-            L += ["", f"Batch {b}: serve with {r['best']}:", ""]
-            L += [f"- {eng}: `{f}`" for eng, f in r["flags"].items() if f]
-    L += ["", "## Per-position acceptance", "",
-          "Unconditional: share of steps whose draft position i was accepted. Conditional: the "
-          "same among steps whose positions 1..i-1 were all accepted.", ""]
-    for r in runs:
-        D = len(r["datasets"]["overall"]["acceptance"])
-        L += [f"**{r['name']}**", "", "| dataset | " + " | ".join(str(i) for i in range(1, D + 1))
-              + " |", "|---|" + "---|" * D]
-        for n in names:
-            d = r["datasets"][n]
-            L.append(f"| {n} | " + " | ".join(_fmt(x) for x in d["acceptance"]) + " |")
-            L.append(f"| {n} (cond.) | " + " | ".join(_fmt(x) for x in d["acceptance_conditional"])
-                     + " |")
-        L.append("")
-    L += ["## Counts", "", "| run | dataset | steps | drafted | accepted | accept rate | "
-          "new tokens | lossless (identical / ties / mismatches) |",
-          "|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        for n in names:
-            d = r["datasets"][n]
-            ll = d.get("lossless")
-            ll = f"{ll['identical']} / {ll['tie']} / {ll['mismatch']}" if ll \
-                else "not checked (T>0)"
-            L.append(f"| {r['name']} | {n} | {d['steps']} | {d['drafted']} | {d['accepted']} | "
-                     f"{_fmt(d['accept_rate'], 3)} | {d['new_tokens']} | {ll} |")
-    L += ["", "![per-position acceptance](acceptance.png)", "", "![tau per dataset](tau.png)", ""]
-    return "\n".join(L)
-
-
-def _plots(run: Run, runs: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from drafter.core.rundir import atomic_open
-
-    names = [n for n in runs[0]["datasets"] if n != "overall"] + ["overall"]
-    cols = min(3, len(runs))
-    rows = math.ceil(len(runs) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
-    for ax, r in zip(axes.flat, runs):
-        for j, n in enumerate(names):
-            d = r["datasets"][n]
-            x = list(range(1, len(d["acceptance"]) + 1))
-            ax.plot(x, [v if v is not None else math.nan for v in d["acceptance"]], "-o",
-                    color=f"C{j}", label=f"{n}", ms=3)
-            ax.plot(x, [v if v is not None else math.nan for v in d["acceptance_conditional"]],
-                    "--", color=f"C{j}", alpha=0.6)
-        ax.set_title(r["name"], fontsize=9)
-        ax.set_xlabel("draft position (solid: unconditional, dashed: conditional)", fontsize=8)
-        ax.set_ylim(0, 1.02)
-        ax.set_xticks(x)                                    # draft positions are whole numbers
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(runs):]:
-        ax.axis("off")
-    fig.tight_layout()
-    with atomic_open(run.eval_plot("acceptance"), "wb") as f:
-        fig.savefig(f, format="png", dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(names) * max(1, len(runs)) / 2), 3.6))
-    w = 0.8 / len(runs)
-    for j, r in enumerate(runs):
-        ax.bar([i + j * w for i in range(len(names))],
-               [r["datasets"][n].get("tau") or 0 for n in names], w, label=r["name"])
-    ax.set_xticks([i + w * (len(runs) - 1) / 2 for i in range(len(names))], names)
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_ylabel("τ (tokens per target forward)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    with atomic_open(run.eval_plot("tau"), "wb") as f:
-        fig.savefig(f, format="png", dpi=110)
-    plt.close(fig)
-
-
-def report(run_dir) -> int:
-    """`drafter report RUN_DIR`: print the evaluation report."""
-    run = Run(run_dir)
-    p = run.eval_report()
-    if not p.exists():
-        raise MissingInput(f"{p} not found: run `drafter evaluate CONFIG` first "
-                           f"(or `drafter run CONFIG`)")
-    print(p.read_text(), end="")
-    m = run.eval_metrics()
-    if m.exists() and not read_json(m).get("lossless", True):
-        return 1
-    return 0
-

@@ -1,0 +1,3 @@
+"""What evaluate measures and how a reader sees it: the lossless verdict, with 16-bit mismatches
+decoded again in float32 to tell drift from a real divergence (lossless), and the report with its
+plots (report). Above the engine and export layers; the evaluate step calls into it."""

@@ -1,0 +1,89 @@
+"""The lossless verdict: at temperature 0 each speculative output must equal plain greedy decoding
+of the target token for token; a 16-bit mismatch is decoded again in float32 to tell numerical
+drift from a real divergence.
+    v, info = compare(plain_out, spec_out, tie_tolerance)     # identical | tie | mismatch
+    recheck_float32(model, checks, max_new, stop_ids)   # mismatch -> drift where float32 agrees
+
+In float32 any difference is a mismatch. In 16-bit the verification forward (N+1 tokens) and the
+plain one (1 token) round differently, so a near-tie can flip the argmax, and once one token
+differs the rest of the answer does too. Two rules keep such drift from failing a run:
+- tie: the speculative token is one of the plain run's 8 runners-up (decode.runners_up) and its
+  logit is within `evaluate.tie_tolerance` of the top one: counted and reported, not failed.
+- drift: any other 16-bit mismatch is decoded again, that prompt alone, plainly and speculatively
+  with the same drafter and method, in float32 (the target and drafter converted in place; bf16
+  to float32 is exact). Identical there (or an exact float32 tie): numerical drift, counted and
+  reported, not failed. Different there too: a real divergence, and the run fails naming it.
+A planted acceptance bug (a step that accepts one token too many) differs in both precisions and
+still fails (tests/test_evaluate.py).
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("drafter")
+
+
+def compare(plain, spec, tol: float) -> tuple[str, dict | None]:
+    """Lossless verdict for one prompt: identical, tie (see the module doc) or mismatch; with the
+    first divergence (index, both tokens, the speculative token's rank and gap in the plain run)."""
+    a, b = plain.tokens, spec.tokens
+    if a == b:
+        return "identical", None
+    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    near = plain.second[i] if plain.second and i < len(plain.second) else []
+    gaps = plain.gaps[i] if plain.gaps and i < len(plain.gaps) else []
+    j = near.index(b[i]) if i < len(a) and i < len(b) and b[i] in near else None
+    info = {"index": i, "plain": a[i] if i < len(a) else None,
+            "speculative": b[i] if i < len(b) else None,
+            "gap": (gaps[j] if j is not None else gaps[0]) if gaps else None, "rank": (
+                j + 2 if j is not None else None)}
+    if j is not None and gaps[j] <= tol:
+        return "tie", info
+    return "mismatch", info
+
+
+def recheck_float32(model, checks: list[dict], max_new: int, stop_ids) -> int:
+    """checks: [{"ids": prompt token ids, "drafter": its Drafter, "tree": its TreeSpec,
+    "divergence": the divergence dict compare() described}], every one a 16-bit mismatch.
+    Decodes each prompt alone in float32, plainly (once per prompt) and speculatively; sets
+    divergence["verdict"] to "drift" where the two agree, and divergence["float32"] to the
+    float32 verdict either way. The target and the drafters go back to their dtype after.
+    Returns the number of drifts."""
+    import torch
+
+    from drafter.engine.decode import Decoder
+    from drafter.engine.tree import EagleDraft
+
+    if not checks:
+        return 0
+    dtype = next(model.parameters()).dtype
+    drafters = {id(c["drafter"]): c["drafter"] for c in checks}
+    log.info("evaluate: %d mismatch(es) in %s: decoding them again in float32", len(checks),
+             str(dtype).replace("torch.", ""))
+    drift = 0
+    model.float()
+    try:
+        dec = Decoder(model, max_batch=1, cuda_graphs=False)
+        proposers = {k: EagleDraft(d) for k, d in drafters.items()}  # allocate() makes it float32
+        plain: dict[tuple, object] = {}
+        for c in checks:
+            key = tuple(c["ids"])
+            if key not in plain:
+                plain[key] = dec.generate([c["ids"]], max_new, stop_ids=stop_ids,
+                                          temperature=0.0, record_gaps=True)[0]
+            spec = dec.generate([c["ids"]], max_new, stop_ids=stop_ids, temperature=0.0,
+                                proposer=proposers[id(c["drafter"])], tree=c["tree"])[0]
+            v, info = compare(plain[key], spec, 0.0)
+            c["divergence"]["float32"] = {"verdict": v, **(info or {})}
+            if v != "mismatch":
+                c["divergence"]["verdict"] = "drift"
+                drift += 1
+    finally:
+        model.to(dtype)
+        for d in drafters.values():
+            d.to(dtype)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    log.info("evaluate: float32 found %d of %d drift, %d real divergence(s)", drift, len(checks),
+             len(checks) - drift)
+    return drift

@@ -1,0 +1,201 @@
+"""The evaluation report: evaluate/metrics.json read back as report.md (acceptance length, speed,
+the serving setting, per-position acceptance, the lossless counts) and its two plots.
+    atomic_write(run.eval_report(), render_report(metrics))
+    plots(run, metrics["runs"])                 # evaluate/acceptance.png, evaluate/tau.png
+    report(run_dir)                   # `drafter report RUN_DIR`: prints it; 1 if not lossless
+"""
+from __future__ import annotations
+
+import math
+
+from drafter.core.rundir import MissingInput, Run, read_json
+
+
+def _fmt(x, n=2):
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{n}f}"
+    return str(x)
+
+
+def render_report(m: dict) -> str:
+    s, runs = m["settings"], m["runs"]
+    names = [n for n in runs[0]["datasets"] if n != "overall"] + ["overall"]
+    L = ["# Evaluation report", ""]
+    pg = s.get("prefill_graph_tokens")  # absent in metrics written before it was recorded
+    L.append(f"- target: `{s['target']}` ({s['device']}, {s['dtype']}, CUDA graphs: "
+             f"{'on' if s['cuda_graphs'] else 'off'}"
+             + (f", prefills of up to {pg} tokens graphed" if s["cuda_graphs"] and pg else "")
+             + ")")
+    L.append(f"- drafter: `{s['drafter']}`" + (f"; baseline: `{s['baseline']}`"
+                                               if s["baseline"] else ""))
+    rows = runs[0]["datasets"]["overall"].get("rows_per_step")
+    fewer = (f" (the steps ran at {_fmt(rows, 1)} rows on average: "
+             + ", ".join(f"{n} {_fmt(runs[0]['datasets'][n].get('rows_per_step'), 1)}"
+                         for n in names[:-1]) + "; a dataset with fewer prompts decodes in "
+             "smaller batches)") if rows and rows < s["batch_size"] - 0.5 else ""
+    L.append(f"- {s['max_new_tokens']} new tokens per prompt, batch {s['batch_size']}{fewer}, "
+             f"temperatures {s['temperatures']}, seed {s['seed']}")
+    L.append("- datasets: " + ", ".join(f"{n} ({d['prompts']} prompts from {d['records']} "
+                                         f"records of `{d['path']}`)"
+                                         for n, d in s["datasets"].items()))
+    L.append("")
+    tie = (f"; {m['ties']} numerical ties (a runner-up within {s['tie_tolerance']} of the top "
+           f"logit)") if m["ties"] else ""
+    drift = (f"; {m['drift']} bf16 drift (a mismatch in {s['dtype']} that float32 decodes "
+             f"identically)") if m.get("drift") else ""
+    if m["lossless"]:
+        L.append(f"**Lossless: PASS.** At temperature 0 every speculative output is "
+                 f"token-identical to plain greedy decoding of the target{tie}{drift}.")
+    else:
+        L.append(f"**Lossless: FAIL.** {m['mismatches']} speculative output(s) differ from plain "
+                 f"greedy decoding of the target"
+                 + (" in float32 too" if s.get("float32_recheck") else "")
+                 + f"{tie}{drift}. See the divergences in metrics.json.")
+    L += ["", "## Acceptance length τ", "",
+          "Tokens per target forward after the prefill, the bonus token counted (plain decoding "
+          "= 1.0).", "",
+          "| run | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for r in runs:
+        L.append(f"| {r['name']} | " + " | ".join(_fmt(r["datasets"][n].get("tau"))
+                                                  for n in names) + " |")
+    L += ["", "## Speed", "",
+          "Wall-clock tokens/s on this machine, plain decoding of the same prompts in the same "
+          "batches as the reference. c = one drafter forward / one verification forward. "
+          "step ms: the seconds over the decode steps, prefills included; decode ms: without "
+          "them (the time of a step itself); decode speedup: the speedup without the prefills "
+          "(the steps alone). An untimed warm-up decoding ran first.", "",
+          "| run | dataset | prompts | τ | tokens/s | plain tokens/s | speedup | decode speedup | "
+          "step ms | plain step ms | decode ms | plain decode ms |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        for n in names:
+            d = r["datasets"][n]
+            L.append(f"| {r['name']} | {n} | {d['prompts']} | {_fmt(d.get('tau'))} | "
+                     f"{_fmt(d.get('tokens_per_s'), 1)} | {_fmt(d.get('plain_tokens_per_s'), 1)} | "
+                     f"{_fmt(d.get('speedup'))}x | {_fmt(d.get('decode_speedup'))}x | "
+                     f"{_fmt(d.get('step_ms'))} | "
+                     f"{_fmt(d.get('plain_step_ms'))} | {_fmt(d.get('decode_step_ms'))} | "
+                     f"{_fmt(d.get('plain_decode_step_ms'))} |")
+    L += ["", "| run | target forward ms (1 token) | verify forward ms | drafter forward ms | c |",
+          "|---|---|---|---|---|"]
+    for r in runs:
+        t = r["timing"]
+        L.append(f"| {r['name']} | {_fmt(t['target_ms'])} | {_fmt(t['verify_ms'])} | "
+                 f"{_fmt(t['draft_ms'])} | {_fmt(t['c'], 3)} |")
+    rec = s.get("recommended")
+    if rec:
+        L += ["", "## Serving setting (expected speedup per batch size)", "",
+              "From the greedy chain run's conditional acceptance and the step costs measured at "
+              "each batch size (drafter/engine/tuning.py; model calibrated on this run's decode "
+              "step "
+              f"times against the costs at batch {rec['calibration']['batch']}, the rows they "
+              f"ran at: speculative x{rec['calibration']['spec_ratio']}, plain "
+              f"x{rec['calibration']['plain_ratio']}); a greedy tree run's own τ and step, and "
+              "for each smaller depth the best number of nodes of its top-k, with the τ its "
+              "steps give for that shape (*estimated*). These are per-step figures: what an "
+              "engine with continuous batching gets. This evaluation's batches ("
+              f"{'continuous' if m['settings'].get('continuous') else 'static'}) wait for "
+              "their slowest row (continuous ones only once no prompt is left): they took "
+              f"{_fmt(rec['calibration']['static_batch_efficiency'])} of the steps' τ.",
+              "",
+              "| batch | setting | expected τ | step ms | expected speedup |",
+              "|---|---|---|---|---|"]
+        for b, r in rec["by_batch"].items():
+            for x in r["settings"]:
+                best = " **(best)**" if x["setting"] == r["best"] else ""
+                best += " *(estimated)*" if x.get("estimated") else ""
+                L.append(f"| {b} | {x['setting']}{best} | {_fmt(x['expected_tau'])} | "
+                         f"{_fmt(x['step_ms'])} | {_fmt(x['speedup'])}x |")
+        for b, r in rec["by_batch"].items():
+            L += ["", f"Batch {b}: serve with {r['best']}:", ""]
+            L += [f"- {eng}: `{f}`" for eng, f in r["flags"].items() if f]
+    L += ["", "## Per-position acceptance", "",
+          "Unconditional: share of steps whose draft position i was accepted. Conditional: the "
+          "same among steps whose positions 1..i-1 were all accepted.", ""]
+    for r in runs:
+        D = len(r["datasets"]["overall"]["acceptance"])
+        L += [f"**{r['name']}**", "", "| dataset | " + " | ".join(str(i) for i in range(1, D + 1))
+              + " |", "|---|" + "---|" * D]
+        for n in names:
+            d = r["datasets"][n]
+            L.append(f"| {n} | " + " | ".join(_fmt(x) for x in d["acceptance"]) + " |")
+            L.append(f"| {n} (cond.) | " + " | ".join(_fmt(x) for x in d["acceptance_conditional"])
+                     + " |")
+        L.append("")
+    L += ["## Counts", "", "| run | dataset | steps | drafted | accepted | accept rate | "
+          "new tokens | lossless (identical / ties / drift / mismatches) |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        for n in names:
+            d = r["datasets"][n]
+            ll = d.get("lossless")
+            ll = (f"{ll['identical']} / {ll['tie']} / {ll.get('drift', 0)} / {ll['mismatch']}"
+                  if ll else "not checked (T>0)")
+            L.append(f"| {r['name']} | {n} | {d['steps']} | {d['drafted']} | {d['accepted']} | "
+                     f"{_fmt(d['accept_rate'], 3)} | {d['new_tokens']} | {ll} |")
+    L += ["", "![per-position acceptance](acceptance.png)", "", "![tau per dataset](tau.png)", ""]
+    return "\n".join(L)
+
+
+def plots(run: Run, runs: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from drafter.core.rundir import atomic_open
+
+    names = [n for n in runs[0]["datasets"] if n != "overall"] + ["overall"]
+    cols = min(3, len(runs))
+    rows = math.ceil(len(runs) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    for ax, r in zip(axes.flat, runs):
+        for j, n in enumerate(names):
+            d = r["datasets"][n]
+            x = list(range(1, len(d["acceptance"]) + 1))
+            ax.plot(x, [v if v is not None else math.nan for v in d["acceptance"]], "-o",
+                    color=f"C{j}", label=f"{n}", ms=3)
+            ax.plot(x, [v if v is not None else math.nan for v in d["acceptance_conditional"]],
+                    "--", color=f"C{j}", alpha=0.6)
+        ax.set_title(r["name"], fontsize=9)
+        ax.set_xlabel("draft position (solid: unconditional, dashed: conditional)", fontsize=8)
+        ax.set_ylim(0, 1.02)
+        ax.set_xticks(x)                                    # draft positions are whole numbers
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(runs):]:
+        ax.axis("off")
+    fig.tight_layout()
+    with atomic_open(run.eval_plot("acceptance"), "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(names) * max(1, len(runs)) / 2), 3.6))
+    w = 0.8 / len(runs)
+    for j, r in enumerate(runs):
+        ax.bar([i + j * w for i in range(len(names))],
+               [r["datasets"][n].get("tau") or 0 for n in names], w, label=r["name"])
+    ax.set_xticks([i + w * (len(runs) - 1) / 2 for i in range(len(names))], names)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_ylabel("τ (tokens per target forward)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_open(run.eval_plot("tau"), "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
+
+
+def report(run_dir) -> int:
+    """`drafter report RUN_DIR`: print the evaluation report."""
+    run = Run(run_dir)
+    p = run.eval_report()
+    if not p.exists():
+        raise MissingInput(f"{p} not found: run `drafter evaluate CONFIG` first "
+                           f"(or `drafter run CONFIG`)")
+    print(p.read_text(), end="")
+    m = run.eval_metrics()
+    if m.exists() and not read_json(m).get("lossless", True):
+        return 1
+    return 0
+
