@@ -18,7 +18,9 @@ import pytest
 import yaml
 
 from drafter.core import config as C
+from drafter.core.configload import apply_override
 from drafter.core.rundir import Run, atomic_json, read_json, read_jsonl
+from drafter.data.conversations import request_seed, split_reasoning
 from drafter.run import pipeline
 from drafter.serve import servers as serve
 from drafter.serve import supervisor
@@ -37,7 +39,7 @@ def make_run(root: Path, records: list[dict], **overrides) -> C.Config:
     atomic_json(run.manifest("prepare"), {"step": "prepare", "counts": {"ok": len(records)}})
     data = {"run_dir": str(root)}
     for k, v in overrides.items():
-        C._set(data, k.split("."), v, k)  # the dotted overrides of C.load, with values as given
+        apply_override(data, k.split("."), v, k)  # the dotted overrides of C.load, values as given
     (root / "cfg.yaml").write_text(yaml.safe_dump(data))
     return C.load(root / "cfg.yaml")
 
@@ -447,15 +449,15 @@ def test_bad_input_names_the_line(tmp_path):
 
 
 def test_split_reasoning():
-    s = generate.split_reasoning
+    s = split_reasoning
     assert s("plain") == ("plain", "")
     assert s("x", "r") == ("x", "r")
     assert s("<think>\na\n</think>\n\nb") == ("b", "a")
     assert s("a\n</think>\n\nb") == ("b", "a")
     assert s("<think>a") == ("", "a")
     assert s(None) == ("", "")
-    assert generate.request_seed(0, "a", 0) == generate.request_seed(0, "a", 0)
-    assert generate.request_seed(0, "a", 0) != generate.request_seed(0, "a", 1)
+    assert request_seed(0, "a", 0) == request_seed(0, "a", 0)
+    assert request_seed(0, "a", 0) != request_seed(0, "a", 1)
 
 
 def test_local_engine(tmp_path, smollm2_dir):

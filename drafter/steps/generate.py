@@ -16,11 +16,12 @@ template as the model produced it. `meta` records finish_reason and token usage 
 Temperatures: every conversation is answered at generate.temperature under its own id, and once
 more at each generate.extra_temperatures entry T as a copy with id `ID@tT` (its temperature in
 meta.generate_temperature; the same split). Greedy answers alone give a drafter greedy contexts
-only; sampled copies beside them raised its T=1 acceptance (BENCHMARKS.md, issue 15).
+only; sampled copies beside them raised its T=1 acceptance (BENCHMARKS.md, "Quality").
 
-Engines: a server drafter starts (transformers, vllm, sglang: drafter/serve/servers.py), external URLs
-(load-balanced), or `local` (in-process: drafter.engine.generator.LocalGenerator, paged KV cache and
-continuous batching).
+Engines: a server drafter starts (transformers, vllm, sglang: drafter/serve/servers.py),
+external URLs (load-balanced), or `local` (in-process: drafter.engine.generator.LocalGenerator,
+paged KV cache and continuous batching). The conversation being answered turn by turn is
+drafter.data.conversations.Conversation.
 
 Resume: finished conversations are appended to conversations.jsonl as they complete (one line
 each, flushed), keyed by id. A rerun skips finished ids and ids whose error is permanent (HTTP
@@ -38,17 +39,17 @@ import logging
 import os
 import sys
 import time
-import zlib
 from pathlib import Path
 from typing import Iterator
 
 from drafter import DrafterError
 from drafter.core.rundir import JsonlAppender, Run, atomic_open, read_jsonl
+from drafter.data.conversations import TEMPERATURE_KEY, Conversation, Permanent, \
+    request_seed, split_reasoning
 from drafter.data.synthetic import UserTurns, synthetic_stats
 
 log = logging.getLogger("drafter")
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 FSYNC_EVERY = 2.0  # seconds between fsyncs of the output; flushes happen on every line
 
 
@@ -56,137 +57,8 @@ class GenerateError(DrafterError):
     pass
 
 
-class _Permanent(Exception):
-    """A failure that a retry will not fix (HTTP 4xx, truncated answer dropped, bad record)."""
-
-
 class _Transient(Exception):
     """A failure that outlasted the retries but may pass later (server down, 5xx, timeouts)."""
-
-
-# ------------------------------------------------------------------------------------ the answers
-def split_reasoning(content: str | None, reasoning: str | None = None) -> tuple[str, str]:
-    """(content, reasoning) of an answer. A separate reasoning field wins; otherwise inline
-    <think>...</think> is split off the way Qwen3 / DeepSeek-R1 chat templates parse it (the
-    generation prompt may already hold <think>, so the answer can start inside the reasoning)."""
-    content = content or ""
-    if reasoning:
-        return content, reasoning
-    if THINK_CLOSE in content:
-        head, _, tail = content.partition(THINK_CLOSE)
-        return tail.lstrip("\n"), head.rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n")
-    if content.lstrip().startswith(THINK_OPEN):  # cut inside the reasoning (finish_reason=length)
-        return "", content.lstrip()[len(THINK_OPEN):].lstrip("\n")
-    return content, ""
-
-
-def request_seed(seed: int, conv_id: str, turn: int) -> int:
-    """A per-request seed, stable across resumes, different per conversation and turn (one seed
-    for all requests would correlate the sampling of every conversation on vLLM/SGLang)."""
-    return zlib.crc32(f"{seed}:{conv_id}:{turn}".encode()) & 0x7FFFFFFF
-
-
-# meta key of a copy's temperature (generate.extra_temperatures), in the input and output records
-TEMPERATURE_KEY = "generate_temperature"
-
-
-class _Conversation:
-    """One conversation being regenerated: the system/user turns, the answers so far. A synthetic
-    one (prepare: `synthetic` source) starts without user turns: the target writes each of its
-    `turns` user turns (`needs_user`, `add_user`) before answering it."""
-
-    def __init__(self, rec: dict):
-        self.rec = rec
-        self.id = rec["id"]
-        # a copy for generate.extra_temperatures answers at its own temperature (None: the
-        # configured generate.temperature)
-        t = (rec.get("meta") or {}).get(TEMPERATURE_KEY)
-        self.temperature = None if t is None else float(t)
-        msgs = rec.get("messages")
-        if not isinstance(msgs, list):
-            raise _Permanent("record has no messages list")
-        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
-            raise _Permanent("a message is not an object with a role")
-        self.synthetic = int((rec.get("synthetic") or {}).get("turns") or 0)
-        self.attempts = 0  # synthetic: rejected samples of the user turn being written
-        self.kept: list[dict] = []
-        self.points: list[int] = []  # indices in `kept` of the user turns to answer, in order
-        for i, m in enumerate(msgs):
-            if m["role"] not in ("system", "user"):
-                continue
-            self.kept.append({"role": m["role"], "content": m.get("content") or ""})
-            # A user turn is answered where the original has an answer (or nothing) after it;
-            # consecutive user turns get one answer, as in the original.
-            after = msgs[i + 1]["role"] if i + 1 < len(msgs) else None
-            if m["role"] == "user" and after in (None, "assistant", "tool"):
-                self.points.append(len(self.kept) - 1)
-        if self.synthetic and self.points:
-            raise _Permanent("a synthetic record already has user turns")
-        self.tools = rec.get("tools") or None  # offered to the model, as tokenize renders them
-        self.history: list[dict] = []
-        self.consumed = 0
-        self.turns: list[dict] = []
-
-    @property
-    def turn(self) -> int:
-        return len(self.turns)
-
-    @property
-    def done(self) -> bool:
-        if self.synthetic:
-            return self.turn == self.synthetic
-        return self.turn == len(self.points)
-
-    @property
-    def needs_user(self) -> bool:
-        """Synthetic: the next answer's user turn is not written yet."""
-        return bool(self.synthetic) and len(self.points) == self.turn and not self.done
-
-    def user_history(self) -> list[dict]:
-        """What the target sees before writing the next user turn (system and earlier turns)."""
-        return [{"role": m["role"], "content": m["content"]}
-                for m in self.history + self.kept[self.consumed:]]
-
-    def add_user(self, text: str) -> None:
-        self.kept.append({"role": "user", "content": text})
-        self.points.append(len(self.kept) - 1)
-        self.attempts = 0
-
-    def next_messages(self) -> list[dict]:
-        """The messages to send for the next answer (the regenerated history + the next turns)."""
-        end = self.points[self.turn] + 1
-        self.history.extend(self.kept[self.consumed:end])
-        self.consumed = end
-        # The server sees role and content only: earlier reasoning is not sent back (chat
-        # templates drop it from past turns anyway).
-        return [{"role": m["role"], "content": m["content"]} for m in self.history]
-
-    def add(self, content: str, reasoning: str, finish_reason: str | None, usage: dict,
-            tool_calls: list | None = None) -> None:
-        msg = {"role": "assistant", "content": content}
-        if reasoning:
-            msg["reasoning_content"] = reasoning
-        if tool_calls:
-            msg["tool_calls"] = tool_calls
-        self.history.append(msg)
-        self.turns.append({"finish_reason": finish_reason,
-                           "prompt_tokens": int(usage.get("prompt_tokens") or 0),
-                           "completion_tokens": int(usage.get("completion_tokens") or 0)})
-
-    def record(self, model: str) -> dict:
-        out = {k: v for k, v in self.rec.items() if k not in ("messages", "meta")}
-        out["messages"] = self.history + self.kept[self.consumed:]
-        meta = dict(self.rec.get("meta") or {})
-        reasons = [t["finish_reason"] for t in self.turns]
-        meta.update({
-            "finish_reason": "length" if "length" in reasons else reasons[-1],
-            "usage": {"prompt_tokens": sum(t["prompt_tokens"] for t in self.turns),
-                      "completion_tokens": sum(t["completion_tokens"] for t in self.turns)},
-            "turns": self.turns,
-            "generated_by": model,
-        })
-        out["meta"] = meta
-        return out
 
 
 # --------------------------------------------------------------------------------------- the sink
@@ -209,7 +81,7 @@ class _Sink:
         self.failed = {"permanent": 0, "transient": 0}
         self.completion_tokens = 0
 
-    def add_ok(self, conv: _Conversation) -> None:
+    def add_ok(self, conv: Conversation) -> None:
         self.out.write(conv.record(self.model))
         if time.time() - self.last_sync > FSYNC_EVERY:
             os.fsync(self.out.f.fileno())
@@ -258,11 +130,12 @@ def _parse(resp: dict) -> dict:
         choice = resp["choices"][0]
         msg = choice["message"]
     except (KeyError, IndexError, TypeError):
-        raise _Permanent(f"a response without choices[0].message: {str(resp)[:500]}") from None
+        raise Permanent(f"a response without choices[0].message: {str(resp)[:500]}") from None
     content, reasoning = split_reasoning(msg.get("content"),
                                          msg.get("reasoning_content") or msg.get("reasoning"))
-    return {"content": content, "reasoning": reasoning, "finish_reason": choice.get("finish_reason"),
-            "usage": resp.get("usage") or {}, "tool_calls": msg.get("tool_calls")}
+    return {"content": content, "reasoning": reasoning,
+            "finish_reason": choice.get("finish_reason"), "usage": resp.get("usage") or {},
+            "tool_calls": msg.get("tool_calls")}
 
 
 class _Fits:
@@ -305,30 +178,30 @@ class _Fits:
                 f"target's context of {self.ctx} tokens (max_position_embeddings); not sent")
 
 
-async def _answer(conv: _Conversation, client, model: str, g, sink: _Sink,
+async def _answer(conv: Conversation, client, model: str, g, sink: _Sink,
                   fits: _Fits | None = None) -> None:
     from drafter.serve.client import RequestError
 
     try:
         if not conv.points:
-            raise _Permanent("no user turn to answer")
+            raise Permanent("no user turn to answer")
         while not conv.done:
             body = request_body(g, model, conv.next_messages(),
                                 request_seed(g.seed, conv.id, conv.turn), conv.tools,
                                 conv.temperature)
             why = fits(body["messages"], conv.tools) if fits is not None else None
             if why is not None:
-                raise _Permanent(why)
+                raise Permanent(why)
             try:
                 out = _parse(await client.chat(body))
             except RequestError as e:
-                raise (_Permanent if e.permanent else _Transient)(str(e)) from None
+                raise (Permanent if e.permanent else _Transient)(str(e)) from None
             if out["finish_reason"] == "length" and g.drop_truncated:
-                raise _Permanent(f"truncated: the answer reached generate.max_tokens="
+                raise Permanent(f"truncated: the answer reached generate.max_tokens="
                                  f"{g.max_tokens} (generate.drop_truncated is true)")
             conv.add(out["content"], out["reasoning"], out["finish_reason"], out["usage"],
                      out["tool_calls"])
-    except _Permanent as e:
+    except Permanent as e:
         sink.add_error(conv.id, "permanent", str(e), conv.turn)
     except _Transient as e:
         sink.add_error(conv.id, "transient", str(e), conv.turn)
@@ -354,8 +227,8 @@ async def _run_http(g, pool, records: Iterator[dict], sink: _Sink,
     async def worker():
         while (rec := await queue.get()) is not None:
             try:
-                conv = _Conversation(rec)
-            except _Permanent as e:
+                conv = Conversation(rec)
+            except Permanent as e:
                 sink.add_error(rec["id"], "permanent", str(e), 0)
                 continue
             await _answer(conv, client, pool.model, g, sink, fits)
@@ -389,7 +262,7 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> None:
     # Several batches per call (per GPU): rows refill from the pool as answers end, and only
     # its last answers decode in a draining batch; a kill loses at most this pool's work.
     pool_size = 8 * g.batch_size * getattr(gen, "replicas", 1)
-    active: list[_Conversation] = []
+    active: list[Conversation] = []
     it = iter(records)
     exhausted, call = False, 0
     try:
@@ -400,13 +273,13 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> None:
                     exhausted = True
                     break
                 try:
-                    conv = _Conversation(rec)
+                    conv = Conversation(rec)
                     if conv.synthetic and syn is None:
-                        raise _Permanent("a synthetic record, but no synthetic source in "
+                        raise Permanent("a synthetic record, but no synthetic source in "
                                          "prepare.sources (rerun `drafter prepare`)")
                     if not conv.points and not conv.synthetic:
-                        raise _Permanent("no user turn to answer")
-                except _Permanent as e:
+                        raise Permanent("no user turn to answer")
+                except Permanent as e:
                     sink.add_error(rec["id"], "permanent", str(e), 0)
                     continue
                 active.append(conv)
