@@ -599,7 +599,7 @@ class Decoder:
         """A chain of K (what engines serve and evaluate's first run): the tree step's
         arithmetic on TreeSpec.chain(K) with one child per node written out. The general step
         spends hundreds of small kernels a step on ancestor matrices, candidate top-k, sort and
-        path gathers that a chain does not need (issue 16). Greedy: the same drafts, cache
+        path gathers that a chain does not need. Greedy: the same drafts, cache
         writes and accepted tokens as the general step (tests/test_decode.py compares them);
         sampling: the same distribution (verify_chain_sample), another draw of it."""
         dev, tgt, B = self.device, self.target, st.B
