@@ -137,6 +137,54 @@ def test_engine_refuses_unsupported_models_and_local_generator_falls_back(tmp_pa
     assert a == gen.generate(prompts, 5, temperature=0.9, top_p=0.9, seed=3)
 
 
+def test_streaming_engine_equals_the_closed_call(tmp_path, smollm2_dir):
+    """An open stream (LocalGenerator.start): requests put before and while the engine decodes
+    (one put only after the first results came back) give exactly the greedy tokens of one
+    closed call over the same prompts; a request over the bound is "too_long"; the engine
+    thread ends when the stream is closed, and `last` splits its seconds."""
+    import threading
+
+    from drafter.core.config import TargetConfig
+    from drafter.engine.generator import Stream
+
+    gen = LocalGenerator(TargetConfig(model=str(smollm2_dir), dtype="float32"), batch_size=3,
+                         page_size=16, sync_every=2, refill_fraction=0.3)
+    torch.manual_seed(3)
+    prompts = [torch.randint(3, 40000, (n,)).tolist() for n in (30, 17, 5, 64, 9, 40, 3, 22)]
+    max_new = [9, 4, 12, 3, 7, 1, 10, 6]
+    want = gen.generate(prompts, max_new)
+    got: dict = {}
+    first = threading.Event()
+
+    def on_result(tag, toks, finish):
+        got[tag] = (toks, finish)
+        first.set()
+
+    feed = gen.start(on_result, max_len=120, max_new=12)
+    assert feed.alive()
+    feed.put(prompts[:3], max_new[:3], 0.0, [0, 1, 2])
+    assert first.wait(300)                                  # decoding has begun
+    feed.put(prompts[3:], max_new[3:], 0.0, list(range(3, 8)))
+    feed.put([prompts[0] * 4], 12, 0.0, ["long"])          # 120 + 12 > max_len
+    feed.join()
+    assert not feed.alive()
+    assert [got[i] for i in range(8)] == want
+    assert got["long"] == ([], "too_long")
+    last = gen.engines[0].last
+    assert last["requests"] == 9 and last["too_long"] == 1
+    parts = last["prefill_seconds"] + last["decode_seconds"] + last["wait_seconds"]
+    assert parts <= last["seconds"] + 1e-6
+    # a stream nobody closes keeps the engine waiting; close() alone ends it
+    s = Stream(bound=(64, 4))
+    t = threading.Thread(target=gen.engines[0].run, args=(s, lambda q, r: None, [], 1.0))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()
+    s.close()
+    t.join(60)
+    assert not t.is_alive()
+
+
 def test_paged_reference_equals_dense_attention():
     """The gather reference (the CPU path and the kernel's oracle) against attention over each
     row's own keys, written out densely."""

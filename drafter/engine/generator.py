@@ -67,15 +67,17 @@ class _Request:
     ids: list[int]
     max_new: int
     temperature: float
+    tag: object = None  # the caller's (a conversation, say): handed back with the result
 
 
-def _requests(prompts, max_new, temperature) -> list[_Request]:
+def _requests(prompts, max_new, temperature, tags=None, start: int = 0) -> list[_Request]:
     """One request per prompt; max_new and temperature: one value, or one per prompt."""
     n = len(prompts)
     mx = list(max_new) if isinstance(max_new, Sequence) else [max_new] * n
     tp = list(temperature) if isinstance(temperature, Sequence) else [temperature] * n
-    reqs = [_Request(i, list(map(int, p)), int(m), float(t))
-            for i, (p, m, t) in enumerate(zip(prompts, mx, tp))]
+    tg = list(tags) if tags is not None else [None] * n
+    reqs = [_Request(start + i, list(map(int, p)), int(m), float(t), g)
+            for i, (p, m, t, g) in enumerate(zip(prompts, mx, tp, tg))]
     if any(not q.ids for q in reqs):
         raise DecodeError("empty prompt: every prompt needs at least one token")
     if any(q.max_new < 1 for q in reqs):
@@ -83,16 +85,60 @@ def _requests(prompts, max_new, temperature) -> list[_Request]:
     return reqs
 
 
-class _Queue:
-    """Requests shared by the replicas of one call (longest prompt first), thread-safe."""
+class Stream:
+    """The requests the replicas of one Engine.run drain, thread-safe. Open while the caller may
+    still `put` requests; `close()` says no more will come (a replica then ends once the stream
+    is empty and its rows are done); `abort()` also drops what is queued and stops the replicas
+    at their next check. Each `put` is taken longest prompt first (fewer prefill chunks).
 
-    def __init__(self, reqs: list[_Request]):
-        self.reqs = sorted(reqs, key=lambda r: -len(r.ids))
+    `bound` = (max prompt + max_new tokens, max_new) of any request that may still come: the
+    memory plan of a replica that starts while the stream is open. Without it (or once the
+    stream is closed before the run starts) the plan is sized by the requests themselves."""
+
+    def __init__(self, reqs: Sequence[_Request] = (), bound: tuple[int, int] | None = None):
+        self.reqs: list[_Request] = sorted(reqs, key=lambda r: -len(r.ids))
         self.head = 0
+        self.bound = bound
+        self.closed = self.aborted = False
         self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.count = len(self.reqs)  # requests ever put (the next index)
 
     def __len__(self) -> int:
         return len(self.reqs) - self.head
+
+    def put(self, reqs: Sequence[_Request]) -> None:
+        with self.cond:
+            if self.closed:
+                raise DecodeError("put on a closed stream")
+            if self.head > 4096 and self.head * 2 > len(self.reqs):   # drop the taken ones
+                self.reqs, self.head = self.reqs[self.head:], 0
+            self.reqs += sorted(reqs, key=lambda r: -len(r.ids))
+            self.count += len(reqs)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def abort(self) -> None:
+        with self.cond:
+            self.closed = self.aborted = True
+            self.head = len(self.reqs)
+            self.cond.notify_all()
+
+    def pending(self) -> list[_Request]:
+        with self.lock:
+            return self.reqs[self.head:]
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until a request is queued or the stream is closed; False when it is closed and
+        empty (nothing more will come)."""
+        with self.cond:
+            if self.head >= len(self.reqs) and not self.closed:
+                self.cond.wait(timeout)
+            return self.head < len(self.reqs) or not self.closed
 
     def peek(self) -> _Request | None:
         with self.lock:
@@ -268,12 +314,19 @@ class Engine:
         self._reserve = int(peak + logits + (512 << 20))  # + the graph pool, cuBLAS workspace
         return self._reserve
 
-    def plan(self, reqs: Sequence[_Request], top_p: float = 1.0) -> int:
-        """Pages for the pools: what the largest max_batch requests could hold at once, capped on
-        CUDA by free memory x memory_fraction less the activation reserve. Raises when not even
-        the smallest request fits."""
+    def plan(self, reqs: Sequence[_Request], top_p: float = 1.0, max_len: int | None = None
+             ) -> int:
+        """Pages for the pools: what the largest max_batch requests could hold at once (with
+        max_len: max_batch rows of max_len tokens, for requests not known yet), capped on CUDA
+        by free memory x memory_fraction less the activation reserve. Raises when not even the
+        smallest request fits."""
         P = self.P
-        need = [math.ceil((len(q.ids) + q.max_new) / P) for q in reqs]
+        if max_len is not None:
+            need = [math.ceil(max_len / P)] * self.max_batch
+            need_min = 1
+        else:
+            need = [math.ceil((len(q.ids) + q.max_new) / P) for q in reqs]
+            need_min = min(need)
         want = 1 + sum(sorted(need, reverse=True)[:self.max_batch])
         if self.device.type != "cuda":
             return want
@@ -284,11 +337,11 @@ class Engine:
         free, _ = torch.cuda.mem_get_info(self.device)
         budget = int(free * self.memory_fraction) - reserve
         fit = budget // self.page_bytes
-        if fit < 1 + min(need):
+        if fit < 1 + need_min:
             raise DecodeError(
                 f"generate (local): {free / 2**30:.1f} GiB free on {self.device}, the decode step "
                 f"and prefill need {reserve / 2**30:.1f} GiB and the shortest request "
-                f"{min(need) * self.page_bytes / 2**30:.2f} GiB of KV cache: lower "
+                f"{need_min * self.page_bytes / 2**30:.2f} GiB of KV cache: lower "
                 f"generate.batch_size (now {self.max_batch}) or generate.max_tokens, or free the "
                 f"GPU")
         return int(min(want, fit))
@@ -309,37 +362,64 @@ class Engine:
         """Decode each prompt (token ids) for up to max_new new tokens (one value, or one per
         prompt), stopping at a stop id. Results come back in prompt order."""
         reqs = _requests(prompts, max_new, temperature)
-        n = len(reqs)
-        results: list[Result | None] = [None] * n
-        self.run(_Queue(reqs), results, stop_ids, top_p, progress)
+        results: list[Result | None] = [None] * len(reqs)
+        stream = Stream(reqs)
+        stream.close()
+
+        def put(q: _Request, res: Result) -> None:
+            results[q.index] = res
+        self.run(stream, put, stop_ids, top_p, progress)
         return results  # type: ignore[return-value]
 
-    def run(self, queue: _Queue, results: list, stop_ids: Sequence[int], top_p: float,
-            progress=None) -> None:
-        """Drain `queue` (shared with other replicas) into `results[request.index]`."""
+    @torch.no_grad()
+    def run(self, queue: Stream, on_result, stop_ids: Sequence[int], top_p: float,
+            progress=None, sampling: bool | None = None) -> None:
+        """Drain `queue` (shared with other replicas): on_result(request, Result) as each row
+        ends (called on this thread). A closed stream is planned for its own requests; an open
+        one for queue.bound, and the loop waits for requests while it is open and empty, until
+        it is closed, empty and no row is live. sampling: whether any request may sample (the
+        requests' own temperatures decide when None). `last` splits the seconds: prefill,
+        decode (the graph replays and reading the rows that ended), wait (no row live, the
+        stream empty but open), capture."""
         t_start = time.perf_counter()
         cap0 = self.graphs.capture_seconds
-        last = {"seconds": 0.0, "prefill_seconds": 0.0, "capture_seconds": 0.0, "steps": 0,
-                "tokens": 0, "requests": 0, "too_long": 0}
+        last = {"seconds": 0.0, "prefill_seconds": 0.0, "decode_seconds": 0.0,
+                "wait_seconds": 0.0, "capture_seconds": 0.0, "steps": 0, "tokens": 0,
+                "requests": 0, "too_long": 0}
         self.last = last
-        reqs = queue.reqs[queue.head:]
-        if not reqs:
+        with queue.lock:
+            known, open_ = queue.reqs[queue.head:], not queue.closed
+        if not known and not open_:
             return
         use_paged_attention(self.model)  # a static decoder on the same model may have switched it
-        fits = [q for q in reqs if not self.max_positions
-                or len(q.ids) + q.max_new <= self.max_positions]
-        pages = self.plan(fits or reqs[:1], top_p)
         P = self.P
-        W = max(1, max(math.ceil((len(q.ids) + q.max_new) / P) for q in (fits or reqs)))
+        if open_ and queue.bound is not None:
+            max_len, max_out = queue.bound
+            if self.max_positions:
+                max_len = min(max_len, self.max_positions)
+            pages = self.plan((), top_p, max_len=max_len)
+            W = max(1, math.ceil(max_len / P))
+        else:
+            if not known:                      # open without a bound: wait for the first ones
+                while not known and queue.wait(1.0):
+                    known = queue.pending()
+                if not known:
+                    return
+            fits = [q for q in known if not self.max_positions
+                    or len(q.ids) + q.max_new <= self.max_positions]
+            pages = self.plan(fits or known[:1], top_p)
+            W = max(1, max(math.ceil((len(q.ids) + q.max_new) / P) for q in (fits or known)))
+            max_out = max(q.max_new for q in known)
         W = min(W, pages - 1) if pages > 1 else 1
-        self._allocate(pages, max(q.max_new for q in reqs) + 1, W, len(stop_ids))
+        self._allocate(pages, max_out + 1, W, len(stop_ids))
         r, B = self.rows, self.max_batch
         for t in r.tensors():
             t.zero_()
         r.stop.fill_(-1)
         if stop_ids:
             r.stop[:len(stop_ids)] = torch.tensor(list(stop_ids), device=self.device)
-        sampling = any(q.temperature > 0 for q in reqs)
+        if sampling is None:
+            sampling = any(q.temperature > 0 for q in known)
         stops = set(int(s) for s in stop_ids)
         free_pages = list(range(pages - 1, 0, -1))                 # page 0: the sink
         free_rows = list(range(B - 1, -1, -1))
@@ -352,13 +432,13 @@ class Engine:
             torch.cuda.reset_peak_memory_stats(self.device)
 
         def done(q: _Request, res: Result) -> None:
-            results[q.index] = res
             last["requests"] += 1
+            on_result(q, res)
             if progress is not None:
                 progress.update(1)
 
         with paged_context(self.cache):
-            while True:
+            while not queue.aborted:
                 # admit: once enough rows are free (or none are live), the head of the queue
                 if free_rows and (len(free_rows) >= refill_min or not live) and len(queue):
                     adm_rows, adm = [], []
@@ -367,14 +447,16 @@ class Engine:
                         if q is None:
                             break
                         need = math.ceil((len(q.ids) + q.max_new) / P)
-                        if need > W or (self.max_positions
-                                        and len(q.ids) + q.max_new > self.max_positions):
+                        if need > W or q.max_new > max_out or (
+                                self.max_positions
+                                and len(q.ids) + q.max_new > self.max_positions):
                             if queue.take_if(q):
                                 last["too_long"] += 1
                                 done(q, Result([], "too_long"))
                             continue
                         if need > len(free_pages) or not queue.take_if(q):
                             break
+                        sampling = sampling or q.temperature > 0   # a new graph, once
                         row = free_rows.pop()
                         pg = [free_pages.pop() for _ in range(need)]
                         live[row] = (q, pg)
@@ -391,9 +473,14 @@ class Engine:
                         self._prefill(adm_rows, adm, top_p, sampling)
                         last["prefill_seconds"] += time.perf_counter() - t0
                 if not live:
-                    if not len(queue):
+                    t0 = time.perf_counter()
+                    more = queue.wait(0.05)
+                    last["wait_seconds"] += time.perf_counter() - t0
+                    if not more:
                         break
                     continue
+                t0 = time.perf_counter()
+                c0 = self.graphs.capture_seconds
                 if not len(queue):                    # the tail: compact into the low rows
                     self._compact(live, free_rows)
                 hi = max(live) + 1
@@ -415,10 +502,12 @@ class Engine:
                         cut = next((i for i, t in enumerate(toks) if t in stops), None)
                         toks = toks if cut is None else toks[:cut + 1]
                         last["tokens"] += len(toks)
-                        done(q, Result(toks, "stop" if cut is not None else "length"))
                         free_pages.extend(pg)
                         free_rows.append(row)
+                        done(q, Result(toks, "stop" if cut is not None else "length"))
                     free_rows.sort(reverse=True)                    # the lowest rows first
+                last["decode_seconds"] += (time.perf_counter() - t0
+                                           - (self.graphs.capture_seconds - c0))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             last["peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
@@ -484,40 +573,79 @@ class LocalGenerator:
                  seed: int = 0, stop_ids: Sequence[int] | None = None
                  ) -> list[tuple[list[int], str]]:
         """max_new_tokens and temperature: one value, or one per prompt; stop_ids: the model's
-        end-of-text ids by default."""
-        from concurrent.futures import ThreadPoolExecutor
-
+        end-of-text ids by default. Every request is put into one closed stream."""
         from tqdm import tqdm
 
         reqs = _requests(prompts, max_new_tokens, temperature)
         n = len(reqs)
         stop = list(self.stop_ids if stop_ids is None else stop_ids)
         bar = tqdm(total=n, desc="generate (local)", unit="prompt", disable=n <= self.batch_size)
-        results: list = [None] * n
         if not isinstance(self.engines[0], Engine):
             outs = self._static(reqs, top_p, seed, bar, stop)
         else:
-            queue = _Queue(reqs)
+            results: list = [None] * n
 
-            def work(i):
-                eng = self.engines[i]
-                with torch.cuda.device(eng.device) if eng.device.type == "cuda" \
-                        else nullcontext():
-                    torch.manual_seed(seed + i)
-                    eng.run(queue, results, stop, top_p, bar)
+            def put(q: _Request, res: Result) -> None:
+                results[q.index] = res
+            stream = Stream(reqs)
+            stream.close()
             try:
-                if len(self.engines) == 1:
-                    work(0)
-                else:
-                    with ThreadPoolExecutor(len(self.engines)) as ex:
-                        list(ex.map(work, range(len(self.engines))))
-            except torch.cuda.OutOfMemoryError as e:
-                raise DecodeError(f"generate (local): out of GPU memory at batch "
-                                  f"{self.batch_size}: lower generate.batch_size ({e})") from None
+                self._drain(stream, put, stop, top_p, seed, bar, None)
             finally:
                 bar.close()
             outs = results
         return [(o.tokens[:-1] if o.finish == "stop" else o.tokens, o.finish) for o in outs]
+
+    def _drain(self, stream: Stream, on_result, stop, top_p, seed, bar, sampling) -> None:
+        """Every engine drains `stream`, each in its own thread when there are several."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def work(i):
+            eng = self.engines[i]
+            with torch.cuda.device(eng.device) if eng.device.type == "cuda" else nullcontext():
+                torch.manual_seed(seed + i)
+                try:
+                    eng.run(stream, on_result, stop, top_p, bar, sampling)
+                except BaseException:
+                    stream.abort()           # the other replicas stop too
+                    raise
+        try:
+            if len(self.engines) == 1:
+                work(0)
+            else:
+                with ThreadPoolExecutor(len(self.engines)) as ex:
+                    list(ex.map(work, range(len(self.engines))))
+        except torch.cuda.OutOfMemoryError as e:
+            raise DecodeError(f"generate (local): out of GPU memory at batch "
+                              f"{self.batch_size}: lower generate.batch_size ({e})") from None
+
+    def start(self, on_result, max_len: int, max_new: int, *, top_p: float = 1.0,
+              seed: int = 0, stop_ids: Sequence[int] | None = None,
+              sampling: bool = False) -> "Feed":
+        """Start the engines on an open stream (paged engine only) and return its Feed:
+        feed.put(prompts, max_new, temperature, tags) while they decode, feed.close(),
+        feed.join(). on_result(tag, token_ids, finish) is called on an engine's thread as each
+        row ends (token_ids without the stop token, as `generate` returns them). max_len bounds
+        prompt + max_new of any request (the memory plan; one over it is "too_long"), max_new
+        their new tokens. One seeded sampling stream per engine for the whole feed: sampled
+        answers depend on which requests share a batch, greedy ones do not."""
+        if not isinstance(self.engines[0], Engine):
+            raise DecodeError("generate (local): the static decoder has no streaming path")
+        stop = list(self.stop_ids if stop_ids is None else stop_ids)
+
+        def put(q: _Request, res: Result) -> None:
+            on_result(q.tag, res.tokens[:-1] if res.finish == "stop" else res.tokens,
+                      res.finish)
+        feed = Feed(Stream(bound=(int(max_len), int(max_new))))
+        feed.thread = threading.Thread(target=feed.target, name="drafter-engine", daemon=True,
+                                       args=(lambda: self._drain(feed.stream, put, stop, top_p,
+                                                                 seed, None, sampling),))
+        feed.thread.start()
+        return feed
+
+    def stats(self) -> list[dict]:
+        """Each engine's `last` (the figures of its latest run)."""
+        return [dict(getattr(e, "last", {})) for e in self.engines]
 
     def _static(self, reqs: list[_Request], top_p, seed, bar, stop) -> list[Result]:
         """The static decoder (one device): batches of equal max_new and temperature."""
@@ -536,3 +664,46 @@ class LocalGenerator:
         finally:
             bar.close()
         return res
+
+
+class Feed:
+    """An open stream and the thread its engines run in (LocalGenerator.start)."""
+
+    def __init__(self, stream: Stream):
+        self.stream = stream
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def target(self, fn) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by join()/check()
+            self.error = e
+            self.stream.abort()
+
+    def put(self, prompts, max_new, temperature, tags) -> None:
+        self.check()
+        self.stream.put(_requests(prompts, max_new, temperature, tags, self.stream.count))
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def check(self) -> None:
+        """Raise the engines' error, if they failed."""
+        if self.error is not None:
+            raise self.error
+
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def abort(self) -> None:
+        self.stream.abort()
+
+    def join(self) -> None:
+        self.stream.close()
+        if self.thread is not None:
+            self.thread.join()
+        self.check()
