@@ -480,6 +480,36 @@ def test_local_engine(tmp_path, smollm2_dir):
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert out[1]["meta"]["turns"][1]["prompt_tokens"] == len(tok(text, add_special_tokens=False)
                                                               ["input_ids"])
+    # phases_s: two timelines (this thread, the engine's), each summing to the step's seconds
+    ph, secs = m["phases_s"], m["throughput"]["seconds"]
+    assert ph["load"] > 0
+    assert {"templates_tokenize", "detokenize", "write", "other"} <= set(ph["host"])
+    assert set(ph["engine"]) == {"prefill", "decode", "wait_requests", "capture", "other"}
+    assert ph["engine"]["decode"] > 0 and ph["engine"]["prefill"] > 0
+    for part in ("host", "engine"):
+        assert min(ph[part].values()) >= -0.05, ph
+        assert abs(sum(ph[part].values()) - secs) <= 0.05 * secs + 0.5, (ph, secs)
+
+
+def test_local_stream_equals_pools(tmp_path, smollm2_dir, monkeypatch):
+    """engine=local, greedy: the streaming path (next turns put back while the engine decodes)
+    writes the same records as decoding the pool turn by turn in calls (the static decoder's
+    path), multi-turn conversations and a copy at another temperature included."""
+    records = [conv(0, "Say hi."), conv(1, "Name a color.", "Another one?"),
+               conv(2, "What is 2+2?", "And 3+3?", "And 4+4?", system="Be brief."),
+               conv(3, "Name a fruit.")]
+    kw = {"generate.server.engine": "local", "generate.max_tokens": 6,
+          "generate.batch_size": 2, "target.device": "cpu"}
+    cfg = make_run(tmp_path / "stream", records, **kw)
+    pipeline.run_step(cfg, "generate")
+    monkeypatch.setattr(generate, "_stream_local", generate._pools_local)
+    pools = make_run(tmp_path / "pools", records, **kw)
+    pipeline.run_step(pools, "generate")
+    a, b = output(cfg), output(pools)
+    assert [r["id"] for r in a] == [r["id"] for r in b] == [r["id"] for r in records]
+    assert [r["messages"] for r in a] == [r["messages"] for r in b]
+    assert [r["meta"]["turns"] for r in a] == [r["meta"]["turns"] for r in b]
+    assert read_json(Run.of(pools).manifest("generate"))["phases_s"]["host"]["engine_calls"] > 0
 
 
 def test_extra_temperatures_answer_every_conversation_again(tmp_path, smollm2_dir):

@@ -229,7 +229,11 @@ class UserTurns:
 
     def accept(self, conv, ids: list[int], finish: str) -> str | None:
         """Keep the written user turn (None) or say why not (and log the rejected sample)."""
-        text = self.tok.decode(ids, skip_special_tokens=True).strip()
+        return self.accept_text(conv, self.tok.decode(ids, skip_special_tokens=True), finish)
+
+    def accept_text(self, conv, text: str, finish: str) -> str | None:
+        """accept() on the sample already decoded (the generate step decodes in batches)."""
+        text = text.strip()
         why = self.filter(conv.rec.get("source")).check(text, finish, dedup=conv.turn == 0)
         if why is None:
             conv.add_user(text)

@@ -329,6 +329,8 @@ class Engine:
             need_min = min(need)
         want = 1 + sum(sorted(need, reverse=True)[:self.max_batch])
         if self.device.type != "cuda":
+            if max_len is not None:   # no free-memory figure: rows of 512 tokens, one of max_len
+                want = 1 + max(self.max_batch * math.ceil(min(max_len, 512) / P), need[0])
             return want
         reserve = self._activation_reserve(top_p)
         self.cache.allocate(0, P, self.dtype, self.device)             # free the old pools

@@ -39,6 +39,7 @@ import logging
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -80,6 +81,10 @@ class _Sink:
         self.ok = 0
         self.failed = {"permanent": 0, "transient": 0}
         self.completion_tokens = 0
+
+    def restart(self) -> None:
+        """Start the clock again (engine=local: after the target has loaded)."""
+        self.t0 = self.last_sync = time.time()
 
     def add_ok(self, conv: Conversation) -> None:
         self.out.write(conv.record(self.model))
@@ -245,96 +250,258 @@ async def _run_http(g, pool, records: Iterator[dict], sink: _Sink,
 
 
 # ----------------------------------------------------------------------------- local generation
-def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> None:
-    """engine=local: render with the target tokenizer, decode the next turn of a pool of
-    conversations in one call (LocalGenerator: batch_size rows, refilled as answers end),
-    write the finished ones, refill the pool, repeat; <think> is split off the decoded text.
-    Synthetic conversations get their user turns written in the same calls (per-request
-    temperature and token cap)."""
-    from drafter.core.target import load_tokenizer
-    from drafter.engine.generator import LocalGenerator
+class _Phases:
+    """Seconds per phase of one thread's timeline: `with ph("write"): ...`."""
 
-    g = cfg.generate
-    tok = load_tokenizer(cfg.target)
-    gen = LocalGenerator(cfg.target, g.batch_size)
-    syn = UserTurns(cfg, tok, run) if any(s.synthetic for s in cfg.prepare.sources) else None
-    stop = sorted(set(gen.stop_ids) | set(syn.pq.stop_ids if syn else ()))
-    # Several batches per call (per GPU): rows refill from the pool as answers end, and only
-    # its last answers decode in a draining batch; a kill loses at most this pool's work.
+    def __init__(self):
+        self.s: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
+
+
+class _Local:
+    """engine=local: the conversations' side (templates, tokens, bookkeeping) of both paths."""
+
+    def __init__(self, cfg, sink: _Sink, run: Run, ph: _Phases):
+        from drafter.core.target import load_tokenizer
+        from drafter.engine.generator import LocalGenerator
+
+        self.g, self.sink, self.ph = cfg.generate, sink, ph
+        self.tok = load_tokenizer(cfg.target)
+        self.gen = LocalGenerator(cfg.target, self.g.batch_size)
+        self.syn = UserTurns(cfg, self.tok, run) if any(s.synthetic for s in
+                                                         cfg.prepare.sources) else None
+        self.stop = sorted(set(self.gen.stop_ids) | set(self.syn.pq.stop_ids if self.syn
+                                                         else ()))
+
+    def admit(self, rec: dict) -> Conversation | None:
+        try:
+            conv = Conversation(rec)
+            if conv.synthetic and self.syn is None:
+                raise Permanent("a synthetic record, but no synthetic source in "
+                                 "prepare.sources (rerun `drafter prepare`)")
+            if not conv.points and not conv.synthetic:
+                raise Permanent("no user turn to answer")
+        except Permanent as e:
+            with self.ph("write"):
+                self.sink.add_error(rec["id"], "permanent", str(e), 0)
+            return None
+        return conv
+
+    def prompts(self, convs: list[Conversation]) -> tuple[list, list, list, list]:
+        """The next request of each conversation: its user turn (synthetic, the pre-query
+        prefix) or its answer (the chat template); rendered, then tokenized in one batch."""
+        g, syn = self.g, self.syn
+        texts, caps, temps, users = [], [], [], []
+        with self.ph("templates_tokenize"):
+            for conv in convs:
+                if conv.needs_user:
+                    sc = syn.settings(conv)
+                    texts.append(syn.pq.prefix(conv.user_history()))
+                    caps.append(sc.max_tokens)
+                    temps.append(sc.temperature)
+                else:
+                    texts.append(self.tok.apply_chat_template(
+                        conv.next_messages(), tools=conv.tools, add_generation_prompt=True,
+                        tokenize=False, **g.chat_template_kwargs))
+                    caps.append(g.max_tokens)
+                    temps.append(g.temperature if conv.temperature is None else conv.temperature)
+                users.append(conv.needs_user)
+            ids = self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+        return ids, caps, temps, users
+
+    def finish(self, done: list[tuple]) -> list[Conversation]:
+        """Bookkeeping of finished requests, (conv, prompt_len, cap, user, ids, finish) each:
+        errors and finished conversations to the sink; the conversations that go on."""
+        g, syn, sink, ph = self.g, self.syn, self.sink, self.ph
+        with ph("detokenize"):
+            texts = self.tok.batch_decode([d[4] for d in done], skip_special_tokens=True)
+        still = []
+        for (conv, n_prompt, cap, user, ids, finish_reason), text in zip(done, texts):
+            if finish_reason == "too_long":
+                with ph("write"):
+                    sink.add_error(conv.id, "permanent", f"prompt too long: {n_prompt} tokens + "
+                                   f"{cap} new do not fit the target's context or the KV cache",
+                                   conv.turn)
+                continue
+            if user:
+                with ph("synthetic"):
+                    why = syn.accept_text(conv, text, finish_reason)
+                if why is not None and conv.attempts >= syn.settings(conv).max_attempts:
+                    with ph("write"):
+                        sink.add_error(conv.id, "permanent", f"synthetic: no usable user turn "
+                                       f"in {conv.attempts} samples (last: {why})", conv.turn)
+                    continue
+                still.append(conv)
+                continue
+            if finish_reason == "length" and g.drop_truncated:
+                with ph("write"):
+                    sink.add_error(conv.id, "permanent", f"truncated: the answer reached "
+                                   f"generate.max_tokens={g.max_tokens}", conv.turn)
+                continue
+            with ph("detokenize"):
+                content, reasoning = split_reasoning(text)
+            conv.add(content, reasoning, finish_reason,
+                     {"prompt_tokens": n_prompt, "completion_tokens": len(ids)})
+            if conv.done:
+                with ph("write"):
+                    sink.add_ok(conv)
+            else:
+                still.append(conv)
+        return still
+
+
+# Requests queued per GPU beyond its rows: the engine refills from them at once, while the host
+# renders the next ones; a kill loses at most these and the rows' conversations.
+QUEUED_PER_ROW = 2
+PUT_CHUNK = 256          # conversations rendered per put: the first rows start after one chunk
+
+
+def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> dict:
+    """engine=local: one open request stream (drafter.engine.generator.LocalGenerator.start)
+    decoded while this thread feeds it. Conversations are admitted while fewer than
+    QUEUED_PER_ROW x batch_size x GPUs requests are queued; as each row ends (the engine's
+    thread hands it over) its conversation's bookkeeping runs here, and its next request (the
+    next user turn, a synthetic user turn or its answer) goes straight back into the stream.
+    The static decoder (models the paged engine does not run) decodes pools in calls instead.
+    Returns phases_s: load, then the seconds of this thread (host) and of the engines' threads
+    (engine: the mean over GPUs), each split by phase and summing to the step's seconds."""
+    from drafter.engine.generator import Engine
+
+    t0 = time.perf_counter()
+    ph = _Phases()
+    loc = _Local(cfg, sink, run, ph)
+    load = time.perf_counter() - t0
+    sink.restart()                       # throughput counts from the first request
+    t1 = time.perf_counter()
+    try:
+        if isinstance(loc.gen.engines[0], Engine):
+            _stream_local(loc, records)
+        else:
+            _pools_local(loc, records)
+    finally:
+        if loc.syn is not None:
+            loc.syn.close()
+    total = time.perf_counter() - t1
+    host = {k: round(v, 3) for k, v in sorted(ph.s.items())}
+    host["other"] = round(total - sum(ph.s.values()), 3)
+    out = {"load": round(load, 3), "host": host}
+    stats = [s for s in loc.gen.stats() if "decode_seconds" in s]
+    if stats:
+        eng = {k: sum(s[f"{k}_seconds"] for s in stats) / len(stats)
+               for k in ("prefill", "decode", "wait", "capture")}
+        eng["wait_requests"] = eng.pop("wait")
+        eng = {k: round(v, 3) for k, v in eng.items()}
+        eng["other"] = round(total - sum(eng.values()), 3)
+        out["engine"] = eng
+    return out
+
+
+def _stream_local(loc: _Local, records: Iterator[dict]) -> None:
+    import queue as queue_mod
+
+    g, syn, gen, ph = loc.g, loc.syn, loc.gen, loc.ph
+    max_new = max([g.max_tokens] + ([syn.default.max_tokens] + [sc.max_tokens for sc in
+                                                                 syn.cfgs.values()]
+                                    if syn else []))
+    # The plan covers any prompt the model takes; without a context length, prompts of up to
+    # 32,768 tokens (a longer one is "too_long": a permanent error of its conversation).
+    max_len = gen.engines[0].max_positions or max_new + 32768
+    results: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+    feed = gen.start(lambda tag, ids, finish: results.put((*tag, ids, finish)), max_len,
+                     max_new, top_p=g.top_p, seed=g.seed, stop_ids=loc.stop)
+    target = QUEUED_PER_ROW * g.batch_size * gen.replicas
+    in_flight = 0
+
+    def put(convs: list[Conversation]) -> None:
+        nonlocal in_flight
+        if not convs:
+            return
+        ids, caps, temps, users = loc.prompts(convs)
+        feed.put(ids, caps, temps, [(c, len(p), m, u) for c, p, m, u in
+                                    zip(convs, ids, caps, users)])
+        in_flight += len(convs)
+
+    # The engine's thread needs the GIL right after each sync to launch the next steps: a
+    # shorter switch interval than Python's 5 ms keeps template rendering here from holding it.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, 0.0005))
+    it = iter(records)
+    exhausted = False
+    try:
+        while True:
+            feed.check()
+            if not exhausted and len(feed) < target:
+                convs = []
+                while len(convs) < min(PUT_CHUNK, target - len(feed)):
+                    rec = next(it, None)
+                    if rec is None:
+                        exhausted = True
+                        break
+                    conv = loc.admit(rec)
+                    if conv is not None:
+                        convs.append(conv)
+                put(convs)
+            if exhausted and in_flight == 0:
+                break
+            done = []
+            if exhausted or len(feed) >= target:   # nothing to admit: wait for a result
+                with ph("wait_results"):
+                    try:
+                        done.append(results.get(timeout=0.1))
+                    except queue_mod.Empty:
+                        if not feed.alive():
+                            feed.check()
+                            raise GenerateError("generate (local): the engine stopped with "
+                                                f"{in_flight} requests in flight (a bug)")
+            while True:
+                try:
+                    done.append(results.get_nowait())
+                except queue_mod.Empty:
+                    break
+            if done:
+                in_flight -= len(done)
+                put(loc.finish(done))
+        feed.join()
+    except BaseException:
+        feed.abort()
+        raise
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _pools_local(loc: _Local, records: Iterator[dict]) -> None:
+    """The static decoder: the next turn of a pool of 8 x batch_size conversations in one
+    call, the finished ones written, the pool refilled, repeat (seed: generate.seed + call)."""
+    g, gen, ph = loc.g, loc.gen, loc.ph
     pool_size = 8 * g.batch_size * getattr(gen, "replicas", 1)
     active: list[Conversation] = []
     it = iter(records)
     exhausted, call = False, 0
-    try:
-        while True:
-            while not exhausted and len(active) < pool_size:
-                rec = next(it, None)
-                if rec is None:
-                    exhausted = True
-                    break
-                try:
-                    conv = Conversation(rec)
-                    if conv.synthetic and syn is None:
-                        raise Permanent("a synthetic record, but no synthetic source in "
-                                         "prepare.sources (rerun `drafter prepare`)")
-                    if not conv.points and not conv.synthetic:
-                        raise Permanent("no user turn to answer")
-                except Permanent as e:
-                    sink.add_error(rec["id"], "permanent", str(e), 0)
-                    continue
-                active.append(conv)
-            if not active:
+    while True:
+        while not exhausted and len(active) < pool_size:
+            rec = next(it, None)
+            if rec is None:
+                exhausted = True
                 break
-            prompts, caps, temps, users = [], [], [], []
-            for conv in active:
-                if conv.needs_user:
-                    ids, cap, temp = syn.request(conv)
-                else:
-                    text = tok.apply_chat_template(conv.next_messages(), tools=conv.tools,
-                                                   add_generation_prompt=True, tokenize=False,
-                                                   **g.chat_template_kwargs)
-                    ids, cap, temp = (tok(text, add_special_tokens=False)["input_ids"],
-                                      g.max_tokens, g.temperature if conv.temperature is None
-                                      else conv.temperature)
-                prompts.append(ids)
-                caps.append(cap)
-                temps.append(temp)
-                users.append(conv.needs_user)
+            conv = loc.admit(rec)
+            if conv is not None:
+                active.append(conv)
+        if not active:
+            break
+        prompts, caps, temps, users = loc.prompts(active)
+        with ph("engine_calls"):
             outs = gen.generate(prompts, max_new_tokens=caps, temperature=temps, top_p=g.top_p,
-                                seed=g.seed + call, stop_ids=stop)
-            call += 1
-            still = []
-            for conv, prompt, cap, user, (ids, finish_reason) in zip(active, prompts, caps, users,
-                                                                     outs):
-                ids = [int(i) for i in ids]
-                if finish_reason == "too_long":
-                    sink.add_error(conv.id, "permanent", f"prompt too long: {len(prompt)} tokens "
-                                   f"+ {cap} new do not fit the target's context or the KV "
-                                   f"cache", conv.turn)
-                    continue
-                if user:
-                    why = syn.accept(conv, ids, finish_reason)
-                    if why is not None and conv.attempts >= syn.settings(conv).max_attempts:
-                        sink.add_error(conv.id, "permanent", f"synthetic: no usable user turn "
-                                       f"in {conv.attempts} samples (last: {why})", conv.turn)
-                        continue
-                    still.append(conv)
-                    continue
-                if finish_reason == "length" and g.drop_truncated:
-                    sink.add_error(conv.id, "permanent", f"truncated: the answer reached "
-                                   f"generate.max_tokens={g.max_tokens}", conv.turn)
-                    continue
-                content, reasoning = split_reasoning(tok.decode(ids, skip_special_tokens=True))
-                conv.add(content, reasoning, finish_reason,
-                         {"prompt_tokens": len(prompt), "completion_tokens": len(ids)})
-                if conv.done:
-                    sink.add_ok(conv)
-                else:
-                    still.append(conv)
-            active = still
-    finally:
-        if syn is not None:
-            syn.close()
+                                seed=g.seed + call, stop_ids=loc.stop)
+        call += 1
+        active = loc.finish([(c, len(p), m, u, [int(i) for i in ids], f) for c, p, m, u, (ids, f)
+                             in zip(active, prompts, caps, users, outs)])
 
 
 # ------------------------------------------------------------------------------------ the files
@@ -490,6 +657,7 @@ def main(cfg) -> dict:
             f"in-process, which needs generate.server.engine=local (now "
             f"{g.server.engine!r})")
     server: dict = {"engine": g.server.engine}
+    phases: dict = {}
     generated = 0
     completion_tokens = 0
     if pending:
@@ -497,7 +665,7 @@ def main(cfg) -> dict:
         if g.server.engine == "local":
             sink = _Sink(run, len(pending), model=cfg.target.model)
             try:
-                _run_local(cfg, records, sink, run)
+                phases = _run_local(cfg, records, sink, run)
             finally:
                 sink.close()
         else:
@@ -535,6 +703,10 @@ def main(cfg) -> dict:
              "%d completion tokens in %.1fs (%.0f tok/s)", counts["ok"], counts["errors"],
              kinds["permanent"], kinds["transient"], counts["truncated"], completion_tokens,
              seconds, completion_tokens / max(seconds, 1e-9))
+    if phases:
+        log.info("generate: seconds by phase: load %.1f; host %s; engine %s", phases["load"],
+                 ", ".join(f"{k} {v:.1f}" for k, v in phases["host"].items()),
+                 ", ".join(f"{k} {v:.1f}" for k, v in phases.get("engine", {}).items()) or "-")
     if kinds["transient"]:
         raise GenerateError(
             f"generate: {kinds['transient']} conversations failed after "
@@ -547,6 +719,7 @@ def main(cfg) -> dict:
         "throughput": {"seconds": round(seconds, 3), "conversations": generated,
                        "completion_tokens": completion_tokens,
                        "completion_tokens_per_s": round(completion_tokens / max(seconds, 1e-9), 1)},
+        **({"phases_s": phases} if phases else {}),
         "errors_by_kind": kinds,
         **({"synthetic": synthetic_stats(run)} if synthetic else {}),
         "server": server,
