@@ -472,9 +472,10 @@ def test_allowed_remote_host_loads_and_warns(world, caplog):
     """generate.server.allow_remote: true lets a non-local host through; the server start
     warns (serve.servers, tested here through the config alone)."""
     from drafter.core import config as C
+    from drafter.core.configload import is_local_host
 
     cfg = C.load(world["cfg"], ["generate.server.host=0.0.0.0",
                                 "generate.server.allow_remote=true"])
-    assert cfg.generate.server.host == "0.0.0.0" and not C.is_local_host("0.0.0.0")
-    assert C.is_local_host("127.0.0.1") and C.is_local_host("localhost")
-    assert C.is_local_host("::1") and C.is_local_host("[::1]")
+    assert cfg.generate.server.host == "0.0.0.0" and not is_local_host("0.0.0.0")
+    assert is_local_host("127.0.0.1") and is_local_host("localhost")
+    assert is_local_host("::1") and is_local_host("[::1]")

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from drafter.core import config as C
+from drafter.core.configload import apply_override
 from drafter.core.rundir import Run, read_json, read_jsonl
 from drafter.data.synthetic import PreQuery, PromptFilter, diversity
 from drafter.run import pipeline
@@ -77,7 +78,7 @@ def _config(root: Path, **over) -> C.Config:
         "generate": {"server": {"engine": "local"}, "max_tokens": 12, "batch_size": 4},
     }
     for k, v in over.items():
-        C._set(data, k.split("."), v, k)  # the dotted overrides of C.load, with values as given
+        apply_override(data, k.split("."), v, k)  # the dotted overrides of C.load, values as given
     (root / "cfg.yaml").write_text(yaml.safe_dump(data))
     return C.load(root / "cfg.yaml")
 

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drafter.core.config import is_local_host
+from drafter.core.configload import is_local_host
 from drafter.serve.supervisor import ManagedServer, ServerError, free_port
 
 log = logging.getLogger("drafter")
@@ -323,7 +323,7 @@ def servers(cfg, log_path: Path):
             raise ServerError("generate.server.engine=local runs in-process: there is no server "
                               "to start")
         else:
-            if not is_local_host(s.host):  # allowed by generate.server.allow_remote (config.py)
+            if not is_local_host(s.host):  # allowed by generate.server.allow_remote (configload.py)
                 log.warning("generate.server.host=%s: the %s server accepts requests from other "
                             "machines (generate.server.allow_remote is true); anyone who "
                             "reaches %s can use the target", s.host, s.engine, s.host)
