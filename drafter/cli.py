@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"drafter: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        from drafter.run.pipeline import signalled
+        from drafter.run.lifecycle import signalled
 
         sig = signalled()
         if sig is not None:  # a signal raised inside C code that came out as another error

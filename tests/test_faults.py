@@ -35,7 +35,7 @@ from drafter.core import config as C
 from drafter.core import gpu
 from drafter.core.rundir import Run, atomic_json, atomic_write, read_json, read_jsonl
 from drafter.features import store
-from drafter.run import pipeline
+from drafter.run import gpu_release, lifecycle, pipeline
 from drafter.train import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -449,7 +449,7 @@ def test_gpu_wait_until_memory_is_back():
                   [_gpu(0, 30 * gpu.GiB, [(111, "other", gpu.GiB)])],
                   [_gpu(0, 1 * gpu.GiB + 300 * 2**20, [(111, "other", gpu.GiB)])]])
     slept = []
-    rep = pipeline.wait_gpu_released(base, timeout=60, snapshot=lambda: next(snaps), poll=2,
+    rep = gpu_release.wait_gpu_released(base, timeout=60, snapshot=lambda: next(snaps), poll=2,
                                      sleep=slept.append, own={999}, started={222},
                                      session=lambda pid: pid)   # 222: the server drafter started
     assert rep == {"ok": True, "waited": 4, "others": []} and slept == [2, 2]
@@ -460,8 +460,8 @@ def test_gpu_wait_names_the_holders_and_kills_nothing():
     now = [_gpu(0, 0), _gpu(1, 40 * gpu.GiB, [(4242, "vllm-worker", 38 * gpu.GiB),
                                               (999, "drafter", 2 * gpu.GiB)])]
     slept = []
-    with pytest.raises(pipeline.GpuNotReleased) as e:
-        pipeline.wait_gpu_released(base, timeout=5, snapshot=lambda: now, poll=1,
+    with pytest.raises(gpu_release.GpuNotReleased) as e:
+        gpu_release.wait_gpu_released(base, timeout=5, snapshot=lambda: now, poll=1,
                                    sleep=slept.append, own={999}, what="drafter extract",
                                    started={4000}, session={4242: 4000}.get)  # a server worker
     assert sum(slept) == 5                                      # a bounded wait
@@ -481,21 +481,21 @@ def test_gpu_wait_leaves_other_jobs_alone(caplog):
     neighbour = [_gpu(0, 18 * gpu.GiB, [(111, "other", gpu.GiB), (549, "python3", 13 * gpu.GiB),
                                         (1655, "python3", 4 * gpu.GiB)])]
     sessions = {549: 549, 1655: 1655, 7000: 6000}
-    wait = functools.partial(pipeline.wait_gpu_released, base, timeout=3, poll=1, own={999},
+    wait = functools.partial(gpu_release.wait_gpu_released, base, timeout=3, poll=1, own={999},
                              started={6000}, session=sessions.get, sleep=lambda s: None)
     with caplog.at_level("WARNING", logger="drafter"):
         rep = wait(snapshot=lambda: neighbour)
     assert rep == {"ok": True, "waited": 0, "others": [549, 1655]}
     assert "PID 549 (python3) started during generate and holds 13.0 GiB" in caplog.text
     unsized = [_gpu(0, 18 * gpu.GiB, [(111, "other", gpu.GiB), (549, "python3", None)])]
-    with pytest.raises(pipeline.GpuNotReleased, match="PID 549"):
+    with pytest.raises(gpu_release.GpuNotReleased, match="PID 549"):
         wait(snapshot=lambda: unsized)
     unknown = [_gpu(0, 14 * gpu.GiB, [(111, "other", gpu.GiB), (8000, "python3", 13 * gpu.GiB)])]
-    with pytest.raises(pipeline.GpuNotReleased, match="PID 8000"):   # its session unreadable
+    with pytest.raises(gpu_release.GpuNotReleased, match="PID 8000"):   # its session unreadable
         wait(snapshot=lambda: unknown)
     leftover = [_gpu(0, 18 * gpu.GiB, [(111, "other", gpu.GiB), (549, "python3", 13 * gpu.GiB),
                                        (7000, "vllm-worker", 4 * gpu.GiB)])]
-    with pytest.raises(pipeline.GpuNotReleased) as e:
+    with pytest.raises(gpu_release.GpuNotReleased) as e:
         wait(snapshot=lambda: leftover)
     assert "PID 7000 (vllm-worker) holds 4.0 GiB" in str(e.value)
     assert "PID 549" not in str(e.value)
@@ -522,16 +522,16 @@ def test_run_waits_for_the_gpu_before_loading_the_target(tmp_path, monkeypatch):
         return [_gpu(0, 0)] if snaps["n"] == 1 else [_gpu(0, 30 * gpu.GiB, [(4242, "x", None)])]
 
     monkeypatch.setattr(pipeline, "_step_fn", fake)
-    monkeypatch.setattr(pipeline, "_gpu_snapshot", snapshot)
+    monkeypatch.setattr(gpu_release, "gpu_snapshot", snapshot)
     monkeypatch.setattr(pipeline.time, "sleep", lambda s: None)
     cfg = C.load(None, [f"run_dir={tmp_path}", "generate.server.stop_timeout=0"])
-    with pytest.raises(pipeline.GpuNotReleased, match="PID 4242"):
+    with pytest.raises(gpu_release.GpuNotReleased, match="PID 4242"):
         pipeline.run_all(cfg, steps=["prepare", "generate", "tokenize", "vocab", "extract"])
     assert calls[:6] == ["prepare", "snapshot", "generate", "tokenize", "vocab", "snapshot"]
     assert "extract" not in calls
     # once the GPU is free the rerun skips what is done and runs extract without waiting
     calls.clear()
-    monkeypatch.setattr(pipeline, "_gpu_snapshot", lambda: calls.append("snapshot") or [_gpu()])
+    monkeypatch.setattr(gpu_release, "gpu_snapshot", lambda: calls.append("snapshot") or [_gpu()])
     pipeline.run_all(cfg, steps=["prepare", "generate", "tokenize", "vocab", "extract"])
     assert calls == ["extract"]
 
@@ -547,9 +547,9 @@ def test_one_drafter_per_run_dir(tmp_path):
     atomic_json(run.started("generate"), {"fingerprint": {}, "time": time.time()})
     code = textwrap.dedent(f"""
         import time
-        from drafter.run import pipeline
+        from drafter.run import lifecycle
         from drafter.core.rundir import Run
-        with pipeline.run_lock(Run({str(tmp_path)!r})):
+        with lifecycle.run_lock(Run({str(tmp_path)!r})):
             print("locked", flush=True)
             time.sleep(120)
     """)
@@ -557,9 +557,9 @@ def test_one_drafter_per_run_dir(tmp_path):
                          env=ENV, cwd=REPO)
     try:
         assert p.stdout.readline().strip() == "locked"
-        assert pipeline.lock_holder(run) == p.pid
-        with pytest.raises(pipeline.RunBusy, match=f"PID {p.pid}"):
-            with pipeline.run_lock(run):
+        assert lifecycle.lock_holder(run) == p.pid
+        with pytest.raises(lifecycle.RunBusy, match=f"PID {p.pid}"):
+            with lifecycle.run_lock(run):
                 pass
         st = pipeline.status(tmp_path)
         assert st["running_pid"] == p.pid
@@ -568,13 +568,13 @@ def test_one_drafter_per_run_dir(tmp_path):
     finally:
         p.kill()
         p.wait()
-    assert pipeline.lock_holder(run) is None
+    assert lifecycle.lock_holder(run) is None
     st = pipeline.status(tmp_path)
     assert st["running_pid"] is None
     assert (st["steps"][1]["state"], st["steps"][1]["activity"]) == ("failed", "interrupted")
-    with pipeline.run_lock(run):
-        with pipeline.run_lock(run):  # reentrant: run_all holds it around run_step
-            assert pipeline.lock_holder(run) == os.getpid()
+    with lifecycle.run_lock(run):
+        with lifecycle.run_lock(run):  # reentrant: run_all holds it around run_step
+            assert lifecycle.lock_holder(run) == os.getpid()
 
 
 RANKS = """
@@ -710,7 +710,7 @@ def test_a_signal_that_surfaces_as_another_error_is_an_interruption(tmp_path):
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     old = {s: signal.getsignal(s) for s in sigs}
     try:
-        pipeline._install_signal_handlers()
+        lifecycle.install_signal_handlers()
         try:
             try:
                 os.kill(os.getpid(), signal.SIGINT)
@@ -718,12 +718,12 @@ def test_a_signal_that_surfaces_as_another_error_is_an_interruption(tmp_path):
             except KeyboardInterrupt:
                 raise ValueError("could not determine the shape of object type") from None
         except ValueError as e:
-            assert pipeline.signalled() == signal.SIGINT
+            assert lifecycle.signalled() == signal.SIGINT
             pipeline._write_failed(run, "train", e)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        pipeline._SIGNALLED.clear()
+        lifecycle._SIGNALLED.clear()
     f = read_json(run.failed("train"))
     assert f["interrupted"] is True
     assert "SIGINT" in f["error"] and "ValueError: could not determine" in f["error"]

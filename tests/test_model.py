@@ -15,8 +15,9 @@ import torch
 
 from drafter.features import store
 from drafter.train.batches import align, collate
+from drafter.train.merge import merge_diagonal
 from drafter.train.model import Drafter, DrafterConfig, load_drafter, save_drafter
-from drafter.train.ttt import TTT, dense_mask, doc_causal, flex_part0, head_loss, merge_diagonal
+from drafter.train.ttt import TTT, dense_mask, doc_causal, flex_part0, head_loss
 
 V, VD, HT = 96, 40, 24
 
@@ -280,21 +281,21 @@ def _merge_cases(device: str):
 
 
 def _check_fused_merge(device: str) -> None:
-    """ttt._FusedMerge (its two Triton kernels) against _MergeDiagonal's eager ops, forward
+    """merge._FusedMerge (its two Triton kernels) against _MergeDiagonal's eager ops, forward
     and backward: the output in o0's layout, values and every input's gradient within float32
     rounding (bf16 inputs: bf16 rounding)."""
-    from drafter.train import ttt as ttt_mod
+    from drafter.train import merge as merge_mod
     for q, o0, lse0, ks, vs in _merge_cases(device):
         ins = [t.requires_grad_() for t in (q, o0, lse0, *ks, *vs)]
         res = {}
         for fused in (True, False):
-            ttt_mod.FUSED_MERGE = fused
+            merge_mod.FUSED_MERGE = fused
             out = merge_diagonal(q, o0, lse0, ks, vs, 1 / math.sqrt(q.shape[-1]))
             assert ("Fused" in type(out.grad_fn).__name__) == fused
             assert out.stride() == o0.stride() and out.dtype == o0.dtype
             go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
             res[fused] = [out.detach()] + list(torch.autograd.grad(out, ins, go))
-        ttt_mod.FUSED_MERGE = True
+        merge_mod.FUSED_MERGE = True
         tol = 1e-5 if q.dtype == torch.float32 else 1e-2
         for name, a, b in zip(["out", "q", "o0", "lse0"] + ["k"] * len(ks) + ["v"] * len(vs),
                               res[True], res[False]):
@@ -303,7 +304,7 @@ def _check_fused_merge(device: str) -> None:
 
 
 def test_fused_merge_in_the_interpreter():
-    """merge_diagonal's Triton kernels (ttt._FusedMerge), run by Triton's interpreter on the
+    """merge_diagonal's Triton kernels (merge._FusedMerge), run by Triton's interpreter on the
     CPU (skipped without Triton; the GPU test runs them compiled), equal the eager merge."""
     pytest.importorskip("triton")
     code = "from tests.test_model import _check_fused_merge; _check_fused_merge('cpu'); print('ok')"

@@ -14,16 +14,17 @@ Each step's `main(cfg)` returns a dict of counts (and optional extras); this mod
 signal. Around that:
 
 - one drafter process per run dir (an flock on RUN_DIR/.lock, released by the kernel on kill -9);
-- SIGTERM and SIGHUP unwind a step like Ctrl-C, so servers stop and folders stay resumable;
+- SIGTERM and SIGHUP unwind a step like Ctrl-C, so servers stop and folders stay resumable
+  (both in drafter/run/lifecycle.py);
 - under torchrun only rank 0 touches the folder; the other ranks wait for its decision;
 - `run_all`: the generation server lives inside generate; before the next step that loads the
   target on a GPU, GPU memory must be back at its level from before generate (NVML), or the
-  error names the PIDs holding it. drafter never kills a process it did not start.
+  error names the PIDs holding it (drafter/run/gpu_release.py). drafter never kills a process
+  it did not start.
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -34,7 +35,6 @@ import signal
 import time
 from typing import Callable
 
-from drafter import DrafterError
 from drafter.core import config as C
 from drafter.core.dist import agent_store, rank_world, restart_count
 from drafter.core.rundir import (
@@ -55,6 +55,8 @@ from drafter.core.rundir import (
     sealed,
     step_inputs,
 )
+from drafter.run import gpu_release
+from drafter.run.lifecycle import install_signal_handlers, lock_holder, run_lock, signalled
 from drafter.run.preflight import preflight
 
 log = logging.getLogger("drafter")
@@ -184,103 +186,6 @@ def state(cfg, run: Run, step: str, _memo: dict | None = None, running: bool = F
     return s
 
 
-# ------------------------------------------------------------------------------------ signals
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised like Ctrl-C so that every `finally` runs (servers stop, temp
-    files go, failed.json is written); `signum` gives the exit status 128 + signum."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
-        self.signum = signum
-
-
-_SIGNALLED: list[int] = []   # the signals this process received, in order
-
-
-def signalled() -> int | None:
-    """The signal that stopped this process, if any. Raised inside C code (a safetensors read,
-    say), the KeyboardInterrupt can surface as another exception: this says what it was."""
-    return _SIGNALLED[-1] if _SIGNALLED else None
-
-
-def _install_signal_handlers() -> None:
-    """SIGINT (Ctrl-C), SIGTERM (kill, schedulers, torchrun) and SIGHUP (a closed terminal):
-    steps unwind and leave their folder consistent for a rerun to resume. A second signal while
-    unwinding is not caught again (the default: the process ends; the folder stays resumable)."""
-    _SIGNALLED.clear()
-
-    def handler(signum, frame):
-        _SIGNALLED.append(signum)
-        signal.signal(signum, signal.SIG_DFL)
-        raise Interrupted(signum)
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        try:
-            signal.signal(sig, handler)
-        except ValueError:  # not the main thread (tests calling steps from threads)
-            pass
-
-
-# ------------------------------------------------------------------------------------ locking
-_LOCKS: dict[str, list] = {}   # run dir -> [open lock file, depth]: reentrant within a process
-
-
-@contextlib.contextmanager
-def run_lock(run: Run):
-    """One drafter process at a time in a run directory (flock: released by the kernel when the
-    process dies, even by kill -9). Raises RunBusy naming the holder's PID."""
-    key = str(run.root.resolve())
-    held = _LOCKS.get(key)
-    if held is not None:
-        held[1] += 1
-        try:
-            yield
-        finally:
-            held[1] -= 1
-        return
-    run.root.mkdir(parents=True, exist_ok=True)
-    f = open(run.lock(), "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        pid = f.read().strip() or "?"
-        f.close()
-        raise RunBusy(f"{run.root} is in use by another drafter process (PID {pid}); wait for "
-                      f"it or stop it (`drafter status {run.root}` shows its progress)") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    _LOCKS[key] = [f, 1]
-    try:
-        yield
-    finally:
-        del _LOCKS[key]
-        fcntl.flock(f, fcntl.LOCK_UN)
-        f.close()
-
-
-def lock_holder(run: Run) -> int | None:
-    """PID of the drafter process working in `run` now, or None."""
-    p = run.lock()
-    if not p.exists():
-        return None
-    with open(p) as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            text = f.read().strip()
-            return int(text) if text.isdigit() else -1
-        fcntl.flock(f, fcntl.LOCK_UN)
-    return None
-
-
-class RunBusy(DrafterError):
-    pass
-
-
 # ----------------------------------------------------------------------------------- torchrun
 # Rank 0 may spend minutes clearing a stale folder of shards before the others may start.
 RANK_WAIT_S = 3600
@@ -379,7 +284,7 @@ def _lead(cfg, run: Run, step: str, force: bool, world: int) -> dict:
     atomic_write(run.config_snapshot(), SNAPSHOT_HEADER + C.dump(cfg))
     if store is not None:
         store.set(_rank_key(step), "run")
-    _install_signal_handlers()
+    install_signal_handlers()
     log.info("%s: running", step)
     t0 = time.time()
     try:
@@ -471,7 +376,7 @@ def _follow(cfg, run: Run, step: str, force: bool) -> dict:
         decision = "run" if force or up_to_date(run, step, fp) is None else "skip"
     if decision == "skip":
         return run.read_manifest(step)
-    _install_signal_handlers()
+    install_signal_handlers()
     try:
         result = _step_fn(step)(cfg) or {}
     except BaseException as e:
@@ -514,101 +419,6 @@ def starts_server(cfg) -> bool:
     return cfg.generate.enabled and cfg.generate.server.engine != "external"
 
 
-# GPU memory back "at baseline" allows this much more use than before generate (the driver's own
-# bookkeeping, and drafter's CUDA context where NVML cannot attribute it).
-GPU_SLACK = 1 << 30
-
-
-class GpuNotReleased(DrafterError):
-    """GPU memory is still held after generate, by processes drafter did not start or cannot
-    stop; the message names them."""
-
-
-def _gpu_snapshot():
-    from drafter.core import gpu
-
-    return gpu.devices()
-
-
-def _session(pid: int) -> int | None:
-    try:
-        return os.getsid(pid)
-    except OSError:  # gone, or not ours to ask
-        return None
-
-
-def wait_gpu_released(baseline: list, timeout: float, what: str = "the next step",
-                      snapshot: Callable | None = None, poll: float = 1.0,
-                      sleep: Callable | None = None, own: set[int] | None = None,
-                      started: set[int] | None = None,
-                      session: Callable[[int], int | None] | None = None) -> dict:
-    """Wait (at most `timeout` s) until every GPU of `baseline` (gpu.devices() taken before
-    generate started its server) is back at its used memory (+GPU_SLACK, not counting this
-    process's own) and no leftover of a server drafter started holds memory. Returns the last
-    check; raises GpuNotReleased naming the PIDs. Never kills anything.
-
-    A process that appeared since the baseline is a leftover when its session is one drafter
-    started a server in, or drafter's own (`started`: supervisor.STARTED_SESSIONS and this
-    process's session; a server's workers keep its session when it dies first). Another new
-    holder is someone else's job (a second run on the same GPU): it is named in a warning and
-    its memory is not counted, when NVML says how much it holds and its session can be read;
-    otherwise (containers, MIG, another PID namespace) it is waited for like a leftover."""
-    from drafter.core import gpu
-    from drafter.serve.supervisor import STARTED_SESSIONS
-
-    snapshot = snapshot or _gpu_snapshot
-    sleep = sleep or time.sleep
-    own = gpu.related_pids() if own is None else own
-    session = session or _session
-    # this process's own session counts as started: children it spawned without one of their
-    # own (a local engine's workers) are ours too
-    started = (STARTED_SESSIONS | {session(os.getpid())}) if started is None else started
-    base = {g.index: g for g in baseline}
-    base_pids = {p.pid for g in baseline for p in g.processes}
-    waited = 0.0  # counted in polls, not wall time: NVML calls are quick
-    while True:
-        problems, others = [], []
-        for g in snapshot():
-            b = base.get(g.index)
-            if b is None:
-                continue
-            ours = sum(p.used_bytes or 0 for p in g.processes if p.pid in own)
-            new = [p for p in g.processes if p.pid not in base_pids and p.pid not in own]
-            theirs = [p for p in new if p.used_bytes is not None
-                      and session(p.pid) not in started | {None}]  # None: cannot tell
-            new = [p for p in new if p not in theirs]
-            others += [(g.index, p) for p in theirs]
-            extra = g.used - ours - sum(p.used_bytes for p in theirs) - b.used
-            if new or extra > GPU_SLACK:
-                problems.append({"gpu": g.index, "extra_bytes": extra, "holders": [
-                    {"pid": p.pid, "name": p.name, "bytes": p.used_bytes, "new": p in new}
-                    for p in g.processes if p.pid not in own and p not in theirs]})
-        if not problems:
-            if waited:
-                log.info("GPU memory back at its level before generate after %.0fs", waited)
-            for i, p in others:
-                log.warning("GPU %d: PID %d (%s) started during generate and holds %.1f GiB: not "
-                            "a process drafter started; left alone and not counted", i, p.pid,
-                            p.name, p.used_bytes / gpu.GiB)
-            return {"ok": True, "waited": waited, "others": [p.pid for _, p in others]}
-        if waited >= timeout:
-            lines = []
-            for pr in problems:
-                lines.append(f"GPU {pr['gpu']}: {pr['extra_bytes'] / gpu.GiB:+.1f} GiB used "
-                             f"compared with before generate")
-                for h in pr["holders"]:
-                    mem = f"{h['bytes'] / gpu.GiB:.1f} GiB" if h["bytes"] else "memory"
-                    since = " (appeared during generate)" if h["new"] else ""
-                    lines.append(f"  PID {h['pid']} ({h['name']}) holds {mem}{since}")
-            raise GpuNotReleased(
-                f"GPU memory is not back at its level before generate after {timeout:.0f}s, so "
-                f"{what} would run out of memory:\n  " + "\n  ".join(lines) + "\ndrafter never "
-                "kills a process it did not start: stop them yourself, then rerun the same "
-                "command (finished steps are kept).")
-        sleep(poll)
-        waited += poll
-
-
 def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[dict]:
     """Run every step in order (each skipped when up to date). The generation server lives
     only inside generate; before the first later step that loads the target on a GPU, the GPU
@@ -622,10 +432,11 @@ def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[di
         for step in steps or STEPS:
             will_run = force or _will_run(cfg, run, step)
             if step == "generate" and will_run and starts_server(cfg):
-                baseline = _gpu_snapshot() or None   # None on a machine without GPU
+                baseline = gpu_release.gpu_snapshot() or None   # None on a machine without GPU
             if baseline is not None and will_run and loads_target(cfg, step):
-                wait_gpu_released(baseline, timeout=max(60.0, 2 * cfg.generate.server.stop_timeout),
-                                  what=f"drafter {step}")
+                gpu_release.wait_gpu_released(
+                    baseline, timeout=max(60.0, 2 * cfg.generate.server.stop_timeout),
+                    what=f"drafter {step}")
                 baseline = None
             out.append(run_step(cfg, step, force=force))
     return out

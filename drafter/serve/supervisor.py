@@ -39,7 +39,7 @@ TAIL_LINES = 40
 # Sessions of the servers this process started (start_new_session: a server's pid is its session
 # id, and its workers inherit it even when the server dies first): after generate, a GPU holder
 # in one of these is a leftover of ours; any other new holder is someone else's
-# (pipeline.wait_gpu_released).
+# (gpu_release.wait_gpu_released).
 STARTED_SESSIONS: set[int] = set()
 
 

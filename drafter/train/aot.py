@@ -13,7 +13,7 @@ A `Piece` stands where TTT called a torch.compile'd function (the layer's pre an
 the loss chunk's statistics). Its first call in a process describes its arguments
 (`signature`: shapes (the loss chunk's rows left out), strides, dtypes, grad mode, autocast, the
 modules the function reads and their parameters, the torch and Python versions, the device's
-compute capability and the source of drafter/train/model.py and drafter/train/ttt.py) and:
+compute capability and the source of drafter/train/model.py, ttt.py and merge.py) and:
 
 - mode "save" (the precompile process): compiles the function ahead of time for these
   arguments and saves it as `<Inductor's cache dir>/drafter-aot/<name>-<signature>.bin`;
@@ -46,7 +46,7 @@ log = logging.getLogger("drafter")
 
 MODES = ("off", "load", "save")
 _REPORT: list[dict] = []  # what each piece's first call did in this process, in order
-_SOURCES = ("model.py", "ttt.py")
+_SOURCES = ("model.py", "ttt.py", "merge.py")
 
 
 def inductor_cache_dir() -> str:
@@ -59,7 +59,7 @@ def inductor_cache_dir() -> str:
 
 
 def share_triton_cache(index: int) -> None:
-    """drafter's own Triton kernels (the merge, drafter/train/ttt.py) compiled into the cache
+    """drafter's own Triton kernels (the merge, drafter/train/merge.py) compiled into the cache
     Inductor compiles its kernels into: TRITON_CACHE_DIR when set, else `<Inductor's
     cache>/triton/<device index>`, which Inductor itself puts into TRITON_CACHE_DIR, for the rest
     of the process, only when it sets up a kernel's autotuner there. The precompile process,

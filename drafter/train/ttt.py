@@ -18,15 +18,14 @@ implementations:
     flex  fast GPU path: FlexAttention over the step-0 keys only, with one block mask per batch
           reused by every step, returning its log-sum-exp; the i diagonal scores are one dot
           product per position, merged with it by their log-sum-exps (nothing recomputed across
-          steps, no O(T²) mask; on CUDA one Triton kernel each way, _FusedMerge). The loss
-          is fused with lm_head in row chunks: logits never exist for the whole batch, and
-          their gradients are formed in the forward.
+          steps, no O(T²) mask; on CUDA one Triton kernel each way: drafter/train/merge.py).
+          The loss is fused with lm_head in row chunks: logits never exist for the whole
+          batch, and their gradients are formed in the forward.
 
 Both give the same loss and gradients (tests/test_model.py).
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable
 
@@ -35,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from drafter.core.gpu import triton_available
-from drafter.train.model import Drafter, DrafterConfig, _f32, fuse
+from drafter.train.merge import merge_diagonal
+from drafter.train.model import Drafter, DrafterConfig, fuse
 
 
 def attention_scale(cfg: DrafterConfig) -> float:
@@ -69,217 +68,6 @@ def attend_exact(q, ks, vs, mask0):
     k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)                      # [B, nkv, (i+1)T, hd]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                           enable_gqa=q.shape[1] != k.shape[1])
-
-
-def merge_diagonal(q, o0, lse0, ks, vs, scale: float):
-    """Add the diagonal keys of steps 1..i to attention over the step-0 keys.
-
-    q [B, nh, T, hd]; o0 [B, nh, T, hd] and lse0 [B, nh, T] (fp32): attention output and
-    log-sum-exp of the scores over the step-0 keys; ks, vs: the keys/values of steps 1..i, each
-    [B, nkv, T, hd]. softmax over all keys = a convex mix of o0 (weight exp(lse0)) and each v_j
-    (weight exp(q·k_j·scale)), so the result is exact."""
-    if not ks:
-        return o0
-    if FUSED_MERGE and triton_available(q.device):
-        return _FusedMerge.apply(q, o0, lse0, torch.stack(ks), torch.stack(vs), scale)
-    return _MergeDiagonal.apply(q, o0, lse0, scale, len(ks), *ks, *vs)
-
-
-FUSED_MERGE = True  # merge_diagonal on CUDA: two Triton kernels (False: _MergeDiagonal's eager ops)
-
-
-class _MergeDiagonal(torch.autograd.Function):
-    """merge_diagonal with its backward written out: saves the (bf16) inputs, which the
-    attention keeps anyway, and the mixing weights [B, nkv, g, T, 1+i]; autograd would keep
-    fp32 copies of q, o0 and q·k_j of [B, nh, T, hd] each."""
-
-    @staticmethod
-    def forward(ctx, q, o0, lse0, scale, i, *kv):
-        ks, vs = kv[:i], kv[i:]
-        B, nh, T, hd = q.shape
-        nkv = ks[0].shape[1]
-        g = nh // nkv
-        qg = _f32(q).view(B, nkv, g, T, hd)                                      # [B, nkv, g, T, hd]
-        s = [(qg * _f32(k).unsqueeze(2)).sum(-1) * scale for k in ks]          # i × [B, nkv, g, T]
-        w = torch.stack([_f32(lse0).view(B, nkv, g, T)] + s, -1).softmax(-1)   # [B, nkv, g, T, 1+i]
-        out = w[..., :1] * _f32(o0).view(B, nkv, g, T, hd)
-        for j, v in enumerate(vs):
-            out = out + w[..., j + 1:j + 2] * _f32(v).unsqueeze(2)
-        ctx.save_for_backward(q, o0, w, *kv)
-        ctx.scale, ctx.i = scale, i
-        # in o0's layout (flex's follows q's: [B, T, nh, hd] in memory), so that post sees one
-        # layout at every TTT step: a contiguous o from step 1 on compiled post a second time
-        return torch.empty_like(o0).copy_(out.view(B, nh, T, hd))
-
-    @staticmethod
-    def backward(ctx, gout):
-        q, o0, w, *kv = ctx.saved_tensors
-        i, scale = ctx.i, ctx.scale
-        ks, vs = kv[:i], kv[i:]
-        B, nh, T, hd = q.shape
-        nkv = ks[0].shape[1]
-        g = nh // nkv
-        go = _f32(gout).view(B, nkv, g, T, hd)
-        vals = [_f32(o0).view(B, nkv, g, T, hd)] + [_f32(v).unsqueeze(2) for v in vs]
-        dw = torch.stack([(go * v).sum(-1) for v in vals], -1)                # [B, nkv, g, T, 1+i]
-        ds = w * (dw - (w * dw).sum(-1, keepdim=True))                          # softmax backward
-        qg = _f32(q).view(B, nkv, g, T, hd)
-        dq = sum(ds[..., j + 1:j + 2] * _f32(k).unsqueeze(2) for j, k in enumerate(ks)) * scale
-        dks = [((ds[..., j + 1:j + 2] * qg).sum(2) * scale).to(k.dtype) for j, k in enumerate(ks)]
-        dvs = [(w[..., j + 1:j + 2] * go).sum(2).to(v.dtype) for j, v in enumerate(vs)]
-        return (dq.view(B, nh, T, hd).to(q.dtype), (w[..., :1] * go).view(B, nh, T, hd)
-                .to(o0.dtype), ds[..., 0].reshape(B, nh, T), None, None, *dks, *dvs)
-
-
-class _FusedMerge(torch.autograd.Function):
-    """merge_diagonal in two Triton kernels, forward and backward, on CUDA (the CPU tests run
-    them in Triton's interpreter). _MergeDiagonal's eager float32 ops are 564 kernels a
-    micro-batch at K=7, forward and backward (44 at TTT step 1 to 144 at step 6, counted on the
-    CPU; the SmolLM2 step waits on the host: issue 18), each a pass over [B, nh, T, hd] or
-    [B, nkv, T, hd] (the Llama-8B step's GPU time); here 4 a step (2 stacks, 2 kernels). One
-    program takes a kv head's g query heads at a block of positions: the scores q·k_j, their
-    softmax with lse0 (online), and the mix of o0 and the v_j, in float32 registers. It saves
-    lse, the log-sum-exp of all 1 + i scores [B, nh, T], instead of the mixing weights: the
-    backward recomputes them from q and the keys. ks, vs come stacked [i, B, nkv, T, hd]
-    (torch.stack: autograd splits their gradients back to each step's k and v)."""
-
-    @staticmethod
-    def forward(ctx, q, o0, lse0, kst, vst, scale):
-        B, nh, T, hd = q.shape
-        n, nkv = kst.shape[0], kst.shape[2]
-        kst, vst = kst.contiguous(), vst.contiguous()
-        out = torch.empty_like(o0)                       # o0's layout: see _MergeDiagonal
-        lse = torch.empty(B, nh, T, dtype=torch.float32, device=q.device)
-        grid, meta = _merge_launch(B, nh, nkv, T, hd)
-        _merge_kernels()[0][grid](
-            q, o0, lse0, kst, vst, out, lse, T, n, nh // nkv, nkv, scale,
-            *q.stride(), *o0.stride(), *lse0.stride(), *kst.stride()[:4], *out.stride(),
-            **meta)
-        ctx.save_for_backward(q, o0, lse0, kst, vst, lse)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, gout):
-        q, o0, lse0, kst, vst, lse = ctx.saved_tensors
-        B, nh, T, hd = q.shape
-        n, nkv = kst.shape[0], kst.shape[2]
-        dq, do0 = torch.empty_like(q), torch.empty_like(o0)
-        dlse0 = torch.empty(B, nh, T, dtype=torch.float32, device=q.device)
-        dk, dv = torch.empty_like(kst), torch.empty_like(vst)
-        grid, meta = _merge_launch(B, nh, nkv, T, hd)
-        _merge_kernels()[1][grid](
-            q, o0, lse0, kst, vst, lse, gout, dq, do0, dlse0, dk, dv, T, n, nh // nkv, nkv,
-            ctx.scale, *q.stride(), *o0.stride(), *lse0.stride(), *kst.stride()[:4],
-            *gout.stride(), *dq.stride(), *do0.stride(), **meta)
-        return dq, do0, dlse0, dk, dv, None
-
-
-def _merge_launch(B: int, nh: int, nkv: int, T: int, hd: int) -> tuple[tuple, dict]:
-    """The kernels' grid and block sizes: a program takes g = nh / nkv heads (a power of 2,
-    G) × BT positions × hd (D) in registers, G·BT·D = 4096 float32 a tile."""
-    G, D = 1 << (nh // nkv - 1).bit_length(), 1 << (hd - 1).bit_length()
-    BT = max(1, 4096 // (G * D))
-    return (_cdiv(T, BT), B * nkv), dict(G=G, BT=BT, D=D, HD=hd, num_warps=4)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@functools.cache
-def _merge_kernels():
-    import triton
-    import triton.language as tl
-
-    # n (the step's diagonal keys, 1..K-1) and T are not specialised on: Triton would compile
-    # n = 1 apart (a value of 1 is a constant to it), a second cold compile of each kernel
-    @triton.jit(do_not_specialize=["T", "n"])
-    def forward(Q, O0, L0, KS, VS, OUT, LSE, T, n, g, nkv, scale,
-                sqb, sqh, sqt, sqd, sob, soh, sot, sod, slb, slh, slt, skj, skb, skh, skt,
-                syb, syh, syt, syd, G: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
-                HD: tl.constexpr):
-        # one program: kv head kh of sample b, its g query heads (kh·g + gi) at positions
-        # t0..t0+BT; tiles [G, BT, D] in float32, the keys and values [BT, D] of one step
-        bh = tl.program_id(1)
-        b, kh = (bh // nkv).to(tl.int64), bh % nkv
-        ag, ad = tl.arange(0, G), tl.arange(0, D)
-        at = tl.program_id(0) * BT + tl.arange(0, BT)
-        gi, t, d = ag[:, None, None], at[None, :, None], ad[None, None, :]    # tiles [G, BT, D]
-        h, h2, t2 = kh * g + gi, kh * g + ag[:, None], at[None, :]            # rows [G, BT]
-        m3 = (gi < g) & (t < T) & (d < HD)
-        m2 = (ag[:, None] < g) & (t2 < T)
-        kv = b * skb + kh * skh + at[:, None] * skt + ad[None, :]              # [BT, D]
-        mkv = (at[:, None] < T) & (ad[None, :] < HD)
-        q = tl.load(Q + b * sqb + h * sqh + t * sqt + d * sqd, mask=m3, other=0.0).to(tl.float32)
-        acc = tl.load(O0 + b * sob + h * soh + t * sot + d * sod, mask=m3,
-                      other=0.0).to(tl.float32)
-        m = tl.load(L0 + b * slb + h2 * slh + t2 * slt, mask=m2, other=0.0)
-        s_sum = tl.full([G, BT], 1.0, tl.float32)      # Σ exp(score - m), o0's weight first
-        for j in range(n):
-            k = tl.load(KS + j * skj + kv, mask=mkv, other=0.0).to(tl.float32)
-            v = tl.load(VS + j * skj + kv, mask=mkv, other=0.0).to(tl.float32)
-            s = tl.sum(q * k[None, :, :], 2) * scale                               # [G, BT]
-            m_new = tl.maximum(m, s)
-            alpha, p = tl.exp(m - m_new), tl.exp(s - m_new)
-            acc = acc * alpha[:, :, None] + p[:, :, None] * v[None, :, :]
-            s_sum = s_sum * alpha + p
-            m = m_new
-        out = acc / s_sum[:, :, None]
-        tl.store(OUT + b * syb + h * syh + t * syt + d * syd, out.to(OUT.dtype.element_ty),
-                 mask=m3)
-        tl.store(LSE + (b * nkv * g + h2) * T + t2, m + tl.log(s_sum), mask=m2)
-
-    @triton.jit(do_not_specialize=["T", "n"])
-    def backward(Q, O0, L0, KS, VS, LSE, GO, DQ, DO0, DL0, DK, DV, T, n, g, nkv, scale,
-                 sqb, sqh, sqt, sqd, sob, soh, sot, sod, slb, slh, slt, skj, skb, skh, skt,
-                 sgb, sgh, sgt, sgd, sdb, sdh, sdt, sdd, sxb, sxh, sxt, sxd,
-                 G: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, HD: tl.constexpr):
-        # _MergeDiagonal.backward's formulas: w_0 = exp(lse0 - lse), w_j = exp(s_j - lse),
-        # dw_j = go·v_j (v_0 = o0), ds_j = w_j (dw_j - Σ w dw); dq = Σ_j ds_j k_j scale,
-        # dk_j = Σ_g ds_j q scale, dv_j = Σ_g w_j go, do0 = w_0 go, dlse0 = ds_0
-        bh = tl.program_id(1)
-        b, kh = (bh // nkv).to(tl.int64), bh % nkv
-        ag, ad = tl.arange(0, G), tl.arange(0, D)
-        at = tl.program_id(0) * BT + tl.arange(0, BT)
-        gi, t, d = ag[:, None, None], at[None, :, None], ad[None, None, :]    # tiles [G, BT, D]
-        h, h2, t2 = kh * g + gi, kh * g + ag[:, None], at[None, :]            # rows [G, BT]
-        m3 = (gi < g) & (t < T) & (d < HD)
-        m2 = (ag[:, None] < g) & (t2 < T)
-        kv = b * skb + kh * skh + at[:, None] * skt + ad[None, :]              # [BT, D]
-        mkv = (at[:, None] < T) & (ad[None, :] < HD)
-        q = tl.load(Q + b * sqb + h * sqh + t * sqt + d * sqd, mask=m3, other=0.0).to(tl.float32)
-        o0 = tl.load(O0 + b * sob + h * soh + t * sot + d * sod, mask=m3,
-                     other=0.0).to(tl.float32)
-        go = tl.load(GO + b * sgb + h * sgh + t * sgt + d * sgd, mask=m3,
-                     other=0.0).to(tl.float32)
-        l0 = tl.load(L0 + b * slb + h2 * slh + t2 * slt, mask=m2, other=0.0)
-        lse = tl.load(LSE + (b * nkv * g + h2) * T + t2, mask=m2, other=0.0)
-        w0 = tl.exp(l0 - lse)
-        dw0 = tl.sum(go * o0, 2)
-        dot = w0 * dw0                                                  # Σ_j w_j dw_j [G, BT]
-        for j in range(n):
-            k = tl.load(KS + j * skj + kv, mask=mkv, other=0.0).to(tl.float32)
-            v = tl.load(VS + j * skj + kv, mask=mkv, other=0.0).to(tl.float32)
-            w = tl.exp(tl.sum(q * k[None, :, :], 2) * scale - lse)
-            dot += w * tl.sum(go * v[None, :, :], 2)
-        tl.store(DO0 + b * sxb + h * sxh + t * sxt + d * sxd,
-                 (w0[:, :, None] * go).to(DO0.dtype.element_ty), mask=m3)
-        tl.store(DL0 + (b * nkv * g + h2) * T + t2, w0 * (dw0 - dot), mask=m2)
-        dq = tl.zeros([G, BT, D], tl.float32)
-        for j in range(n):
-            k = tl.load(KS + j * skj + kv, mask=mkv, other=0.0).to(tl.float32)
-            v = tl.load(VS + j * skj + kv, mask=mkv, other=0.0).to(tl.float32)
-            w = tl.exp(tl.sum(q * k[None, :, :], 2) * scale - lse)
-            ds = w * (tl.sum(go * v[None, :, :], 2) - dot)                         # [G, BT]
-            dq += ds[:, :, None] * k[None, :, :] * scale
-            tl.store(DK + j * skj + kv, (tl.sum(ds[:, :, None] * q, 0) * scale)
-                     .to(DK.dtype.element_ty), mask=mkv)
-            tl.store(DV + j * skj + kv, tl.sum(w[:, :, None] * go, 0).to(DV.dtype.element_ty),
-                     mask=mkv)
-        tl.store(DQ + b * sdb + h * sdh + t * sdt + d * sdd, dq.to(DQ.dtype.element_ty), mask=m3)
-
-    return forward, backward
 
 
 _FLEX = {}
@@ -354,8 +142,8 @@ def _chunk_stats(z, ids, tl, w, grad_dtype=torch.float32):
 def _rows_dynamic(*ts) -> None:
     """Mark dim 0 (rows) of a loss chunk dynamic. The rows in the loss differ from batch to
     batch, so a batch's last chunk has any size, and a compiled stats_fn specialised on each one
-    recompiled until dynamo's recompile_limit (issue 18: "tensor 'w' size mismatch at index 0.
-    expected 2097, actual 1357", the first 100 steps at 8-31k tok/s against 175k steady). Every
+    recompiled until dynamo's recompile_limit ("tensor 'w' size mismatch at index 0. expected
+    2097, actual 1357": the first 100 steps ran at 8-31k tok/s against 175k steady). Every
     chunk is marked: dynamo would run full chunks through the dynamic graph anyway once it
     exists (it checks the newest graph first), so one graph serves all from the first batch,
     and a static one would only add a compile. No padding: the numbers are the eager ones.
@@ -383,8 +171,8 @@ class _MarkedRows:
 def loss_chunks(N: int, chunk: int) -> list[tuple[int, int]]:
     """The loss's row ranges: `chunk` rows each and the rest last, where a rest of 1 row joins
     the chunk before it. Dynamo specialises a size of 1, so a 1-row chunk (about one batch in
-    `chunk` has one) would compile one more graph mid-run (likely the store-fp8 runs' sixth
-    graph, between steps 10 and 50 on the H200: issue 18)."""
+    `chunk` has one) would compile one more graph mid-run (likely the sixth graph that store-fp8
+    runs compiled between steps 10 and 50 on the H200)."""
     ends = list(range(chunk, N, chunk)) + [N] if N > 0 else []
     if len(ends) > 1 and ends[-1] - ends[-2] == 1:
         del ends[-2]
@@ -419,14 +207,14 @@ class FusedHeadLoss(torch.autograd.Function):
     def forward(ctx, hn, weight, w, teacher_ids, teacher_logp, trows, chunk, stats_fn,
                 need_grad):
         N, dt = hn.shape[0], hn.dtype
-        wc = weight.to(dt)                                                   # [Vd, H] at compute dtype
+        wc = weight.to(dt)                                          # [Vd, H] at compute dtype
         grad_hn = torch.empty_like(hn) if need_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if need_grad else None
         teacher = {"logp": teacher_logp} if teacher_ids is None else \
             {"ids": teacher_ids, "logp": teacher_logp}
-        # Per chunk only its three matmuls and the compiled stats (the step waits on the host:
-        # issue 18): a top-k teacher's rows gathered once ([N, k], small; a dense one's [c, Vd]
+        # Per chunk only its three matmuls and the compiled stats (the step waits on the
+        # host): a top-k teacher's rows gathered once ([N, k], small; a dense one's [c, Vd]
         # stay per chunk), grad_hn written in place, the per-row stats joined once at the end.
         # -> 3 kernels a chunk besides the stats, not 10 (counted on the CPU).
         topk = None if teacher_ids is None else _teacher_rows(teacher, trows)
@@ -528,8 +316,8 @@ def stable_memory_format_pickles() -> None:
     the bytes, and the key, depend on which modules the process imported first. On the H200
     (torch 2.11), a `drafter train` after a cold `drafter run` hashed all 86 of its graph
     inputs that have a memory format differently from the run, and the 18 without one alike
-    (their TORCH_TRACE records, benchmarks/cache_keys.py; issue 18, BENCHMARKS.md, fourteenth
-    session): it missed 7 of the run's 9 graphs and compiled them again. Idempotent."""
+    (compared in their TORCH_TRACE records): it missed 7 of the run's 9 graphs and compiled them
+    again. Idempotent."""
     import copyreg
     copyreg.pickle(torch.memory_format, _reduce_memory_format)
 
@@ -546,8 +334,8 @@ class TTT(nn.Module):
       [K, B, T] of the positions in the loss; trows: their teacher rows in [B·T]; weights: their
       loss weights; teacher: {"logp": [B·T, Vd]} or {"ids", "logp": [B·T, k]}.
       Returns loss = Σ weights·ce (differentiable) and per-row ce, correct, accept [N].
-    compile: torch.compile the layer pieces, the merge and the loss chunk with `backend`
-    (inductor; tests count dynamo's graphs with aot_eager, which builds no kernels).
+    compile: torch.compile the layer pieces and the loss chunk with `backend` (inductor; tests
+    count dynamo's graphs with aot_eager, which builds no kernels); the merge runs eagerly.
     saved: with Inductor, "load" the layer pieces and the loss chunk compiled whole where a
     precompile process saved them ("save"), skipping dynamo's tracing; "off" (drafter/train/aot.py).
 
@@ -555,7 +343,7 @@ class TTT(nn.Module):
     all K steps use the casts: autograd then sums the K steps' gradients of each matrix at the
     compute dtype and casts the sum to float32 once. Eager autocast does the same through its
     cast cache; compiled pieces would cast inside each graph, K times, and return K float32
-    gradients to add (issue 18: 4.8 ms of a 159 ms step at the Llama-8B shape, 4096 tokens).
+    gradients to add (4.8 ms of a 159 ms step at the Llama-8B shape, 4096 tokens).
     """
 
     def __init__(self, drafter: "Drafter", attention: str = "sdpa", compile: bool = False,
@@ -583,14 +371,14 @@ class TTT(nn.Module):
             # chunks' rows are marked dynamic (_rows_dynamic). The merge runs eagerly: compiled,
             # it was a graph per TTT step (a list of i keys: six forward and six backward
             # compiles of a cold warm-up at K=7); eager, cold warm-ups took 21-23 s against
-            # 30-33 s, at the same Llama-8B step speed (H200, BENCHMARKS.md, issue 18).
+            # 30-33 s, at the same Llama-8B step speed (H200).
             import torch._dynamo
             import torch._functorch.config as aot_config
             torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
             # AOTAutograd's on-disk cache refuses a graph holding a custom autograd.Function
             # (_RMSNormFn, in pre and post) unless this flag allows it, so each process traced
             # and partitioned their joint graphs again: a warm warm-up compiled for 13.5 s, with
-            # the flag 3.5 s (H200, issue 18). PyTorch found the Function's operator pure in its
+            # the flag 3.5 s (H200). PyTorch found the Function's operator pure in its
             # inputs and means to make it the default (pytorch#149751). The environment's
             # TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0 still turns it off.
             if hasattr(aot_config, "autograd_cache_allow_custom_autograd_functions"):
