@@ -5,6 +5,8 @@ generate step's `engine: local` (answers, and the user turns of synthetic prompt
     res = eng.generate(prompts, max_new=512, stop_ids=[2])     # list[Result], prompt order
     gen = LocalGenerator(cfg.target, batch_size=1024)          # one Engine per visible GPU
     gen.generate(prompts, 512, temperature=0.0, top_p=1.0, seed=0)   # [(token_ids, finish)]
+    feed = gen.start(on_result, max_len=8192, max_new=512)    # an open stream, decoding now
+    feed.put(prompts, 512, 0.0, tags); ...; feed.join()       # on_result(tag, token_ids, finish)
 
 Shapes: B rows (max_batch), V target vocab, P tokens per page, W pages per row (table width).
 
@@ -26,7 +28,11 @@ How it works:
     the live rows are compacted into the lowest rows (their page tables move, their pages do not)
     and the smallest bucket that holds them runs, so the tail of long answers runs small.
   - Sampling per row: greedy at temperature 0, else Gumbel-max over logits / temperature (with
-    nucleus top_p for all rows), one seeded stream per call.
+    nucleus top_p for all rows), one seeded stream per call (per feed).
+  - Streaming (`Stream`, `LocalGenerator.start`): requests may be put while the engines decode;
+    an idle engine waits on the open stream, and ends once it is closed, empty and no row is
+    live. The plan is then sized from the caller's bound (max prompt + max_new tokens) instead
+    of the requests. `generate` is one closed stream (put all, close).
 
 Models with sliding windows, softcapping or scaled logits (drafter.engine.paged.unsupported) run on
 the static decoder instead (drafter.engine.decode.Decoder: static batches, same results, slower).

@@ -20,7 +20,8 @@ only; sampled copies beside them raised its T=1 acceptance (BENCHMARKS.md, "Qual
 
 Engines: a server drafter starts (transformers, vllm, sglang: drafter/serve/servers.py),
 external URLs (load-balanced), or `local` (in-process: drafter.engine.generator.LocalGenerator,
-paged KV cache and continuous batching). The conversation being answered turn by turn is
+paged KV cache and continuous batching, fed one open request stream; the manifest's phases_s
+splits its seconds by phase, docs/generate.md). The conversation being answered turn by turn is
 drafter.data.conversations.Conversation.
 
 Resume: finished conversations are appended to conversations.jsonl as they complete (one line
