@@ -235,15 +235,17 @@ class Engine:
         lg = nucleus(logits / temp.clamp(min=1e-6)[:, None], top_p)
         return torch.where(temp > 0, (lg + _gumbel_like(lg)).argmax(-1), greedy)
 
-    def _step(self, b: int, top_p: float, sampling: bool) -> None:
-        """One decode step of rows [0, b): captured once per (b, sampling, top_p)."""
+    def _step(self, b: int, top_p: float, sampling: bool, w: int | None = None) -> None:
+        """One decode step of rows [0, b) over the first w page-table columns (all: None):
+        captured once per (b, w, sampling, top_p)."""
         r, P = self.rows, self.P
+        table = r.table[:b, :w]
         act = r.active[:b]
         ctx = r.ctx[:b]
-        page = r.table[:b].gather(1, (ctx // P).clamp(max=r.table.shape[1] - 1)[:, None])[:, 0]
+        page = table.gather(1, (ctx // P).clamp(max=table.shape[1] - 1)[:, None])[:, 0]
         r.write[:b] = torch.where(act, page.long() * P + ctx % P, 0)
         r.lens[:b] = torch.where(act, ctx + 1, 0).int()
-        self.cache.decode(r.write[:b], r.table[:b], r.lens[:b])
+        self.cache.decode(r.write[:b], table, r.lens[:b])
         h = self._forward(r.tok[:b, None], ctx[:, None])[:, -1]                    # [b, H]
         nxt = self._pick(self.head(h).float(), r.temp[:b], top_p, sampling)        # [b]
         col = torch.where(act, r.n_out[:b], r.out.shape[1] - 1)
@@ -493,9 +495,16 @@ class Engine:
                     self._compact(live, free_rows)
                 hi = max(live) + 1
                 b = next(x for x in buckets if x >= hi)
-                key = ("decode", b, sampling, top_p)
+                w = None
+                if not self.cache.use_triton or self.cache.gather:
+                    # this attention reads every column of the table: only as many as the
+                    # longest live row holds (a power of two), not the plan's width
+                    w = 1 << (max(len(pg) for _, pg in live.values()) - 1).bit_length()
+                    w = None if w >= W else w
+                key = ("decode", b, w, sampling, top_p)
                 for _ in range(self.sync_every):
-                    self.graphs.run(key, lambda: self._step(b, top_p, sampling), r.tensors())
+                    self.graphs.run(key, lambda: self._step(b, top_p, sampling, w),
+                                    r.tensors())
                 last["steps"] += self.sync_every
                 active = r.active.tolist()                                   # one sync
                 ended = [row for row in live if not active[row]]
