@@ -1,10 +1,18 @@
-"""Throughput of the data engine (drafter.engine.generator: generate.server.engine: local) per batch size.
+"""Throughput of the data engine (drafter.engine.generator: generate.server.engine: local) per
+batch size, and of the generate step beside it (--step).
 
 Headline figure (BENCHMARKS.md, Data engine): completion tokens/s end to end over 10,000 real
 prompts, greedy, at most 512 new tokens, SmolLM2-135M-Instruct on one H200:
 
     python benchmarks/generate_throughput.py --data ../shared/data/train --prompts 10000 \
         --batches 1024,2048,512,256 --max-new 512 --profile
+
+The generate step against one Engine call on the same prompts and batch (the step's own code
+path: templates, tokenize, the request stream, bookkeeping, output; their ratio printed, and the
+step's seconds by phase in its JSON line):
+
+    python benchmarks/generate_throughput.py --data ../shared/data/train --prompts 10000 \
+        --batches 2048 --max-new 512 --step
 
 It prints a JSON line per batch size as it goes, then a markdown table (one row per batch size, the
 columns below) and, with --profile, the top CUDA kernels of 16 decode steps. Other uses:
@@ -46,9 +54,9 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "drafter" / "data" / "quickst
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".gz")
 
 
-def read_prompts(data: Path, n: int, tok) -> list[list[int]]:
-    """The first user turn of up to n records of data (a file, or every data file of a folder,
-    taken in turn), rendered with the chat template."""
+def read_conversations(data: Path, n: int) -> list[list[dict]]:
+    """The messages up to the first user turn of up to n records of data (a file, or every data
+    file of a folder, taken in turn)."""
     files = sorted(p for p in data.iterdir() if p.name.endswith(DATA_SUFFIXES)) \
         if data.is_dir() else [data]
     per = [load_prompts(str(f), None) for f in files]
@@ -60,10 +68,47 @@ def read_prompts(data: Path, n: int, tok) -> list[list[int]]:
     for r in recs[:n]:
         msgs = r["messages"]
         first = next(j for j, m in enumerate(msgs) if m["role"] == "user")
-        text = tok.apply_chat_template(msgs[:first + 1], add_generation_prompt=True,
-                                       tokenize=False)
+        out.append([{"role": m["role"], "content": m["content"]} for m in msgs[:first + 1]])
+    return out
+
+
+def read_prompts(data: Path, n: int, tok) -> list[list[int]]:
+    """read_conversations rendered with the chat template."""
+    out = []
+    for msgs in read_conversations(data, n):
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         out.append(tok(text, add_special_tokens=False)["input_ids"])
     return out
+
+
+def run_step(a, batch: int, device: str) -> dict:
+    """The generate step (drafter.steps.generate.main, engine: local) on a fresh run dir whose
+    prepare output holds the same conversations the Engine call decodes: its own code path
+    (templates, tokenize, the stream, bookkeeping, the output written). Its tokens/s count from
+    its first request, as the manifest's do (the target's load is phases_s.load)."""
+    import tempfile
+
+    from drafter.core import config as C
+    from drafter.core.rundir import Run, atomic_json
+    from drafter.steps import generate
+
+    with tempfile.TemporaryDirectory(prefix="drafter-bench-") as d:
+        run = Run(Path(d))
+        path = run.conversations("prepare")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            for i, msgs in enumerate(read_conversations(a.data, a.prompts)):
+                f.write(json.dumps({"id": f"bench:{i:06d}", "source": "bench", "split": "train",
+                                    "messages": msgs}) + "\n")
+        atomic_json(run.manifest("prepare"), {"step": "prepare"})
+        cfg = C.load(None, [f"run_dir={d}", f"target.model={a.target}", f"target.dtype={a.dtype}",
+                            f"target.device={device}", "generate.server.engine=local",
+                            f"generate.batch_size={batch}", f"generate.max_tokens={a.max_new}"])
+        m = generate.main(cfg)                           # the manifest's contents
+    t = m["throughput"]
+    return {"batch": f"{batch} (generate step)", "tokens": t["completion_tokens"],
+            "seconds": t["seconds"], "tokens_per_s": t["completion_tokens_per_s"],
+            "steps": "", "phases_s": m.get("phases_s")}
 
 
 def profile_steps(eng: Engine, prompts, max_new, stop) -> str:
@@ -90,6 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--all-gpus", action="store_true",
                     help="also every visible GPU at the first batch size (LocalGenerator: one "
                          "engine per GPU draining one queue)")
+    ap.add_argument("--step", action="store_true",
+                    help="also the generate step (engine: local) on the same prompts at the "
+                         "first batch size, and its tokens/s over the Engine call's")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
 
@@ -163,6 +211,15 @@ def main(argv=None) -> int:
                      "seconds": round(wall, 2), "tokens_per_s": round(n / wall, 1),
                      "steps": dec.last["iterations"]})
         print(json.dumps(rows[-1]), flush=True)
+    if a.step:
+        rows.append(run_step(a, batches[0], f"cuda:{dev.index or 0}" if dev.type == "cuda"
+                             else "cpu"))
+        ratio = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+        rows[-1]["ratio_to_engine_call"] = round(ratio, 3)
+        print(json.dumps(rows[-1]), flush=True)
+        print(f"generate step / Engine call at batch {batches[0]}: {ratio:.3f} "
+              f"({rows[-1]['tokens_per_s']:,.0f} / {rows[0]['tokens_per_s']:,.0f} tok/s)",
+              flush=True)
     lengths = sorted(len(o) for o in first)
     print(f"\n{a.target} on {dev_name} ({next(model.parameters()).dtype}), torch "
           f"{torch.__version__}: {len(prompts)} prompts, max {a.max_new} new tokens; answer "
