@@ -59,6 +59,11 @@ from drafter.engine.tree import DecodeError, _gumbel_like, nucleus
 log = logging.getLogger("drafter")
 
 MIN_BUCKET = 8
+# An open stream's pool takes this share of memory_fraction of the free memory: the reserve is
+# measured on a dry run of short prompts, and a pool sized to the whole share left no room for
+# the first long prefill (on the H200, SmolLM2 at batch 2048: an OOM asking for 9.25 GiB with the
+# pool at 0.9 of 139 GiB; a closed call's pool, sized by its requests, took 33 GiB).
+OPEN_POOL_SHARE = 0.4
 
 
 @dataclass
@@ -345,7 +350,8 @@ class Engine:
         self.pages, self.rows = 0, None
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)
-        budget = int(free * self.memory_fraction) - reserve
+        share = self.memory_fraction * (OPEN_POOL_SHARE if max_len is not None else 1.0)
+        budget = int(free * share) - reserve
         fit = budget // self.page_bytes
         if fit < 1 + need_min:
             raise DecodeError(

@@ -9,10 +9,11 @@ plain one (1 token) round differently, so a near-tie can flip the argmax, and on
 differs the rest of the answer does too. Two rules keep such drift from failing a run:
 - tie: the speculative token is one of the plain run's 8 runners-up (decode.runners_up) and its
   logit is within `evaluate.tie_tolerance` of the top one: counted and reported, not failed.
-- drift: any other 16-bit mismatch is decoded again, that prompt alone, plainly and speculatively
-  with the same drafter and method, in float32 (the target and drafter converted in place; bf16
-  to float32 is exact). Identical there (or an exact float32 tie): numerical drift, counted and
-  reported, not failed. Different there too: a real divergence, and the run fails naming it.
+- drift: any other 16-bit mismatch is decoded again, plainly and speculatively with the same
+  drafter and method, in float32 (the target and drafter converted in place; bf16 to float32 is
+  exact), the mismatched prompts alone, batched with CUDA graphs (on the H200, 59 prompts one
+  by one in eager float32 took 370 s). Identical there (or an exact float32 tie): numerical
+  drift, counted and reported, not failed. Different there too: a real divergence, and the run fails naming it.
 A planted acceptance bug (a step that accepts one token too many) differs in both precisions and
 still fails (tests/test_evaluate.py).
 """
@@ -42,10 +43,13 @@ def compare(plain, spec, tol: float) -> tuple[str, dict | None]:
     return "mismatch", info
 
 
-def recheck_float32(model, checks: list[dict], max_new: int, stop_ids) -> int:
+def recheck_float32(model, checks: list[dict], max_new: int, stop_ids, max_batch: int = 64
+                    ) -> int:
     """checks: [{"ids": prompt token ids, "drafter": its Drafter, "tree": its TreeSpec,
     "divergence": the divergence dict compare() described}], every one a 16-bit mismatch.
-    Decodes each prompt alone in float32, plainly (once per prompt) and speculatively; sets
+    Decodes the prompts again in float32, plainly (each prompt once) and speculatively (per
+    drafter and method), in batches of up to `max_batch` with CUDA graphs on a GPU: in float32
+    a row's tokens do not depend on the rows beside it (tests/test_decode.py). Sets
     divergence["verdict"] to "drift" where the two agree, and divergence["float32"] to the
     float32 verdict either way. The target and the drafters go back to their dtype after.
     Returns the number of drifts."""
@@ -63,21 +67,24 @@ def recheck_float32(model, checks: list[dict], max_new: int, stop_ids) -> int:
     drift = 0
     model.float()
     try:
-        dec = Decoder(model, max_batch=1, cuda_graphs=False)
-        proposers = {k: EagleDraft(d) for k, d in drafters.items()}  # allocate() makes it float32
-        plain: dict[tuple, object] = {}
+        prompts = list(dict.fromkeys(tuple(c["ids"]) for c in checks))
+        dec = Decoder(model, max_batch=min(max_batch, len(prompts)))
+        plain = dict(zip(prompts, dec.generate([list(p) for p in prompts], max_new,
+                                               stop_ids=stop_ids, temperature=0.0,
+                                               record_gaps=True, continuous=True)))
+        groups: dict[tuple, list[dict]] = {}
         for c in checks:
-            key = tuple(c["ids"])
-            if key not in plain:
-                plain[key] = dec.generate([c["ids"]], max_new, stop_ids=stop_ids,
-                                          temperature=0.0, record_gaps=True)[0]
-            spec = dec.generate([c["ids"]], max_new, stop_ids=stop_ids, temperature=0.0,
-                                proposer=proposers[id(c["drafter"])], tree=c["tree"])[0]
-            v, info = compare(plain[key], spec, 0.0)
-            c["divergence"]["float32"] = {"verdict": v, **(info or {})}
-            if v != "mismatch":
-                c["divergence"]["verdict"] = "drift"
-                drift += 1
+            groups.setdefault((id(c["drafter"]), c["tree"]), []).append(c)
+        for (key, tree), group in groups.items():
+            proposer = EagleDraft(drafters[key])               # allocate() makes it float32
+            specs = dec.generate([c["ids"] for c in group], max_new, stop_ids=stop_ids,
+                                 temperature=0.0, proposer=proposer, tree=tree, continuous=True)
+            for c, spec in zip(group, specs):
+                v, info = compare(plain[tuple(c["ids"])], spec, 0.0)
+                c["divergence"]["float32"] = {"verdict": v, **(info or {})}
+                if v != "mismatch":
+                    c["divergence"]["verdict"] = "drift"
+                    drift += 1
     finally:
         model.to(dtype)
         for d in drafters.values():

@@ -21,8 +21,8 @@ one verification forward, timed on their own (graph-replayed on GPU).
 
 Lossless check (temperature 0): each speculative output must equal the plain one token for token.
 A 16-bit near-tie (a runner-up within `evaluate.tie_tolerance`) is counted as a tie; any other
-16-bit mismatch is decoded again in float32, that prompt alone: identical there is numerical
-drift, counted and reported; different there fails the step naming the prompt
+16-bit mismatch is decoded again in float32, the mismatched prompts alone: identical there is
+numerical drift, counted and reported; different there fails the step naming the prompt
 (drafter/measure/lossless.py). In float32 any difference fails the step.
 """
 from __future__ import annotations
