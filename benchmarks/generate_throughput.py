@@ -183,7 +183,7 @@ def main(argv=None) -> int:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     if a.all_gpus and torch.cuda.device_count() > 1:
-        from drafter.engine.generator import LocalGenerator
+        from drafter.engine.local import LocalGenerator
 
         gen = LocalGenerator(TargetConfig(model=a.target, dtype=a.dtype, device="auto"),
                              batch_size=batches[0])

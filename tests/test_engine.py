@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from drafter.engine.decode import Decoder
-from drafter.engine.generator import Engine, EngineUnsupported, LocalGenerator
+from drafter.engine.generator import Engine, EngineUnsupported
+from drafter.engine.local import LocalGenerator
 from drafter.engine.paged import paged_attention_reference
 from tests.tiny import make_tiny
 

@@ -461,7 +461,7 @@ def test_split_reasoning():
 
 
 def test_local_engine(tmp_path, smollm2_dir):
-    """engine=local through drafter.engine.generator.LocalGenerator: multi-turn, turn by turn."""
+    """engine=local through drafter.engine.local.LocalGenerator: multi-turn, turn by turn."""
     from transformers import AutoTokenizer
 
     records = [conv(0, "Say hi."), conv(1, "Name a color.", "Another one?")]

@@ -3,8 +3,7 @@ generate step's `engine: local` (answers, and the user turns of synthetic prompt
 
     eng = Engine(model, max_batch=1024)                        # any HF causal LM it supports
     res = eng.generate(prompts, max_new=512, stop_ids=[2])     # list[Result], prompt order
-    gen = LocalGenerator(cfg.target, batch_size=1024)          # one Engine per visible GPU
-    gen.generate(prompts, 512, temperature=0.0, top_p=1.0, seed=0)   # [(token_ids, finish)]
+    (drafter.engine.local.LocalGenerator: one Engine per visible GPU, the generate step's)
     feed = gen.start(on_result, max_len=8192, max_new=512)    # an open stream, decoding now
     feed.put(prompts, 512, 0.0, tags); ...; feed.join()       # on_result(tag, token_ids, finish)
 
@@ -44,7 +43,6 @@ import logging
 import math
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -73,7 +71,7 @@ class Result:
 
 
 @dataclass
-class _Request:
+class Request:
     index: int
     ids: list[int]
     max_new: int
@@ -81,13 +79,13 @@ class _Request:
     tag: object = None  # the caller's (a conversation, say): handed back with the result
 
 
-def _requests(prompts, max_new, temperature, tags=None, start: int = 0) -> list[_Request]:
+def requests(prompts, max_new, temperature, tags=None, start: int = 0) -> list[Request]:
     """One request per prompt; max_new and temperature: one value, or one per prompt."""
     n = len(prompts)
     mx = list(max_new) if isinstance(max_new, Sequence) else [max_new] * n
     tp = list(temperature) if isinstance(temperature, Sequence) else [temperature] * n
     tg = list(tags) if tags is not None else [None] * n
-    reqs = [_Request(start + i, list(map(int, p)), int(m), float(t), g)
+    reqs = [Request(start + i, list(map(int, p)), int(m), float(t), g)
             for i, (p, m, t, g) in enumerate(zip(prompts, mx, tp, tg))]
     if any(not q.ids for q in reqs):
         raise DecodeError("empty prompt: every prompt needs at least one token")
@@ -106,8 +104,8 @@ class Stream:
     memory plan of a replica that starts while the stream is open. Without it (or once the
     stream is closed before the run starts) the plan is sized by the requests themselves."""
 
-    def __init__(self, reqs: Sequence[_Request] = (), bound: tuple[int, int] | None = None):
-        self.reqs: list[_Request] = sorted(reqs, key=lambda r: -len(r.ids))
+    def __init__(self, reqs: Sequence[Request] = (), bound: tuple[int, int] | None = None):
+        self.reqs: list[Request] = sorted(reqs, key=lambda r: -len(r.ids))
         self.head = 0
         self.bound = bound
         self.closed = self.aborted = False
@@ -118,7 +116,7 @@ class Stream:
     def __len__(self) -> int:
         return len(self.reqs) - self.head
 
-    def put(self, reqs: Sequence[_Request]) -> None:
+    def put(self, reqs: Sequence[Request]) -> None:
         with self.cond:
             if self.closed:
                 raise DecodeError("put on a closed stream")
@@ -139,7 +137,7 @@ class Stream:
             self.head = len(self.reqs)
             self.cond.notify_all()
 
-    def pending(self) -> list[_Request]:
+    def pending(self) -> list[Request]:
         with self.lock:
             return self.reqs[self.head:]
 
@@ -151,11 +149,11 @@ class Stream:
                 self.cond.wait(timeout)
             return self.head < len(self.reqs) or not self.closed
 
-    def peek(self) -> _Request | None:
+    def peek(self) -> Request | None:
         with self.lock:
             return self.reqs[self.head] if self.head < len(self.reqs) else None
 
-    def take_if(self, req: _Request) -> bool:
+    def take_if(self, req: Request) -> bool:
         """Take `req` if it is still the head (another replica may have taken it)."""
         with self.lock:
             if self.head < len(self.reqs) and self.reqs[self.head] is req:
@@ -261,7 +259,7 @@ class Engine:
         done = (nxt[:, None] == r.stop).any(-1) | (r.n_out[:b] >= r.max_new[:b])
         r.active[:b] = act & ~done
 
-    def _prefill(self, rows: list[int], reqs: list[_Request], top_p: float,
+    def _prefill(self, rows: list[int], reqs: list[Request], top_p: float,
                  sampling: bool) -> None:
         """Prompts into rows (their page tables are set): right-padded chunks of at most
         prefill_tokens tokens; each row's first new token from its last prompt position."""
@@ -327,7 +325,7 @@ class Engine:
         self._reserve = int(peak + logits + (512 << 20))  # + the graph pool, cuBLAS workspace
         return self._reserve
 
-    def plan(self, reqs: Sequence[_Request], top_p: float = 1.0, max_len: int | None = None
+    def plan(self, reqs: Sequence[Request], top_p: float = 1.0, max_len: int | None = None
              ) -> int:
         """Pages for the pools: what the largest max_batch requests could hold at once (with
         max_len: max_batch rows of max_len tokens, for requests not known yet), capped on CUDA
@@ -377,12 +375,12 @@ class Engine:
                  top_p: float = 1.0, progress=None) -> list[Result]:
         """Decode each prompt (token ids) for up to max_new new tokens (one value, or one per
         prompt), stopping at a stop id. Results come back in prompt order."""
-        reqs = _requests(prompts, max_new, temperature)
+        reqs = requests(prompts, max_new, temperature)
         results: list[Result | None] = [None] * len(reqs)
         stream = Stream(reqs)
         stream.close()
 
-        def put(q: _Request, res: Result) -> None:
+        def put(q: Request, res: Result) -> None:
             results[q.index] = res
         self.run(stream, put, stop_ids, top_p, progress)
         return results  # type: ignore[return-value]
@@ -439,7 +437,7 @@ class Engine:
         stops = set(int(s) for s in stop_ids)
         free_pages = list(range(pages - 1, 0, -1))                 # page 0: the sink
         free_rows = list(range(B - 1, -1, -1))
-        live: dict[int, tuple[_Request, list[int]]] = {}
+        live: dict[int, tuple[Request, list[int]]] = {}
         refill_min = max(1, int(B * self.refill_fraction))
         buckets = sorted({B} | {b for b in (B >> i for i in range(1, 12)) if b >= MIN_BUCKET})
         last.update(pages=pages, page_bytes=self.page_bytes, batch=B, table_width=W,
@@ -447,7 +445,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-        def done(q: _Request, res: Result) -> None:
+        def done(q: Request, res: Result) -> None:
             last["requests"] += 1
             on_result(q, res)
             if progress is not None:
@@ -556,177 +554,3 @@ class Engine:
         for t in self.rows.tensors():
             t.index_copy_(0, dst, t.index_select(0, src))
         self.rows.active.index_fill_(0, src, False)
-
-
-# ----------------------------------------------------------------------- generate, engine=local
-class LocalGenerator:
-    """In-process generation for `generate.server.engine: local`: one Engine per visible GPU
-    (`target.device: auto`), all draining one queue, each in its own thread (a graph replay leaves
-    the GIL free); the static decoder for models the paged engine does not support.
-
-        gen = LocalGenerator(cfg.target, batch_size=cfg.generate.batch_size)
-        for token_ids, finish_reason in gen.generate(prompts, 512, 0.0, 1.0, seed=0): ...
-
-    token_ids exclude the stop token (as OpenAI-compatible servers return text); finish_reason is
-    "stop", "length" or "too_long" (the prompt and max_new_tokens do not fit: nothing generated).
-    """
-
-    def __init__(self, target_cfg, batch_size: int = 64, cuda_graphs: bool = True, **engine_kw):
-        from drafter.core.target import load_model, load_tokenizer
-        from drafter.engine.decode import Decoder, stop_ids_of
-
-        n = torch.cuda.device_count() if target_cfg.device == "auto" else 1
-        devices = [f"cuda:{i}" for i in range(n)] if n > 1 else [None]
-        self.models = [load_model(target_cfg, device=d) for d in devices]
-        self.model = self.models[0]
-        self.tokenizer = load_tokenizer(target_cfg)
-        self.stop_ids = stop_ids_of(self.tokenizer, self.model)
-        self.batch_size = batch_size
-        try:
-            self.engines = [Engine(m, max_batch=batch_size, cuda_graphs=cuda_graphs, **engine_kw)
-                            for m in self.models]
-        except EngineUnsupported as e:
-            log.info("generate (local): %s; decoding in static batches", e)
-            self.engines = [Decoder(m, max_batch=batch_size, cuda_graphs=cuda_graphs)
-                            for m in self.models]
-        self.replicas = len(self.engines)
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | Sequence[int],
-                 temperature: float | Sequence[float] = 0.0, top_p: float = 1.0,
-                 seed: int = 0, stop_ids: Sequence[int] | None = None
-                 ) -> list[tuple[list[int], str]]:
-        """max_new_tokens and temperature: one value, or one per prompt; stop_ids: the model's
-        end-of-text ids by default. Every request is put into one closed stream."""
-        from tqdm import tqdm
-
-        reqs = _requests(prompts, max_new_tokens, temperature)
-        n = len(reqs)
-        stop = list(self.stop_ids if stop_ids is None else stop_ids)
-        bar = tqdm(total=n, desc="generate (local)", unit="prompt", disable=n <= self.batch_size)
-        if not isinstance(self.engines[0], Engine):
-            outs = self._static(reqs, top_p, seed, bar, stop)
-        else:
-            results: list = [None] * n
-
-            def put(q: _Request, res: Result) -> None:
-                results[q.index] = res
-            stream = Stream(reqs)
-            stream.close()
-            try:
-                self._drain(stream, put, stop, top_p, seed, bar, None)
-            finally:
-                bar.close()
-            outs = results
-        return [(o.tokens[:-1] if o.finish == "stop" else o.tokens, o.finish) for o in outs]
-
-    def _drain(self, stream: Stream, on_result, stop, top_p, seed, bar, sampling) -> None:
-        """Every engine drains `stream`, each in its own thread when there are several."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        def work(i):
-            eng = self.engines[i]
-            with torch.cuda.device(eng.device) if eng.device.type == "cuda" else nullcontext():
-                torch.manual_seed(seed + i)
-                try:
-                    eng.run(stream, on_result, stop, top_p, bar, sampling)
-                except BaseException:
-                    stream.abort()           # the other replicas stop too
-                    raise
-        try:
-            if len(self.engines) == 1:
-                work(0)
-            else:
-                with ThreadPoolExecutor(len(self.engines)) as ex:
-                    list(ex.map(work, range(len(self.engines))))
-        except torch.cuda.OutOfMemoryError as e:
-            raise DecodeError(f"generate (local): out of GPU memory at batch "
-                              f"{self.batch_size}: lower generate.batch_size ({e})") from None
-
-    def start(self, on_result, max_len: int, max_new: int, *, top_p: float = 1.0,
-              seed: int = 0, stop_ids: Sequence[int] | None = None,
-              sampling: bool = False) -> "Feed":
-        """Start the engines on an open stream (paged engine only) and return its Feed:
-        feed.put(prompts, max_new, temperature, tags) while they decode, feed.close(),
-        feed.join(). on_result(tag, token_ids, finish) is called on an engine's thread as each
-        row ends (token_ids without the stop token, as `generate` returns them). max_len bounds
-        prompt + max_new of any request (the memory plan; one over it is "too_long"), max_new
-        their new tokens. One seeded sampling stream per engine for the whole feed: sampled
-        answers depend on which requests share a batch, greedy ones do not."""
-        if not isinstance(self.engines[0], Engine):
-            raise DecodeError("generate (local): the static decoder has no streaming path")
-        stop = list(self.stop_ids if stop_ids is None else stop_ids)
-
-        def put(q: _Request, res: Result) -> None:
-            on_result(q.tag, res.tokens[:-1] if res.finish == "stop" else res.tokens,
-                      res.finish)
-        feed = Feed(Stream(bound=(int(max_len), int(max_new))))
-        feed.thread = threading.Thread(target=feed.target, name="drafter-engine", daemon=True,
-                                       args=(lambda: self._drain(feed.stream, put, stop, top_p,
-                                                                 seed, None, sampling),))
-        feed.thread.start()
-        return feed
-
-    def stats(self) -> list[dict]:
-        """Each engine's `last` (the figures of its latest run)."""
-        return [dict(getattr(e, "last", {})) for e in self.engines]
-
-    def _static(self, reqs: list[_Request], top_p, seed, bar, stop) -> list[Result]:
-        """The static decoder (one device): batches of equal max_new and temperature."""
-        dec = self.engines[0]
-        res: list = [None] * len(reqs)
-        groups: dict = {}
-        for q in reqs:
-            groups.setdefault((q.max_new, q.temperature), []).append(q.index)
-        torch.manual_seed(seed)
-        try:
-            for (m, t), idx in groups.items():
-                outs = dec.generate([reqs[i].ids for i in idx], m, stop_ids=stop,
-                                    temperature=t, top_p=top_p, progress=bar)
-                for i, o in zip(idx, outs):
-                    res[i] = Result(o.tokens, o.finish)
-        finally:
-            bar.close()
-        return res
-
-
-class Feed:
-    """An open stream and the thread its engines run in (LocalGenerator.start)."""
-
-    def __init__(self, stream: Stream):
-        self.stream = stream
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-
-    def target(self, fn) -> None:
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller by join()/check()
-            self.error = e
-            self.stream.abort()
-
-    def put(self, prompts, max_new, temperature, tags) -> None:
-        self.check()
-        self.stream.put(_requests(prompts, max_new, temperature, tags, self.stream.count))
-
-    def __len__(self) -> int:
-        return len(self.stream)
-
-    def check(self) -> None:
-        """Raise the engines' error, if they failed."""
-        if self.error is not None:
-            raise self.error
-
-    def alive(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
-
-    def close(self) -> None:
-        self.stream.close()
-
-    def abort(self) -> None:
-        self.stream.abort()
-
-    def join(self) -> None:
-        self.stream.close()
-        if self.thread is not None:
-            self.thread.join()
-        self.check()
