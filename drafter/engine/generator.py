@@ -264,6 +264,10 @@ class Engine:
         """Prompts into rows (their page tables are set): right-padded chunks of at most
         prefill_tokens tokens; each row's first new token from its last prompt position."""
         r, P, dev = self.rows, self.P, self.device
+        # longest first: a group is padded to its longest prompt (an open stream admits the
+        # head of its queue, put chunk by chunk, so one admission mixes lengths)
+        order = sorted(range(len(reqs)), key=lambda j: -len(reqs[j].ids))
+        reqs, rows = [reqs[j] for j in order], [rows[j] for j in order]
         i = 0
         while i < len(reqs):
             Tq = len(reqs[i].ids)
