@@ -57,10 +57,12 @@ from drafter.engine.tree import DecodeError, _gumbel_like, nucleus
 log = logging.getLogger("drafter")
 
 MIN_BUCKET = 8
-# An open stream's pool takes this share of memory_fraction of the free memory: the reserve is
-# measured on a dry run of short prompts, and a pool sized to the whole share left no room for
-# the first long prefill (on the H200, SmolLM2 at batch 2048: an OOM asking for 9.25 GiB with the
-# pool at 0.9 of 139 GiB; a closed call's pool, sized by its requests, took 33 GiB).
+# An open stream's pool takes this share of memory_fraction of the free memory (a closed call's
+# is sized by its requests: 33 GiB for SmolLM2 at batch 2048 on the H200). At the whole share the
+# first prefills ran out of memory (asking 9.25 and 12.3 GiB): then a prefill group was sized from
+# its first prompt and padded to its longest, which an open stream's mixed admissions made large;
+# _prefill now takes an admission longest first. The share stays until a run at 0.9 shows the
+# sorted prefill fits.
 OPEN_POOL_SHARE = 0.4
 
 

@@ -281,6 +281,19 @@ class _Local:
         self.stop = sorted(set(self.gen.stop_ids) | set(self.syn.pq.stop_ids if self.syn
                                                          else ()))
 
+    def take(self, records: Iterator[dict], n: int) -> tuple[list[Conversation], bool]:
+        """Up to n conversations admitted from records (bad ones go to the sink as errors), and
+        whether records ran out."""
+        convs: list[Conversation] = []
+        while len(convs) < n:
+            rec = next(records, None)
+            if rec is None:
+                return convs, True
+            conv = self.admit(rec)
+            if conv is not None:
+                convs.append(conv)
+        return convs, False
+
     def admit(self, rec: dict) -> Conversation | None:
         try:
             conv = Conversation(rec)
@@ -439,15 +452,7 @@ def _stream_local(loc: _Local, records: Iterator[dict]) -> None:
         while True:
             feed.check()
             if not exhausted and len(feed) < target:
-                convs = []
-                while len(convs) < min(PUT_CHUNK, target - len(feed)):
-                    rec = next(it, None)
-                    if rec is None:
-                        exhausted = True
-                        break
-                    conv = loc.admit(rec)
-                    if conv is not None:
-                        convs.append(conv)
+                convs, exhausted = loc.take(it, min(PUT_CHUNK, target - len(feed)))
                 put(convs)
             if exhausted and in_flight == 0:
                 break
@@ -486,14 +491,9 @@ def _pools_local(loc: _Local, records: Iterator[dict]) -> None:
     it = iter(records)
     exhausted, call = False, 0
     while True:
-        while not exhausted and len(active) < pool_size:
-            rec = next(it, None)
-            if rec is None:
-                exhausted = True
-                break
-            conv = loc.admit(rec)
-            if conv is not None:
-                active.append(conv)
+        if not exhausted and len(active) < pool_size:
+            more, exhausted = loc.take(it, pool_size - len(active))
+            active += more
         if not active:
             break
         prompts, caps, temps, users = loc.prompts(active)
