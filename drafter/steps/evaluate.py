@@ -471,9 +471,7 @@ def _recheck(model, runs: list[dict], parts: list[tuple], prompts: dict, max_new
     for r in runs:
         if r["temperature"] == 0:
             items = [d for n, d in r["datasets"].items() if n != "overall"]
-            r["datasets"]["overall"]["lossless"] = {
-                k: sum(d["lossless"].get(k, 0) for d in items)
-                for k in ("compared", "identical", "tie", "drift", "mismatch")}
+            r["datasets"]["overall"]["lossless"] = _lossless_sum(items)
     return drift
 
 
@@ -563,6 +561,11 @@ def _sum_shapes(parts: list[dict]) -> dict:
                   for d in range(len(parts[0][key]))] for key in ("accepted", "valid")}
 
 
+def _lossless_sum(items: list[dict]) -> dict:
+    return {k: sum(d["lossless"][k] for d in items)
+            for k in ("compared", "identical", "tie", "drift", "mismatch")}
+
+
 def _overall(per: dict, tree) -> dict:
     """Sums over datasets (τ from summed counts, not an average of τs)."""
     items = [d for n, d in per.items() if n != "overall"]
@@ -579,6 +582,5 @@ def _overall(per: dict, tree) -> dict:
         if all("tree_shapes" in d for d in items):
             m["tree_shapes"] = _sum_shapes([d["tree_shapes"] for d in items])
         if all("lossless" in d for d in items):
-            m["lossless"] = {k: sum(d["lossless"][k] for d in items)
-                             for k in ("compared", "identical", "tie", "drift", "mismatch")}
+            m["lossless"] = _lossless_sum(items)
     return m
