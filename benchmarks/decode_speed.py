@@ -285,10 +285,10 @@ def main(argv=None) -> int:
                     help="a greedy tree's expansion by eager kernels (top_indices, log_softmax), "
                          "not tree.fused_children's one Triton kernel (drafter.engine.tree.FUSED_SEARCH)")
     a = ap.parse_args(argv)
-    from drafter.engine import tree  # build_tree reads these module settings on every expansion
+    from drafter.engine import tree as tree_mod  # build_tree reads these settings every expansion
     if a.top_chunks:
-        tree.TOP_CHUNKS = (a.top_chunks,)
-    tree.FUSED_SEARCH = not a.no_fused_search
+        tree_mod.TOP_CHUNKS = (a.top_chunks,)
+    tree_mod.FUSED_SEARCH = not a.no_fused_search
     fold = {"auto": None, "on": True, "off": False}[a.fold]
     tmp = None
     if a.tiny:

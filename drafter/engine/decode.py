@@ -1,5 +1,5 @@
-"""Plain and speculative decoding of a target over the static cache (drafter.engine.static): the loops
-that evaluate runs, one step captured per (batch, span bucket).
+"""Plain and speculative decoding of a target over the static cache (drafter.engine.static): the
+loops that evaluate runs, one step captured per (batch, span bucket).
 
     dec = Decoder(model, max_batch=8)                                  # any HF causal LM
     plain = dec.generate(prompts, 128, stop_ids=[2])                   # list[Output]
@@ -11,8 +11,8 @@ vocab, Vd draft vocab, A aux layers, Ht target hidden, H drafter hidden, D tree 
 k children per node (chain: 1), N draft nodes verified per step, E expanded nodes (1 + (D-1)·k).
 Sampling temperature is `temperature` everywhere (never T, which counts tokens).
 
-The cache and its graphs are drafter.engine.static's (`StaticTarget`, `Graphs`): prompts left-padded,
-row b's slot s holds position s - start_b, every forward writes at per-row slots and attends under
+The cache and its graphs are drafter.engine.static's (`StaticTarget`, `Graphs`): prompts
+left-padded, row b's slot s holds position s - start_b, every forward writes at per-row slots and attends under
 a per-row visibility mask, so rows advance independently with every shape fixed. Batched
 generation for the generate step (paged cache, continuous batching) is drafter.engine.generator's.
 
@@ -34,8 +34,8 @@ Sampling stays lossless with the tree because a child is sampled without replace
 which nodes enter the tree then never depends on the identity of a node still to be verified.
 
 The drafter is an interface (`DraftModel`: observe/score), so that tests plug in oracle and
-always-wrong drafters; `EagleDraft` wraps drafter.train.model.Drafter with its own static cache. The
-drafting half (tree building, verification, `DraftModel`, `EagleDraft`) lives in drafter.engine.tree.
+always-wrong drafters; `EagleDraft` wraps drafter.train.model.Drafter with its own static cache.
+The drafting half (tree building, verification, `DraftModel`, `EagleDraft`) lives in drafter.engine.tree.
 """
 from __future__ import annotations
 

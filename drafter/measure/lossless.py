@@ -13,7 +13,8 @@ differs the rest of the answer does too. Two rules keep such drift from failing 
   drafter and method, in float32 (the target and drafter converted in place; bf16 to float32 is
   exact), the mismatched prompts alone, batched with CUDA graphs (on the H200, 59 prompts one
   by one in eager float32 took 370 s). Identical there (or an exact float32 tie): numerical
-  drift, counted and reported, not failed. Different there too: a real divergence, and the run fails naming it.
+  drift, counted and reported, not failed. Different there too: a real divergence, and the run
+  fails naming it.
 A planted acceptance bug (a step that accepts one token too many) differs in both precisions and
 still fails (tests/test_evaluate.py).
 """

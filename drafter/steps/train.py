@@ -13,7 +13,8 @@ Writes  train/step_NNNNNN/  model.safetensors + drafter_config.json (model.save_
 
 This file is the loop, top to bottom. What it calls: drafter/train/batches.py (the data pipeline),
 trainer.py (the model set up for the ranks, one optimizer step), ttt.py (the K-step unroll and
-its loss; merge.py its later steps' attention), checkpoint.py, metrics.py, and dist.py (torchrun's environment).
+its loss; merge.py its later steps' attention), checkpoint.py, metrics.py, and dist.py
+(torchrun's environment).
 
 Data. Samples are taken in id order (so offline shards and online capture agree), shuffled with
 train.seed, and packed first-fit into rows of train.max_length tokens (a longer sample keeps its
