@@ -12,8 +12,8 @@ k children per node (chain: 1), N draft nodes verified per step, E expanded node
 Sampling temperature is `temperature` everywhere (never T, which counts tokens).
 
 The cache and its graphs are drafter.engine.static's (`StaticTarget`, `Graphs`): prompts
-left-padded, row b's slot s holds position s - start_b, every forward writes at per-row slots and attends under
-a per-row visibility mask, so rows advance independently with every shape fixed. Batched
+left-padded, row b's slot s holds position s - start_b, every forward writes at per-row slots and attends
+under a per-row visibility mask, so rows advance independently with every shape fixed. Batched
 generation for the generate step (paged cache, continuous batching) is drafter.engine.generator's.
 
 One speculative step (greedy or sampling; the chain is the tree with k = 1):
@@ -33,9 +33,10 @@ Sampling stays lossless with the tree because a child is sampled without replace
 (Gumbel top-k) and ranked by the r-th largest log-prob of its parent (`build_tree`), not by its own:
 which nodes enter the tree then never depends on the identity of a node still to be verified.
 
-The drafter is an interface (`DraftModel`: observe/score), so that tests plug in oracle and
-always-wrong drafters; `EagleDraft` wraps drafter.train.model.Drafter with its own static cache.
-The drafting half (tree building, verification, `DraftModel`, `EagleDraft`) lives in drafter.engine.tree.
+The drafter is an interface (`DraftModel`: observe/score), so that tests plug in oracle and always-
+wrong drafters; `EagleDraft` wraps drafter.train.model.Drafter with its own static cache. The
+drafting half (tree building, verification, `DraftModel`, `EagleDraft`) lives in
+drafter.engine.tree.
 """
 from __future__ import annotations
 
