@@ -12,9 +12,10 @@ k children per node (chain: 1), N draft nodes verified per step, E expanded node
 Sampling temperature is `temperature` everywhere (never T, which counts tokens).
 
 The cache and its graphs are drafter.engine.static's (`StaticTarget`, `Graphs`): prompts
-left-padded, row b's slot s holds position s - start_b, every forward writes at per-row slots and attends
-under a per-row visibility mask, so rows advance independently with every shape fixed. Batched
-generation for the generate step (paged cache, continuous batching) is drafter.engine.generator's.
+left-padded, row b's slot s holds position s - start_b, every forward writes at per-row slots and
+attends under a per-row visibility mask, so rows advance independently with every shape fixed.
+Batched generation for the generate step (paged cache, continuous batching) is
+drafter.engine.generator's.
 
 One speculative step (greedy or sampling; the chain is the tree with k = 1):
   1. draft: from the drafter's distribution after the last committed token (`root`), EAGLE-2's
