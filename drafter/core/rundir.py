@@ -10,7 +10,8 @@
       extract/head.safetensors    lm_head rows of the draft vocab [Vd, Ht] (store.py)
       train/                      step_NNNNNN/ checkpoints, metrics.jsonl, tb/
       export/{native,speculators}/
-      evaluate/                   metrics.json, report.md, *.png
+      evaluate/                   metrics.json, report.md, *.png; tuned.json (what the tuned
+                                  section of the export READMEs was written from)
     each step folder ends with manifest.json (written by pipeline.py) and, after a crash,
     failed.json; started.json records the fingerprint a partial folder belongs to.
 
@@ -115,7 +116,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "extract": ("train", "val", "head.safetensors", "precompile*.log"),
     "train": ("step_[0-9]*", "metrics.jsonl", "tb"),
     "export": ("native", "speculators"),
-    "evaluate": ("metrics.json", "report.md", "*.png", "passes"),
+    "evaluate": ("metrics.json", "report.md", "*.png", "passes", "tuned.json"),
 }
 TEMP_NAMES = (".tmp-*", ".tmp*", ".old-*")
 
@@ -285,6 +286,10 @@ class Run:
 
     def eval_plot(self, name: str) -> Path:
         return self.step_dir("evaluate") / f"{name}.png"
+
+    def eval_tuned(self) -> Path:
+        """What the tuned section of the export READMEs was written from (drafter.export.tuned)."""
+        return self.step_dir("evaluate") / "tuned.json"
 
 
 def cache_dir() -> Path:
