@@ -445,8 +445,10 @@ def readme(fmt: str, out_dir: Path, c: DrafterConfig, target: TargetInfo, k: int
                      "2026); llama.cpp does not.")
     notes.append(f"K = {k} here is the export's default (export.speculative_tokens). Which K, or "
                  "which tree, serves this drafter best at your batch size is measured by "
-                 "`drafter evaluate`: the 'Serving setting' section of its report (`drafter "
-                 "report RUN_DIR`) gives the expected speedup of each and the engine flags.")
+                 "`drafter evaluate`: it writes the flags of the best one per batch size into "
+                 "this README ('Tuned serving settings', above 'Aux layer ids'), and the "
+                 "expected speedup of each into the 'Serving setting' section of its report "
+                 "(`drafter report RUN_DIR`).")
     notes.append("Serve with the same chat template the training data was rendered with"
                  + (f" ({chat_template})." if chat_template else " (the target's own)."))
     lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]

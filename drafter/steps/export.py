@@ -7,6 +7,8 @@ Writes  export/native/       LlamaForCausalLMEagle3, midlayer.*  (SGLang, vLLM, 
         each with config.json, model.safetensors, README.md (serving commands, layer ids in
         each engine's meaning) and drafter.json; each dir is built under a temp name and
         renamed into place, then linted with `drafter check` (a failed check fails the step).
+        A README.md gets evaluate's tuned serving settings back when evaluate measured these
+        very weights (drafter/export/tuned.py; evaluate writes that section after it runs).
 Command drafter export CONFIG [export.checkpoint=best] [--force]
 
 Layouts, names and id conventions live in drafter/export/engines.py (contract: ENGINES.md).
@@ -20,6 +22,7 @@ from pathlib import Path
 from drafter import DrafterError
 from drafter.core.rundir import MissingInput, Run, atomic_dir, dir_bytes, read_json
 from drafter.export import engines as E
+from drafter.export import tuned
 from drafter.export.check import format_report, run_checks
 from drafter.train.checkpoint import intact, verify_checkpoint
 from drafter.train.model import load_drafter, param_count
@@ -86,12 +89,12 @@ def main(cfg) -> dict:
     _check_fits(model.cfg, target)
     mpe = ec.max_position_embeddings or target.max_position_embeddings \
         or model.cfg.max_position_embeddings
+    template = str(Path(cfg.target.chat_template).resolve()) if cfg.target.chat_template else None
     meta = {"checkpoint": str(ckpt.resolve()), "step": state.get("step"),
-            "val": state.get("val"),
+            "val": state.get("val"), "chat_template": template,
             "max_position_embeddings_source": ("export.max_position_embeddings"
                                                if ec.max_position_embeddings else "target")}
     dtype = E.DTYPES[ec.dtype]
-    template = str(Path(cfg.target.chat_template).resolve()) if cfg.target.chat_template else None
     log.info("export: %s (step %s, val sim_tau %s) for %s", ckpt.name, state.get("step"),
              (state.get("val") or {}).get("sim_tau"), target.name_or_path)
     counts, checks = {}, {}
@@ -106,6 +109,9 @@ def main(cfg) -> dict:
                 # The temp dir is removed: a drafter that fails its own lint is never shipped.
                 raise ExportError(f"the {fmt} export fails `drafter check`:\n"
                                   + format_report(report))
+            # a re-export of the weights evaluate measured: its tuned flags stay in the README
+            if tuned.carry_over(run, fmt, tmp, final):
+                log.info("export %s: README.md carries evaluate's tuned serving settings", fmt)
         for c in report.checks:
             if c.status != "pass":
                 log.warning("export %s: %s %s: %s", fmt, c.status, c.name, c.reason)
