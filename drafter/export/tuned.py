@@ -51,7 +51,7 @@ def add_tuned_settings(run: Run, metrics: dict) -> list[Path]:
     and config), with the flags rebuilt for that dir's own path. Otherwise the section is taken
     out of the READMEs (it would describe a measurement that metrics.json no longer holds).
     Returns the READMEs that carry the section now. Idempotent: a README already up to date is
-    not rewritten."""
+    not rewritten; one that cannot be written is logged and skipped (evaluate's result stands)."""
     dirs = [run.export(f) for f in FORMATS if (run.export(f) / README_FILE).is_file()]
     measured = _measured_dir(metrics, dirs)
     chosen = []
@@ -61,9 +61,14 @@ def add_tuned_settings(run: Run, metrics: dict) -> list[Path]:
     out = []
     for d in dirs:
         text = section(metrics, d, run) if d in chosen else None
-        if _rewrite(d / README_FILE, text):
-            log.info("export: %s %s evaluate's tuned serving settings", d / README_FILE,
-                     "carries" if text else "no longer carries")
+        try:
+            if _rewrite(d / README_FILE, text):
+                log.info("export: %s %s evaluate's tuned serving settings", d / README_FILE,
+                         "carries" if text else "no longer carries")
+        except OSError as e:  # evaluate's measurement stands; only the README is behind
+            log.warning("export: %s not updated with the tuned serving settings: %s",
+                        d / README_FILE, e)
+            continue
         if text:
             out.append(d / README_FILE)
     if chosen:
