@@ -20,7 +20,10 @@ signal. Around that:
 - `run_all`: the generation server lives inside generate; before the next step that loads the
   target on a GPU, GPU memory must be back at its level from before generate (NVML), or the
   error names the PIDs holding it (drafter/run/gpu_release.py). drafter never kills a process
-  it did not start.
+  it did not start. Online, train's graphs compile in a process of their own from tokenize (or
+  vocab, when tokenize is done; the GPU back from generate first) until train's first step
+  (drafter/train/precompile.py, start_ahead); it is stopped when the run ends without a train
+  that took it.
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ from drafter.core.rundir import (
 from drafter.run import gpu_release
 from drafter.run.lifecycle import install_signal_handlers, lock_holder, run_lock, signalled
 from drafter.run.preflight import preflight
+from drafter.train import precompile  # light: torch is imported where a child starts
 
 log = logging.getLogger("drafter")
 
@@ -419,26 +423,59 @@ def starts_server(cfg) -> bool:
     return cfg.generate.enabled and cfg.generate.server.engine != "external"
 
 
+# An online run compiles train's graphs in a process of its own from the first of these steps
+# that runs (drafter/train/precompile.py, start_ahead): either makes train run too, and they are
+# the work there is to overlap before train. Not from extract (online, it stores nothing) or
+# train: the child would overlap only train's set-up, a few seconds, and train would wait longer
+# for its imports and compiles (35-60 s offline) than its first step takes to compile (~22 s).
+AHEAD_OF_TRAIN = ("tokenize", "vocab")
+
+
+def precompiles_ahead(cfg, steps: list[str]) -> bool:
+    """Whether this run starts train's precompile ahead of train: an online train among its
+    steps, where precompile applies (a GPU, train.compile and extract.precompile on)."""
+    from drafter.core import target
+
+    return cfg.train.online and "train" in steps and \
+        precompile.applies(cfg, target.pick_device(cfg.target)) is None
+
+
 def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[dict]:
     """Run every step in order (each skipped when up to date). The generation server lives
     only inside generate; before the first later step that loads the target on a GPU, the GPU
-    memory must be back at its level from before generate."""
+    memory must be back at its level from before generate.
+
+    Online (train.online), train's graphs compile in a process of their own from tokenize (or
+    vocab, when tokenize is done; once the GPU is back from generate) until train's first step,
+    which waits for it (drafter/train/precompile.py, start_ahead): it overlaps tokenize, vocab
+    and train's own set-up (the target's load, the feeder's first captures). It is stopped when
+    the run ends without a train that took it."""
     run = Run.of(cfg)
     out = []
     baseline = None
-    for step in steps or STEPS:  # the whole config, before any step touches the run dir
+    steps = list(steps or STEPS)
+    ahead = precompiles_ahead(cfg, steps)
+    for step in steps:  # the whole config, before any step touches the run dir
         preflight(cfg, run, step, upfront=True)
     with run_lock(run):
-        for step in steps or STEPS:
-            will_run = force or _will_run(cfg, run, step)
-            if step == "generate" and will_run and starts_server(cfg):
-                baseline = gpu_release.gpu_snapshot() or None   # None on a machine without GPU
-            if baseline is not None and will_run and loads_target(cfg, step):
-                gpu_release.wait_gpu_released(
-                    baseline, timeout=max(60.0, 2 * cfg.generate.server.stop_timeout),
-                    what=f"drafter {step}")
-                baseline = None
-            out.append(run_step(cfg, step, force=force))
+        try:
+            for step in steps:
+                will_run = force or _will_run(cfg, run, step)
+                if step == "generate" and will_run and starts_server(cfg):
+                    baseline = gpu_release.gpu_snapshot() or None  # None on a machine without GPU
+                starts_ahead = ahead and will_run and step in AHEAD_OF_TRAIN
+                if baseline is not None and will_run and (loads_target(cfg, step) or
+                                                          starts_ahead):
+                    gpu_release.wait_gpu_released(
+                        baseline, timeout=max(60.0, 2 * cfg.generate.server.stop_timeout),
+                        what=f"drafter {step}")
+                    baseline = None
+                if starts_ahead:
+                    precompile.start_ahead(cfg, before=step)
+                    ahead = False
+                out.append(run_step(cfg, step, force=force))
+        finally:  # one that no train took: the run failed, or stopped before train
+            precompile.stop_ahead()
     return out
 
 

@@ -11,6 +11,11 @@ Writes  train/step_NNNNNN/  model.safetensors + drafter_config.json (model.save_
     drafter train CONFIG [train.lr=3e-4 ...]
     torchrun --nproc-per-node 8 -m drafter.cli train CONFIG [train.fsdp=true]
 
+Online in a `drafter run`, train's graphs compile in a process the pipeline started before
+tokenize or vocab (drafter/train/precompile.py, start_ahead): the loop waits for it after its
+set-up, before its first step, and its figures are the manifest's "precompile" (its log
+train/precompile.log).
+
 This file is the loop, top to bottom. What it calls: drafter/train/batches.py (the data pipeline),
 trainer.py (the model set up for the ranks, one optimizer step), ttt.py (the K-step unroll and
 its loss; merge.py its later steps' attention), checkpoint.py, metrics.py, and dist.py
@@ -49,6 +54,7 @@ from drafter.core.dist import Dist, all_sum, close_dist, dist_env
 from drafter.core.rundir import JsonlAppender, Run, read_jsonl
 from drafter.data import tokens
 from drafter.features import store
+from drafter.train import precompile
 from drafter.train.batches import (
     Prefetch,
     Source,
@@ -177,7 +183,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                     device=dev if tc.online else None,
                     threads=1 if tc.online else tc.loader_threads)
     setup.tick("loader")
-    metrics, tb, gc_clock = None, None, None
+    metrics, tb, gc_clock, compiled = None, None, None, None
     try:
         ttt, model, opt = setup_model(drafter, tc, dist, attention)
         params = [p for p in ttt.parameters() if p.requires_grad]
@@ -206,6 +212,15 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         meter, val, last_val, last_train = Meter(K, dev), None, None, None
         autocast = torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext()
         setup.tick("resume")
+        # an online run's precompile, started by the pipeline before tokenize or vocab
+        # (precompile.start_ahead): the first step loads what it compiled, so it is waited for
+        # here, with the model set up and the feeder capturing the first batches meanwhile
+        ahead = precompile.take_ahead()
+        if ahead is not None:
+            compiled = precompile.finish(ahead, log_to=run.step_dir("train")
+                                         / precompile.log_name(dist.rank))
+            compiled["started_before"] = ahead.before
+            setup.tick("precompile")
         first, t_start, tokens_total = step, time.perf_counter(), 0
         setup_s = t_start - t0  # the store, the target's config and embeddings, the model, resume
         setup_parts = {k: round(v, 3) for k, v in setup.into.items()}
@@ -338,7 +353,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         "warmup_gc": gc_warmup, "gc": gc_clock.summary(), "setup_s": round(setup_s, 3),
         "setup_parts_s": setup_parts,
         "drafter_config": drafter.cfg.to_dict(), "attention": attention,
-        "world_size": dist.world, "fsdp": fsdp,
+        "world_size": dist.world, "fsdp": fsdp, **({"precompile": compiled} if compiled else {}),
         "last_checkpoint": str(run.checkpoints()[-1]) if run.checkpoints() else None,
         "best_checkpoint": str(best) if best else None,
     }

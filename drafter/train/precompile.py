@@ -1,27 +1,47 @@
-"""Compile the train step's graphs before train runs, while extract runs.
+"""Compile the train step's graphs before train runs: beside extract (offline), ahead of an
+online train from the pipeline (online).
 
     drafter precompile CONFIG [key=value ...] [--device cuda:N]
 
 A cold train spent about 20 of its first seconds compiling (torch.compile: the layer pieces,
 FlexAttention, the loss chunk; forward and backward), a quarter of a 500-step SmolLM2 run on an
-H200. Inductor keeps what it compiles in its caches on disk (TORCHINDUCTOR_CACHE_DIR, default
-/tmp/torchinductor_$USER), keyed by the graphs and their inputs' shapes, dtypes and devices,
-not by their values: a process that runs the same train step on random batches of the same
-shapes fills them, and train's warm-up then loads instead of compiling.
+H200 (an online one: 21.5 s of its first step). Inductor keeps what it compiles in its caches on
+disk (TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER), keyed by the graphs and their
+inputs' shapes, dtypes and devices, not by their values: a process that runs the same train step
+on random batches of the same shapes fills them, and train's warm-up then loads instead of
+compiling.
 
-extract starts this (`drafter precompile`, with --result for its figures) in a process of its own
-(`start`) right after its GPU preflight, before it plans or loads the target, when the GPU has
-room for both (extract's estimate plus memory.train_gpu_bytes), and waits for it before it returns
-(`finish`; stopped when extract fails or keeps every shard); extract.precompile=false turns it
-off. Its log is extract/precompile.log and
-its figures are in extract's manifest ("precompile"). It writes nothing else in the run dir.
+Offline: extract starts this (`drafter precompile`, with --result for its figures) in a process
+of its own (`start`) right after its GPU preflight, before it plans or loads the target, when the
+GPU has room for both (extract's estimate plus memory.train_gpu_bytes), and waits for it before it
+returns (`finish`; stopped when extract fails or keeps every shard). Its log is
+extract/precompile.log and its figures are in extract's manifest ("precompile").
+
+Online (train.online: extract stores nothing, the target runs in train): `drafter run` starts it
+(`start_ahead`, drafter/run/pipeline.py) before tokenize (before vocab when tokenize is done),
+once generate has given the GPU back, when the GPU has room for it and for the online
+train beside it (`ahead_bytes`: the target and two train steps). It is this process's until
+train's loop takes it (`take_ahead`) and waits for it before its first step, with its set-up done
+and the online feeder capturing the first batches meanwhile: it overlaps tokenize, vocab and
+train's set-up (the target's load), the most of real work there is between generate freeing the
+GPU and train's first step. Its log moves to train/precompile.log and its figures are train's
+manifest's "precompile" (with `started_before`, the step). A run that fails or ends before train
+stops it (`stop_ahead`). Neither a run whose tokenize and vocab are done nor `drafter train`
+alone starts one: started at train's own start it would overlap only train's set-up, and train
+would wait longer for it than compiling takes; `drafter precompile CONFIG` by hand first does it
+(and a rerun finds the caches its first train filled).
+
+train.compile=false or extract.precompile=false turns both off. The child writes nothing else
+in the run dir, and it gets SIGTERM from the kernel when its parent dies (`spawn`).
 
 What it runs: the drafter this config trains, shaped from the target's config, the run's draft
-vocab (vocab/vocab.safetensors) and extract's layer ids, set up as train sets it up
-(trainer.setup_model, trainer.device_setup), with random weights, two optimizer steps on random
-micro-batches of train's shape (B = batch_tokens // max_length rows of max_length tokens) in the
-store contract's dtypes (docs/internals.md), then one no-grad forward (validation's graphs).
-Nothing applies on the CPU (train compiles only on a GPU) or online (nothing to overlap).
+vocab (vocab/vocab.safetensors; before the vocab step has written it, its shape: `shape_vocab`)
+and extract's layer ids, set up as train sets it up (trainer.setup_model, trainer.device_setup),
+with random weights, two optimizer steps on random micro-batches of train's shape (B =
+batch_tokens // max_length rows of max_length tokens) in the store contract's dtypes
+(docs/internals.md; online, with the features on the GPU as capture returns them, so that the
+batches take the online feeder's path: `random_samples`), then one no-grad forward
+(validation's graphs). Nothing applies on the CPU (train compiles only on a GPU).
 The layer pieces (pre, post) and the loss chunk's statistics are compiled whole here (torch's
 aot_compile, drafter/train/aot.py) and saved beside Inductor's cache, dynamo's guards and bytecode
 included; train loads them instead of tracing them again (train.saved_graphs). FlexAttention
@@ -32,6 +52,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,8 +73,6 @@ def applies(cfg, device) -> str | None:
     """Why precompiling does not apply to this config on this device, or None when it does."""
     if not cfg.extract.precompile:
         return "extract.precompile=false"
-    if cfg.train.online:
-        return "train.online: the target runs beside the drafter, nothing to overlap"
     if not cfg.train.compile:
         return "train.compile=false"
     if getattr(device, "type", str(device)) != "cuda":
@@ -63,11 +82,17 @@ def applies(cfg, device) -> str | None:
 
 # ---------------------------------------------------------------------------- the child: main
 def random_samples(B: int, T: int, n_aux: int, ht: int, vocab: int, vd: int, teacher: str,
-                   k: int, seed: int = 0) -> list[dict]:
+                   k: int, seed: int = 0, device=None) -> list[dict]:
     """B samples of T tokens (docs/internals.md, the contract's dtypes), one per row, a prompt
     out of the loss at the start of each. Their features are one random set, shared: only the
-    shapes and dtypes reach the compiled graphs' keys."""
+    shapes and dtypes reach the compiled graphs' keys. `device` (online training): the
+    features (aux, in_vocab, the teacher) are there, as capture returns them (Capture.__call__:
+    bf16 aux and hidden teacher, int64 top-k ids, float32 log-probs rounded to fp16), and the
+    token fields on the host; then host_batches collates and aligns them there, as it does
+    online. None (offline): all on the host, as store.Reader's samples are once widened."""
     import torch
+
+    from drafter.features.capture import TOPK_LOGP_DTYPE
 
     g = torch.Generator().manual_seed(seed)
     feats = {"aux": torch.randn(T, n_aux, ht, generator=g).to(torch.bfloat16)}
@@ -75,13 +100,17 @@ def random_samples(B: int, T: int, n_aux: int, ht: int, vocab: int, vd: int, tea
         feats["teacher_hidden"] = torch.randn(T, ht, generator=g).to(torch.bfloat16)
     else:
         feats["teacher_topk_ids"] = torch.randint(0, vd, (T, k), generator=g)
-        feats["teacher_topk_logp"] = torch.randn(T, k, generator=g).log_softmax(-1)
+        feats["teacher_topk_logp"] = torch.randn(T, k, generator=g).log_softmax(-1) \
+            .to(TOPK_LOGP_DTYPE).float()
+    if device is not None:
+        feats = {n: v.to(device) for n, v in feats.items()}
     out = []
     for b in range(B):
         mask = torch.ones(T, dtype=torch.long)
         mask[: int(torch.randint(1, max(2, T // 2), (), generator=g))] = 0
+        in_vocab = torch.rand(T, generator=g) < 0.9
         out.append({"input_ids": torch.randint(0, vocab, (T,), generator=g), "loss_mask": mask,
-                    "in_vocab": torch.rand(T, generator=g) < 0.9, **feats})
+                    "in_vocab": in_vocab if device is None else in_vocab.to(device), **feats})
     return out
 
 
@@ -103,23 +132,42 @@ def main(cfg, device: str | None = None) -> dict:
     return run_steps(cfg, dev)
 
 
+def shape_vocab(cfg, tconf):
+    """(d2t, t2d) of the run's vocab (vocab/vocab.safetensors), or, before the vocab step has
+    written it (an online run's precompile starts before tokenize), maps of its shapes: the
+    vocab step makes min(vocab.draft_vocab_size, V) ids whatever the counts, and the maps'
+    values reach no graph (the drafter keeps them as buffers for export)."""
+    import torch
+
+    from drafter.core import target
+    from drafter.core.rundir import Run
+    from drafter.data import tokens
+
+    path = Run.of(cfg).vocab()
+    if path.exists():
+        d2t, t2d, _ = tokens.load_vocab(path)
+        return d2t, t2d
+    V = target.vocab_size(tconf)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[: min(cfg.vocab.draft_vocab_size, V)] = True
+    return torch.zeros(int(t2d.sum()), dtype=torch.long), t2d
+
+
 def setup(cfg, dev) -> dict:
-    """What train sets up, from the run's vocab and the target's config alone: the drafter
-    (random weights; a zero embedding table: train embeds on the host and casts, so neither
-    its values nor its dtype reach a graph), a zero head, the model and optimizer
-    (trainer.setup_model), autocast, and the shapes of train's batches."""
+    """What train sets up, from the run's vocab (or its shape: shape_vocab) and the target's
+    config alone: the drafter (random weights; a zero embedding table: train embeds on the host
+    and casts, so neither its values nor its dtype reach a graph), a zero head, the model and
+    optimizer (trainer.setup_model), autocast, and the shapes of train's batches."""
     import torch
 
     from drafter.core import target
     from drafter.core.dist import Dist
-    from drafter.core.rundir import Run
-    from drafter.data import tokens
     from drafter.features import capture
     from drafter.train.trainer import build_drafter, device_setup, pick_attention, setup_model
 
-    run, tc = Run.of(cfg), cfg.train
-    d2t, t2d, _ = tokens.load_vocab(run.require(run.vocab(), "vocab"))
+    tc = cfg.train
     tconf = target.load_config(cfg.target)
+    d2t, t2d = shape_vocab(cfg, tconf)
     layer_ids = capture.resolve_layer_ids(cfg.extract.layer_ids, target.num_layers(tconf))
     ht, vocab, vd = target.hidden_size(tconf), target.vocab_size(tconf), d2t.numel()
     drafter = build_drafter(cfg, tconf, layer_ids, d2t, t2d,
@@ -128,7 +176,9 @@ def setup(cfg, dev) -> dict:
     amp = device_setup(tc, dev)
     attention = pick_attention(tc, dev)
     ttt, model, opt = setup_model(drafter, tc, dist, attention, saved="save")
-    head = capture.Head(torch.zeros(vd, ht, dtype=target.pick_dtype(cfg.target, str(dev))))
+    # the target's own head: its rows' dtype, its logit scale and softcap (capture.Head)
+    head = capture.Head(torch.zeros(vd, ht, dtype=target.pick_dtype(cfg.target, str(dev))),
+                        *capture.logit_transform(tconf))
     return {"tc": tc, "dist": dist, "drafter": drafter, "ttt": ttt, "model": model, "opt": opt,
             "params": [p for p in ttt.parameters() if p.requires_grad], "head": head.to(dev),
             "attention": attention, "fused": attention == "flex",
@@ -139,12 +189,14 @@ def setup(cfg, dev) -> dict:
 
 
 def random_batch(cfg, S: dict, seed: int) -> dict:
-    """One host micro-batch of train's shape (batches.host_batch) from random_samples."""
+    """One host micro-batch of train's shape (batches.host_batch) from random_samples: online
+    (train.online) with its features on the device, as the online feeder builds it."""
     from drafter.train.batches import Source, host_batch
 
     B, T = S["B"], S["T"]
     src = Source.memory(random_samples(B, T, S["n_aux"], S["ht"], S["vocab"], S["vd"],
-                                       cfg.extract.teacher, S["k"], seed=seed))
+                                       cfg.extract.teacher, S["k"], seed=seed,
+                                       device=S["dist"].device if S["tc"].online else None))
     return host_batch(src, [[i] for i in range(B)], B, T, S["tc"],
                       S["drafter"].embed_tokens.weight)
 
@@ -194,6 +246,9 @@ class Handle:
     result: Path        # the child's figures (JSON), a temp file
     log_path: Path
     t0: float
+    who: str = "extract"  # the step that waits for it (its log lines' prefix)
+    keep_log: bool = True  # False: the log is a temp file too (finish's log_to moves it)
+    before: str | None = None  # online: the step the pipeline started it before
 
 
 def start(cfg, run, device, tconf, extract_bytes: int, rank: int = 0) -> Handle | None:
@@ -215,36 +270,54 @@ def start(cfg, run, device, tconf, extract_bytes: int, rank: int = 0) -> Handle 
 def _start(cfg, run, device, tconf, extract_bytes: int, rank: int) -> Handle | None:
     import torch
 
-    from drafter.core import config as C
-    from drafter.core import target
-    from drafter.train import memory
-
-    dshape = memory.drafter_shape(cfg, tconf)
-    need = memory.train_gpu_bytes(cfg, dshape, 1, target.hidden_size(tconf),
-                                len(dshape["layer_ids"]))["total"]
     free, _ = torch.cuda.mem_get_info(device)
+    need = train_bytes(cfg, tconf)
     if free - extract_bytes < need:
         log.info("extract: train's graphs are not precompiled beside it: the GPU has %.1f GiB "
                  "free, extract needs ~%.1f GiB and a train step ~%.1f GiB (train compiles "
                  "them in its warm-up)", free / 2**30, extract_bytes / 2**30, need / 2**30)
         return None
+    log_path = run.step_dir("extract") / log_name(rank)
+    h = _spawn_child(cfg, device, log_path, "extract")
+    log.info("extract: compiling train's graphs beside it (PID %d on %s, log %s)", h.proc.pid,
+             device, log_path)
+    return h
+
+
+def train_bytes(cfg, tconf) -> int:
+    """GPU bytes of one train step of this config (memory.train_gpu_bytes, one GPU)."""
+    from drafter.core import target
+    from drafter.train import memory
+
+    dshape = memory.drafter_shape(cfg, tconf)
+    return memory.train_gpu_bytes(cfg, dshape, 1, target.hidden_size(tconf),
+                                  len(dshape["layer_ids"]))["total"]
+
+
+def log_name(rank: int) -> str:
+    return "precompile.log" if rank == 0 else f"precompile-rank{rank}.log"
+
+
+def _spawn_child(cfg, device, log_path: Path | None, who: str) -> Handle:
+    """`drafter precompile` of the resolved `cfg` on `device`, its config and figures in a
+    temp folder of their own, its output appended to `log_path` (None: a temp log there too)."""
+    from drafter.core import config as C
+
     tmp = Path(tempfile.mkdtemp(prefix="drafter-precompile-"))
     cfg_path, result = tmp / "config.yaml", tmp / "result.json"
     cfg_path.write_text(C.dump(cfg))
-    log_path = run.step_dir("extract") / ("precompile.log" if rank == 0
-                                          else f"precompile-rank{rank}.log")
+    keep = log_path is not None
+    log_path = log_path if keep else tmp / "precompile.log"
     proc = spawn([sys.executable, "-m", "drafter.cli", "precompile", str(cfg_path), "--device",
                   str(device), "--result", str(result)], log_path)
-    log.info("extract: compiling train's graphs beside it (PID %d on %s, log %s)", proc.pid,
-             device, log_path)
-    return Handle(proc, cfg_path, result, log_path, time.perf_counter())
+    return Handle(proc, cfg_path, result, log_path, time.perf_counter(), who, keep)
 
 
 def spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
     """`cmd` as a process of its own: output appended to `log_path`, no torchrun variables (it
     is never a rank of the launcher's group), and SIGTERM from the kernel when this process
-    dies, even by kill -9 (supervisor._die_with, as for servers), so nothing outlives extract
-    on the GPU."""
+    dies, even by kill -9 (supervisor._die_with, as for servers), so nothing outlives its
+    parent (extract, or the pipeline of an online run) on the GPU."""
     from drafter.serve.supervisor import _die_with
 
     env = {k: v for k, v in os.environ.items()
@@ -254,38 +327,50 @@ def spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
                                 env=env, preexec_fn=_die_with(os.getpid()))
 
 
-def finish(h: Handle | None, timeout: float = 900.0, ok: bool = True) -> dict | None:
-    """Wait for the child (at most `timeout` s; `ok` False, extract failed: stop it now) and
-    return its figures for extract's manifest: the child's own (run_steps: seconds from its
-    setup to its end, compile_s, graphs, the caches' hits and misses) with exit, wall_s (from
-    its start: imports included) and waited_s (how long extract waited for it at its end)."""
+def finish(h: Handle | None, timeout: float = 900.0, ok: bool = True,
+           log_to: Path | None = None) -> dict | None:
+    """Wait for the child (at most `timeout` s; `ok` False, its step failed: stop it now) and
+    return its figures for the waiting step's manifest: the child's own (run_steps: seconds
+    from its setup to its end, compile_s, graphs, the caches' hits and misses) with exit,
+    wall_s (from its start: imports included) and waited_s (how long the step waited for it).
+    `log_to`: where a temp log goes (train's folder, for a child started ahead of it)."""
     if h is None:
         return None
     t = time.perf_counter()
-    if not ok:
-        _stop(h.proc)
-    else:
-        try:
-            h.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("extract: precompiling still runs after %.0f s: stopped (train compiles "
-                        "what is missing; see %s)", timeout, h.log_path)
+    try:
+        if not ok:
             _stop(h.proc)
+        else:
+            try:
+                h.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("%s: precompiling still runs after %.0f s: stopped (train compiles "
+                            "what is missing; see %s)", h.who, timeout, log_to or h.log_path)
+                _stop(h.proc)
+    except BaseException:  # interrupted while waiting (Ctrl-C, SIGTERM): nothing outlives it
+        _stop(h.proc)
+        raise
     out = {"exit": h.proc.returncode, "wall_s": round(time.perf_counter() - h.t0, 2),
            "waited_s": round(time.perf_counter() - t, 2), "log": str(h.log_path)}
     try:
         out.update(json.loads(h.result.read_text()))
     except (OSError, ValueError):
         pass
+    if not h.keep_log and log_to is not None:
+        try:
+            shutil.move(str(h.log_path), str(log_to))
+            out["log"] = str(log_to)
+        except OSError as e:
+            log.warning("%s: could not keep precompile's log (%s)", h.who, e)
     if ok and out["exit"] == 0:
-        log.info("extract: train's graphs precompiled: %s graphs, %s s compiling, the process "
-                 "%.1f s from its start (extract waited %.1f s for it at its end)",
-                 out.get("graphs", "?"), out.get("compile_s", "?"), out["wall_s"],
+        log.info("%s: train's graphs precompiled: %s graphs, %s s compiling, the process "
+                 "%.1f s from its start (%s waited %.1f s for it)", h.who,
+                 out.get("graphs", "?"), out.get("compile_s", "?"), out["wall_s"], h.who,
                  out["waited_s"])
     elif ok:
-        log.warning("extract: precompiling failed (exit %s, see %s): train compiles its graphs "
-                    "in its warm-up", out["exit"], h.log_path)
-    for p in (h.result, h.config):
+        log.warning("%s: precompiling failed (exit %s, see %s): train compiles its graphs "
+                    "in its warm-up", h.who, out["exit"], out["log"])
+    for p in (h.result, h.config) + (() if h.keep_log else (h.log_path,)):
         p.unlink(missing_ok=True)
     try:
         h.config.parent.rmdir()
@@ -302,3 +387,92 @@ def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# ------------------------------------------------- online: started by the pipeline, ahead of train
+# The child an online `drafter run` started for this process's train step (start_ahead), until
+# train takes it (take_ahead) or the pipeline stops it (stop_ahead).
+_ahead: Handle | None = None
+
+
+def start_ahead(cfg, before: str) -> Handle | None:
+    """An online run's precompile: `drafter precompile` started by the pipeline before the step
+    `before` (tokenize, or vocab when tokenize is done; after generate gave the GPU back), on
+    the GPU this process's train uses, when it applies and the GPU has room for it and for the
+    online train beside it (the target by extract's estimate, and two train steps).
+    Kept for train (take_ahead); None when it does not start (said in the log)."""
+    global _ahead
+    from drafter.core import target
+    from drafter.core.dist import read_env
+
+    stop_ahead()
+    try:
+        d = read_env(target.pick_device(cfg.target))
+        why = applies(cfg, d.device)
+        if why is not None:
+            log.debug("train's graphs are not precompiled ahead of it: %s", why)
+            return None
+        need, free = ahead_bytes(cfg), _free_bytes(d.device.index or 0)
+        if free is not None and free < need:
+            log.info("train's graphs are not precompiled ahead of it: the GPU has %.1f GiB "
+                     "free, the target and two train steps need ~%.1f GiB (train compiles them "
+                     "in its warm-up)", free / 2**30, need / 2**30)
+            return None
+        _ahead = _spawn_child(cfg, d.device, None, "train")
+        _ahead.before = before
+    except Exception as e:  # noqa: BLE001 - an aid to train: never the reason a run fails
+        log.warning("could not start precompiling train's graphs (%s: %s): train compiles them "
+                    "in its warm-up", type(e).__name__, e)
+        return None
+    log.info("%s: train's graphs compile in a process of their own from here until train's "
+             "first step (PID %d on %s; its log goes to train's folder)", before, _ahead.proc.pid,
+             d.device)
+    return _ahead
+
+
+def ahead_bytes(cfg) -> int:
+    """GPU bytes an online run's precompile needs free: its own train step, and the online
+    train that loads the target and starts capturing beside it (extract's estimate for the
+    target, plus that train's step with its features in flight)."""
+    import torch
+
+    from drafter.core import target
+    from drafter.features import capture
+
+    tconf = target.load_config(cfg.target)
+    dev = target.pick_device(cfg.target)
+    dtype_bytes = torch.finfo(target.pick_dtype(cfg.target, dev)).bits // 8
+    tgt = capture.estimate_gpu_bytes(tconf, dtype_bytes, cfg.extract.batch_tokens,
+                                     len(capture.resolve_layer_ids(cfg.extract.layer_ids,
+                                                                   target.num_layers(tconf))))
+    return tgt["total"] + 2 * train_bytes(cfg, tconf)
+
+
+def _free_bytes(index: int) -> int | None:
+    """Free bytes of CUDA device `index` by NVML (None when unknown). Not torch.cuda: the
+    pipeline process must not set up CUDA before tokenize forks its workers."""
+    from drafter.core import gpu
+
+    gpus = gpu.devices()
+    visible = gpu.visible_indices(gpus)
+    if index >= len(visible):
+        return None
+    return next((g.free for g in gpus if g.index == visible[index]), None)
+
+
+def take_ahead() -> Handle | None:
+    """The child start_ahead started in this process, now the caller's (train waits for it with
+    finish), or None."""
+    global _ahead
+    h, _ahead = _ahead, None
+    return h
+
+
+def stop_ahead() -> None:
+    """Stop a child that no train took (the run failed or stopped before train): the pipeline's
+    last word."""
+    h = take_ahead()
+    if h is not None:
+        log.info("train's graphs: the precompile started before %s is stopped (no train took "
+                 "it)", h.before)
+        finish(h, ok=False)
