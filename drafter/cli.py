@@ -129,7 +129,7 @@ def cmd_precompile(args) -> int:
     from drafter.train.precompile import main as precompile
 
     out = precompile(_load(args), args.device)
-    if args.result:  # extract's child: its figures for extract's manifest
+    if args.result:  # extract's or the pipeline's child: its figures for a manifest
         atomic_json(Path(args.result), out)
     return 0
 
@@ -192,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_plan)
 
     sp = sub.add_parser("precompile", help="compile train's graphs into Inductor's cache on "
-                        "random batches (GPU; extract does it by itself beside the target)",
+                        "random batches (GPU; extract does it by itself beside the target, and "
+                        "`drafter run` ahead of an online train)",
                         epilog=_config_epilog(), formatter_class=fmt)
     with_config(sp)
     sp.add_argument("--device", help="default: the configured one (cuda:0 for a GPU)")

@@ -29,7 +29,8 @@ of a killed write are removed. The index is written last. train.online=true: not
 On a GPU, train's graphs compile in a process of their own, started just after the preflight, while
 extract plans, loads the target and runs, when memory allows (drafter/train/precompile.py;
 extract.precompile=false: off): extract waits for it before it returns (and stops it when every
-shard was kept), and its figures are the manifest's "precompile".
+shard was kept), and its figures are the manifest's "precompile". Online, extract starts none:
+`drafter run` starts it ahead of train (drafter/run/pipeline.py), and train waits for it.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The GPU memory of a train step, estimated before any weights load: `drafter plan` prints it,
-and extract's precompile waits for room for it beside the target.
+and the precompile waits for room for it beside the target (extract's, or an online train's).
     dshape = drafter_shape(cfg, target_config)   # trainable/total parameters, H, I, Vd, layer ids
     train_gpu_bytes(cfg, dshape, gpus, ht)       # bytes by part, and their total
 """
