@@ -8,7 +8,8 @@
       vocab/vocab.safetensors     d2t [Vd] int64, t2d [V] bool, counts [V] int64; vocab.json
       extract/{train,val}/        shard_NNNNN.safetensors + index.json
       extract/head.safetensors    lm_head rows of the draft vocab [Vd, Ht] (store.py)
-      train/                      step_NNNNNN/ checkpoints, metrics.jsonl, tb/
+      train/                      step_NNNNNN/ checkpoints, metrics.jsonl, tb/; online,
+                                  precompile.log (train's graphs compiled ahead of it)
       export/{native,speculators}/
       evaluate/                   metrics.json, report.md, *.png; tuned.json (what the tuned
                                   section of the export READMEs was written from)
@@ -114,7 +115,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "tokenize": ("train.parquet", "val.parquet"),
     "vocab": ("vocab.safetensors", "vocab.json"),
     "extract": ("train", "val", "head.safetensors", "precompile*.log"),
-    "train": ("step_[0-9]*", "metrics.jsonl", "tb"),
+    "train": ("step_[0-9]*", "metrics.jsonl", "tb", "precompile*.log"),
     "export": ("native", "speculators"),
     "evaluate": ("metrics.json", "report.md", "*.png", "passes", "tuned.json"),
 }
