@@ -199,8 +199,9 @@ class ExtractConfig:
     self_check: bool = doc(True, "before the run, compare the hooks with a plain forward's "
                            "output_hidden_states and logits on one sample")
     precompile: bool = doc(True, "GPU: compile train's graphs (torch.compile) in a process of "
-                           "its own while the target runs, when memory allows: train's warm-up "
-                           "then reads Inductor's cache (drafter/train/precompile.py)")
+                           "its own while the target runs (online: from tokenize until train's "
+                           "first step), when memory allows: train's warm-up then reads "
+                           "Inductor's cache (drafter/train/precompile.py)")
 
 
 # -------------------------------------------------------------------------------------------- train
@@ -227,7 +228,7 @@ class TrainConfig:
         "auto", "TTT attention: sdpa (exact, CPU/GPU) or flex (fast GPU); auto picks")
     compile: bool = doc(True, "torch.compile the fast path's layer and loss pieces (GPU only)")
     saved_graphs: bool = doc(True, "compile: load the layer and loss pieces compiled whole where "
-                             "extract's precompile saved them (torch's aot_compile; no dynamo "
+                             "the precompile saved them (torch's aot_compile; no dynamo "
                              "tracing in train's first step), else compile them as usual")
     loss_chunk: int = doc(0, "fast path: rows of each chunk that lm_head and the loss run on "
                           "at a time; 0 sizes them so that a chunk's float32 logits take 256 "
