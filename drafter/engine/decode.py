@@ -250,7 +250,8 @@ class Decoder:
             tree = TreeSpec.chain(3)
         self.target.claim()
         self.last = {"seconds": 0.0, "capture_seconds": 0.0, "prefill_seconds": 0.0,
-                     "iterations": 0, "row_steps": 0}
+                     "iterations": 0, "row_steps": 0, "spans": {}, "step_gpu_seconds": None}
+        self._step_events = []
         # The caches for the longest prompt, before any batch is timed: grown batch by batch,
         # each growth would reallocate them and recapture every graph inside `seconds` (at batch
         # 1, a longer prompt every few prompts)
@@ -279,6 +280,10 @@ class Decoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.last["seconds"] += time.perf_counter() - t0
+        if self._step_events:  # the GPU's time in the steps' replays (the host's gaps left out)
+            self.last["step_gpu_seconds"] = sum(a.elapsed_time(b) for a, b in
+                                                self._step_events) / 1000
+            self._step_events = []
         self.last["capture_seconds"] = self.graphs.capture_seconds - cap0
         self.last["seconds"] -= self.last["capture_seconds"]
         return outs
@@ -317,10 +322,19 @@ class Decoder:
             # each) past the longest row, lmax, read before them
             span = min(self.cap[1], round_up(lmax + extra + (self.sync_every - 1) * (D + 1),
                                              self.span_bucket))
+            timed = self.device.type == "cuda"
+            if timed:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
             for _ in range(n):
                 self.graphs.run(key + (span,), lambda: fn(span), state)
+            if timed:
+                ev[1].record()
+                self._step_events.append(ev)
             self.last["iterations"] += n
             self.last["row_steps"] += n * B  # rows the steps computed, ended ones included
+            at = f"{B}x{span}"  # the steps by the shape they ran at: rows x attention span
+            self.last["spans"][at] = self.last["spans"].get(at, 0) + n
         return st, steps
 
     def _batch(self, prompts, max_new, stop_ids, temperature, top_p, proposer, tree,
@@ -394,17 +408,22 @@ class Decoder:
             step(self.sync_every, lmax)
 
     @torch.no_grad()
-    def time_forwards(self, proposer: DraftModel, tree: TreeSpec, batch: int = 1,
-                      context: int = 256, repeats: int | None = None) -> dict:
+    def time_forwards(self, proposer: DraftModel | None, tree: TreeSpec | None, batch: int = 1,
+                      context: int = 256, repeats: int | None = None,
+                      span: int | None = None) -> dict:
         """Milliseconds of one target forward over 1 token (a plain step), over N+1 tokens (a
         verification), and of one drafter forward over k frontier tokens (one drafting depth),
-        at `batch` rows with `context` tokens in the cache; graph-captured where decoding is."""
-        D, k, N = tree.depth, tree.topk, tree.nodes
-        extra = max(N + 1, (D - 1) * k, D + 1)
-        self._ensure(batch, context + extra + 2, proposer)
-        self.target.set_aux(proposer.aux_layer_ids)
+        at `batch` rows with `context` tokens in the cache, attending over the span a step there
+        reads (or `span`: the new tokens then sit at its end); graph-captured where decoding
+        is. Without a proposer: the target forward alone."""
+        k, N = (tree.topk, tree.nodes) if proposer is not None else (1, 0)
+        extra = self._extra(proposer, tree)
+        if span is not None:
+            context = max(1, span - extra)
+        self._ensure(batch, max(context + extra + 2, span or 0), proposer)
+        self.target.set_aux(proposer.aux_layer_ids if proposer is not None else None)
         dev, B = self.device, batch
-        span = min(self.cap[1], round_up(context + extra, self.span_bucket))
+        span = min(self.cap[1], span or round_up(context + extra, self.span_bucket))
         s = torch.arange(span, device=dev)
         start = torch.zeros(B, dtype=torch.long, device=dev)
 
@@ -417,33 +436,72 @@ class Decoder:
             ids, slots, vis = inputs(T)
             return lambda: self.target.forward(ids, slots, slots, vis, start)
 
-        ids_d, slots_d, vis_d = inputs(k)
-        fns = {"target_ms": target_fn(1), "verify_ms": target_fn(N + 1),
-               "draft_ms": lambda: proposer.score(1, ids_d, torch.zeros_like(ids_d), slots_d,
-                                                  slots_d, vis_d)}
+        fns = {"target_ms": target_fn(1)}
+        if proposer is not None:
+            ids_d, slots_d, vis_d = inputs(k)
+            fns["verify_ms"] = target_fn(N + 1)
+            fns["draft_ms"] = lambda: proposer.score(1, ids_d, torch.zeros_like(ids_d), slots_d,
+                                                     slots_d, vis_d)
         return {name: _time_ms(fn, self.graphs.enabled, repeats) for name, fn in fns.items()}
+
+    def parts_ms(self, proposer: DraftModel | None, tree: TreeSpec | None,
+                 spans: dict[str, int], repeats: int | None = None) -> dict:
+        """What the steps of a decoding must run, at the shapes they ran at: `spans` is
+        last["spans"] ({"BxS": steps}, summed over calls). Each shape's parts are timed
+        (time_forwards at its rows and span): a plain step's target forward; a speculative
+        step's verification plus depth x one drafter forward. -> {"parts_ms": their mean over
+        the steps, "by_shape": {"BxS": [steps, parts ms]}}. A step's time over parts_ms is its
+        own logic's share (acceptance, commit, bookkeeping, the host's gaps between replays):
+        timed at one context, the parts would leave the longer spans' attention in it."""
+        by, total, n = {}, 0.0, 0
+        for at, steps in sorted(spans.items(), key=lambda kv: [int(x) for x in
+                                                               kv[0].split("x")]):
+            B, S = (int(x) for x in at.split("x"))
+            t = self.time_forwards(proposer, tree, batch=B, span=S, repeats=repeats)
+            ms = t["target_ms"] if proposer is None else t["verify_ms"] \
+                + tree.depth * t["draft_ms"]
+            by[at] = [steps, round(ms, 4)]
+            total, n = total + steps * ms, n + steps
+        return {"parts_ms": round(total / n, 4) if n else None, "by_shape": by}
 
     def _collect(self, st, rows, max_new, stop_ids, spec=False, record_gaps=False
                  ) -> list[Output]:
         """The outputs of state rows `rows` (a range for a whole batch): the tokens up to the
-        first stop token (kept), at most max_new."""
+        first stop token (kept), at most max_new. The rows' state comes over in one transfer
+        (and the runners-up's margins in a second), each row's tokens converted up to its end:
+        continuous batching collects a few rows at a time, between steps."""
         idx = torch.as_tensor(list(rows), device=self.device)
-        n_out, out, steps = (t[idx].tolist() for t in (st.n_out, st.out, st.steps))
-        hist = st.hist[idx].tolist() if spec else None
-        shapes = st.shapes[idx].tolist() if spec and st.shapes is not None else None
-        gaps, second = (st.gap[idx].tolist(), st.second[idx].tolist()) if record_gaps else \
-            (None, None)
+        R, W = len(idx), st.W
+        parts = [st.n_out[idx, None], st.steps[idx, None], st.out[idx]]
+        if spec:
+            parts.append(st.hist[idx])
+        with_shapes = spec and st.shapes is not None
+        if with_shapes:
+            parts.append(st.shapes[idx].flatten(1))
+        if record_gaps:
+            parts.append(st.second[idx].flatten(1))
+        host = torch.cat(parts, 1).cpu()                                        # [R, ...]
+        gap = st.gap[idx].cpu() if record_gaps else None                       # [R, W, NEAR]
+        c = 2 + W
+        hist = host[:, c:c + st.hist.shape[1]] if spec else None
+        c += st.hist.shape[1] if spec else 0
+        shapes = host[:, c:c + st.shapes[0].numel()].view(R, *st.shapes.shape[1:]) \
+            if with_shapes else None
+        c += st.shapes[0].numel() if with_shapes else 0
+        second = host[:, c:].view(R, W, NEAR) if record_gaps else None
         stops = set(stop_ids)
         res = []
-        for j in range(len(idx)):
-            toks = out[j][: min(n_out[j], max_new)]
+        for j in range(R):
+            n_out = int(host[j, 0])
+            toks = host[j, 2:2 + min(n_out, max_new)].tolist()
             cut = next((i for i, t in enumerate(toks) if t in stops), None)
             toks = toks if cut is None else toks[: cut + 1]
             n = len(toks)
-            res.append(Output(toks, "stop" if cut is not None else "length", steps[j],
-                              hist[j] if spec else None, gaps[j][:n] if record_gaps else None,
-                              second[j][:n] if record_gaps else None,
-                              shapes[j] if shapes is not None else None))
+            res.append(Output(toks, "stop" if cut is not None else "length", int(host[j, 1]),
+                              hist[j].tolist() if spec else None,
+                              gap[j, :n].tolist() if record_gaps else None,
+                              second[j, :n].tolist() if record_gaps else None,
+                              shapes[j].tolist() if with_shapes else None))
         return res
 
     def _padded(self, prompts, Tp) -> tuple[Tensor, Tensor]:
