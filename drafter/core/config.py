@@ -309,6 +309,9 @@ class EvaluateConfig:
         None, "lossless check: a greedy divergence to one of the plain run's 8 runners-up whose "
         "logit is at most this below the top is a numerical tie, not a failure; default 0 in "
         "float32, 0.5 in 16-bit (any other 16-bit mismatch is decoded again in float32)")
+    run_recommended: bool = doc(
+        True, "after the methods, also decode the setting the tuner recommends for batch_size "
+        "(greedy) when none of them was it: its speedup measured, not only expected")
 
 
 # --------------------------------------------------------------------------------------------- plan

@@ -84,6 +84,21 @@ def render_report(m: dict) -> str:
         t = r["timing"]
         L.append(f"| {r['name']} | {_fmt(t['target_ms'])} | {_fmt(t['verify_ms'])} | "
                  f"{_fmt(t['draft_ms'])} | {_fmt(t['c'], 3)} |")
+    plain0 = m["plain"].get("0.0", {}).get("overall", {})
+    steps = [("plain, T=0", plain0)] + [(r["name"], r["datasets"]["overall"]) for r in runs]
+    if any(d.get("x_parts") for _, d in steps):
+        L += ["", "The decode step against what it must run, at the rows and attention spans "
+              "its steps ran at (each shape's forwards timed on their own, weighted by its "
+              "steps): a plain step's target forward; a speculative step's verification and "
+              "depth x one drafter forward. x parts is the step's own logic and the host's gaps "
+              "between replays; GPU ms is the GPU's time in the replays alone.", "",
+              "| run | decode ms | GPU ms | parts ms | x parts | GPU x parts |",
+              "|---|---|---|---|---|---|"]
+        for name, d in steps:
+            if d.get("parts_ms"):
+                L.append(f"| {name} | {_fmt(d.get('decode_step_ms'))} | "
+                         f"{_fmt(d.get('step_gpu_ms'))} | {_fmt(d['parts_ms'])} | "
+                         f"{_fmt(d.get('x_parts'))}x | {_fmt(d.get('gpu_x_parts'))}x |")
     rec = s.get("recommended")
     if rec:
         L += ["", "## Serving setting (expected speedup per batch size)", "",
@@ -111,6 +126,12 @@ def render_report(m: dict) -> str:
         for b, r in rec["by_batch"].items():
             L += ["", f"Batch {b}: serve with {r['best']}:", ""]
             L += [f"- {eng}: `{f}`" for eng, f in r["flags"].items() if f]
+        got = rec.get("measured")
+        if got:
+            L += ["", f"Measured at batch {got['batch']} (the run `{got['run']}`): speedup "
+                  f"**{_fmt(got['speedup'])}x** ({_fmt(got['decode_speedup'])}x without the "
+                  f"prefills) against the expected {_fmt(got['expected_speedup'])}x, τ "
+                  f"{_fmt(got['tau'])}."]
     L += ["", "## Per-position acceptance", "",
           "Unconditional: share of steps whose draft position i was accepted. Conditional: the "
           "same among steps whose positions 1..i-1 were all accepted.", ""]

@@ -36,8 +36,18 @@ from pathlib import Path
 
 from drafter import DrafterError
 from drafter.core.rundir import Run, atomic_json, atomic_write, read_json
-from drafter.measure.lossless import compare, recheck_float32
+from drafter.export.tuned import add_tuned_settings
+from drafter.measure.lossless import recheck_float32
 from drafter.measure.report import plots, render_report
+from drafter.measure.summary import (
+    best_tree,
+    lossless_sum,
+    overall,
+    recommend_setting,
+    summarize,
+    with_parts,
+    with_plain,
+)
 
 log = logging.getLogger("drafter")
 
@@ -165,12 +175,17 @@ class _Prompts:
 def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tree=None,
             desc: str = "", continuous: bool = False):
     """Decode every round (building later rounds from these answers when `rounds` is None).
-    Returns ([(record, round, Output)], seconds, iterations, prefill seconds, row steps): seconds
-    include the prefills (the tokens/s a user waits for), iterations are decode steps only, row
-    steps their rows summed (a batch's steps run at its rows: fewer prompts, smaller batches)."""
+    Returns ([(record, round, Output)], stats): stats are Decoder.last's figures summed over the
+    rounds (measure.summary: seconds with the prefills, the tokens/s a user waits for;
+    iterations, decode steps only; row_steps, their rows summed: a batch's steps run at its
+    rows; spans, the steps by shape; step_gpu_seconds, the GPU's time in them)."""
     from tqdm import tqdm
 
-    outs, seconds, iters, prefill, rows = [], 0.0, 0, 0.0, 0
+    from drafter.measure.summary import add_spans
+
+    outs = []
+    stats = {"seconds": 0.0, "iterations": 0, "prefill_seconds": 0.0, "row_steps": 0,
+             "spans": {}, "step_gpu_seconds": None}
     answers: dict[int, list[str]] = {}
     r = 0
     bar = tqdm(total=sum(prompts.n_turns(rec) for rec in prompts.records), desc=desc,
@@ -185,10 +200,13 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
                            proposer=proposer, tree=tree, record_gaps=proposer is None and T == 0,
                            tree_stats=True, continuous=continuous,
                            progress=bar)  # tree_stats: greedy trees' smaller shapes' taus
-        seconds += dec.last["seconds"]
-        iters += dec.last["iterations"]
-        prefill += dec.last["prefill_seconds"]
-        rows += dec.last["row_steps"]
+        last = dec.last
+        for key in ("seconds", "iterations", "prefill_seconds", "row_steps"):
+            stats[key] += last[key]
+        stats["spans"] = add_spans(stats["spans"], last["spans"])
+        if last.get("step_gpu_seconds") is not None:
+            stats["step_gpu_seconds"] = (stats["step_gpu_seconds"] or 0.0) \
+                + last["step_gpu_seconds"]
         for (i, _), o in zip(batch, res):
             outs.append((i, r, o))
             text = prompts.tok.decode(o.tokens, skip_special_tokens=True)
@@ -197,7 +215,7 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
         if rounds is not None and r >= len(rounds):
             break
     bar.close()
-    return outs, seconds, iters, prefill, rows
+    return outs, stats
 
 
 def _warm_up(dec, prompts: _Prompts, stop) -> dict:
@@ -222,93 +240,18 @@ def _pass(run: Run, key: str, prompts: _Prompts, fn):
     p = run.step_dir("evaluate") / "passes" / f"{name}.json"
     if p.exists():
         d = read_json(p)
-        if d.get("key") == key:
+        if d.get("key") == key and "stats" in d:
             if d.get("rounds") is not None:
                 prompts.rounds[:] = [[(i, ids) for i, ids in b] for b in d["rounds"]]
                 prompts.truncated = d["truncated"]
             log.info("evaluate: %s: kept from the interrupted run", key)
-            return [(i, r, Output(**o)) for i, r, o in d["outs"]], d["seconds"], \
-                d["iterations"], d.get("prefill_seconds"), d.get("row_steps")  # older: absent
+            return [(i, r, Output(**o)) for i, r, o in d["outs"]], d["stats"]
     built = not prompts.rounds
-    outs, secs, it, pre, rows = fn()
-    atomic_json(p, {"key": key, "seconds": secs, "iterations": it, "prefill_seconds": pre,
-                    "row_steps": rows,
+    outs, stats = fn()
+    atomic_json(p, {"key": key, "stats": stats,
                     "rounds": prompts.rounds if built else None, "truncated": prompts.truncated,
                     "outs": [(i, r, dataclasses.asdict(o)) for i, r, o in outs]})
-    return outs, secs, it, pre, rows
-
-
-# -------------------------------------------------------------------------------------- metrics
-def _speed(new: int, seconds: float, iterations: int, prefill: float | None = None,
-           row_steps: float | None = None) -> dict:
-    """tokens/s and step_ms over all seconds, prefills included (what a user waits for);
-    decode_step_ms without them: the figure to set beside a captured step's time
-    (benchmarks/decode_speed.py), a prefill being a forward over the whole prompt at batch 1;
-    rows_per_step: the batch the steps ran at (below batch_size when prompts run out)."""
-    m = {"new_tokens": new, "seconds": round(seconds, 4), "iterations": iterations,
-         "tokens_per_s": round(new / seconds, 2) if seconds > 0 else None,
-         "step_ms": _r(1000 * seconds / iterations) if iterations else None}
-    if prefill is not None:
-        m["prefill_seconds"] = round(prefill, 4)
-        m["decode_step_ms"] = _r(1000 * (seconds - prefill) / iterations) if iterations else None
-    if row_steps is not None and iterations:
-        m["rows_per_step"] = round(row_steps / iterations, 2)
-    return m
-
-
-def _accept(hist: list[int], tree) -> dict:
-    from drafter.engine.decode import acceptance_stats
-
-    st = acceptance_stats(hist)
-    drafted = st["steps"] * tree.nodes
-    return {"tau": st["tau"], "steps": st["steps"], "drafted": drafted, "accepted": st["accepted"],
-            "accept_rate": st["accepted"] / drafted if drafted else None,
-            "acceptance": st["acceptance"],
-            "acceptance_conditional": st["acceptance_conditional"], "accept_hist": hist}
-
-
-def _summary(outs, seconds, iterations, prefill=None, tree=None, plain_outs=None, tol=0.0,
-             records=None, row_steps=None) -> dict:
-    m = {"prompts": len(outs), "records": len({i for i, _, _ in outs}),
-         **_speed(sum(len(o.tokens) for _, _, o in outs), seconds, iterations, prefill,
-                  row_steps)}
-    if tree is not None:
-        m.update(_accept([sum(o.hist[a] for _, _, o in outs) for a in range(tree.depth + 1)],
-                         tree))
-        shapes = [o.shapes for _, _, o in outs if o.shapes is not None]
-        if shapes and len(shapes) == len(outs):
-            m["tree_shapes"] = _sum_shapes([{"accepted": x[0], "valid": x[1]} for x in shapes])
-    if plain_outs is not None:
-        verdicts = {"identical": 0, "tie": 0, "drift": 0, "mismatch": 0}
-        details = []
-        ref = {(i, r): o for i, r, o in plain_outs}
-        for i, r, o in outs:
-            v, info = compare(ref[(i, r)], o, tol)
-            verdicts[v] += 1
-            if info is not None:
-                rid = records[i].get("id") if records else None
-                details.append({"record": i, "id": rid, "turn": r + 1, "verdict": v, **info})
-        m["lossless"] = {"compared": len(outs), **verdicts,
-                         "max_tie_gap": max((d["gap"] for d in details if d["verdict"] == "tie"),
-                                            default=None),
-                         "divergences": details}  # all until finish_lossless keeps the first 20
-    return m
-
-
-def _with_speed(m: dict, plain: dict) -> dict:
-    m["plain_tokens_per_s"] = plain.get("tokens_per_s")
-    m["plain_step_ms"] = plain.get("step_ms")
-    if plain.get("decode_step_ms") is not None:
-        m["plain_decode_step_ms"] = plain["decode_step_ms"]
-    if m.get("tokens_per_s") and plain.get("tokens_per_s"):
-        m["speedup"] = round(m["tokens_per_s"] / plain["tokens_per_s"], 3)
-    # the same without the prefills: the time of the steps alone (the warm-up takes the process's
-    # one-off start-up costs out of the first plain pass; a prefill's cost is the target's alone)
-    if m.get("prefill_seconds") is not None and plain.get("prefill_seconds") is not None \
-            and m["seconds"] > m["prefill_seconds"]:
-        m["decode_speedup"] = round((plain["seconds"] - plain["prefill_seconds"])
-                                    / (m["seconds"] - m["prefill_seconds"]), 3)
-    return m
+    return outs, stats
 
 
 def _r(x, n=3):
@@ -349,70 +292,104 @@ def main(cfg) -> dict:
                   prefill_graph_tokens=ev.prefill_graph_tokens)
     proposers = [(what, EagleDraft(dr), path) for what, dr, path in drafters]
 
-    runs, plain_all, ds_info, timings = [], {}, {}, {}
+    runs, plain_all, ds_info, timings, parts_memo = [], {}, {}, {}, {}
     warm = _warm_up(dec, _Prompts(tok, datasets[0][2], max_len, ev.max_new_tokens), stop) \
         if datasets else None
     log.info("evaluate: warm-up: %s", warm)
     cal = None  # the batch the steps run at (rows_per_step), decided by the first plain passes
-    greedy_prompts, run_parts = {}, []  # T=0's prompt rounds; each run's (Drafter, TreeSpec)
+    greedy, run_parts = None, []  # T=0's (plain outs, plain summaries, prompts); (Drafter, tree)
+
+    def parts(m: dict, prop, tree) -> dict:  # what m's steps must run at the shapes they ran at
+        spans = m.get("spans")
+        if not spans:
+            return m
+        memo = parts_memo.setdefault((id(prop), tree), {})
+        new = {at: n for at, n in spans.items() if at not in memo}
+        memo.update({at: v[1] for at, v in
+                     dec.parts_ms(prop if tree else None, tree, new)["by_shape"].items()})
+        n = sum(spans.values())
+        return with_parts(m, {"parts_ms": round(sum(memo[at] * k for at, k in spans.items())
+                                                / n, 4),
+                              "by_shape": {at: [k, memo[at]] for at, k in spans.items()}})
+
+    def method_run(what, prop, dr, path, method, tree, T, plain, ps, prompts) -> dict:
+        """One drafter x method x temperature over every dataset (its passes resumable)."""
+        key = (what, tree)
+        if key not in timings:
+            # c at batch min(B, 8); the costs at batch 1 and at the batch evaluated for the
+            # serving setting (each batch size timed once)
+            small = min(ev.batch_size, 8)
+            by = {b: {k: _r(v) for k, v in dec.time_forwards(prop, tree, batch=b).items()}
+                  for b in sorted({1, small, cal, ev.batch_size})}
+            t = by[small]
+            timings[key] = {**t, "c": _r(t["draft_ms"] / t["verify_ms"], 4),
+                            "by_batch": {b: by[b] for b in sorted({1, cal, ev.batch_size})}}
+        per = {}
+        for name, _, _ in datasets:
+            torch.manual_seed(ev.seed)
+            desc = f"{what} {tree.label()} T={T:g} {name}"
+            pr = prompts[name]
+            outs, stats = _pass(run, desc, pr, lambda: _decode(
+                dec, pr, pr.rounds, ev.max_new_tokens, stop, T, prop, tree, desc=desc,
+                continuous=ev.continuous))
+            m = summarize(outs, stats, tree, plain[name][0] if T == 0 else None, tol,
+                          pr.records)
+            per[name] = with_plain(m, ps[name])
+            log.info("evaluate: %s %s T=%g %s: tau %.3f, %.1f tokens/s (plain %.1f)", what,
+                     tree.label(), T, name, m["tau"] or 0, m["tokens_per_s"] or 0,
+                     ps[name]["tokens_per_s"] or 0)
+        per["overall"] = parts(with_plain(overall(per, tree), ps["overall"]), prop, tree)
+        run_parts.append((dr, tree))
+        return {"name": f"{what}: {tree.label()}, T={T:g}", "drafter": what, "path": str(path),
+                "method": method, "temperature": T, **_tree_settings(tree),
+                "timing": timings[key], "datasets": per}
+
     for T in [float(t) for t in ev.temperatures]:
         plain, prompts = {}, {}
-        if T == 0:
-            greedy_prompts = prompts
         for name, path, recs in datasets:
             torch.manual_seed(ev.seed)
             prompts[name] = pr = _Prompts(tok, recs, max_len, ev.max_new_tokens)
-            outs, secs, it, pre, rows = _pass(run, f"plain T={T:g} {name}", pr, lambda: _decode(
+            outs, stats = _pass(run, f"plain T={T:g} {name}", pr, lambda: _decode(
                 dec, pr, None, ev.max_new_tokens, stop, T, desc=f"plain T={T:g} {name}",
                 continuous=ev.continuous))
-            plain[name] = (outs, _summary(outs, secs, it, pre, row_steps=rows))
+            plain[name] = (outs, summarize(outs, stats))
             ds_info[name] = {"path": path, "records": len(recs),
                              "prompts": sum(len(r) for r in prompts[name].rounds),
                              "truncated_prompts": prompts[name].truncated}
             log.info("evaluate: plain T=%g %s: %d prompts, %.1f tokens/s", T, name, len(outs),
                      plain[name][1]["tokens_per_s"] or 0)
         ps = {n: s for n, (_, s) in plain.items()}
-        ps["overall"] = _overall(ps, None)
+        ps["overall"] = parts(overall(ps, None), None, None)
         plain_all[str(T)] = ps
+        if T == 0:
+            greedy = (plain, ps, prompts)
         if cal is None:  # below batch_size when a dataset has fewer prompts (or a last partial
             # batch): the costs are timed there too, and the serving setting calibrated there
             rows = ps["overall"].get("rows_per_step")
             cal = max(1, round(rows)) if rows else ev.batch_size
         for (what, prop, path), (_, dr, _) in zip(proposers, drafters):
             for method, tree in methods:
-                key = (what, tree)
-                if key not in timings:
-                    # c at batch min(B, 8); the costs at batch 1 and at the batch evaluated for
-                    # the serving setting (each batch size timed once)
-                    small = min(ev.batch_size, 8)
-                    by = {b: {k: _r(v) for k, v in dec.time_forwards(prop, tree, batch=b).items()}
-                          for b in sorted({1, small, cal, ev.batch_size})}
-                    t = by[small]
-                    timings[key] = {**t, "c": _r(t["draft_ms"] / t["verify_ms"], 4),
-                                    "by_batch": {b: by[b] for b in sorted({1, cal,
-                                                                           ev.batch_size})}}
-                timing = timings[key]
-                per = {}
-                for name, _, _ in datasets:
-                    torch.manual_seed(ev.seed)
-                    desc = f"{what} {tree.label()} T={T:g} {name}"
-                    pr = prompts[name]
-                    outs, secs, it, pre, rows = _pass(run, desc, pr, lambda: _decode(
-                        dec, pr, pr.rounds, ev.max_new_tokens, stop, T, prop, tree, desc=desc,
-                        continuous=ev.continuous))
-                    m = _summary(outs, secs, it, pre, tree, plain[name][0] if T == 0 else None,
-                                 tol, prompts[name].records, rows)
-                    per[name] = _with_speed(m, ps[name])
-                    log.info("evaluate: %s %s T=%g %s: tau %.3f, %.1f tokens/s (plain %.1f)",
-                             what, tree.label(), T, name, m["tau"] or 0, m["tokens_per_s"] or 0,
-                             plain[name][1]["tokens_per_s"] or 0)
-                per["overall"] = _with_speed(_overall(per, tree), ps["overall"])
-                run_parts.append((dr, tree))
-                runs.append({"name": f"{what}: {tree.label()}, T={T:g}", "drafter": what,
-                             "path": str(path), "method": method, "temperature": T,
-                             **_tree_settings(tree), "timing": timing, "datasets": per})
+                runs.append(method_run(what, prop, dr, path, method, tree, T, plain, ps,
+                                       prompts))
 
-    drift = _recheck(model, runs, run_parts, greedy_prompts, ev.max_new_tokens, stop) \
+    # the tuner's setting for the batch evaluated, run too when no run above was it: the speedup
+    # it promises, measured
+    rec = recommend_setting(runs, plain_all, cal, str(drafters[0][2]))
+    best = best_tree(rec, cal) if rec else None
+    if best is not None and ev.run_recommended:
+        same = next((r for r in runs if r["drafter"] == "drafter" and r["temperature"] == 0
+                     and _tree_settings(best).items() <= r.items()), None)
+        if same is None:
+            log.info("evaluate: the recommended setting at batch %d, %s", cal, best.label())
+            same = method_run("drafter", proposers[0][1], drafters[0][1], drafters[0][2],
+                              "chain" if best.is_chain else "tree", best, 0.0, *greedy)
+            runs.append(same)
+        same["recommended"] = True
+        rec["measured"] = {"batch": cal, "run": same["name"],
+                           **{k: same["datasets"]["overall"].get(k)
+                              for k in ("tau", "speedup", "decode_speedup", "x_parts")},
+                           "expected_speedup": rec["by_batch"][str(cal)]["expected_speedup"]}
+    drift = _recheck(model, runs, run_parts, greedy[2], ev.max_new_tokens, stop) \
         if dtype != torch.float32 else 0
     primary = runs[0]
     settings = {
@@ -433,7 +410,6 @@ def main(cfg) -> dict:
                     if k in primary},
         "datasets": ds_info,
     }
-    rec = _recommend(runs, plain_all, cal, str(drafters[0][2]))
     if rec:
         settings["recommended"] = rec
     try:
@@ -471,7 +447,7 @@ def _recheck(model, runs: list[dict], parts: list[tuple], prompts: dict, max_new
     for r in runs:
         if r["temperature"] == 0:
             items = [d for n, d in r["datasets"].items() if n != "overall"]
-            r["datasets"]["overall"]["lossless"] = _lossless_sum(items)
+            r["datasets"]["overall"]["lossless"] = lossless_sum(items)
     return drift
 
 
@@ -496,6 +472,7 @@ def finish(run: Run, settings: dict, runs: list[dict], plain: dict) -> dict:
     plots(run, runs)
     atomic_write(run.eval_report(), render_report(metrics))
     log.info("evaluate: wrote %s", run.eval_report())
+    add_tuned_settings(run, metrics)  # the export READMEs: the serving flags measured here
     if mismatches:
         first = next((dict(run=r["name"], dataset=n, **x) for r, n, d in verdicts
                       for x in d["lossless"]["divergences"] if x["verdict"] == "mismatch"), {})
@@ -505,82 +482,7 @@ def finish(run: Run, settings: dict, runs: list[dict], plain: dict) -> dict:
     return metrics
 
 
-def _recommend(runs: list[dict], plain: dict, batch: int, drafter_dir: str) -> dict | None:
-    """The serving setting (drafter.engine.tuning) from the drafter's greedy chain run: its
-    conditional acceptance, the step costs measured per batch size, calibrated on this run's
-    step times (decode steps, prefills left out: the per-step figures an engine with continuous
-    batching gets) against the costs timed at `batch`, the rows those steps ran at (a batch_size
-    64 run of 21 and 22-row batches, calibrated against costs timed at 64 rows, had come out
-    x0.876); and from each greedy tree run, its own tau and those of its smaller shapes."""
-    from drafter.engine.tuning import chain_step_ms, recommend, tree_step_ms
-
-    chain = next((r for r in runs if r["drafter"] == "drafter" and r["method"] == "chain"
-                  and r["temperature"] == 0), None)
-    if chain is None or not chain["datasets"]["overall"].get("step_ms"):
-        return None
-    o, k = chain["datasets"]["overall"], chain["k"]
-    t = chain["timing"]["by_batch"]
-    spec_ratio = (o.get("decode_step_ms") or o["step_ms"]) / chain_step_ms(t[batch], k, k)
-    po = plain["0.0"]["overall"]
-    plain_ms = po.get("decode_step_ms") or po.get("step_ms")
-    plain_ratio = plain_ms / t[batch]["target_ms"] if plain_ms else 1.0
-    trees = []
-    for r in runs:
-        ov = r["datasets"]["overall"]
-        if r["drafter"] != "drafter" or r["method"] != "tree" or r["temperature"] != 0 \
-                or not ov.get("tau"):
-            continue
-        tt, D, N = r["timing"]["by_batch"], r["depth"], r["tokens"]
-        measured = ov.get("decode_step_ms") or ov.get("step_ms")
-        trees.append({"label": r["name"].split(",")[0].split(": ", 1)[-1], "tau": ov["tau"],
-                      "depth": D, "topk": r["topk"], "tokens": N, "timings": tt,
-                      "ratio": measured / tree_step_ms(tt[batch], D, N, N) if measured else None,
-                      "shapes": ov.get("tree_shapes")})
-    rec = recommend(o["acceptance_conditional"], t, k, {"spec_ratio": spec_ratio,
-                                                        "plain_ratio": plain_ratio},
-                    trees, drafter_dir)
-    # a batch waits for its slowest row (static batches; continuous ones at their last prompts):
-    # the steps the batches took, against tau's promise
-    p_it = plain["0.0"]["overall"].get("iterations")
-    eff = (p_it / o["iterations"]) / o["tau"] if p_it and o.get("iterations") and o["tau"] \
-        else None
-    return {"calibration": {"batch": batch, "spec_ratio": round(spec_ratio, 3),
-                            "plain_ratio": round(plain_ratio, 3),
-                            "static_batch_efficiency": _r(eff)}, "by_batch": rec}
-
-
 def _tree_settings(tree) -> dict:
     if tree.is_chain:
         return {"k": tree.depth}
     return {"depth": tree.depth, "topk": tree.topk, "tokens": tree.nodes}
-
-
-def _sum_shapes(parts: list[dict]) -> dict:
-    """Elementwise sums of tree_shapes ({"accepted", "valid"}: [D][N] step counts)."""
-    return {key: [[sum(p[key][d][n] for p in parts) for n in range(len(parts[0][key][d]))]
-                  for d in range(len(parts[0][key]))] for key in ("accepted", "valid")}
-
-
-def _lossless_sum(items: list[dict]) -> dict:
-    return {k: sum(d["lossless"][k] for d in items)
-            for k in ("compared", "identical", "tie", "drift", "mismatch")}
-
-
-def _overall(per: dict, tree) -> dict:
-    """Sums over datasets (τ from summed counts, not an average of τs)."""
-    items = [d for n, d in per.items() if n != "overall"]
-    m = {"prompts": sum(d["prompts"] for d in items),
-         **_speed(sum(d["new_tokens"] for d in items), sum(d["seconds"] for d in items),
-                  sum(d["iterations"] for d in items),
-                  sum(d["prefill_seconds"] for d in items)
-                  if all("prefill_seconds" in d for d in items) else None,
-                  sum(d["rows_per_step"] * d["iterations"] for d in items)
-                  if all("rows_per_step" in d for d in items) else None)}
-    if tree is not None:
-        m.update(_accept([sum(d["accept_hist"][a] for d in items) for a in range(tree.depth + 1)],
-                         tree))
-        if all("tree_shapes" in d for d in items):
-            m["tree_shapes"] = _sum_shapes([d["tree_shapes"] for d in items])
-        if all("lossless" in d for d in items):
-            m["lossless"] = _lossless_sum(items)
-    return m
