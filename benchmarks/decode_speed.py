@@ -14,6 +14,9 @@ prompt lengths, graphed and eager. Other uses:
     python benchmarks/decode_speed.py                      # SmolLM2-135M on the GPU (the goals)
     python benchmarks/decode_speed.py --tiny               # a tiny random target on CPU (smoke)
     python benchmarks/decode_speed.py --drafter runs/x/export/native --json out.json
+    python benchmarks/decode_speed.py --eval-sets ../shared/data/eval --batches 64 --skip-steps
+                                  # evaluate's own decoding and figures on its prompts (the
+                                  # report's x parts), the drafter random unless --drafter
     python benchmarks/decode_speed.py --tiny --ops         # + aten ops per step (kernel count),
                                                            # and by part of the step
     python benchmarks/decode_speed.py --random-target --batches 1,64 --profile   # no model files:
@@ -247,6 +250,51 @@ def prefill_profile(dec, P, k: int, prompts: list) -> str:
     return "\n".join(lines) + "\n" + "\n".join(tables)
 
 
+def eval_rows(model, P, a, row, graphs: bool, fold) -> None:
+    """Evaluate's own decoding (drafter.steps.evaluate._decode: continuous batching, plain's
+    runners-up recorded, greedy trees' shape counts) on the eval sets under --eval-sets, and its
+    figures (drafter.measure.summary, Decoder.parts_ms): per batch size, plain and each method's
+    decode step, its GPU time, its parts at the shapes its steps ran at and the ratio, as
+    evaluate's report gives them for the same prompts and drafter."""
+    from drafter.core.target import load_tokenizer
+    from drafter.data.sources import load_prompts
+    from drafter.engine.decode import stop_ids_of
+    from drafter.measure.summary import overall, summarize, with_parts
+    from drafter.steps.evaluate import _decode, _Prompts
+
+    d = Path(a.eval_sets)
+    sets = [("mt_bench", d / "mt_bench_questions.jsonl"), ("humaneval", d / "humaneval.jsonl.gz"),
+            ("gsm8k", d / "gsm8k_test.jsonl")]
+    tok = load_tokenizer(TargetConfig(model=a.target))
+    stop = stop_ids_of(tok, model)
+    depth, topk, tokens = (int(x) for x in a.tree.split(","))
+    for B in (int(x) for x in a.batches.split(",")):
+        dec = Decoder(model, max_batch=B, cuda_graphs=graphs, fold=fold)
+        prompts = {n: _Prompts(tok, load_prompts(str(p), a.eval_prompts), 8192, a.new_tokens)
+                   for n, p in sets}
+        first = prompts["mt_bench"].build(0, {})[:B]
+        dec.generate([ids for _, ids in first], 2, stop_ids=stop)          # warm-up
+        for label, prop, tree in [("plain", None, None), ("chain", P, TreeSpec.chain(a.k)),
+                                  ("tree", P, TreeSpec(depth, topk, tokens))]:
+            per = {}
+            for n, pr in prompts.items():
+                outs, stats = _decode(dec, pr, pr.rounds or None, a.new_tokens, stop, 0.0,
+                                      prop, tree, continuous=True)
+                per[n] = summarize(outs, stats, tree)
+            o = overall(per, tree)
+            o = with_parts(o, dec.parts_ms(prop, tree, o["spans"]))
+            name = "plain" if tree is None else tree.label()
+            row(f"evaluate's decoding, {name}, batch {B}, {o['prompts']} prompts: decode step / "
+                f"GPU / parts ms; x parts; GPU x parts; tau",
+                f"{o['decode_step_ms']} / {o.get('step_gpu_ms')} / {o['parts_ms']}; "
+                f"{o['x_parts']}; {o.get('gpu_x_parts')}; {_r2(o.get('tau'))}", "")
+        del dec
+
+
+def _r2(x):
+    return None if x is None else round(x, 2)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", default="builtin:smollm2-135m-instruct")
@@ -277,6 +325,14 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-prefill", action="store_true",
                     help="with --prefill-lengths N: N more prefills per method under "
                          "torch.profiler (where the speculative prefill's time goes)")
+    ap.add_argument("--eval-sets", metavar="DIR",
+                    help="also run evaluate's own decoding (continuous batching, its figures) on "
+                    "the eval sets in DIR (MT-bench both turns, HumanEval, GSM8K), at --batches, "
+                    "--new-tokens, --k and --tree; needs a target with a tokenizer")
+    ap.add_argument("--eval-prompts", type=int, default=200,
+                    help="with --eval-sets: at most this many records a set")
+    ap.add_argument("--skip-steps", action="store_true",
+                    help="leave out the fixed-prompt step rows (with --eval-sets)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--top-chunks", type=int,
                     help="the tree's top-k searches in chunks of this many columns "
@@ -321,7 +377,9 @@ def main(argv=None) -> int:
     # -- plain and speculative steps at each batch size (every row decodes the same prompt)
     P = EagleDraft(dr)
     n1 = a.new_tokens
-    for B in (int(x) for x in a.batches.split(",")):
+    if a.eval_sets:
+        eval_rows(model, P, a, row, graphs, fold)
+    for B in (int(x) for x in a.batches.split(",") if not a.skip_steps):
         dec = Decoder(model, max_batch=B, cuda_graphs=graphs, fold=fold)
         prompts = [prompt] * B
         dec.generate(prompts, 8)                 # warm-up (kernels, allocator)
@@ -329,6 +387,9 @@ def main(argv=None) -> int:
         plain_ms = 1000 * (dec.last["seconds"] - dec.last["prefill_seconds"]) \
             / dec.last["iterations"]
         row(f"plain decode step, batch {B}", round(plain_ms, 3), "ms")
+        at = dec.parts_ms(None, None, dict(dec.last["spans"]))["parts_ms"]
+        row("  step / a target forward at the spans its steps ran at (evaluate's x parts)",
+            f"{plain_ms / at:.3f}", "")
         # evaluate's step_ms counts the prefills (its decode_step_ms does not): at batch 1 one
         # prompt's prefill is spread over that prompt's steps only
         row(f"  prefill of {a.prompt_tokens} tokens x {B} (plain)",
@@ -338,6 +399,7 @@ def main(argv=None) -> int:
             outs = dec.generate(prompts, n1, proposer=P, tree=tree)
             step = 1000 * (dec.last["seconds"] - dec.last["prefill_seconds"]) \
                 / dec.last["iterations"]
+            spans = dict(dec.last["spans"])
             tau = acceptance_stats(outs[0].hist)["tau"]
             row(f"speculative step, {tree.label()}, batch {B}", round(step, 3), "ms",
                 "<= 10" if B == 1 else None, step <= 10 if B == 1 else None)
@@ -351,6 +413,9 @@ def main(argv=None) -> int:
             parts = t["verify_ms"] + tree.depth * t["draft_ms"]
             row("  c = drafter / verification; step / (verify + depth x drafter); tau",
                 f"{t['draft_ms'] / t['verify_ms']:.4f}; {step / parts:.2f}; {tau:.2f}", "")
+            at = dec.parts_ms(P, tree, spans)["parts_ms"]
+            row("  step / its parts at the spans its steps ran at (evaluate's x parts)",
+                f"{step / at:.3f}", "")
             if a.profile and dev.type == "cuda" and tree.is_chain:
                 from torch.profiler import ProfilerActivity, profile
 
