@@ -397,6 +397,20 @@ def test_runners_up_leave_out_the_picked_token_among_ties():
         assert (gaps[:, 1:] >= gaps[:, :-1]).all()       # best first
 
 
+def test_runners_up_over_a_real_vocab_match_torch_topk():
+    """At SmolLM2's vocabulary (49,152: the two-read search applies) the runners-up are
+    torch.topk's: the same margins, best first, in bf16-valued logits with exact ties."""
+    from drafter.engine.decode import NEAR, runners_up
+
+    g = torch.Generator().manual_seed(0)
+    lg = (torch.randn(6, 49152, generator=g) * 4).to(torch.bfloat16).float()
+    picked = lg.argmax(-1)
+    gaps, ids = runners_up(lg, picked)
+    top = lg.topk(NEAR + 1, dim=-1).values[:, 1:]
+    assert torch.equal(gaps, lg.gather(1, picked[:, None]) - top)
+    assert torch.equal(lg.gather(1, ids), top) and (ids != picked[:, None]).all()
+
+
 def test_plain_decoding_matches_hf_generate(smol):
     """Left-padded batch of two prompt lengths, static cache == transformers' own generate, also
     with the prefill cut into chunks of 16 tokens."""
