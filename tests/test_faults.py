@@ -503,6 +503,32 @@ def test_gpu_wait_leaves_other_jobs_alone(caplog):
     assert "PID 549" not in str(e.value)
 
 
+def test_gpu_wait_counts_a_new_process_of_our_own_as_ours():
+    """A process that appeared during generate in drafter's own session (an online run's
+    precompile child, started before generate) whose PID is in `own` is neither waited for nor
+    its memory counted; left out of `own` it is a leftover. Where NVML cannot size it, its
+    memory counts, but polls are not timed while `own_running` says it still runs."""
+    base = [_gpu(0, 1 * gpu.GiB, [(111, "other", 1 * gpu.GiB)])]
+    child = [_gpu(0, 21 * gpu.GiB, [(111, "other", gpu.GiB), (999, "drafter", gpu.GiB),
+                                    (5000, "python3", 19 * gpu.GiB)])]
+    wait = functools.partial(gpu_release.wait_gpu_released, base, timeout=3, poll=1,
+                             started={77}, session=lambda pid: 77, snapshot=lambda: child)
+    slept = []
+    rep = wait(own={999, 5000}, sleep=slept.append)
+    assert rep == {"ok": True, "waited": 0, "others": []} and slept == []
+    with pytest.raises(gpu_release.GpuNotReleased, match="PID 5000 .python3. holds 19.0 GiB"):
+        wait(own={999}, sleep=slept.append)
+    assert sum(slept) == 3
+    # unsized: waited for while it runs (untimed), then back at the baseline once it has ended
+    unsized = [_gpu(0, 21 * gpu.GiB, [(111, "other", gpu.GiB), (5000, "python3", None)])]
+    snaps = iter([unsized] * 5 + [base])
+    running = iter([True] * 5 + [False])
+    slept.clear()
+    rep = wait(own={999, 5000}, sleep=slept.append, snapshot=lambda: next(snaps),
+               own_running=lambda: next(running))
+    assert rep == {"ok": True, "waited": 5, "others": []} and sum(slept) == 5
+
+
 def test_run_waits_for_the_gpu_before_loading_the_target(tmp_path, monkeypatch):
     """run_all takes the GPU baseline before generate and checks it before extract (the first
     step that loads the target), never before steps that do not; a held GPU stops the run

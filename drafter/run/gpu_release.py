@@ -2,7 +2,8 @@
 from before generate (NVML), or fail naming the PIDs that still hold it. A new holder outside the
 sessions drafter started is another job's, named in a warning and left alone; drafter never kills
 a process it did not start. drafter/run/pipeline.py's run_all takes the baseline before generate
-and waits before the next step that loads the target on a GPU.
+and waits before the next step that loads the target on a GPU; an online run's precompile child,
+started before generate when its engine is local, is one of its own (`own`, `own_running`).
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def wait_gpu_released(baseline: list, timeout: float, what: str = "the next step
                       snapshot: Callable | None = None, poll: float = 1.0,
                       sleep: Callable | None = None, own: set[int] | None = None,
                       started: set[int] | None = None,
-                      session: Callable[[int], int | None] | None = None) -> dict:
+                      session: Callable[[int], int | None] | None = None,
+                      own_running: Callable[[], bool] | None = None) -> dict:
     """Wait (at most `timeout` s) until every GPU of `baseline` (gpu.devices() taken before
     generate started its server) is back at its used memory (+GPU_SLACK, not counting this
     process's own) and no leftover of a server drafter started holds memory. Returns the last
@@ -54,7 +56,13 @@ def wait_gpu_released(baseline: list, timeout: float, what: str = "the next step
     process's session; a server's workers keep its session when it dies first). Another new
     holder is someone else's job (a second run on the same GPU): it is named in a warning and
     its memory is not counted, when NVML says how much it holds and its session can be read;
-    otherwise (containers, MIG, another PID namespace) it is waited for like a leftover."""
+    otherwise (containers, MIG, another PID namespace) it is waited for like a leftover.
+
+    `own` (default: this process and its torchrun siblings) are ours: neither waited for nor
+    their memory counted, when NVML sizes it; the pipeline adds the precompile child it started
+    before generate (precompile.ahead_pid). Where NVML cannot size that child's memory it would
+    count as extra: while `own_running()` says such a child of ours still runs, polls are not
+    timed (the wait goes on until it ends, as train would wait for it anyway)."""
     from drafter.core import gpu
     from drafter.serve.supervisor import STARTED_SESSIONS
 
@@ -67,7 +75,7 @@ def wait_gpu_released(baseline: list, timeout: float, what: str = "the next step
     started = (STARTED_SESSIONS | {session(os.getpid())}) if started is None else started
     base = {g.index: g for g in baseline}
     base_pids = {p.pid for g in baseline for p in g.processes}
-    waited = 0.0  # counted in polls, not wall time: NVML calls are quick
+    waited = timed = 0.0  # counted in polls, not wall time: NVML calls are quick
     while True:
         problems, others = [], []
         for g in snapshot():
@@ -93,7 +101,7 @@ def wait_gpu_released(baseline: list, timeout: float, what: str = "the next step
                             "a process drafter started; left alone and not counted", i, p.pid,
                             p.name, p.used_bytes / gpu.GiB)
             return {"ok": True, "waited": waited, "others": [p.pid for _, p in others]}
-        if waited >= timeout:
+        if timed >= timeout:
             lines = []
             for pr in problems:
                 lines.append(f"GPU {pr['gpu']}: {pr['extra_bytes'] / gpu.GiB:+.1f} GiB used "
@@ -107,5 +115,7 @@ def wait_gpu_released(baseline: list, timeout: float, what: str = "the next step
                 f"{what} would run out of memory:\n  " + "\n  ".join(lines) + "\ndrafter never "
                 "kills a process it did not start: stop them yourself, then rerun the same "
                 "command (finished steps are kept).")
+        if own_running is None or not own_running():
+            timed += poll
         sleep(poll)
         waited += poll
