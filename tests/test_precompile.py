@@ -2,8 +2,9 @@
 configs apply on a GPU), the child's micro-batches against what the online feeder builds from a
 tiny random target (names, dtypes, devices, shapes: what Inductor's and aot's keys hold), its
 set-up before the vocab step has run (the vocab's shape only), train waiting for the child the
-pipeline started and keeping its log and figures, and the pipeline starting it before the first
-of tokenize, vocab, extract, train that runs and stopping it when no train takes it. A CPU
+pipeline started and keeping its log and figures, and the pipeline starting it before generate
+(engine local) or before the first of tokenize, vocab that runs, the release wait counting it as
+the pipeline's own, and stopping it when no train takes it. A CPU
 cannot compile: these test the decision and the plumbing; the GPU test runs the real thing."""
 from __future__ import annotations
 
@@ -262,6 +263,64 @@ def test_pipeline_starts_the_online_precompile_before_tokenize_and_train_waits(
     pipeline.run_all(cfg_for(tiny, "train.online=false", run_dir=tmp_path / "off"),
                      steps=pipeline.STEPS[:6])
     assert "child" not in ahead.calls and ahead.calls[-1] == "train"
+
+
+def test_pipeline_starts_the_child_before_a_local_generate(ahead, tiny, tmp_path):
+    """With generate in this process (engine local: the data engine leaves room beside it) the
+    child starts before generate, so its compile overlaps the answers; with a server engine
+    (transformers serve, vLLM) or generate off, before tokenize as before."""
+    cfg = cfg_for(tiny, "generate.server.engine=local", run_dir=tmp_path / "local")
+    pipeline.run_all(cfg, steps=pipeline.STEPS[:6])
+    assert ahead.calls == ["prepare", "child", "generate", "tokenize", "vocab", "extract",
+                           "train"]
+    assert read_json(Run(tmp_path / "local").manifest("train"))["before"] == "generate"
+    assert precompile._ahead is None and ahead.children[0].returncode == 0
+    for name, engine in (("serve", "transformers"), ("vllm", "vllm")):
+        ahead.calls.clear()
+        pipeline.run_all(cfg_for(tiny, f"generate.server.engine={engine}",
+                                 run_dir=tmp_path / name), steps=pipeline.STEPS[:6])
+        assert ahead.calls == ["prepare", "generate", "child", "tokenize", "vocab", "extract",
+                               "train"], engine
+        assert read_json(Run(tmp_path / name).manifest("train"))["before"] == "tokenize"
+    ahead.calls.clear()
+    pipeline.run_all(cfg_for(tiny, "generate.server.engine=local", "generate.enabled=false",
+                             run_dir=tmp_path / "off"), steps=pipeline.STEPS[:6])
+    assert ahead.calls == ["prepare", "generate", "child", "tokenize", "vocab", "extract",
+                           "train"]
+
+
+def test_the_release_wait_counts_the_child_started_before_generate_as_ours(
+        ahead, tiny, tmp_path, monkeypatch):
+    """The child started before a local generate is a new process in this process's session
+    holding GPU memory when the pipeline checks the GPU before train: the wait counts it as
+    this process's own (its PID in `own`), so it neither waits for it nor counts its memory."""
+    from drafter.core import gpu
+
+    def one(used=0, procs=()):
+        return [gpu.Gpu(0, "H200", "GPU-0", 140 * gpu.GiB, 140 * gpu.GiB - used, used,
+                        [gpu.GpuProcess(pid, "python3", b, 0) for pid, b in procs])]
+
+    def snapshot():  # before generate: nothing; then the child holds 20 GiB while it runs
+        if not ahead.children:
+            return one()
+        return one(20 * gpu.GiB, [(ahead.children[0].pid, 20 * gpu.GiB)])
+
+    real, seen, slept = gpu_release.wait_gpu_released, [], []
+
+    def wait(baseline, **kw):
+        seen.append(kw)
+        return real(baseline, sleep=slept.append, **kw)
+
+    monkeypatch.setattr(gpu_release, "gpu_snapshot", snapshot)
+    monkeypatch.setattr(gpu_release, "wait_gpu_released", wait)
+    monkeypatch.setenv("_TEST_NAP", "5")  # still running when the pipeline reaches train
+    cfg = cfg_for(tiny, "generate.server.engine=local", run_dir=tmp_path / "run")
+    pipeline.run_all(cfg, steps=pipeline.STEPS[:6])
+    assert ahead.calls == ["prepare", "child", "generate", "tokenize", "vocab", "extract",
+                           "train"]
+    assert len(seen) == 1 and seen[0]["what"] == "drafter train" and slept == []
+    assert ahead.children[0].pid in seen[0]["own"] and os.getpid() in seen[0]["own"]
+    assert ahead.children[0].returncode == 0  # train waited for it, as before
 
 
 def test_pipeline_stops_the_child_when_the_run_fails_before_train(ahead, tiny, tmp_path,

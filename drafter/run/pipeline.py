@@ -20,10 +20,10 @@ signal. Around that:
 - `run_all`: the generation server lives inside generate; before the next step that loads the
   target on a GPU, GPU memory must be back at its level from before generate (NVML), or the
   error names the PIDs holding it (drafter/run/gpu_release.py). drafter never kills a process
-  it did not start. Online, train's graphs compile in a process of their own from tokenize (or
-  vocab, when tokenize is done; the GPU back from generate first) until train's first step
-  (drafter/train/precompile.py, start_ahead); it is stopped when the run ends without a train
-  that took it.
+  it did not start. Online, train's graphs compile in a process of their own until train's
+  first step (drafter/train/precompile.py, start_ahead), started before generate when generate
+  runs in this process (engine local), else before tokenize (or vocab, when tokenize is done; the
+  GPU back from generate first); it is stopped when the run ends without a train that took it.
 """
 from __future__ import annotations
 
@@ -423,12 +423,32 @@ def starts_server(cfg) -> bool:
     return cfg.generate.enabled and cfg.generate.server.engine != "external"
 
 
-# An online run compiles train's graphs in a process of its own from the first of these steps
-# that runs (drafter/train/precompile.py, start_ahead): either makes train run too, and they are
-# the work there is to overlap before train. Not from extract (online, it stores nothing) or
-# train: the child would overlap only train's set-up, a few seconds, and train would wait longer
-# for its imports and compiles (35-60 s offline) than its first step takes to compile (~22 s).
+# An online run compiles train's graphs in a process of its own (drafter/train/precompile.py,
+# start_ahead), started before the first of these steps that runs: either makes train run too,
+# and they are the work there is to overlap before train. The child needs ~36 s on an H200
+# (imports, two compiled train steps, saving the graphs; SmolLM2 from scratch), but tokenize,
+# vocab and train's set-up took ~9 s: started before tokenize, train's set-up waited 27 s for it,
+# nothing saved against compiling in its first step (~22 s). So when generate runs in this
+# process (engine local: the data engine sizes its KV pool from a share of the free memory it
+# finds, leaving room for the child beside it) and will run, the child starts before generate
+# and compiles while generate answers (135 s there). Else (an HTTP server, vLLM, SGLang or
+# transformers serve, takes most of the GPU; engine external; generate off or done) before
+# tokenize, or vocab, once the GPU is back from generate. Not from extract (online, it stores
+# nothing) or train: the child would overlap only train's set-up, and train would wait for it
+# longer than its first step takes to compile.
 AHEAD_OF_TRAIN = ("tokenize", "vocab")
+
+
+def generates_locally(cfg) -> bool:
+    """generate runs the target in this process (engine local, the data engine), which leaves
+    room on the GPU for train's precompile beside it."""
+    return starts_server(cfg) and cfg.generate.server.engine == "local"
+
+
+def starts_precompile(cfg, step: str) -> bool:
+    """Whether an online run's precompile starts before `step` when `step` is the first of
+    them that runs: generate when it runs in this process, else tokenize or vocab."""
+    return step in AHEAD_OF_TRAIN or (step == "generate" and generates_locally(cfg))
 
 
 def precompiles_ahead(cfg, steps: list[str]) -> bool:
@@ -445,11 +465,13 @@ def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[di
     only inside generate; before the first later step that loads the target on a GPU, the GPU
     memory must be back at its level from before generate.
 
-    Online (train.online), train's graphs compile in a process of their own from tokenize (or
-    vocab, when tokenize is done; once the GPU is back from generate) until train's first step,
-    which waits for it (drafter/train/precompile.py, start_ahead): it overlaps tokenize, vocab
-    and train's own set-up (the target's load, the feeder's first captures). It is stopped when
-    the run ends without a train that took it."""
+    Online (train.online), train's graphs compile in a process of their own until train's
+    first step, which waits for it (drafter/train/precompile.py, start_ahead). It starts before
+    generate when generate runs in this process (engine local: the data engine leaves room), so
+    that its compile (~36 s) overlaps the answers; else before tokenize (or vocab, when
+    tokenize is done; once the GPU is back from generate), overlapping tokenize, vocab and
+    train's set-up (~9 s of them on an H200: see AHEAD_OF_TRAIN). The release wait counts it as
+    this process's own. It is stopped when the run ends without a train that took it."""
     run = Run.of(cfg)
     out = []
     baseline = None
@@ -461,14 +483,13 @@ def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[di
         try:
             for step in steps:
                 will_run = force or _will_run(cfg, run, step)
+                starts_ahead = ahead and will_run and starts_precompile(cfg, step)
                 if step == "generate" and will_run and starts_server(cfg):
+                    # before the child starts (local engine): the level generate must give back
                     baseline = gpu_release.gpu_snapshot() or None  # None on a machine without GPU
-                starts_ahead = ahead and will_run and step in AHEAD_OF_TRAIN
-                if baseline is not None and will_run and (loads_target(cfg, step) or
-                                                          starts_ahead):
-                    gpu_release.wait_gpu_released(
-                        baseline, timeout=max(60.0, 2 * cfg.generate.server.stop_timeout),
-                        what=f"drafter {step}")
+                elif baseline is not None and will_run and (loads_target(cfg, step) or
+                                                            starts_ahead):
+                    _wait_gpu_released(cfg, baseline, step)
                     baseline = None
                 if starts_ahead:
                     precompile.start_ahead(cfg, before=step)
@@ -477,6 +498,18 @@ def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[di
         finally:  # one that no train took: the run failed, or stopped before train
             precompile.stop_ahead()
     return out
+
+
+def _wait_gpu_released(cfg, baseline: list, step: str) -> None:
+    """gpu_release.wait_gpu_released before `step`, with the precompile child started before
+    generate (a new process in this process's session) counted as this process's own."""
+    from drafter.core import gpu
+
+    child = precompile.ahead_pid()
+    gpu_release.wait_gpu_released(
+        baseline, timeout=max(60.0, 2 * cfg.generate.server.stop_timeout),
+        what=f"drafter {step}", own=gpu.related_pids() | ({child} if child else set()),
+        own_running=precompile.ahead_running)
 
 
 def _will_run(cfg, run: Run, step: str) -> bool:

@@ -18,18 +18,23 @@ returns (`finish`; stopped when extract fails or keeps every shard). Its log is
 extract/precompile.log and its figures are in extract's manifest ("precompile").
 
 Online (train.online: extract stores nothing, the target runs in train): `drafter run` starts it
-(`start_ahead`, drafter/run/pipeline.py) before tokenize (before vocab when tokenize is done),
-once generate has given the GPU back, when the GPU has room for it and for the online
-train beside it (`ahead_bytes`: the target and two train steps). It is this process's until
-train's loop takes it (`take_ahead`) and waits for it before its first step, with its set-up done
-and the online feeder capturing the first batches meanwhile: it overlaps tokenize, vocab and
-train's set-up (the target's load), the most of real work there is between generate freeing the
-GPU and train's first step. Its log moves to train/precompile.log and its figures are train's
-manifest's "precompile" (with `started_before`, the step). A run that fails or ends before train
-stops it (`stop_ahead`). Neither a run whose tokenize and vocab are done nor `drafter train`
-alone starts one: started at train's own start it would overlap only train's set-up, and train
-would wait longer for it than compiling takes; `drafter precompile CONFIG` by hand first does it
-(and a rerun finds the caches its first train filled).
+(`start_ahead`, drafter/run/pipeline.py) when the GPU has room for it and for the online train
+beside it (`ahead_bytes`: the target and two train steps): before generate when generate runs in
+this process and will run (engine local: the data engine sizes its KV pool from a share of the
+free memory it finds, so the child fits beside it), else before tokenize (before vocab when
+tokenize is done), once generate has given the GPU back. On an H200 (SmolLM2, from scratch) the
+child needs ~36 s (imports, two compiled train steps, saving the graphs) while tokenize, vocab
+and train's set-up took ~9 s: started before tokenize, train's set-up waited 27 s for it, no
+better than compiling in its first step (~22 s); before a local generate (135 s there) its
+compile overlaps the answers. The pipeline's GPU release wait counts it as its own (`ahead_pid`,
+`ahead_running`). It is this process's until train's loop takes it (`take_ahead`) and waits for
+it before its first step, with its set-up done and the online feeder capturing the first batches
+meanwhile. Its log moves to train/precompile.log and its figures are train's manifest's
+"precompile" (with `started_before`, the step). A run that fails or ends before train stops it
+(`stop_ahead`). Neither a run whose generate (local), tokenize and vocab are done nor `drafter
+train` alone starts one: started at train's own start it would overlap only train's set-up, and
+train would wait longer for it than compiling takes; `drafter precompile CONFIG` by hand first
+does it (and a rerun finds the caches its first train filled).
 
 train.compile=false or extract.precompile=false turns both off. The child writes nothing else
 in the run dir, and it gets SIGTERM from the kernel when its parent dies (`spawn`).
@@ -134,9 +139,9 @@ def main(cfg, device: str | None = None) -> dict:
 
 def shape_vocab(cfg, tconf):
     """(d2t, t2d) of the run's vocab (vocab/vocab.safetensors), or, before the vocab step has
-    written it (an online run's precompile starts before tokenize), maps of its shapes: the
-    vocab step makes min(vocab.draft_vocab_size, V) ids whatever the counts, and the maps'
-    values reach no graph (the drafter keeps them as buffers for export)."""
+    written it (an online run's precompile starts before generate or tokenize), maps of its
+    shapes: the vocab step makes min(vocab.draft_vocab_size, V) ids whatever the counts, and
+    the maps' values reach no graph (the drafter keeps them as buffers for export)."""
     import torch
 
     from drafter.core import target
@@ -397,10 +402,13 @@ _ahead: Handle | None = None
 
 def start_ahead(cfg, before: str) -> Handle | None:
     """An online run's precompile: `drafter precompile` started by the pipeline before the step
-    `before` (tokenize, or vocab when tokenize is done; after generate gave the GPU back), on
-    the GPU this process's train uses, when it applies and the GPU has room for it and for the
-    online train beside it (the target by extract's estimate, and two train steps).
-    Kept for train (take_ahead); None when it does not start (said in the log)."""
+    `before`, on the GPU this process's train uses, when it applies and the GPU has room for it
+    and for the online train beside it (the target by extract's estimate, and two train steps).
+    `before` is generate when generate runs in this process (engine local: the data engine
+    leaves room, and the child's ~36 s compile overlaps the answers), else tokenize (or vocab
+    when tokenize is done; after generate gave the GPU back), whose ~9 s with train's set-up
+    would hide only a quarter of it. Kept for train (take_ahead); None when it does not start
+    (said in the log)."""
     global _ahead
     from drafter.core import target
     from drafter.core.dist import read_env
@@ -458,6 +466,21 @@ def _free_bytes(index: int) -> int | None:
     if index >= len(visible):
         return None
     return next((g.free for g in gpus if g.index == visible[index]), None)
+
+
+def ahead_pid() -> int | None:
+    """The PID of the child start_ahead started, while it runs (None otherwise): one of this
+    process's own for the GPU release wait (gpu_release.wait_gpu_released's `own`)."""
+    h = _ahead
+    return h.proc.pid if h is not None and h.proc.poll() is None else None
+
+
+def ahead_running(limit: float = 900.0) -> bool:
+    """Whether the child start_ahead started still runs, for at most `limit` s from its start
+    (finish's own limit): the release wait does not time its polls meanwhile, so this bounds
+    it."""
+    h = _ahead
+    return h is not None and h.proc.poll() is None and time.perf_counter() - h.t0 < limit
 
 
 def take_ahead() -> Handle | None:
