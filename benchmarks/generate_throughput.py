@@ -174,7 +174,9 @@ def main(argv=None) -> int:
                "kv_pool_gib": round(last["pages"] * last["page_bytes"] / 2**30, 2),
                "length_capped": sum(r.finish == "length" for r in res),
                "too_long": last["too_long"], "triton": last["triton"],
-               "same_as_first": sum(x == y for x, y in zip(outs, first))}
+               "same_as_first": sum(x == y for x, y in zip(outs, first)),
+               **{k: last.get(k) for k in ("admissions", "prefill_groups", "prefill_tokens",
+                                           "prefill_padded_tokens", "sampling_steps")}}
         rows.append(row)
         print(json.dumps(row), flush=True)
         if a.profile and dev.type == "cuda" and b == batches[0]:

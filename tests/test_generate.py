@@ -489,6 +489,13 @@ def test_local_engine(tmp_path, smollm2_dir):
     for part in ("host", "engine"):
         assert min(ph[part].values()) >= -0.05, ph
         assert abs(sum(ph[part].values()) - secs) <= 0.05 * secs + 0.5, (ph, secs)
+    # what the engine did: every turn a request, prefilled in admissions of padded groups
+    ec = m["engine_counts"]
+    assert ec["requests"] == 3 and 1 <= ec["admissions"] <= 3 and ec["prefill_groups"] >= 1
+    assert ec["prefill_tokens"] == sum(t["prompt_tokens"] for r in out for t in r["meta"]["turns"])
+    assert ec["prefill_padded_tokens"] >= ec["prefill_tokens"]
+    assert ec["steps"] > 0 and ec["sampling_steps"] == 0            # greedy
+    assert ec["tokens"] >= m["tokens"]["completion"]                # stop tokens kept
 
 
 def test_local_stream_equals_pools(tmp_path, smollm2_dir, monkeypatch):

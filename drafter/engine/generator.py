@@ -285,6 +285,9 @@ class Engine:
             grp, rws = reqs[i:i + n], rows[i:i + n]
             i += n
             Tq = max(len(q.ids) for q in grp)
+            if self.last is not None and "prefill_groups" in self.last:
+                self.last["prefill_groups"] += 1
+                self.last["prefill_padded_tokens"] += len(grp) * Tq
             ids = torch.zeros(len(grp), Tq, dtype=torch.long)
             for j, q in enumerate(grp):
                 ids[j, :len(q.ids)] = torch.tensor(q.ids)
@@ -413,7 +416,8 @@ class Engine:
         cap0 = self.graphs.capture_seconds
         last = {"seconds": 0.0, "prefill_seconds": 0.0, "decode_seconds": 0.0,
                 "wait_seconds": 0.0, "capture_seconds": 0.0, "steps": 0, "tokens": 0,
-                "requests": 0, "too_long": 0}
+                "requests": 0, "too_long": 0, "admissions": 0, "prefill_groups": 0,
+                "prefill_tokens": 0, "prefill_padded_tokens": 0, "sampling_steps": 0}
         self.last = last
         with queue.lock:
             known, open_ = queue.reqs[queue.head:], not queue.closed
@@ -500,6 +504,8 @@ class Engine:
                                             tab.to(self.device))
                         self._prefill(adm_rows, adm, top_p, sampling)
                         last["prefill_seconds"] += time.perf_counter() - t0
+                        last["admissions"] += 1
+                        last["prefill_tokens"] += sum(len(q.ids) for q in adm)
                 if not live:
                     t0 = time.perf_counter()
                     more = queue.wait(0.05)
@@ -524,6 +530,7 @@ class Engine:
                     self.graphs.run(key, lambda: self._step(b, top_p, sampling, w),
                                     r.tensors())
                 last["steps"] += self.sync_every
+                last["sampling_steps"] += self.sync_every if sampling else 0
                 active = r.active.tolist()                                   # one sync
                 ended = [row for row in live if not active[row]]
                 if ended:

@@ -414,6 +414,12 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> dict:
         eng = {k: round(v, 3) for k, v in eng.items()}
         eng["other"] = round(total - sum(eng.values()), 3)
         out["engine"] = eng
+        # what the engines did, summed over GPUs: admissions and their prefills (prompt tokens,
+        # and as padded into groups), decode steps, those that sampled (any live row at T > 0)
+        out["engine_counts"] = {k: sum(s.get(k, 0) for s in stats)
+                                for k in ("requests", "admissions", "prefill_groups",
+                                          "prefill_tokens", "prefill_padded_tokens", "steps",
+                                          "sampling_steps", "tokens")}
     return out
 
 
@@ -721,6 +727,8 @@ def main(cfg) -> dict:
                        "completion_tokens": completion_tokens,
                        "completion_tokens_per_s": round(completion_tokens / max(seconds, 1e-9), 1)},
         **({"phases_s": phases} if phases else {}),
+        **({"engine_counts": phases.pop("engine_counts")}
+           if phases and "engine_counts" in phases else {}),
         "errors_by_kind": kinds,
         **({"synthetic": synthetic_stats(run)} if synthetic else {}),
         "server": server,
