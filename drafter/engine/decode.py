@@ -65,7 +65,6 @@ from drafter.engine.tree import (  # noqa: F401
     build_tree,
     pick,
     shape_acceptance,
-    top_indices,
     verify_chain_sample,
     verify_greedy,
     verify_sample,
@@ -99,15 +98,12 @@ def runners_up(lg: Tensor, picked: Tensor) -> tuple[Tensor, Tensor]:
     """The NEAR best tokens of logits lg [B, V] other than the picked one [B], best first, and
     the picked token's logit minus each: gaps [B, NEAR] float, ids [B, NEAR] long. The picked
     token is left out by id, not by rank: among exactly tied logits (frequent in bf16) topk's
-    order need not put argmax's choice first, and a runner-up tied with it must stay listed.
-    The search is tree.top_indices' two reads (chunk maxima, then the best chunks): evaluate's
-    plain greedy pass records them every step, and torch.topk over a [64, 49152] row set is
-    one thread block a row (the plain step at batch 64 ran at 1.12x its forward with it)."""
-    idx = top_indices(lg, NEAR + 1)                                      # [B, NEAR + 1]
-    other = (idx != picked[:, None]).to(torch.int8)
+    order need not put argmax's choice first, and a runner-up tied with it must stay listed."""
+    top = lg.topk(NEAR + 1, dim=-1)                                      # [B, NEAR + 1]
+    other = (top.indices != picked[:, None]).to(torch.int8)
     order = torch.argsort(other, dim=-1, descending=True, stable=True)[:, :NEAR]
-    ids = idx.gather(1, order)                                           # [B, NEAR]
-    return lg.gather(1, picked[:, None]) - lg.gather(1, ids), ids
+    ids = top.indices.gather(1, order)                                   # [B, NEAR]
+    return lg.gather(1, picked[:, None]) - top.values.gather(1, order), ids
 
 
 class _State:
