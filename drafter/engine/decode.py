@@ -161,6 +161,7 @@ class Decoder:
         # that an id (a graph key) is never reused; emptied when the capacity grows
         self._allocated: dict[int, tuple] = {}
         self.last: dict = {}
+        self._parts: dict = {}  # (proposer, tree, "BxS") -> parts ms (parts_ms)
 
     @property
     def device(self):
@@ -452,56 +453,44 @@ class Decoder:
         step's verification plus depth x one drafter forward. -> {"parts_ms": their mean over
         the steps, "by_shape": {"BxS": [steps, parts ms]}}. A step's time over parts_ms is its
         own logic's share (acceptance, commit, bookkeeping, the host's gaps between replays):
-        timed at one context, the parts would leave the longer spans' attention in it."""
+        timed at one context, the parts would leave the longer spans' attention in it. Each
+        (proposer, tree, shape) is timed once per Decoder (evaluate meets the same shapes in
+        every run of a method)."""
         by, total, n = {}, 0.0, 0
         for at, steps in sorted(spans.items(), key=lambda kv: [int(x) for x in
                                                                kv[0].split("x")]):
-            B, S = (int(x) for x in at.split("x"))
-            t = self.time_forwards(proposer, tree, batch=B, span=S, repeats=repeats)
-            ms = t["target_ms"] if proposer is None else t["verify_ms"] \
-                + tree.depth * t["draft_ms"]
-            by[at] = [steps, round(ms, 4)]
+            key = (proposer, tree, at)
+            if key not in self._parts:
+                B, S = (int(x) for x in at.split("x"))
+                t = self.time_forwards(proposer, tree, batch=B, span=S, repeats=repeats)
+                self._parts[key] = round(t["target_ms"] if proposer is None else
+                                         t["verify_ms"] + tree.depth * t["draft_ms"], 4)
+            ms = self._parts[key]
+            by[at] = [steps, ms]
             total, n = total + steps * ms, n + steps
         return {"parts_ms": round(total / n, 4) if n else None, "by_shape": by}
 
     def _collect(self, st, rows, max_new, stop_ids, spec=False, record_gaps=False
                  ) -> list[Output]:
         """The outputs of state rows `rows` (a range for a whole batch): the tokens up to the
-        first stop token (kept), at most max_new. The rows' state comes over in one transfer
-        (and the runners-up's margins in a second), each row's tokens converted up to its end:
-        continuous batching collects a few rows at a time, between steps."""
+        first stop token (kept), at most max_new."""
         idx = torch.as_tensor(list(rows), device=self.device)
-        R, W = len(idx), st.W
-        parts = [st.n_out[idx, None], st.steps[idx, None], st.out[idx]]
-        if spec:
-            parts.append(st.hist[idx])
-        with_shapes = spec and st.shapes is not None
-        if with_shapes:
-            parts.append(st.shapes[idx].flatten(1))
-        if record_gaps:
-            parts.append(st.second[idx].flatten(1))
-        host = torch.cat(parts, 1).cpu()                                        # [R, ...]
-        gap = st.gap[idx].cpu() if record_gaps else None                       # [R, W, NEAR]
-        c = 2 + W
-        hist = host[:, c:c + st.hist.shape[1]] if spec else None
-        c += st.hist.shape[1] if spec else 0
-        shapes = host[:, c:c + st.shapes[0].numel()].view(R, *st.shapes.shape[1:]) \
-            if with_shapes else None
-        c += st.shapes[0].numel() if with_shapes else 0
-        second = host[:, c:].view(R, W, NEAR) if record_gaps else None
+        n_out, out, steps = (t[idx].tolist() for t in (st.n_out, st.out, st.steps))
+        hist = st.hist[idx].tolist() if spec else None
+        shapes = st.shapes[idx].tolist() if spec and st.shapes is not None else None
+        gaps, second = (st.gap[idx].tolist(), st.second[idx].tolist()) if record_gaps else \
+            (None, None)
         stops = set(stop_ids)
         res = []
-        for j in range(R):
-            n_out = int(host[j, 0])
-            toks = host[j, 2:2 + min(n_out, max_new)].tolist()
+        for j in range(len(idx)):
+            toks = out[j][: min(n_out[j], max_new)]
             cut = next((i for i, t in enumerate(toks) if t in stops), None)
             toks = toks if cut is None else toks[: cut + 1]
             n = len(toks)
-            res.append(Output(toks, "stop" if cut is not None else "length", int(host[j, 1]),
-                              hist[j].tolist() if spec else None,
-                              gap[j, :n].tolist() if record_gaps else None,
-                              second[j, :n].tolist() if record_gaps else None,
-                              shapes[j].tolist() if with_shapes else None))
+            res.append(Output(toks, "stop" if cut is not None else "length", steps[j],
+                              hist[j] if spec else None, gaps[j][:n] if record_gaps else None,
+                              second[j][:n] if record_gaps else None,
+                              shapes[j] if shapes is not None else None))
         return res
 
     def _padded(self, prompts, Tp) -> tuple[Tensor, Tensor]:

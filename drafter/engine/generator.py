@@ -262,32 +262,23 @@ class Engine:
         r.active[:b] = act & ~done
 
     def _prefill(self, rows: list[int], reqs: list[Request], top_p: float,
-                 sampling: bool) -> None:
+                 sampling: bool) -> tuple[int, int]:
         """Prompts into rows (their page tables are set): right-padded chunks of at most
-        prefill_tokens tokens; each row's first new token from its last prompt position."""
-        # SDPA without cuDNN (static.eager_attention): every admission's group is a new (rows,
-        # length) shape, and cuDNN attention builds an execution plan per new shape (~195 ms at
-        # SmolLM2's on the H200)
-        with eager_attention():
-            self._prefill_groups(rows, reqs, top_p, sampling)
-
-    def _prefill_groups(self, rows: list[int], reqs: list[Request], top_p: float,
-                        sampling: bool) -> None:
+        prefill_tokens tokens; each row's first new token from its last prompt position.
+        Returns (groups, padded tokens): the forwards it ran and the tokens they held."""
         r, P, dev = self.rows, self.P, self.device
         # longest first: a group is padded to its longest prompt (an open stream admits the
         # head of its queue, put chunk by chunk, so one admission mixes lengths)
         order = sorted(range(len(reqs)), key=lambda j: -len(reqs[j].ids))
         reqs, rows = [reqs[j] for j in order], [rows[j] for j in order]
-        i = 0
+        i = groups = padded = 0
         while i < len(reqs):
             Tq = len(reqs[i].ids)
             n = max(1, min(len(reqs) - i, self.prefill_tokens // max(Tq, 1)))
             grp, rws = reqs[i:i + n], rows[i:i + n]
             i += n
             Tq = max(len(q.ids) for q in grp)
-            if self.last is not None and "prefill_groups" in self.last:
-                self.last["prefill_groups"] += 1
-                self.last["prefill_padded_tokens"] += len(grp) * Tq
+            groups, padded = groups + 1, padded + len(grp) * Tq
             ids = torch.zeros(len(grp), Tq, dtype=torch.long)
             for j, q in enumerate(grp):
                 ids[j, :len(q.ids)] = torch.tensor(q.ids)
@@ -299,7 +290,11 @@ class Engine:
             slot = tab.gather(1, (t // P).expand(len(grp), -1)) * P + t % P         # [R, Tq]
             slot = torch.where(t[None] < lens[:, None], slot, 0)
             self.cache.prefill(slot.reshape(-1))
-            h = self._forward(ids, t.expand(len(grp), -1))                          # [R, Tq, H]
+            # SDPA without cuDNN (static.eager_attention): every group is a new (rows, length)
+            # shape, and cuDNN attention builds an execution plan per new shape (~195 ms at
+            # SmolLM2's on the H200)
+            with eager_attention():
+                h = self._forward(ids, t.expand(len(grp), -1))                      # [R, Tq, H]
             last = h[torch.arange(len(grp), device=dev), lens - 1]                  # [R, H]
             temp = torch.tensor([q.temperature for q in grp], dtype=torch.float32, device=dev)
             first = self._pick(self.head(last).float(), temp, top_p, sampling)      # [R]
@@ -312,6 +307,7 @@ class Engine:
             r.out.index_copy_(0, ridx, out)
             done = (first[:, None] == r.stop).any(-1) | (max_new <= 1)
             r.active.index_copy_(0, ridx, ~done)
+        return groups, padded
 
     # ------------------------------------------------------------------------ memory
     def _activation_reserve(self, top_p: float) -> int:
@@ -502,10 +498,12 @@ class Engine:
                             tab[j, :len(pg)] = torch.tensor(pg, dtype=torch.int32)
                         r.table.index_copy_(0, torch.tensor(adm_rows, device=self.device),
                                             tab.to(self.device))
-                        self._prefill(adm_rows, adm, top_p, sampling)
+                        groups, padded = self._prefill(adm_rows, adm, top_p, sampling)
                         last["prefill_seconds"] += time.perf_counter() - t0
                         last["admissions"] += 1
+                        last["prefill_groups"] += groups
                         last["prefill_tokens"] += sum(len(q.ids) for q in adm)
+                        last["prefill_padded_tokens"] += padded
                 if not live:
                     t0 = time.perf_counter()
                     more = queue.wait(0.05)

@@ -466,11 +466,8 @@ def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[di
     memory must be back at its level from before generate.
 
     Online (train.online), train's graphs compile in a process of their own until train's
-    first step, which waits for it (drafter/train/precompile.py, start_ahead). It starts before
-    generate when generate runs in this process (engine local: the data engine leaves room), so
-    that its compile (~36 s) overlaps the answers; else before tokenize (or vocab, when
-    tokenize is done; once the GPU is back from generate), overlapping tokenize, vocab and
-    train's set-up (~9 s of them on an H200: see AHEAD_OF_TRAIN). The release wait counts it as
+    first step, which waits for it (drafter/train/precompile.py, start_ahead), started before
+    the step `starts_precompile` names (AHEAD_OF_TRAIN says why). The release wait counts it as
     this process's own. It is stopped when the run ends without a train that took it."""
     run = Run.of(cfg)
     out = []

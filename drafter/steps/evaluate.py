@@ -292,7 +292,7 @@ def main(cfg) -> dict:
                   prefill_graph_tokens=ev.prefill_graph_tokens)
     proposers = [(what, EagleDraft(dr), path) for what, dr, path in drafters]
 
-    runs, plain_all, ds_info, timings, parts_memo = [], {}, {}, {}, {}
+    runs, plain_all, ds_info, timings = [], {}, {}, {}
     warm = _warm_up(dec, _Prompts(tok, datasets[0][2], max_len, ev.max_new_tokens), stop) \
         if datasets else None
     log.info("evaluate: warm-up: %s", warm)
@@ -300,17 +300,7 @@ def main(cfg) -> dict:
     greedy, run_parts = None, []  # T=0's (plain outs, plain summaries, prompts); (Drafter, tree)
 
     def parts(m: dict, prop, tree) -> dict:  # what m's steps must run at the shapes they ran at
-        spans = m.get("spans")
-        if not spans:
-            return m
-        memo = parts_memo.setdefault((id(prop), tree), {})
-        new = {at: n for at, n in spans.items() if at not in memo}
-        memo.update({at: v[1] for at, v in
-                     dec.parts_ms(prop if tree else None, tree, new)["by_shape"].items()})
-        n = sum(spans.values())
-        return with_parts(m, {"parts_ms": round(sum(memo[at] * k for at, k in spans.items())
-                                                / n, 4),
-                              "by_shape": {at: [k, memo[at]] for at, k in spans.items()}})
+        return with_parts(m, dec.parts_ms(prop, tree, m["spans"])) if m.get("spans") else m
 
     def method_run(what, prop, dr, path, method, tree, T, plain, ps, prompts) -> dict:
         """One drafter x method x temperature over every dataset (its passes resumable)."""
@@ -377,8 +367,8 @@ def main(cfg) -> dict:
     rec = recommend_setting(runs, plain_all, cal, str(drafters[0][2]))
     best = best_tree(rec, cal) if rec else None
     if best is not None and ev.run_recommended:
-        same = next((r for r in runs if r["drafter"] == "drafter" and r["temperature"] == 0
-                     and _tree_settings(best).items() <= r.items()), None)
+        same = next((r for r, (_, tree) in zip(runs, run_parts) if r["drafter"] == "drafter"
+                     and r["temperature"] == 0 and tree == best), None)
         if same is None:
             log.info("evaluate: the recommended setting at batch %d, %s", cal, best.label())
             same = method_run("drafter", proposers[0][1], drafters[0][1], drafters[0][2],

@@ -377,15 +377,16 @@ QUEUED_PER_ROW = 2
 PUT_CHUNK = 256          # conversations rendered per put: the first rows start after one chunk
 
 
-def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> dict:
+def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> tuple[dict, dict]:
     """engine=local: one open request stream (drafter.engine.local.LocalGenerator.start)
     decoded while this thread feeds it. Conversations are admitted while fewer than
     QUEUED_PER_ROW x batch_size x GPUs requests are queued; as each row ends (the engine's
     thread hands it over) its conversation's bookkeeping runs here, and its next request (the
     next user turn, a synthetic user turn or its answer) goes straight back into the stream.
     The static decoder (models the paged engine does not run) decodes pools in calls instead.
-    Returns phases_s: load, then the seconds of this thread (host) and of the engines' threads
-    (engine: the mean over GPUs), each split by phase and summing to the step's seconds."""
+    Returns (phases_s, engine_counts): load, then the seconds of this thread (host) and of the
+    engines' threads (engine: the mean over GPUs), each split by phase and summing to the step's
+    seconds; and what the engines did, summed (empty for the static decoder's calls)."""
     from drafter.engine.generator import Engine
 
     t0 = time.perf_counter()
@@ -414,13 +415,13 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> dict:
         eng = {k: round(v, 3) for k, v in eng.items()}
         eng["other"] = round(total - sum(eng.values()), 3)
         out["engine"] = eng
-        # what the engines did, summed over GPUs: admissions and their prefills (prompt tokens,
-        # and as padded into groups), decode steps, those that sampled (any live row at T > 0)
-        out["engine_counts"] = {k: sum(s.get(k, 0) for s in stats)
-                                for k in ("requests", "admissions", "prefill_groups",
-                                          "prefill_tokens", "prefill_padded_tokens", "steps",
-                                          "sampling_steps", "tokens")}
-    return out
+    # what the engines did, summed over GPUs: admissions and their prefills (prompt tokens, and
+    # as padded into groups), decode steps, those that sampled (any live row at T > 0)
+    counts = {k: sum(s[k] for s in stats)
+              for k in ("requests", "admissions", "prefill_groups", "prefill_tokens",
+                        "prefill_padded_tokens", "steps", "sampling_steps", "tokens")} \
+        if stats else {}
+    return out, counts
 
 
 def _stream_local(loc: _Local, records: Iterator[dict]) -> None:
@@ -665,6 +666,7 @@ def main(cfg) -> dict:
             f"{g.server.engine!r})")
     server: dict = {"engine": g.server.engine}
     phases: dict = {}
+    engine_counts: dict = {}
     generated = 0
     completion_tokens = 0
     if pending:
@@ -672,7 +674,7 @@ def main(cfg) -> dict:
         if g.server.engine == "local":
             sink = _Sink(run, len(pending), model=cfg.target.model)
             try:
-                phases = _run_local(cfg, records, sink, run)
+                phases, engine_counts = _run_local(cfg, records, sink, run)
             finally:
                 sink.close()
         else:
@@ -727,8 +729,7 @@ def main(cfg) -> dict:
                        "completion_tokens": completion_tokens,
                        "completion_tokens_per_s": round(completion_tokens / max(seconds, 1e-9), 1)},
         **({"phases_s": phases} if phases else {}),
-        **({"engine_counts": phases.pop("engine_counts")}
-           if phases and "engine_counts" in phases else {}),
+        **({"engine_counts": engine_counts} if engine_counts else {}),
         "errors_by_kind": kinds,
         **({"synthetic": synthetic_stats(run)} if synthetic else {}),
         "server": server,

@@ -11,10 +11,10 @@ Writes  train/step_NNNNNN/  model.safetensors + drafter_config.json (model.save_
     drafter train CONFIG [train.lr=3e-4 ...]
     torchrun --nproc-per-node 8 -m drafter.cli train CONFIG [train.fsdp=true]
 
-Online in a `drafter run`, train's graphs compile in a process the pipeline started before
-tokenize or vocab (drafter/train/precompile.py, start_ahead): the loop waits for it after its
-set-up, before its first step, and its figures are the manifest's "precompile" (its log
-train/precompile.log).
+Online in a `drafter run`, train's graphs compile in a process the pipeline started ahead of it
+(before generate, tokenize or vocab: drafter/run/pipeline.py, AHEAD_OF_TRAIN): the loop waits for
+it after its set-up, before its first step, and its figures are the manifest's "precompile" (its
+log train/precompile.log).
 
 This file is the loop, top to bottom. What it calls: drafter/train/batches.py (the data pipeline),
 trainer.py (the model set up for the ranks, one optimizer step), ttt.py (the K-step unroll and

@@ -22,11 +22,8 @@ Online (train.online: extract stores nothing, the target runs in train): `drafte
 beside it (`ahead_bytes`: the target and two train steps): before generate when generate runs in
 this process and will run (engine local: the data engine sizes its KV pool from a share of the
 free memory it finds, so the child fits beside it), else before tokenize (before vocab when
-tokenize is done), once generate has given the GPU back. On an H200 (SmolLM2, from scratch) the
-child needs ~36 s (imports, two compiled train steps, saving the graphs) while tokenize, vocab
-and train's set-up took ~9 s: started before tokenize, train's set-up waited 27 s for it, no
-better than compiling in its first step (~22 s); before a local generate (135 s there) its
-compile overlaps the answers. The pipeline's GPU release wait counts it as its own (`ahead_pid`,
+tokenize is done), once generate has given the GPU back (why: pipeline.AHEAD_OF_TRAIN, with the
+H200's figures). The pipeline's GPU release wait counts it as its own (`ahead_pid`,
 `ahead_running`). It is this process's until train's loop takes it (`take_ahead`) and waits for
 it before its first step, with its set-up done and the online feeder capturing the first batches
 meanwhile. Its log moves to train/precompile.log and its figures are train's manifest's
@@ -404,10 +401,8 @@ def start_ahead(cfg, before: str) -> Handle | None:
     """An online run's precompile: `drafter precompile` started by the pipeline before the step
     `before`, on the GPU this process's train uses, when it applies and the GPU has room for it
     and for the online train beside it (the target by extract's estimate, and two train steps).
-    `before` is generate when generate runs in this process (engine local: the data engine
-    leaves room, and the child's ~36 s compile overlaps the answers), else tokenize (or vocab
-    when tokenize is done; after generate gave the GPU back), whose ~9 s with train's set-up
-    would hide only a quarter of it. Kept for train (take_ahead); None when it does not start
+    `before`: generate when generate runs in this process, else tokenize or vocab
+    (pipeline.starts_precompile). Kept for train (take_ahead); None when it does not start
     (said in the log)."""
     global _ahead
     from drafter.core import target
