@@ -274,16 +274,18 @@ def eval_rows(model, P, a, row, graphs: bool, fold) -> None:
                    for n, p in sets}
         first = prompts["mt_bench"].build(0, {})[:B]
         dec.generate([ids for _, ids in first], 2, stop_ids=stop)          # warm-up
-        for label, prop, tree in [("plain", None, None), ("chain", P, TreeSpec.chain(a.k)),
-                                  ("tree", P, TreeSpec(depth, topk, tokens))]:
+        for label, prop, tree, gaps in [
+                ("plain", None, None, None), ("plain without runners-up", None, None, False),
+                ("chain", P, TreeSpec.chain(a.k), None),
+                ("tree", P, TreeSpec(depth, topk, tokens), None)]:
             per = {}
             for n, pr in prompts.items():
                 outs, stats = _decode(dec, pr, pr.rounds or None, a.new_tokens, stop, 0.0,
-                                      prop, tree, continuous=True)
+                                      prop, tree, continuous=True, record_gaps=gaps)
                 per[n] = summarize(outs, stats, tree)
             o = overall(per, tree)
             o = with_parts(o, dec.parts_ms(prop, tree, o["spans"]))
-            name = "plain" if tree is None else tree.label()
+            name = label if tree is None else tree.label()
             row(f"evaluate's decoding, {name}, batch {B}, {o['prompts']} prompts: decode step / "
                 f"GPU / parts ms; x parts; GPU x parts; tau",
                 f"{o['decode_step_ms']} / {o.get('step_gpu_ms')} / {o['parts_ms']}; "

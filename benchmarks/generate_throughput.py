@@ -14,6 +14,15 @@ step's seconds by phase in its JSON line):
     python benchmarks/generate_throughput.py --data ../shared/data/train --prompts 10000 \
         --batches 2048 --max-new 512 --step
 
+With --writes N the first batch size also writes N synthetic user turns first, as the generate
+step does for a synthetic source (the target's pre-query prefix, the source's default sampling:
+T=1, at most 256 tokens, its end-of-turn stop), in one Engine call before the answers: the same
+work as a step that wrote N user turns and answered the --data prompts, in two closed calls.
+Its rows: the writes, and "writes + answers" (the answers' tokens over both calls' seconds):
+
+    python benchmarks/generate_throughput.py --data runs/user-path/generate/conversations.jsonl \
+        --prompts 40000 --batches 2048 --max-new 512 --writes 11869
+
 It prints a JSON line per batch size as it goes, then a markdown table (one row per batch size, the
 columns below) and, with --profile, the top CUDA kernels of 16 decode steps. Other uses:
 
@@ -111,6 +120,31 @@ def run_step(a, batch: int, device: str) -> dict:
             "steps": "", "phases_s": m.get("phases_s")}
 
 
+def write_user_turns(model, tok, stop, batch: int, n: int) -> dict:
+    """n user turns written from the target's pre-query prefix at a synthetic source's default
+    settings (drafter.data.synthetic), in one Engine call: the generate step's writes."""
+    from drafter.core.config import SyntheticConfig
+    from drafter.data.synthetic import PreQuery
+
+    sc, pq = SyntheticConfig(), PreQuery(tok)
+    eng = Engine(model, max_batch=batch)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    res = eng.generate([pq.ids([])] * n, sc.max_tokens, stop_ids=sorted(set(stop)
+                                                                          | set(pq.stop_ids)),
+                       temperature=sc.temperature)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.tokens) for r in res)
+    return {"batch": f"{batch} (writes)", "tokens": tokens, "seconds": round(wall, 2),
+            "tokens_per_s": round(tokens / wall, 1), "steps": eng.last["steps"],
+            "prefill_seconds": round(eng.last["prefill_seconds"], 2),
+            "decode_seconds": round(eng.last["decode_seconds"], 2),
+            "decode_gpu_seconds": round(eng.last.get("decode_gpu_seconds", 0), 2),
+            "capture_seconds": round(eng.last["capture_seconds"], 2)}
+
+
 def profile_steps(eng: Engine, prompts, max_new, stop) -> str:
     """Top CUDA kernels over the decode steps of a short run (graphs replayed)."""
     from torch.profiler import ProfilerActivity, profile
@@ -138,6 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--step", action="store_true",
                     help="also the generate step (engine: local) on the same prompts at the "
                          "first batch size, and its tokens/s over the Engine call's")
+    ap.add_argument("--writes", type=int, default=0,
+                    help="also write this many synthetic user turns first (one Engine call at "
+                         "the first batch size), and a row of writes + answers")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
 
@@ -153,6 +190,9 @@ def main(argv=None) -> int:
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     batches = [int(b) for b in a.batches.split(",")]
     rows, first = [], None
+    if a.writes:
+        rows.append(write_user_turns(model, tok, stop, batches[0], a.writes))
+        print(json.dumps(rows[-1]), flush=True)
     for b in batches:
         eng = Engine(model, max_batch=b)
         t0 = time.perf_counter()
@@ -168,6 +208,9 @@ def main(argv=None) -> int:
                "tokens_per_s": round(n / wall, 1),
                "tokens_per_s_without_capture": round(n / last["seconds"], 1),
                "prefill_seconds": round(last["prefill_seconds"], 2),
+               "decode_seconds": round(last["decode_seconds"], 2),
+               "decode_gpu_seconds": round(last.get("decode_gpu_seconds", 0), 2),
+               "prefill_gpu_seconds": round(last.get("prefill_gpu_seconds", 0), 2),
                "capture_seconds": round(last["capture_seconds"], 2), "steps": last["steps"],
                "row_utilisation": round(n / max(1, last["steps"] * b), 3),
                "peak_gib": round(last.get("peak_bytes", 0) / 2**30, 2),
@@ -184,6 +227,13 @@ def main(argv=None) -> int:
         del eng
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    if a.writes:
+        w, ans = rows[0], rows[1]
+        secs = w["seconds"] + ans["seconds"]
+        rows.append({"batch": f"{batches[0]} (writes + answers)", "tokens": ans["tokens"],
+                     "seconds": round(secs, 2), "tokens_per_s": round(ans["tokens"] / secs, 1),
+                     "steps": w["steps"] + ans["steps"]})
+        print(json.dumps(rows[-1]), flush=True)
     if a.all_gpus and torch.cuda.device_count() > 1:
         from drafter.engine.local import LocalGenerator
 
@@ -216,11 +266,12 @@ def main(argv=None) -> int:
     if a.step:
         rows.append(run_step(a, batches[0], f"cuda:{dev.index or 0}" if dev.type == "cuda"
                              else "cpu"))
-        ratio = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+        call = next(r for r in rows if r["batch"] == batches[0])
+        ratio = rows[-1]["tokens_per_s"] / call["tokens_per_s"]
         rows[-1]["ratio_to_engine_call"] = round(ratio, 3)
         print(json.dumps(rows[-1]), flush=True)
         print(f"generate step / Engine call at batch {batches[0]}: {ratio:.3f} "
-              f"({rows[-1]['tokens_per_s']:,.0f} / {rows[0]['tokens_per_s']:,.0f} tok/s)",
+              f"({rows[-1]['tokens_per_s']:,.0f} / {call['tokens_per_s']:,.0f} tok/s)",
               flush=True)
     lengths = sorted(len(o) for o in first)
     print(f"\n{a.target} on {dev_name} ({next(model.parameters()).dtype}), torch "

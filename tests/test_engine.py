@@ -45,16 +45,20 @@ def test_engine_equals_plain_decoding(arch, tmp_path):
     max_new = [16, 7, 20, 3, 12, 1, 30]
     stop = [5, 77]
     want = _one_by_one(model, prompts, max_new, stop)
-    eng = Engine(model, max_batch=3, page_size=16, sync_every=2, refill_fraction=0.3)
+    eng = Engine(model, max_batch=3, page_size=16, sync_every=2, refill_fraction=0.3,
+                 prefill_tokens=40)     # packed chunks of at most 40 tokens; 64 on its own
     got = eng.generate(prompts, max_new, stop_ids=stop)
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert [g.finish for g in got] == [w.finish for w in want]
     assert eng.last["requests"] == 7 and eng.last["tokens"] == sum(len(w.tokens) for w in want)
     assert (arch == "deepseek_v3") == bool(eng.cache.gather)    # MLA: the gathered path
+    assert eng.last["prefill_groups"] >= 4 and eng.last["prefill_padded_tokens"] == sum(
+        map(len, prompts))                         # packed: every token a prompt's own
     # the same engine again, more rows than prompts: one prefill, one bucket of 8 rows
     eng2 = Engine(model, max_batch=16, page_size=16)
     assert [g.tokens for g in eng2.generate(prompts, max_new, stop_ids=stop)] == \
         [w.tokens for w in want]
+    assert eng2.last["prefill_groups"] == 1       # all 7 prompts in one packed forward
 
 
 def test_engine_compacts_the_tail_and_refuses_what_cannot_fit(tmp_path):
@@ -101,6 +105,15 @@ def test_engine_sampling_is_seeded_and_greedy_rows_stay_greedy(tmp_path):
     greedy = _one_by_one(model, [prompts[0], prompts[2]], [12, 12], [])
     assert [a[0].tokens, a[2].tokens] == [w.tokens for w in greedy]
     assert a[1].tokens != _one_by_one(model, [prompts[1]], [12], [])[0].tokens
+    # without a nucleus the engine samples through drafter.engine.sampling: seeded, greedy rows
+    # greedy, and the sampled rows differ from greedy decoding
+    torch.manual_seed(6)
+    c = eng.generate(prompts, 12, temperature=temps)
+    torch.manual_seed(6)
+    assert [x.tokens for x in eng.generate(prompts, 12, temperature=temps)] == \
+        [x.tokens for x in c]
+    assert [c[0].tokens, c[2].tokens] == [w.tokens for w in greedy]
+    assert c[3].tokens != _one_by_one(model, [prompts[3]], [12], [])[0].tokens
 
 
 def test_engine_refuses_unsupported_models_and_local_generator_falls_back(tmp_path,
@@ -209,6 +222,91 @@ def test_paged_reference_equals_dense_attention():
             torch.testing.assert_close(out[b, h], w @ v[:, kv], atol=1e-5, rtol=1e-5)
 
 
+def _packed(lens, nh, nkv, hdk, hdv):
+    N = sum(lens)
+    starts = torch.cat([torch.full((n,), sum(lens[:i])) for i, n in enumerate(lens)]).int()
+    return (torch.randn(N, nh, hdk), torch.randn(N, nkv, hdk), torch.randn(N, nkv, hdv),
+            starts)
+
+
+def _masked_dense(q, k, v, starts, scale):
+    """Packed causal attention as one dense softmax with a block-diagonal causal mask."""
+    N, nh, _ = q.shape
+    g = nh // k.shape[1]
+    i = torch.arange(N, device=q.device)
+    seen = (i[None] >= starts[:, None].long()) & (i[None] <= i[:, None])          # [N, N]
+    s = torch.einsum("nhd,mhd->hnm", q, k.repeat_interleave(g, 1)) * scale
+    w = s.masked_fill(~seen[None], float("-inf")).softmax(-1)
+    return torch.einsum("hnm,mhd->nhd", w, v.repeat_interleave(g, 1))
+
+
+def test_packed_prefill_attention_equals_masked_dense():
+    """Packed prompts (one token, a block of 64, lengths across blocks) attend causally within
+    their own prompt only: one SDPA per prompt equals a dense block-diagonal causal mask."""
+    from drafter.engine.paged import packed_attention_reference
+
+    torch.manual_seed(0)
+    for shape in [([5, 70, 1, 130, 3], 9, 3, 64, 64), ([200], 4, 4, 24, 16)]:
+        q, k, v, starts = _packed(*shape)
+        torch.testing.assert_close(packed_attention_reference(q, k, v, starts, 0.3),
+                                   _masked_dense(q, k, v, starts, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_prefill_kernel_in_the_interpreter():
+    """The Triton prefill kernel run by Triton's interpreter on the CPU (skipped without Triton):
+    GQA 3:1, unequal key/value dims, prompts of one token and across blocks of 64."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch
+        from drafter.engine.paged import packed_attention_triton
+        from tests.test_engine import _masked_dense, _packed
+        torch.manual_seed(0)
+        for shape in [([5, 70, 1, 130, 3], 9, 3, 64, 64), ([200], 4, 4, 24, 16),
+                      ([1, 1, 64, 65], 8, 2, 32, 32)]:
+            q, k, v, starts = _packed(*shape)
+            err = (packed_attention_triton(q, k, v, starts, 0.3)
+                   - _masked_dense(q, k, v, starts, 0.3)).abs().max()
+            assert err < 1e-4, (shape, err)
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_sampling_kernel_in_the_interpreter():
+    """drafter.engine.sampling's kernel by Triton's interpreter: greedy rows take torch.argmax's
+    index (the first of a tie, across blocks), bfloat16 logits read as they are; sampled rows
+    follow softmax(logits / T) and the same seed draws the same tokens, another seed others."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch
+        from drafter.engine.sampling import sample_rows
+        torch.manual_seed(0)
+        lg = (torch.randn(4, 9000) * 2).bfloat16()
+        lg[0, 5] = lg[0, 8000] = 50.0
+        temp = torch.tensor([0.0, 0.0, 1.0, 0.0])
+        out = sample_rows(lg, temp, torch.tensor([1]), True)
+        want = lg.float().argmax(-1)
+        assert out[0] == 5 and out[[1, 3]].tolist() == want[[1, 3]].tolist(), out
+        lg = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5]]).repeat(600, 1)
+        temp = torch.full((600,), 0.7)
+        a = sample_rows(lg, temp, torch.tensor([7]), True)
+        assert a.tolist() == sample_rows(lg, temp, torch.tensor([7]), True).tolist()
+        b = sample_rows(lg, temp, torch.tensor([8]), True)
+        assert a.tolist() != b.tolist()
+        freq = torch.bincount(torch.cat([a, b]), minlength=5) / 1200
+        err = (freq - torch.softmax(lg[0] / 0.7, 0)).abs().max()
+        assert err < 0.05, (freq, err)
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
 def test_triton_kernel_equals_reference_in_the_interpreter():
     """The decode kernel itself, run by Triton's interpreter on the CPU (skipped without Triton;
     the GPU test runs it compiled): GQA 3:1, MHA with unequal key/value dims (MLA-like), an idle
@@ -249,7 +347,14 @@ def test_engine_on_the_gpu(smollm2_dir):
     table = torch.stack([torch.randperm(63)[:8] + 1 for _ in range(5)]).int().cuda()
     lens = torch.tensor([0, 1, 64, 300, 512], dtype=torch.int32).cuda()
     q = torch.randn(5, 9, 64).cuda()
-    from drafter.engine.paged import paged_attention_triton
+    from drafter.engine.paged import packed_attention_triton, paged_attention_triton
+    from drafter.engine.sampling import sample_rows
+    pq, pk, pv, starts = (t.cuda() for t in _packed([5, 70, 1, 130, 3], 9, 3, 64, 64))
+    torch.testing.assert_close(packed_attention_triton(pq, pk, pv, starts, 0.3),
+                               _masked_dense(pq, pk, pv, starts, 0.3), atol=1e-4, rtol=1e-4)
+    lg = torch.randn(64, 49152, device="cuda").bfloat16()
+    assert torch.equal(sample_rows(lg, torch.zeros(64, device="cuda"), torch.zeros(
+        1, dtype=torch.long, device="cuda"), True), lg.argmax(-1))
     torch.testing.assert_close(paged_attention_triton(q, kp, vp, table, lens, 0.125, 64),
                                paged_attention_reference(q, kp, vp, table, lens, 0.125, 64),
                                atol=1e-4, rtol=1e-4)
@@ -260,6 +365,7 @@ def test_engine_on_the_gpu(smollm2_dir):
     got = eng.generate(prompts, 40)
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert eng.cache.use_triton and eng.graphs.enabled and eng.graphs.graphs
+    assert eng.prefill_graphs.enabled and eng.prefill_graphs.graphs     # packed, graphed
     assert eng.last["peak_bytes"] > 0 and eng.last["pages"] >= 5
     again = eng.generate(prompts[:2], 8)         # a new plan frees and re-sizes the pools
     assert [g.tokens for g in again] == [w.tokens[:8] for w in want[:2]]

@@ -48,6 +48,7 @@ class PreQuery:
 
     def __init__(self, tokenizer, template_kwargs: dict | None = None):
         self.tok, self.kw = tokenizer, dict(template_kwargs or {})
+        self._seen: dict[str, str] = {}
         probe = self._render([{"role": "user", "content": SENTINEL}])
         if SENTINEL not in probe:
             raise ValueError("the chat template does not render a user message's content as is: "
@@ -61,9 +62,17 @@ class PreQuery:
                                             tokenize=False, **self.kw)
 
     def prefix(self, history: list[dict]) -> str:
-        """The rendered history (system, earlier turns) followed by an opened user turn."""
+        """The rendered history (system, earlier turns) followed by an opened user turn. First
+        turns share a few histories (none, or a steering system prompt): those are rendered
+        once."""
+        key = json.dumps(history, sort_keys=True) if len(history) <= 1 else None
+        if key is not None and key in self._seen:
+            return self._seen[key]
         text = self._render(list(history) + [{"role": "user", "content": SENTINEL}])
-        return text[:text.index(SENTINEL)]
+        text = text[:text.index(SENTINEL)]
+        if key is not None and len(self._seen) < 4096:
+            self._seen[key] = text
+        return text
 
     def ids(self, history: list[dict]) -> list[int]:
         return self.tok(self.prefix(history), add_special_tokens=False)["input_ids"]
@@ -119,24 +128,25 @@ class PromptFilter:
             return "template"
         return None
 
-    def remember(self, text: str) -> None:
+    def remember(self, text: str, minhash=None) -> None:
         """Count a kept text as seen (a resumed run re-reads the finished ones)."""
         key = hashlib.blake2b(normalise(text).encode(), digest_size=8).digest()
         self.exact.add(key)
         if self.lsh is not None:
             self.lsh.insert(str(len(self.exact)) + "/" + key.hex(),
-                            _minhash(text, self.num_perm), check_duplication=False)
+                            minhash or _minhash(text, self.num_perm), check_duplication=False)
 
     def check(self, text: str, finish: str, dedup: bool = True) -> str | None:
         why = self.basic(text, finish)
         if why is None and dedup:
             key = hashlib.blake2b(normalise(text).encode(), digest_size=8).digest()
+            m = _minhash(text, self.num_perm) if self.lsh is not None else None
             if key in self.exact:
                 why = "duplicate"
-            elif self.lsh is not None and self.lsh.query(_minhash(text, self.num_perm)):
+            elif m is not None and self.lsh.query(m):
                 why = "near_duplicate"
             else:
-                self.remember(text)
+                self.remember(text, m)
         self.counts[why or "kept"] += 1
         return why
 

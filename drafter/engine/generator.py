@@ -20,14 +20,20 @@ How it works:
     returned as finish "too_long" instead of failing the batch.
   - Continuous batching: every `sync_every` steps the host reads which rows finished (one sync),
     collects them, and once `refill_fraction` of the rows are free prefills the next prompts into
-    them (right-padded chunks of at most `prefill_tokens`, logits only at each prompt's last
-    token). A long answer never holds the others back.
+    them. A long answer never holds the others back.
+  - Prefill: an admission's prompts packed one after another into chunks of at most
+    `prefill_tokens` tokens, each one forward [1, N] in which a token attends only within its
+    own prompt (drafter.engine.paged.packed_attention): no padding, however mixed the lengths.
+    On CUDA a chunk is padded up to a bucket (PREFILL_BUCKETS: 512, 768, 1024, ... tokens) and
+    replays that bucket's CUDA graph; an eager forward of a new shape is all kernel launches.
+    Logits only at each prompt's last token.
   - The decode step (B rows, one token each) is one CUDA graph per batch bucket (B, B/2, ... 8):
     rows without a request write to the sink page and attend to nothing. When the queue is empty
     the live rows are compacted into the lowest rows (their page tables move, their pages do not)
     and the smallest bucket that holds them runs, so the tail of long answers runs small.
-  - Sampling per row: greedy at temperature 0, else Gumbel-max over logits / temperature (with
-    nucleus top_p for all rows), one seeded stream per call (per feed).
+  - Sampling per row: greedy at temperature 0, else Gumbel-max over logits / temperature, in one
+    read of the logits (drafter.engine.sampling; with nucleus top_p < 1 for all rows: torch's
+    sort), one seeded stream per call (per feed).
   - Streaming (`Stream`, `LocalGenerator.start`): requests may be put while the engines decode;
     an idle engine waits on the open stream, and ends once it is closed, empty and no row is
     live. The plan is then sized from the caller's bound (max prompt + max_new tokens) instead
@@ -39,6 +45,7 @@ the static decoder instead (drafter.engine.decode.Decoder: static batches, same 
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import math
 import threading
@@ -46,11 +53,13 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from drafter.core.gpu import triton_available
 from drafter.engine.paged import PagedCache, paged_context, unsupported, use_paged_attention
+from drafter.engine.sampling import sample_rows
 from drafter.engine.static import Graphs, eager_attention
 from drafter.engine.tree import DecodeError, _gumbel_like, nucleus
 
@@ -64,6 +73,9 @@ MIN_BUCKET = 8
 # _prefill now takes an admission longest first. The share stays until a run at 0.9 shows the
 # sorted prefill fits.
 OPEN_POOL_SHARE = 0.4
+# A graphed prefill chunk of N tokens runs the smallest bucket that holds it (padding: sink
+# writes, each pad token its own prompt); steps of about 1.5x keep a third of it at most.
+PREFILL_BUCKETS = tuple(b for k in range(9, 20) for b in (1 << k, 3 << (k - 1)))
 
 
 @dataclass
@@ -212,6 +224,9 @@ class Engine:
         self.prefill_tokens, self.memory_fraction = prefill_tokens, memory_fraction
         self.sync_every, self.refill_fraction = max(1, sync_every), refill_fraction
         self.graphs = Graphs(cuda_graphs and self.device.type == "cuda")
+        self.prefill_graphs = Graphs(cuda_graphs and self.device.type == "cuda", "prefilling")
+        self._prefill_in: dict[int, dict[str, Tensor]] = {}   # bucket -> its graph's inputs
+        self._seed = torch.zeros(1, dtype=torch.long, device=self.device)  # sampling's noise key
         self.cache = PagedCache()
         self.cache.use_triton = triton_available(self.device)
         with paged_context(self.cache):                        # the probe: head layout per layer
@@ -232,13 +247,17 @@ class Engine:
         return out.last_hidden_state
 
     def _pick(self, logits: Tensor, temp: Tensor, top_p: float, sampling: bool) -> Tensor:
-        """Next token per row from logits [R, V] (float): argmax where temp == 0, else a
-        Gumbel-max sample of logits / temp within the top_p nucleus."""
-        greedy = logits.argmax(-1)
+        """Next token per row from logits [R, V]: argmax where temp == 0, else a Gumbel-max
+        sample of logits / temp within the top_p nucleus."""
         if not sampling:
-            return greedy
+            return logits.argmax(-1)
+        if top_p >= 1.0:
+            nxt = sample_rows(logits, temp, self._seed, self.cache.use_triton)
+            self._seed.add_(1)
+            return nxt
+        logits = logits.float()
         lg = nucleus(logits / temp.clamp(min=1e-6)[:, None], top_p)
-        return torch.where(temp > 0, (lg + _gumbel_like(lg)).argmax(-1), greedy)
+        return torch.where(temp > 0, (lg + _gumbel_like(lg)).argmax(-1), logits.argmax(-1))
 
     def _step(self, b: int, top_p: float, sampling: bool, w: int | None = None) -> None:
         """One decode step of rows [0, b) over the first w page-table columns (all: None):
@@ -252,7 +271,7 @@ class Engine:
         r.lens[:b] = torch.where(act, ctx + 1, 0).int()
         self.cache.decode(r.write[:b], table, r.lens[:b])
         h = self._forward(r.tok[:b, None], ctx[:, None])[:, -1]                    # [b, H]
-        nxt = self._pick(self.head(h).float(), r.temp[:b], top_p, sampling)        # [b]
+        nxt = self._pick(self.head(h), r.temp[:b], top_p, sampling)                # [b]
         col = torch.where(act, r.n_out[:b], r.out.shape[1] - 1)
         r.out[:b].scatter_(1, col[:, None], nxt[:, None])
         r.n_out[:b] += act.long()
@@ -263,51 +282,81 @@ class Engine:
 
     def _prefill(self, rows: list[int], reqs: list[Request], top_p: float,
                  sampling: bool) -> tuple[int, int]:
-        """Prompts into rows (their page tables are set): right-padded chunks of at most
-        prefill_tokens tokens; each row's first new token from its last prompt position.
-        Returns (groups, padded tokens): the forwards it ran and the tokens they held."""
-        r, P, dev = self.rows, self.P, self.device
-        # longest first: a group is padded to its longest prompt (an open stream admits the
-        # head of its queue, put chunk by chunk, so one admission mixes lengths)
-        order = sorted(range(len(reqs)), key=lambda j: -len(reqs[j].ids))
-        reqs, rows = [reqs[j] for j in order], [rows[j] for j in order]
-        i = groups = padded = 0
+        """Prompts into rows (their page tables are set), packed into chunks of at most
+        prefill_tokens tokens (one prompt over it: a chunk of its own); each row's first new
+        token from its last prompt position. Returns (chunks, tokens): the forwards it ran and
+        the tokens they held (a graphed chunk: its bucket). The host side is numpy and one copy
+        per chunk: each torch call gives up the GIL, which the generate step's thread then holds
+        for up to its switch interval."""
+        r, dev = self.rows, self.device
+        lens = np.fromiter((len(q.ids) for q in reqs), np.int64, len(reqs))
+        i = chunks = ran = 0
         while i < len(reqs):
-            Tq = len(reqs[i].ids)
-            n = max(1, min(len(reqs) - i, self.prefill_tokens // max(Tq, 1)))
-            grp, rws = reqs[i:i + n], rows[i:i + n]
-            i += n
-            Tq = max(len(q.ids) for q in grp)
-            groups, padded = groups + 1, padded + len(grp) * Tq
-            ids = torch.zeros(len(grp), Tq, dtype=torch.long)
-            for j, q in enumerate(grp):
-                ids[j, :len(q.ids)] = torch.tensor(q.ids)
-            ids = ids.to(dev)
-            lens = torch.tensor([len(q.ids) for q in grp], device=dev)
-            ridx = torch.tensor(rws, device=dev)
-            t = torch.arange(Tq, device=dev)
-            tab = r.table.index_select(0, ridx).long()                              # [R, W]
-            slot = tab.gather(1, (t // P).expand(len(grp), -1)) * P + t % P         # [R, Tq]
-            slot = torch.where(t[None] < lens[:, None], slot, 0)
-            self.cache.prefill(slot.reshape(-1))
-            # SDPA without cuDNN (static.eager_attention): every group is a new (rows, length)
-            # shape, and cuDNN attention builds an execution plan per new shape (~195 ms at
-            # SmolLM2's on the H200)
-            with eager_attention():
-                h = self._forward(ids, t.expand(len(grp), -1))                      # [R, Tq, H]
-            last = h[torch.arange(len(grp), device=dev), lens - 1]                  # [R, H]
-            temp = torch.tensor([q.temperature for q in grp], dtype=torch.float32, device=dev)
-            first = self._pick(self.head(last).float(), temp, top_p, sampling)      # [R]
-            max_new = torch.tensor([q.max_new for q in grp], device=dev)
-            for dst, v in ((r.tok, first), (r.ctx, lens), (r.n_out, torch.ones_like(lens)),
-                           (r.max_new, max_new), (r.temp, temp)):
-                dst.index_copy_(0, ridx, v.to(dst.dtype))
-            out = torch.zeros(len(grp), r.out.shape[1], dtype=torch.long, device=dev)
-            out[:, 0] = first
-            r.out.index_copy_(0, ridx, out)
+            j, n_tok = i + 1, int(lens[i])
+            while j < len(reqs) and n_tok + lens[j] <= self.prefill_tokens:
+                n_tok, j = n_tok + int(lens[j]), j + 1
+            grp = reqs[i:j]
+            last, tokens = self._prefill_chunk(grp, rows[i:j], lens[i:j])            # [R, H]
+            chunks, ran = chunks + 1, ran + tokens
+            meta = torch.from_numpy(np.stack([np.asarray(rows[i:j], np.int64), lens[i:j],
+                                              [q.max_new for q in grp]])).to(dev)
+            ridx, n_prompt, max_new = meta                                           # [R] each
+            temp = torch.tensor([q.temperature for q in grp], dtype=torch.float32).to(dev)
+            i = j
+            first = self._pick(self.head(last), temp, top_p, sampling)              # [R]
+            r.tok.index_copy_(0, ridx, first)
+            r.ctx.index_copy_(0, ridx, n_prompt)
+            r.n_out.index_fill_(0, ridx, 1)
+            r.max_new.index_copy_(0, ridx, max_new)
+            r.temp.index_copy_(0, ridx, temp)
+            r.out[ridx, 0] = first
             done = (first[:, None] == r.stop).any(-1) | (max_new <= 1)
             r.active.index_copy_(0, ridx, ~done)
-        return groups, padded
+        return chunks, ran
+
+    def _prefill_chunk(self, grp: list[Request], rws: list[int], lens: np.ndarray
+                       ) -> tuple[Tensor, int]:
+        """One packed forward of grp's prompts into rows rws -> (the hidden states at each
+        prompt's last token [R, H], the tokens the forward ran). Graphed per bucket on CUDA
+        with the Triton attention; eager (exactly N tokens) elsewhere. Its inputs travel in one
+        int64 copy: ids, positions, each token's prompt start, row and whether it is real [5, Nb],
+        then each prompt's last index [S]."""
+        n, N = len(grp), int(lens.sum())
+        Nb = next((b for b in PREFILL_BUCKETS if b >= N), None) \
+            if self.prefill_graphs.enabled and self.cache.use_triton \
+            and N <= self.prefill_tokens else None
+        S = min(self.max_batch, Nb) if Nb else n
+        Nx = Nb or N
+        host = np.zeros(5 * Nx + S, np.int64)
+        ids, pos, starts, row, real = host[:5 * Nx].reshape(5, Nx)
+        begin = np.cumsum(lens) - lens
+        ids[:N] = np.fromiter(itertools.chain.from_iterable(q.ids for q in grp), np.int64, N)
+        starts[:N] = np.repeat(begin, lens)
+        starts[N:] = np.arange(N, Nx)     # padding: position 0, the sink, each on its own
+        pos[:N] = np.arange(N) - starts[:N]
+        row[:N] = np.repeat(np.asarray(rws, np.int64), lens)
+        real[:N] = 1
+        host[5 * Nx:5 * Nx + n] = begin + lens - 1
+
+        def forward(x: Tensor) -> Tensor:                                 # -> [S, H]
+            ids, pos, starts, row, real = x[:5 * Nx].view(5, Nx)
+            slot = self.rows.table[row, pos // self.P].long() * self.P + pos % self.P
+            self.cache.prefill(torch.where(real > 0, slot, 0), starts.int())
+            h = self._forward(ids[None], pos[None])[0]                              # [Nx, H]
+            return h.index_select(0, x[5 * Nx:])
+
+        if Nb is None:
+            with eager_attention():       # SDPA without cuDNN (a plan per new shape) where used
+                return forward(torch.from_numpy(host).to(self.device)), N
+        x = self._prefill_in.get(Nb)
+        if x is None:
+            x = self._prefill_in[Nb] = {
+                "in": torch.zeros(5 * Nb + S, dtype=torch.long, device=self.device),
+                "h": torch.zeros(S, self.head.weight.shape[1], dtype=self.dtype,
+                                 device=self.device)}
+        x["in"].copy_(torch.from_numpy(host))
+        self.prefill_graphs.run(("prefill", Nb), lambda: x["h"].copy_(forward(x["in"])), [])
+        return x["h"][:n], Nb
 
     # ------------------------------------------------------------------------ memory
     def _activation_reserve(self, top_p: float) -> int:
@@ -324,11 +373,13 @@ class Engine:
         T = min(self.prefill_tokens, 2048)
         R = max(1, self.prefill_tokens // T)
         self.cache.allocate(1, self.P, self.dtype, self.device)
-        with paged_context(self.cache), torch.no_grad():
-            self.cache.prefill(torch.zeros(R * T, dtype=torch.long, device=self.device))
-            h = self._forward(torch.zeros(R, T, dtype=torch.long, device=self.device),
-                              torch.arange(T, device=self.device).expand(R, -1))
-            self.head(h[:, -1]).float()
+        with paged_context(self.cache), torch.no_grad():               # R packed prompts of T
+            t = torch.arange(R * T, device=self.device)
+            self.cache.prefill(torch.zeros(R * T, dtype=torch.long, device=self.device),
+                               (t - t % T).int())
+            h = self._forward(torch.zeros(1, R * T, dtype=torch.long, device=self.device),
+                              (t % T)[None])
+            self.head(h[0, T - 1::T]).float()
             del h
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
@@ -376,7 +427,8 @@ class Engine:
     def _allocate(self, pages: int, out_width: int, W: int, n_stop: int) -> None:
         shape = (self.max_batch, W, out_width, n_stop)
         if pages != self.pages or self.rows is None or self._shape != shape:
-            self.graphs.clear()
+            self.graphs.clear()                      # their captures hold the old pools
+            self.prefill_graphs.clear()
             self.cache.allocate(pages, self.P, self.dtype, self.device)
             self.rows = _Rows(self.max_batch, W, out_width, n_stop, self.device)
             self.pages, self._shape = pages, shape
@@ -413,7 +465,8 @@ class Engine:
         last = {"seconds": 0.0, "prefill_seconds": 0.0, "decode_seconds": 0.0,
                 "wait_seconds": 0.0, "capture_seconds": 0.0, "steps": 0, "tokens": 0,
                 "requests": 0, "too_long": 0, "admissions": 0, "prefill_groups": 0,
-                "prefill_tokens": 0, "prefill_padded_tokens": 0, "sampling_steps": 0}
+                "prefill_tokens": 0, "prefill_padded_tokens": 0, "sampling_steps": 0,
+                "decode_gpu_seconds": 0.0, "prefill_gpu_seconds": 0.0}
         self.last = last
         with queue.lock:
             known, open_ = queue.reqs[queue.head:], not queue.closed
@@ -458,6 +511,12 @@ class Engine:
                     triton=self.cache.use_triton)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        self._seed.fill_(int(torch.randint(0, 2**62, (1,))))     # from the caller's seeded stream
+        # the GPU's own time in the decode rounds and the admissions (CUDA events, read at the
+        # next sync): the wall seconds less these are the GPU waiting on the host
+        timed = self.device.type == "cuda"
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if timed else []
+        pending: list = []
 
         def done(q: Request, res: Result) -> None:
             last["requests"] += 1
@@ -492,13 +551,19 @@ class Engine:
                         adm.append(q)
                     if adm:
                         t0 = time.perf_counter()
-                        tab = torch.zeros(len(adm), W, dtype=torch.int32)    # one copy for all
+                        tab = np.zeros((len(adm), W), np.int32)              # one copy for all
                         for j, row in enumerate(adm_rows):
                             pg = live[row][1]
-                            tab[j, :len(pg)] = torch.tensor(pg, dtype=torch.int32)
-                        r.table.index_copy_(0, torch.tensor(adm_rows, device=self.device),
-                                            tab.to(self.device))
+                            tab[j, :len(pg)] = pg
+                        r.table.index_copy_(0, torch.tensor(adm_rows).to(self.device),
+                                            torch.from_numpy(tab).to(self.device))
+                        if timed:
+                            pev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                            pev[0].record()
                         groups, padded = self._prefill(adm_rows, adm, top_p, sampling)
+                        if timed:
+                            pev[1].record()
+                            pending.append(pev)
                         last["prefill_seconds"] += time.perf_counter() - t0
                         last["admissions"] += 1
                         last["prefill_groups"] += groups
@@ -524,12 +589,20 @@ class Engine:
                     w = 1 << (max(len(pg) for _, pg in live.values()) - 1).bit_length()
                     w = None if w >= W else w
                 key = ("decode", b, w, sampling, top_p)
+                if timed:
+                    ev[0].record()
                 for _ in range(self.sync_every):
                     self.graphs.run(key, lambda: self._step(b, top_p, sampling, w),
                                     r.tensors())
+                if timed:
+                    ev[1].record()
                 last["steps"] += self.sync_every
                 last["sampling_steps"] += self.sync_every if sampling else 0
                 active = r.active.tolist()                                   # one sync
+                if timed:
+                    last["decode_gpu_seconds"] += ev[0].elapsed_time(ev[1]) / 1000
+                    last["prefill_gpu_seconds"] += sum(a.elapsed_time(z) for a, z in pending) / 1000
+                    pending.clear()
                 ended = [row for row in live if not active[row]]
                 if ended:
                     idx = torch.tensor(ended, device=self.device)

@@ -17,9 +17,12 @@ without a request (and prefill padding) write to and nobody reads: every shape s
 the decode step is one CUDA graph however many rows are live and however long they are.
 
 Two modes, set per forward:
-  prefill  right-padded prompts [B, T] from position 0: keys/values are written to their slots and
-           attention is plain causal SDPA over the fresh keys (padding sits after every real token
-           of its row, so no real token sees it);
+  prefill  prompts from position 0, keys/values written to their slots. Packed (`starts` given):
+           the prompts one after another in a single row [1, N], each token attending causally
+           within its own prompt only (`packed_attention`: a Triton kernel on CUDA, one SDPA per
+           prompt elsewhere), so no token is padding. Without `starts`: right-padded prompts
+           [B, T], plain causal SDPA over the fresh keys (padding sits after every real token of
+           its row, so no real token sees it);
   decode   one token per row: written at its slot, then attention over the row's lens[b] tokens
            read through its page table: a Triton kernel on CUDA (`_paged_decode_kernel`, one
            program per (row, kv head), online softmax over the row's pages only), a gather + SDPA
@@ -62,6 +65,7 @@ def _paged_cache_class():
             self.gather: set[int] = set()
             self.returned: dict[int, int] = {}
             self.mode, self.write, self.table, self.lens = "prefill", None, None, None
+            self.starts = None
             self.page_size, self.use_triton = 0, False
 
         def allocate(self, pages: int, page_size: int, dtype, device) -> None:
@@ -75,8 +79,10 @@ def _paged_cache_class():
             size = torch.empty((), dtype=dtype).element_size()
             return sum(nkv * (hdk + hdv) * size for nkv, hdk, hdv in self.shapes.values())
 
-        def prefill(self, write: Tensor | None) -> None:
-            self.mode, self.write = "prefill", write
+        def prefill(self, write: Tensor | None, starts: Tensor | None = None) -> None:
+            """starts [N]: packed prompts, each token's prompt's first index in the row (None:
+            right-padded rows)."""
+            self.mode, self.write, self.starts = "prefill", write, starts
 
         def decode(self, write: Tensor, table: Tensor, lens: Tensor) -> None:
             self.mode, self.write, self.table, self.lens = "decode", write, table, lens
@@ -233,6 +239,106 @@ def paged_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Ten
     return out
 
 
+def packed_attention_reference(q: Tensor, k: Tensor, v: Tensor, starts: Tensor,
+                               scale: float) -> Tensor:
+    """Causal attention of packed prompts, one SDPA per prompt: q [N, nh, hdk], k [N, nkv, hdk],
+    v [N, nkv, hdv], starts [N] each token's prompt's first index -> [N, nh, hdv]."""
+    N, nh, _ = q.shape
+    g = nh // k.shape[1]
+    first = torch.nonzero(starts == torch.arange(N, device=q.device))[:, 0].tolist() + [N]
+    out = []
+    for a, b in zip(first[:-1], first[1:]):
+        qs, ks, vs = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))      # [1, heads, T, hd]
+        if g > 1:
+            ks, vs = ks.repeat_interleave(g, dim=1), vs.repeat_interleave(g, dim=1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=b - a > 1, scale=scale)
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+def _triton_prefill_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(Q, K, V, O, starts, N, scale, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh,
+               G: tl.constexpr, HDK: tl.constexpr, HDKP: tl.constexpr, HDV: tl.constexpr,
+               HDVP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+        pm = tl.program_id(0)
+        h = tl.program_id(1)
+        kh = h // G
+        m = pm * BM + tl.arange(0, BM)                                             # [BM]
+        mv = m < N
+        st = tl.load(starts + m, mask=mv, other=0)
+        dk = tl.arange(0, HDKP)
+        dv = tl.arange(0, HDVP)
+        q = tl.load(Q + m[:, None] * s_qt + h * s_qh + dk[None, :],
+                    mask=mv[:, None] & (dk[None, :] < HDK), other=0.0)            # [BM, HDKP]
+        lo = (tl.min(tl.where(mv, st, N)) // BN) * BN       # the block's earliest prompt start
+        hi = tl.minimum(pm * BM + BM, N)
+        mx = tl.full([BM], float("-inf"), tl.float32)
+        s_sum = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, HDVP], tl.float32)
+        for n0 in range(lo, hi, BN):
+            n = n0 + tl.arange(0, BN)                                              # [BN]
+            k = tl.load(K + n[:, None] * s_kt + kh * s_kh + dk[None, :],
+                        mask=(n[:, None] < N) & (dk[None, :] < HDK), other=0.0)   # [BN, HDKP]
+            v = tl.load(V + n[:, None] * s_vt + kh * s_vh + dv[None, :],
+                        mask=(n[:, None] < N) & (dv[None, :] < HDV), other=0.0)   # [BN, HDVP]
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale        # [BM, BN]
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
+            seen = (n[None, :] >= st[:, None]) & (n[None, :] <= m[:, None])
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(mx, tl.max(s, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # nothing seen yet: no NaN
+            alpha = tl.exp(mx - m_ref)
+            p = tl.exp(s - m_ref[:, None])
+            s_sum = s_sum * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            mx = m_new
+        out = acc / tl.maximum(s_sum, 1e-30)[:, None]
+        tl.store(O + m[:, None] * s_ot + h * s_oh + dv[None, :], out.to(O.dtype.element_ty),
+                 mask=mv[:, None] & (dv[None, :] < HDV))
+
+    return kernel
+
+
+_PREFILL_KERNEL = None
+
+
+def packed_attention_triton(q: Tensor, k: Tensor, v: Tensor, starts: Tensor,
+                            scale: float) -> Tensor:
+    """The Triton kernel for packed prompts (same contract as `packed_attention_reference`): one
+    program per (64 queries, head), over the keys from the earliest prompt start among its
+    queries to its last query. No host sync and fixed shapes: a prefill of N tokens graphs."""
+    global _PREFILL_KERNEL
+    if _PREFILL_KERNEL is None:
+        _PREFILL_KERNEL = _triton_prefill_kernel()
+    N, nh, hdk = q.shape
+    nkv, hdv = k.shape[1], v.shape[-1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty(N, nh, hdv, dtype=q.dtype, device=q.device)
+    BM = 64
+    _PREFILL_KERNEL[(-(-N // BM), nh)](
+        q, k, v, out, starts, N, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        G=nh // nkv, HDK=hdk, HDKP=_next_pow2(hdk), HDV=hdv, HDVP=_next_pow2(hdv), BM=BM, BN=64,
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    return out
+
+
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, scale: float,
+                     use_triton: bool) -> Tensor:
+    if use_triton:
+        return packed_attention_triton(q, k, v, starts, scale)
+    return packed_attention_reference(q, k, v, starts, scale)
+
+
 def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lens: Tensor,
                  scale: float, page_size: int, use_triton: bool) -> Tensor:
     if use_triton:
@@ -251,6 +357,10 @@ def _paged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         i = getattr(module, "layer_idx", None)
         if i is None or cache.returned.get(i) != id(key):
             cache.gather.add(i if i is not None else -1)
+    if cache.mode == "prefill" and cache.starts is not None:              # packed prompts [1, N]
+        o = packed_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
+                             value[0].transpose(0, 1), cache.starts, scale, cache.use_triton)
+        return o[None], None
     if cache.mode == "prefill":
         if key.shape[1] != nh:  # grouped heads repeated: enable_gqa would leave the flash kernel
             key = key.repeat_interleave(nh // key.shape[1], dim=1)

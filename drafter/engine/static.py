@@ -316,8 +316,9 @@ class Graphs:
     """One captured CUDA graph per key; eager on CPU or when capture fails (logged once).
     A step mutates persistent state in place; warm-up runs it once and restores that state."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, what: str = "decoding"):
         self.enabled = enabled and torch.cuda.is_available()
+        self.what = what            # named in the warning when capture fails
         self.graphs: dict = {}
         self.pool = None
         self.capture_seconds = 0.0
@@ -363,8 +364,8 @@ class Graphs:
             torch.cuda.synchronize()
             return g
         except Exception as e:  # e.g. an op that syncs with the host (data-dependent MoE routing)
-            log.warning("CUDA graph capture failed (%s: %s); decoding without graphs",
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            log.warning("CUDA graph capture failed (%s: %s); %s without graphs",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "", self.what)
             self.enabled = False
             try:
                 torch.cuda.synchronize()

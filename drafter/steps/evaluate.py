@@ -173,8 +173,9 @@ class _Prompts:
 
 
 def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tree=None,
-            desc: str = "", continuous: bool = False):
+            desc: str = "", continuous: bool = False, record_gaps: bool | None = None):
     """Decode every round (building later rounds from these answers when `rounds` is None).
+    record_gaps: plain greedy's runners-up for the lossless check (None: for plain at T=0).
     Returns ([(record, round, Output)], stats): stats are Decoder.last's figures summed over the
     rounds (measure.summary: seconds with the prefills, the tokens/s a user waits for;
     iterations, decode steps only; row_steps, their rows summed: a batch's steps run at its
@@ -197,7 +198,8 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
         if rounds is None:
             prompts.rounds.append(batch)
         res = dec.generate([ids for _, ids in batch], max_new, stop_ids=stop, temperature=T,
-                           proposer=proposer, tree=tree, record_gaps=proposer is None and T == 0,
+                           proposer=proposer, tree=tree, record_gaps=proposer is None and T == 0
+                           if record_gaps is None else record_gaps,
                            tree_stats=True, continuous=continuous,
                            progress=bar)  # tree_stats: greedy trees' smaller shapes' taus
         last = dec.last

@@ -415,6 +415,9 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> tuple[dic
         eng = {k: round(v, 3) for k, v in eng.items()}
         eng["other"] = round(total - sum(eng.values()), 3)
         out["engine"] = eng
+        # of engine.prefill and .decode, the GPU's own time (the rest: waiting on the host)
+        out["engine_gpu"] = {k: round(sum(s.get(f"{k}_gpu_seconds", 0.0) for s in stats)
+                                      / len(stats), 3) for k in ("prefill", "decode")}
     # what the engines did, summed over GPUs: admissions and their prefills (prompt tokens, and
     # as padded into groups), decode steps, those that sampled (any live row at T > 0)
     counts = {k: sum(s[k] for s in stats)
@@ -449,10 +452,11 @@ def _stream_local(loc: _Local, records: Iterator[dict]) -> None:
                                     zip(convs, ids, caps, users)])
         in_flight += len(convs)
 
-    # The engine's thread needs the GIL right after each sync to launch the next steps: a
-    # shorter switch interval than Python's 5 ms keeps template rendering here from holding it.
+    # The engine's thread gives up the GIL in every torch call and waits to take it back while
+    # this thread renders templates or checks user turns: a switch interval of 0.1 ms (Python's:
+    # 5 ms) bounds each such wait, of which a prefill or a sync has tens.
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, 0.0005))
+    sys.setswitchinterval(min(interval, 0.0001))
     it = iter(records)
     exhausted = False
     try:
