@@ -251,11 +251,12 @@ def prefill_profile(dec, P, k: int, prompts: list) -> str:
 
 
 def eval_rows(model, P, a, row, graphs: bool, fold) -> None:
-    """Evaluate's own decoding (drafter.steps.evaluate._decode: continuous batching, plain's
-    runners-up recorded, greedy trees' shape counts) on the eval sets under --eval-sets, and its
-    figures (drafter.measure.summary, Decoder.parts_ms): per batch size, plain and each method's
-    decode step, its GPU time, its parts at the shapes its steps ran at and the ratio, as
-    evaluate's report gives them for the same prompts and drafter."""
+    """Evaluate's own decoding (drafter.steps.evaluate._decode: continuous batching, plain
+    timed without runners-up and again recording them, greedy trees' shape counts) on the eval
+    sets under --eval-sets, and its figures (drafter.measure.summary, Decoder.parts_ms): per
+    batch size, plain and each method's decode step, its GPU time, its parts at the shapes its
+    steps ran at and the ratio, as evaluate's report gives them for the same prompts and
+    drafter."""
     from drafter.core.target import load_tokenizer
     from drafter.data.sources import load_prompts
     from drafter.engine.decode import stop_ids_of
@@ -274,8 +275,8 @@ def eval_rows(model, P, a, row, graphs: bool, fold) -> None:
                    for n, p in sets}
         first = prompts["mt_bench"].build(0, {})[:B]
         dec.generate([ids for _, ids in first], 2, stop_ids=stop)          # warm-up
-        for label, prop, tree, gaps in [
-                ("plain", None, None, None), ("plain without runners-up", None, None, False),
+        for label, prop, tree, gaps in [  # plain as evaluate times it, and its recording pass
+                ("plain", None, None, False), ("plain recording runners-up", None, None, True),
                 ("chain", P, TreeSpec.chain(a.k), None),
                 ("tree", P, TreeSpec(depth, topk, tokens), None)]:
             per = {}

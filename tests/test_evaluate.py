@@ -83,6 +83,32 @@ def test_second_mt_bench_turn_carries_the_model_answer(smollm2_dir, shared_data)
     assert p.build(2, answers) == []                     # MT-bench has two turns
 
 
+def test_plain_is_timed_without_runners_up_and_checked_with_them(smollm2_dir, shared_data):
+    """At T=0 the timed plain pass records no runners-up (the reference speedups divide by) and
+    the rounds are decoded again recording them: the tokens are the timed pass's, with gaps;
+    MT-bench's second turns are built once, from the timed answers. At T=1: one pass."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from drafter.data.sources import load_prompts
+    from drafter.engine.decode import NEAR, Decoder, stop_ids_of
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    recs = load_prompts(str(shared_data / "eval" / "mt_bench_questions.jsonl"), 2)
+    dec, stop = Decoder(model, max_batch=4), stop_ids_of(tok, model)
+    timed, _ = E._decode(dec, E._Prompts(tok, recs, 8192, 6), None, 6, stop, 0.0,
+                         record_gaps=False)
+    assert all(o.gaps is None for _, _, o in timed)
+    p = E._Prompts(tok, recs, 8192, 6)
+    outs, stats = E._plain(dec, p, 6, stop, 0.0, "plain", True)
+    assert [o.tokens for _, _, o in outs] == [o.tokens for _, _, o in timed]
+    assert len(outs) == 4 and len(p.rounds) == 2                       # two turns each
+    assert all(len(o.gaps) == len(o.tokens) and len(o.gaps[0]) == NEAR for _, _, o in outs)
+    assert stats["iterations"] > 0
+    once, _ = E._plain(dec, E._Prompts(tok, recs, 8192, 6), 6, stop, 1.0, "plain", True)
+    assert all(o.gaps is None for _, _, o in once)
+
+
 def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
     """Two drafters (a checkpoint; an exported native dir as the baseline), chain and tree, three
     datasets: lossless, τ, per-position acceptance, speed columns, plots, `drafter report`.
