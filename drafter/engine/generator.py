@@ -48,9 +48,7 @@ import inspect
 import itertools
 import logging
 import math
-import threading
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -60,6 +58,7 @@ from torch import Tensor
 from drafter.core.gpu import triton_available
 from drafter.engine.paged import PagedCache, paged_context, unsupported, use_paged_attention
 from drafter.engine.sampling import sample_rows
+from drafter.engine.stream import Request, Result, Stream, requests  # noqa: F401 (the API)
 from drafter.engine.static import Graphs, eager_attention
 from drafter.engine.tree import DecodeError, _gumbel_like, nucleus
 
@@ -76,104 +75,6 @@ OPEN_POOL_SHARE = 0.4
 # A graphed prefill chunk of N tokens runs the smallest bucket that holds it (padding: sink
 # writes, each pad token its own prompt); steps of about 1.5x keep a third of it at most.
 PREFILL_BUCKETS = tuple(b for k in range(9, 20) for b in (1 << k, 3 << (k - 1)))
-
-
-@dataclass
-class Result:
-    tokens: list[int]   # new tokens; the stop token is kept when it ended the text
-    finish: str         # "stop", "length", or "too_long" (never started: it cannot fit)
-
-
-@dataclass
-class Request:
-    index: int
-    ids: list[int]
-    max_new: int
-    temperature: float
-    tag: object = None  # the caller's (a conversation, say): handed back with the result
-
-
-def requests(prompts, max_new, temperature, tags=None, start: int = 0) -> list[Request]:
-    """One request per prompt; max_new and temperature: one value, or one per prompt."""
-    n = len(prompts)
-    mx = list(max_new) if isinstance(max_new, Sequence) else [max_new] * n
-    tp = list(temperature) if isinstance(temperature, Sequence) else [temperature] * n
-    tg = list(tags) if tags is not None else [None] * n
-    reqs = [Request(start + i, list(map(int, p)), int(m), float(t), g)
-            for i, (p, m, t, g) in enumerate(zip(prompts, mx, tp, tg))]
-    if any(not q.ids for q in reqs):
-        raise DecodeError("empty prompt: every prompt needs at least one token")
-    if any(q.max_new < 1 for q in reqs):
-        raise DecodeError("max_new must be >= 1")
-    return reqs
-
-
-class Stream:
-    """The requests the replicas of one Engine.run drain, thread-safe. Open while the caller may
-    still `put` requests; `close()` says no more will come (a replica then ends once the stream
-    is empty and its rows are done); `abort()` also drops what is queued and stops the replicas
-    at their next check. Each `put` is taken longest prompt first (fewer prefill chunks).
-
-    `bound` = (max prompt + max_new tokens, max_new) of any request that may still come: the
-    memory plan of a replica that starts while the stream is open. Without it (or once the
-    stream is closed before the run starts) the plan is sized by the requests themselves."""
-
-    def __init__(self, reqs: Sequence[Request] = (), bound: tuple[int, int] | None = None):
-        self.reqs: list[Request] = sorted(reqs, key=lambda r: -len(r.ids))
-        self.head = 0
-        self.bound = bound
-        self.closed = self.aborted = False
-        self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)
-        self.count = len(self.reqs)  # requests ever put (the next index)
-
-    def __len__(self) -> int:
-        return len(self.reqs) - self.head
-
-    def put(self, reqs: Sequence[Request]) -> None:
-        with self.cond:
-            if self.closed:
-                raise DecodeError("put on a closed stream")
-            if self.head > 4096 and self.head * 2 > len(self.reqs):   # drop the taken ones
-                self.reqs, self.head = self.reqs[self.head:], 0
-            self.reqs += sorted(reqs, key=lambda r: -len(r.ids))
-            self.count += len(reqs)
-            self.cond.notify_all()
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-
-    def abort(self) -> None:
-        with self.cond:
-            self.closed = self.aborted = True
-            self.head = len(self.reqs)
-            self.cond.notify_all()
-
-    def pending(self) -> list[Request]:
-        with self.lock:
-            return self.reqs[self.head:]
-
-    def wait(self, timeout: float) -> bool:
-        """Wait until a request is queued or the stream is closed; False when it is closed and
-        empty (nothing more will come)."""
-        with self.cond:
-            if self.head >= len(self.reqs) and not self.closed:
-                self.cond.wait(timeout)
-            return self.head < len(self.reqs) or not self.closed
-
-    def peek(self) -> Request | None:
-        with self.lock:
-            return self.reqs[self.head] if self.head < len(self.reqs) else None
-
-    def take_if(self, req: Request) -> bool:
-        """Take `req` if it is still the head (another replica may have taken it)."""
-        with self.lock:
-            if self.head < len(self.reqs) and self.reqs[self.head] is req:
-                self.head += 1
-                return True
-            return False
 
 
 class _Rows:
