@@ -261,7 +261,8 @@ def test_continuous_and_static_batches_give_the_same_decodings(smollm2_dir, shar
         assert E.main(cfg)["lossless"] is True
         m = json.loads(Run.of(cfg).eval_metrics().read_text())
         assert m["settings"]["continuous"] is cont
-        assert len(calls) == (3 if cont else 0)  # plain, chain, tree (the warm-up: one batch)
+        # plain timed, plain recording runners-up, chain, tree (the warm-up: one batch)
+        assert len(calls) == (4 if cont else 0)
         assert len(m["runs"]) == 2 and not any(r.get("recommended") for r in m["runs"])
         got[cont] = [(r["name"], d["prompts"], d["tau"], d["accepted"], d["steps"],
                       d["new_tokens"]) for r in m["runs"] for d in [r["datasets"]["gsm8k"]]]
