@@ -7,8 +7,8 @@
 #
 # Parts, in order (times from the steps as they ran on an H200; the sums are estimates):
 #   userpath ~12 min  benchmarks/user-path-smollm2.yaml from scratch (pools + 10,000 synthetic
-#                     prompts, online, evaluate at batch 64 with the tuner's setting), one Engine
-#                     call on its prompts, the pools' generate step against a call, a batch-1
+#                     prompts, online, evaluate at batch 64 with the tuner's setting), Engine
+#                     calls on its prompts (writes, answers), the pools' step against a call, a batch-1
 #                     evaluate, the bf16 lossless check at tie_tolerance=0, decode_speed.py on
 #                     evaluate's own decoding
 #   data     ~10 min  generate_throughput.py (10,000 prompts, batch 1,024 / 2,048 / 512 / 256),
@@ -288,9 +288,14 @@ part_userpath() {
   cp "$R/generate/manifest.json" "$OUT/user-path.generate-manifest.json" 2>/dev/null
   keep_train user-path "$R"
   keep_eval user-path "$R"
+  # the step's work as two closed calls: its user-turn writes (requests less turns answered
+  # and too long), then the answers of its first user turns
+  local writes
+  writes=$("$PY" -c "import json, sys; m = json.load(open(sys.argv[1])); c = m['counts']
+print(m['engine_counts']['requests'] - c['turns'] - c['too_long'])" "$R/generate/manifest.json")
   step user-path-engine-call "$PY" benchmarks/generate_throughput.py \
     --data "$R/generate/conversations.jsonl" --prompts 40000 --batches 2048 --max-new 512 \
-    --json "$OUT/user-path-engine-call.json"
+    --writes "$writes" --json "$OUT/user-path-engine-call.json"
   step user-path-pools-step "$PY" benchmarks/generate_throughput.py --data ../shared/data/train \
     --prompts 15002 --batches 2048 --max-new 512 --step --json "$OUT/user-path-pools-step.json"
   step user-path-b1 $DRAFTER evaluate "$U" run_dir=runs/user-path-b1 \
