@@ -67,10 +67,10 @@ log = logging.getLogger("drafter")
 MIN_BUCKET = 8
 # An open stream's pool takes this share of memory_fraction of the free memory (a closed call's
 # is sized by its requests: 33 GiB for SmolLM2 at batch 2048 on the H200). At the whole share the
-# first prefills ran out of memory (asking 9.25 and 12.3 GiB): then a prefill group was sized from
-# its first prompt and padded to its longest, which an open stream's mixed admissions made large;
-# _prefill now takes an admission longest first. The share stays until a run at 0.9 shows the
-# sorted prefill fits.
+# first prefills ran out of memory (asking 9.25 and 12.3 GiB) when a prefill group was padded to
+# its longest prompt, which an open stream's mixed admissions made large. A packed chunk holds at
+# most prefill_tokens tokens, the size the activation reserve measures; the share stays until a
+# run at 0.9 shows that it fits.
 OPEN_POOL_SHARE = 0.4
 # A graphed prefill chunk of N tokens runs the smallest bucket that holds it (padding: sink
 # writes, each pad token its own prompt); steps of about 1.5x keep a third of it at most.
@@ -413,8 +413,8 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._seed.fill_(int(torch.randint(0, 2**62, (1,))))     # from the caller's seeded stream
-        # the GPU's own time in the decode rounds and the admissions (CUDA events, read at the
-        # next sync): the wall seconds less these are the GPU waiting on the host
+        # the GPU timeline's span of each decode round and each admission (CUDA events, read at
+        # the next sync): the wall seconds less these are the GPU waiting on the host between
         timed = self.device.type == "cuda"
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if timed else []
         pending: list = []

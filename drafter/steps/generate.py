@@ -415,7 +415,8 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> tuple[dic
         eng = {k: round(v, 3) for k, v in eng.items()}
         eng["other"] = round(total - sum(eng.values()), 3)
         out["engine"] = eng
-        # of engine.prefill and .decode, the GPU's own time (the rest: waiting on the host)
+        # of engine.prefill and .decode, what the GPU's timeline spans (the rest: the GPU
+        # waiting on the host between them)
         out["engine_gpu"] = {k: round(sum(s.get(f"{k}_gpu_seconds", 0.0) for s in stats)
                                       / len(stats), 3) for k in ("prefill", "decode")}
     # what the engines did, summed over GPUs: admissions and their prefills (prompt tokens, and
