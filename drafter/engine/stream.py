@@ -47,7 +47,7 @@ class Stream:
     """The requests the replicas of one Engine.run drain, thread-safe. Open while the caller may
     still `put` requests; `close()` says no more will come (a replica then ends once the stream
     is empty and its rows are done); `abort()` also drops what is queued and stops the replicas
-    at their next check. Each `put` is taken longest prompt first (fewer prefill chunks).
+    at their next check. Each `put` is queued longest prompt first.
 
     `bound` = (max prompt + max_new tokens, max_new) of any request that may still come: the
     memory plan of a replica that starts while the stream is open. Without it (or once the
