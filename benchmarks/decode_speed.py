@@ -277,8 +277,8 @@ def eval_rows(model, P, a, row, graphs: bool, fold) -> None:
         dec.generate([ids for _, ids in first], 2, stop_ids=stop)          # warm-up
         for label, prop, tree, gaps in [  # plain as evaluate times it, and its recording pass
                 ("plain", None, None, False), ("plain recording runners-up", None, None, True),
-                ("chain", P, TreeSpec.chain(a.k), None),
-                ("tree", P, TreeSpec(depth, topk, tokens), None)]:
+                ("chain", P, TreeSpec.chain(a.k), False),
+                ("tree", P, TreeSpec(depth, topk, tokens), False)]:
             per = {}
             for n, pr in prompts.items():
                 outs, stats = _decode(dec, pr, pr.rounds or None, a.new_tokens, stop, 0.0,

@@ -139,10 +139,14 @@ def write_user_turns(model, tok, stop, batch: int, n: int) -> dict:
     tokens = sum(len(r.tokens) for r in res)
     return {"batch": f"{batch} (writes)", "tokens": tokens, "seconds": round(wall, 2),
             "tokens_per_s": round(tokens / wall, 1), "steps": eng.last["steps"],
-            "prefill_seconds": round(eng.last["prefill_seconds"], 2),
-            "decode_seconds": round(eng.last["decode_seconds"], 2),
-            "decode_gpu_seconds": round(eng.last.get("decode_gpu_seconds", 0), 2),
-            "capture_seconds": round(eng.last["capture_seconds"], 2)}
+            **seconds_of(eng.last)}
+
+
+def seconds_of(last: dict) -> dict:
+    """An Engine call's seconds by part (Engine.last), the GPU timeline's spans among them."""
+    return {k: round(last.get(k, 0.0), 2) for k in (
+        "prefill_seconds", "decode_seconds", "prefill_gpu_seconds", "decode_gpu_seconds",
+        "capture_seconds")}
 
 
 def profile_steps(eng: Engine, prompts, max_new, stop) -> str:
@@ -207,11 +211,7 @@ def main(argv=None) -> int:
         row = {"batch": b, "tokens": n, "seconds": round(wall, 2),
                "tokens_per_s": round(n / wall, 1),
                "tokens_per_s_without_capture": round(n / last["seconds"], 1),
-               "prefill_seconds": round(last["prefill_seconds"], 2),
-               "decode_seconds": round(last["decode_seconds"], 2),
-               "decode_gpu_seconds": round(last.get("decode_gpu_seconds", 0), 2),
-               "prefill_gpu_seconds": round(last.get("prefill_gpu_seconds", 0), 2),
-               "capture_seconds": round(last["capture_seconds"], 2), "steps": last["steps"],
+               **seconds_of(last), "steps": last["steps"],
                "row_utilisation": round(n / max(1, last["steps"] * b), 3),
                "peak_gib": round(last.get("peak_bytes", 0) / 2**30, 2),
                "kv_pool_gib": round(last["pages"] * last["page_bytes"] / 2**30, 2),

@@ -60,7 +60,7 @@ from drafter.engine.paged import PagedCache, paged_context, unsupported, use_pag
 from drafter.engine.sampling import sample_rows
 from drafter.engine.stream import Request, Result, Stream, requests  # noqa: F401 (the API)
 from drafter.engine.static import Graphs, eager_attention
-from drafter.engine.tree import DecodeError, _gumbel_like, nucleus
+from drafter.engine.tree import DecodeError
 
 log = logging.getLogger("drafter")
 
@@ -102,8 +102,10 @@ class EngineUnsupported(DecodeError):
 
 class Engine:
     """Batched generation of one target on its device (module docstring). `last` holds the
-    figures of the latest call: seconds, prefill_seconds, capture_seconds, steps, tokens,
-    pages, page_bytes, peak_bytes, batch."""
+    figures of the latest call: seconds (prefill_, decode_, wait_, capture_seconds; the GPU
+    timeline's prefill_ and decode_gpu_seconds), steps, sampling_steps, tokens, requests,
+    admissions, prefill_groups, prefill_tokens, prefill_padded_tokens, pages, page_bytes,
+    peak_bytes, batch."""
 
     def __init__(self, model, max_batch: int = 256, page_size: int = 64,
                  prefill_tokens: int = 32768, memory_fraction: float = 0.9,
@@ -152,13 +154,9 @@ class Engine:
         sample of logits / temp within the top_p nucleus."""
         if not sampling:
             return logits.argmax(-1)
-        if top_p >= 1.0:
-            nxt = sample_rows(logits, temp, self._seed, self.cache.use_triton)
-            self._seed.add_(1)
-            return nxt
-        logits = logits.float()
-        lg = nucleus(logits / temp.clamp(min=1e-6)[:, None], top_p)
-        return torch.where(temp > 0, (lg + _gumbel_like(lg)).argmax(-1), logits.argmax(-1))
+        nxt = sample_rows(logits, temp, self._seed, self.cache.use_triton, top_p)
+        self._seed.add_(1)
+        return nxt
 
     def _step(self, b: int, top_p: float, sampling: bool, w: int | None = None) -> None:
         """One decode step of rows [0, b) over the first w page-table columns (all: None):
@@ -196,14 +194,14 @@ class Engine:
             j, n_tok = i + 1, int(lens[i])
             while j < len(reqs) and n_tok + lens[j] <= self.prefill_tokens:
                 n_tok, j = n_tok + int(lens[j]), j + 1
-            grp = reqs[i:j]
-            last, tokens = self._prefill_chunk(grp, rows[i:j], lens[i:j])            # [R, H]
+            grp, rws, n = reqs[i:j], rows[i:j], lens[i:j]
+            i = j
+            last, tokens = self._prefill_chunk(grp, rws, n)                          # [R, H]
             chunks, ran = chunks + 1, ran + tokens
-            meta = torch.from_numpy(np.stack([np.asarray(rows[i:j], np.int64), lens[i:j],
+            meta = torch.from_numpy(np.stack([np.asarray(rws, np.int64), n,
                                               [q.max_new for q in grp]])).to(dev)
             ridx, n_prompt, max_new = meta                                           # [R] each
             temp = torch.tensor([q.temperature for q in grp], dtype=torch.float32).to(dev)
-            i = j
             first = self._pick(self.head(last), temp, top_p, sampling)              # [R]
             r.tok.index_copy_(0, ridx, first)
             r.ctx.index_copy_(0, ridx, n_prompt)

@@ -1,7 +1,7 @@
 """Per-row sampling of the data engine's rows in one read of the logits: greedy where a row's
 temperature is 0, else a Gumbel-max sample of logits / temperature.
 
-    nxt = sample_rows(logits, temp, seed, use_triton)   # logits [B, V] (any float), temp [B]
+    nxt = sample_rows(logits, temp, seed, use_triton, top_p)  # logits [B, V], temp [B]
 
 The unfused form (drafter.engine.tree: logits.float() / temp + Gumbel noise, then argmax) writes
 and reads [B, V] float32 tensors seven times; at the data engine's batch of 2,048 rows over
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from drafter.engine.tree import _gumbel_like, nucleus
 
 LANES = 1024
 _KERNEL = None
@@ -71,22 +73,21 @@ def _make_kernel():
     return kernel
 
 
-def sample_rows_torch(logits: Tensor, temp: Tensor, seed: Tensor | None = None) -> Tensor:
-    """The unfused reference: the same distribution, torch's random stream."""
-    from drafter.engine.tree import _gumbel_like
-
+def sample_rows_torch(logits: Tensor, temp: Tensor, top_p: float = 1.0) -> Tensor:
+    """The unfused form, any top_p (the nucleus for all rows): torch's random stream."""
     lg = logits.float()
-    greedy = lg.argmax(-1)
-    noisy = lg / temp.clamp(min=1e-6)[:, None] + _gumbel_like(lg)
-    return torch.where(temp > 0, noisy.argmax(-1), greedy)
+    noisy = nucleus(lg / temp.clamp(min=1e-6)[:, None], top_p)
+    return torch.where(temp > 0, (noisy + _gumbel_like(noisy)).argmax(-1), lg.argmax(-1))
 
 
-def sample_rows(logits: Tensor, temp: Tensor, seed: Tensor, use_triton: bool) -> Tensor:
+def sample_rows(logits: Tensor, temp: Tensor, seed: Tensor, use_triton: bool,
+                top_p: float = 1.0) -> Tensor:
     """Next token per row of logits [B, V]: argmax where temp [B] is 0, else Gumbel-max of
-    logits / temp. `seed` [1] int64 on the logits' device: the kernel's noise key (advance it
-    between draws); the torch form draws from torch's stream instead."""
-    if not use_triton:
-        return sample_rows_torch(logits, temp)
+    logits / temp (within the top_p nucleus). `seed` [1] int64 on the logits' device: the
+    kernel's noise key (advance it between draws); the torch form (no Triton, or top_p < 1:
+    the nucleus sorts every row) draws from torch's stream instead."""
+    if not use_triton or top_p < 1.0:
+        return sample_rows_torch(logits, temp, top_p)
     global _KERNEL
     if _KERNEL is None:
         _KERNEL = _make_kernel()

@@ -173,9 +173,9 @@ class _Prompts:
 
 
 def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tree=None,
-            desc: str = "", continuous: bool = False, record_gaps: bool | None = None):
+            desc: str = "", continuous: bool = False, record_gaps: bool = False):
     """Decode every round (building later rounds from these answers when `rounds` is None).
-    record_gaps: plain greedy's runners-up for the lossless check (None: for plain at T=0).
+    record_gaps: plain greedy's runners-up for the lossless check (`_plain`'s second pass).
     Returns ([(record, round, Output)], stats): stats are Decoder.last's figures summed over the
     rounds (measure.summary: seconds with the prefills, the tokens/s a user waits for;
     iterations, decode steps only; row_steps, their rows summed: a batch's steps run at its
@@ -198,8 +198,7 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
         if rounds is None:
             prompts.rounds.append(batch)
         res = dec.generate([ids for _, ids in batch], max_new, stop_ids=stop, temperature=T,
-                           proposer=proposer, tree=tree, record_gaps=proposer is None and T == 0
-                           if record_gaps is None else record_gaps,
+                           proposer=proposer, tree=tree, record_gaps=record_gaps,
                            tree_stats=True, continuous=continuous,
                            progress=bar)  # tree_stats: greedy trees' smaller shapes' taus
         last = dec.last
@@ -226,8 +225,7 @@ def _plain(dec, prompts: _Prompts, max_new, stop, T, desc: str, continuous: bool
     the lossless check (recording them in the timed pass made its step 4.5% slower at batch 64
     on the H200: BENCHMARKS.md). The two passes run the same batches and give the same tokens;
     should bf16 differ, the recording pass's tokens are the ones checked (with a warning)."""
-    outs, stats = _decode(dec, prompts, None, max_new, stop, T, desc=desc, continuous=continuous,
-                          record_gaps=False)
+    outs, stats = _decode(dec, prompts, None, max_new, stop, T, desc=desc, continuous=continuous)
     if T != 0:
         return outs, stats
     again, _ = _decode(dec, prompts, prompts.rounds, max_new, stop, T,

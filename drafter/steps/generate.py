@@ -419,8 +419,9 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> tuple[dic
         # waiting on the host between them)
         out["engine_gpu"] = {k: round(sum(s.get(f"{k}_gpu_seconds", 0.0) for s in stats)
                                       / len(stats), 3) for k in ("prefill", "decode")}
-    # what the engines did, summed over GPUs: admissions and their prefills (prompt tokens, and
-    # as padded into groups), decode steps, those that sampled (any live row at T > 0)
+    # what the engines did, summed over GPUs: admissions and their packed prefills (prompt
+    # tokens, and the tokens the forwards ran), decode steps, those that sampled (any live row
+    # at T > 0)
     counts = {k: sum(s[k] for s in stats)
               for k in ("requests", "admissions", "prefill_groups", "prefill_tokens",
                         "prefill_padded_tokens", "steps", "sampling_steps", "tokens")} \
