@@ -199,6 +199,29 @@ def test_streaming_engine_equals_the_closed_call(tmp_path, smollm2_dir):
     assert not t.is_alive()
 
 
+def test_stream_puts_first_requests_ahead_in_their_order():
+    """put(..., first=True) goes ahead of every request put without it, first-put first (each
+    put longest prompt first); taking one from the head keeps the rest in place; abort drops
+    them all."""
+    from drafter.engine.generator import Stream, requests
+
+    s = Stream(bound=(64, 4))
+    s.put(requests([[1] * 3, [1] * 9], 4, 0.0, ["a3", "a9"]))
+    s.put(requests([[2] * 2, [2] * 5], 4, 1.0, ["u2", "u5"], 2), first=True)
+    q = s.peek()
+    assert q.tag == "u5" and s.take_if(q) and not s.take_if(q)
+    s.put(requests([[3] * 7], 4, 1.0, ["v7"], 4), first=True)       # after u2, before a9
+    s.put(requests([[4] * 1], 4, 0.0, ["b1"], 5))
+    order = []
+    while (q := s.peek()) is not None:
+        assert s.take_if(q)
+        order.append(q.tag)
+    assert order == ["u2", "v7", "a9", "a3", "b1"] and s.n_first == 0
+    s.put(requests([[5] * 2], 4, 1.0, ["w"], 6), first=True)
+    s.abort()
+    assert s.peek() is None and len(s) == 0 and s.n_first == 0
+
+
 def test_paged_reference_equals_dense_attention():
     """The gather reference (the CPU path and the kernel's oracle) against attention over each
     row's own keys, written out densely."""

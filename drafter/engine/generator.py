@@ -19,8 +19,10 @@ How it works:
     A request that can never fit (prompt + max_new over the pool or the model's positions) is
     returned as finish "too_long" instead of failing the batch.
   - Continuous batching: every `sync_every` steps the host reads which rows finished (one sync),
-    collects them, and once `refill_fraction` of the rows are free prefills the next prompts into
-    them. A long answer never holds the others back.
+    and once `refill_fraction` of the rows are free prefills the next prompts into them. A long
+    answer never holds the others back. The GPU does not wait on the host's bookkeeping: inputs
+    go up from pinned buffers without a sync (`_Uploads`), and the finished rows' tokens are
+    copied out at once but read only after the next prefill and decode round are queued.
   - Prefill: an admission's prompts packed one after another into chunks of at most
     `prefill_tokens` tokens, each one forward [1, N] in which a token attends only within its
     own prompt (drafter.engine.paged.packed_attention): no padding, however mixed the lengths.
@@ -96,6 +98,37 @@ class _Rows:
                 self.out, self.table, self.lens]
 
 
+class _Uploads:
+    """Host arrays to the device without waiting for the GPU. A plain `.to(device)` of host memory
+    waits for every queued kernel first, so the GPU would idle while the host prepares each
+    prefill chunk; here each array is staged in one of a ring of pinned buffers and copied with
+    non_blocking, and a buffer is written again only once its copy has run (its event). Off
+    CUDA: a plain copy."""
+
+    def __init__(self, device, slots: int = 4):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.bufs: list[Tensor | None] = [None] * slots
+        self.events: list = [None] * slots
+        self.i = 0
+
+    def __call__(self, a: np.ndarray) -> Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if not self.cuda:
+            return t.to(self.device)
+        self.i = i = (self.i + 1) % len(self.bufs)
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        n = t.numel() * t.element_size()
+        if self.bufs[i] is None or self.bufs[i].numel() < n:
+            self.bufs[i] = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=True)
+        stage = self.bufs[i][:n].view(t.dtype).view(t.shape)
+        stage.copy_(t)
+        out = stage.to(self.device, non_blocking=True)
+        self.events[i] = torch.cuda.Event()
+        self.events[i].record()
+        return out
+
+
 class EngineUnsupported(DecodeError):
     pass
 
@@ -130,6 +163,7 @@ class Engine:
         self.prefill_graphs = Graphs(cuda_graphs and self.device.type == "cuda", "prefilling")
         self._prefill_in: dict[int, dict[str, Tensor]] = {}   # bucket -> its graph's inputs
         self._seed = torch.zeros(1, dtype=torch.long, device=self.device)  # sampling's noise key
+        self._upload = _Uploads(self.device)
         self.cache = PagedCache()
         self.cache.use_triton = triton_available(self.device)
         with paged_context(self.cache):                        # the probe: head layout per layer
@@ -184,24 +218,20 @@ class Engine:
         """Prompts into rows (their page tables are set), packed into chunks of at most
         prefill_tokens tokens (one prompt over it: a chunk of its own); each row's first new
         token from its last prompt position. Returns (chunks, tokens): the forwards it ran and
-        the tokens they held (a graphed chunk: its bucket). The host side is numpy and one copy
-        per chunk: each torch call gives up the GIL, which the generate step's thread then holds
-        for up to its switch interval."""
-        r, dev = self.rows, self.device
+        the tokens they held (a graphed chunk: its bucket). Nothing here waits for the GPU: the
+        host prepares a chunk (numpy, one upload) while the GPU runs the one before."""
+        r = self.rows
         lens = np.fromiter((len(q.ids) for q in reqs), np.int64, len(reqs))
         i = chunks = ran = 0
         while i < len(reqs):
             j, n_tok = i + 1, int(lens[i])
             while j < len(reqs) and n_tok + lens[j] <= self.prefill_tokens:
                 n_tok, j = n_tok + int(lens[j]), j + 1
-            grp, rws, n = reqs[i:j], rows[i:j], lens[i:j]
+            last, tokens, meta = self._prefill_chunk(reqs[i:j], rows[i:j], lens[i:j])  # [R, H]
             i = j
-            last, tokens = self._prefill_chunk(grp, rws, n)                          # [R, H]
             chunks, ran = chunks + 1, ran + tokens
-            meta = torch.from_numpy(np.stack([np.asarray(rws, np.int64), n,
-                                              [q.max_new for q in grp]])).to(dev)
-            ridx, n_prompt, max_new = meta                                           # [R] each
-            temp = torch.tensor([q.temperature for q in grp], dtype=torch.float32).to(dev)
+            ridx, n_prompt, max_new, temp = meta[0], meta[1], meta[2], \
+                meta[3].view(torch.float64).float()                                 # [R] each
             first = self._pick(self.head(last), temp, top_p, sampling)              # [R]
             r.tok.index_copy_(0, ridx, first)
             r.ctx.index_copy_(0, ridx, n_prompt)
@@ -214,19 +244,20 @@ class Engine:
         return chunks, ran
 
     def _prefill_chunk(self, grp: list[Request], rws: list[int], lens: np.ndarray
-                       ) -> tuple[Tensor, int]:
+                       ) -> tuple[Tensor, int, Tensor]:
         """One packed forward of grp's prompts into rows rws -> (the hidden states at each
-        prompt's last token [R, H], the tokens the forward ran). Graphed per bucket on CUDA
-        with the Triton attention; eager (exactly N tokens) elsewhere. Its inputs travel in one
-        int64 copy: ids, positions, each token's prompt start, row and whether it is real [5, Nb],
-        then each prompt's last index [S]."""
+        prompt's last token [R, H], the tokens the forward ran, each prompt's row, length,
+        max_new and temperature (float64 bits) [4, R]). Graphed per bucket on CUDA with the
+        Triton attention; eager (exactly N tokens) elsewhere. Everything travels in one int64
+        upload: ids, positions, each token's prompt start, row and whether it is real [5, Nb],
+        each prompt's last index [S], then the prompts' [4, R]."""
         n, N = len(grp), int(lens.sum())
         Nb = next((b for b in PREFILL_BUCKETS if b >= N), None) \
             if self.prefill_graphs.enabled and self.cache.use_triton \
             and N <= self.prefill_tokens else None
         S = min(self.max_batch, Nb) if Nb else n
         Nx = Nb or N
-        host = np.zeros(5 * Nx + S, np.int64)
+        host = np.zeros(5 * Nx + S + 4 * n, np.int64)
         ids, pos, starts, row, real = host[:5 * Nx].reshape(5, Nx)
         begin = np.cumsum(lens) - lens
         ids[:N] = np.fromiter(itertools.chain.from_iterable(q.ids for q in grp), np.int64, N)
@@ -236,26 +267,32 @@ class Engine:
         row[:N] = np.repeat(np.asarray(rws, np.int64), lens)
         real[:N] = 1
         host[5 * Nx:5 * Nx + n] = begin + lens - 1
+        meta = host[5 * Nx + S:].reshape(4, n)
+        meta[0], meta[1] = rws, lens
+        meta[2] = [q.max_new for q in grp]
+        meta[3] = np.array([q.temperature for q in grp], np.float64).view(np.int64)
+        dev = self._upload(host)
+        meta_dev = dev[5 * Nx + S:].view(4, n)
 
         def forward(x: Tensor) -> Tensor:                                 # -> [S, H]
             ids, pos, starts, row, real = x[:5 * Nx].view(5, Nx)
             slot = self.rows.table[row, pos // self.P].long() * self.P + pos % self.P
             self.cache.prefill(torch.where(real > 0, slot, 0), starts.int())
             h = self._forward(ids[None], pos[None])[0]                              # [Nx, H]
-            return h.index_select(0, x[5 * Nx:])
+            return h.index_select(0, x[5 * Nx:5 * Nx + S])
 
         if Nb is None:
             with eager_attention():       # SDPA without cuDNN (a plan per new shape) where used
-                return forward(torch.from_numpy(host).to(self.device)), N
+                return forward(dev), N, meta_dev
         x = self._prefill_in.get(Nb)
         if x is None:
             x = self._prefill_in[Nb] = {
                 "in": torch.zeros(5 * Nb + S, dtype=torch.long, device=self.device),
                 "h": torch.zeros(S, self.head.weight.shape[1], dtype=self.dtype,
                                  device=self.device)}
-        x["in"].copy_(torch.from_numpy(host))
+        x["in"].copy_(dev[:5 * Nb + S])
         self.prefill_graphs.run(("prefill", Nb), lambda: x["h"].copy_(forward(x["in"])), [])
-        return x["h"][:n], Nb
+        return x["h"][:n], Nb, meta_dev
 
     # ------------------------------------------------------------------------ memory
     def _activation_reserve(self, top_p: float) -> int:
@@ -423,6 +460,23 @@ class Engine:
             if progress is not None:
                 progress.update(1)
 
+        # the rows that ended: their tokens are copied out at once (their rows and pages go
+        # back to the free lists) and read once the next prefill and decode round are queued,
+        # so that the GPU does not wait on this bookkeeping
+        held: list = []                         # (requests, [n_out, out...] on the host, event)
+
+        def flush() -> None:
+            for reqs_, host_, copied in held:
+                if copied is not None:
+                    copied.synchronize()
+                for q, toks in zip(reqs_, host_.tolist()):
+                    toks = toks[1:1 + min(toks[0], q.max_new)]
+                    cut = next((i for i, t in enumerate(toks) if t in stops), None)
+                    toks = toks if cut is None else toks[:cut + 1]
+                    last["tokens"] += len(toks)
+                    done(q, Result(toks, "stop" if cut is not None else "length"))
+            held.clear()
+
         with paged_context(self.cache):
             while not queue.aborted:
                 # admit: once enough rows are free (or none are live), the head of the queue
@@ -450,12 +504,13 @@ class Engine:
                         adm.append(q)
                     if adm:
                         t0 = time.perf_counter()
-                        tab = np.zeros((len(adm), W), np.int32)              # one copy for all
+                        tab = np.zeros((len(adm), 1 + W), np.int64)      # one upload: row, pages
+                        tab[:, 0] = adm_rows
                         for j, row in enumerate(adm_rows):
                             pg = live[row][1]
-                            tab[j, :len(pg)] = pg
-                        r.table.index_copy_(0, torch.tensor(adm_rows).to(self.device),
-                                            torch.from_numpy(tab).to(self.device))
+                            tab[j, 1:1 + len(pg)] = pg
+                        tab = self._upload(tab)
+                        r.table.index_copy_(0, tab[:, 0], tab[:, 1:].int())
                         if timed:
                             pev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
                             pev[0].record()
@@ -469,6 +524,7 @@ class Engine:
                         last["prefill_tokens"] += sum(len(q.ids) for q in adm)
                         last["prefill_padded_tokens"] += padded
                 if not live:
+                    flush()
                     t0 = time.perf_counter()
                     more = queue.wait(0.05)
                     last["wait_seconds"] += time.perf_counter() - t0
@@ -495,6 +551,7 @@ class Engine:
                                     r.tensors())
                 if timed:
                     ev[1].record()
+                flush()
                 last["steps"] += self.sync_every
                 last["sampling_steps"] += self.sync_every if sampling else 0
                 active = r.active.tolist()                                   # one sync
@@ -504,22 +561,24 @@ class Engine:
                     pending.clear()
                 ended = [row for row in live if not active[row]]
                 if ended:
-                    idx = torch.tensor(ended, device=self.device)
-                    n_out = r.n_out[idx].tolist()
-                    width = max(n_out)
-                    outs = r.out[idx, :width].tolist()
-                    for row, k, toks in zip(ended, n_out, outs):
+                    idx = self._upload(np.asarray(ended, np.int64))
+                    out = torch.cat([r.n_out[idx, None], r.out[idx]], 1)   # [n, 1 + out width]
+                    out = out.to("cpu", non_blocking=timed)         # pinned, copied in order
+                    copied = None
+                    if timed:
+                        copied = torch.cuda.Event()
+                        copied.record()
+                    reqs_ = []
+                    for row in ended:
                         q, pg = live.pop(row)
-                        toks = toks[:min(k, q.max_new)]
-                        cut = next((i for i, t in enumerate(toks) if t in stops), None)
-                        toks = toks if cut is None else toks[:cut + 1]
-                        last["tokens"] += len(toks)
+                        reqs_.append(q)
                         free_pages.extend(pg)
                         free_rows.append(row)
-                        done(q, Result(toks, "stop" if cut is not None else "length"))
+                    held.append((reqs_, out, copied))
                     free_rows.sort(reverse=True)                    # the lowest rows first
                 last["decode_seconds"] += (time.perf_counter() - t0
                                            - (self.graphs.capture_seconds - c0))
+            flush()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             last["peak_bytes"] = torch.cuda.max_memory_allocated(self.device)

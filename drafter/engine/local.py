@@ -167,9 +167,10 @@ class Feed:
             self.error = e
             self.stream.abort()
 
-    def put(self, prompts, max_new, temperature, tags) -> None:
+    def put(self, prompts, max_new, temperature, tags, first: bool = False) -> None:
+        """first: ahead of every request put without it (Stream.put)."""
         self.check()
-        self.stream.put(requests(prompts, max_new, temperature, tags, self.stream.count))
+        self.stream.put(requests(prompts, max_new, temperature, tags, self.stream.count), first)
 
     def __len__(self) -> int:
         return len(self.stream)

@@ -47,7 +47,9 @@ class Stream:
     """The requests the replicas of one Engine.run drain, thread-safe. Open while the caller may
     still `put` requests; `close()` says no more will come (a replica then ends once the stream
     is empty and its rows are done); `abort()` also drops what is queued and stops the replicas
-    at their next check. Each `put` is queued longest prompt first.
+    at their next check. Each `put` is queued longest prompt first; `put(..., first=True)` goes
+    ahead of every request put without it (the generate step's synthetic user turns: each is
+    short, and its conversation's answer waits for it).
 
     `bound` = (max prompt + max_new tokens, max_new) of any request that may still come: the
     memory plan of a replica that starts while the stream is open. Without it (or once the
@@ -56,6 +58,7 @@ class Stream:
     def __init__(self, reqs: Sequence[Request] = (), bound: tuple[int, int] | None = None):
         self.reqs: list[Request] = sorted(reqs, key=lambda r: -len(r.ids))
         self.head = 0
+        self.n_first = 0             # requests put with first=True, at the head of the queue
         self.bound = bound
         self.closed = self.aborted = False
         self.lock = threading.Lock()
@@ -65,13 +68,19 @@ class Stream:
     def __len__(self) -> int:
         return len(self.reqs) - self.head
 
-    def put(self, reqs: Sequence[Request]) -> None:
+    def put(self, reqs: Sequence[Request], first: bool = False) -> None:
         with self.cond:
             if self.closed:
                 raise DecodeError("put on a closed stream")
             if self.head > 4096 and self.head * 2 > len(self.reqs):   # drop the taken ones
                 self.reqs, self.head = self.reqs[self.head:], 0
-            self.reqs += sorted(reqs, key=lambda r: -len(r.ids))
+            new = sorted(reqs, key=lambda r: -len(r.ids))
+            if first:
+                at = self.head + self.n_first
+                self.reqs[at:at] = new
+                self.n_first += len(new)
+            else:
+                self.reqs += new
             self.count += len(reqs)
             self.cond.notify_all()
 
@@ -83,7 +92,7 @@ class Stream:
     def abort(self) -> None:
         with self.cond:
             self.closed = self.aborted = True
-            self.head = len(self.reqs)
+            self.head, self.n_first = len(self.reqs), 0
             self.cond.notify_all()
 
     def pending(self) -> list[Request]:
@@ -107,5 +116,6 @@ class Stream:
         with self.lock:
             if self.head < len(self.reqs) and self.reqs[self.head] is req:
                 self.head += 1
+                self.n_first = max(0, self.n_first - 1)
                 return True
             return False

@@ -450,8 +450,11 @@ def _stream_local(loc: _Local, records: Iterator[dict]) -> None:
         if not convs:
             return
         ids, caps, temps, users = loc.prompts(convs)
-        feed.put(ids, caps, temps, [(c, len(p), m, u) for c, p, m, u in
-                                    zip(convs, ids, caps, users)])
+        for user in (True, False):   # user turns to write first: each answer waits for its own
+            k = [i for i, u in enumerate(users) if u == user]
+            if k:
+                feed.put([ids[i] for i in k], [caps[i] for i in k], [temps[i] for i in k],
+                         [(convs[i], len(ids[i]), caps[i], user) for i in k], first=user)
         in_flight += len(convs)
 
     # The engine's thread gives up the GIL in every torch call and waits to take it back while
