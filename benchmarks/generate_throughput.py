@@ -23,6 +23,11 @@ Its rows: the writes, and "writes + answers" (the answers' tokens over both call
     python benchmarks/generate_throughput.py --data runs/user-path/generate/conversations.jsonl \
         --prompts 40000 --batches 2048 --max-new 512 --writes 11869
 
+With --attention N it times the decode attention kernel alone at the first batch size, N rows of
+3,000-6,000 tokens among them, its longest rows split and not (drafter.engine.paged.SPLIT_ROWS):
+
+    python benchmarks/generate_throughput.py --batches 2048 --attention 6
+
 It prints a JSON line per batch size as it goes, then a markdown table (one row per batch size, the
 columns below) and, with --profile, the top CUDA kernels of 16 decode steps. Other uses:
 
@@ -160,6 +165,71 @@ def profile_steps(eng: Engine, prompts, max_new, stop) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
 
 
+def attention_kernel(batch: int, long_rows: int, reps: int = 50) -> list[dict]:
+    """The decode attention kernel alone (drafter.engine.paged) at SmolLM2's heads (9 query, 3
+    key/value, 64 dims), pages of 64, the open stream's table width (128 pages): rows of a
+    pool-like prompt plus 0-512 answer tokens, and `long_rows` of them 3,000-6,000 tokens (what
+    a long prompt brings into a step), with its long rows split (drafter.engine.paged's setting
+    first, then others) and without. Times 30 calls (a step's layers) in a CUDA graph, and checks
+    each against the gather reference on the first 64 rows."""
+    from drafter.engine import paged
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    P, W, nh, nkv, hd = 64, 128, 9, 3, 64
+    g = torch.Generator().manual_seed(0)
+    lens = (torch.distributions.LogNormal(4.3, 0.6).sample((batch,)).clamp(1, 2000)
+            + torch.randint(0, 513, (batch,), generator=g)).int()
+    rows = []
+    for n_long in (0, long_rows):
+        ln = lens.clone()
+        ln[torch.randperm(batch, generator=g)[:n_long]] = torch.randint(3000, 6001, (n_long,),
+                                                                        generator=g).int()
+        need = (ln + P - 1) // P
+        pages = int(need.sum()) + 1
+        perm = torch.randperm(pages - 1, generator=g) + 1
+        table = torch.zeros(batch, W, dtype=torch.int32)
+        at = 0
+        for b, k in enumerate(need.tolist()):
+            table[b, :k] = perm[at:at + k]
+            at += k
+        kp = torch.randn(pages * P, nkv, hd, device=dev, dtype=torch.bfloat16)
+        vp = torch.randn(pages * P, nkv, hd, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(batch, nh, hd, device=dev, dtype=torch.bfloat16)
+        table, ln = table.to(dev), ln.to(dev)
+        ref = paged.paged_attention_reference(q[:64].float(), kp.float(), vp.float(),
+                                              table[:64], ln[:64], 0.125, P)
+        for name, split in [("one program a row", None)] + [
+                (f"long rows split ({r} rows, parts of {t} tokens)", (r, t)) for r, t in
+                ((paged.SPLIT_ROWS, paged.SPLIT_TOKENS), (64, 512), (16, 512), (32, 1024))]:
+            def layers():
+                sp = paged.long_rows(ln, *split) if split else None
+                for _ in range(30):
+                    out = paged.paged_attention_triton(q, kp, vp, table, ln, 0.125, P, sp,
+                                                       split[1] if split else 512)
+                return out
+            out = layers()
+            err = (out[:64].float() - ref).abs().max().item()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                layers()
+            graph.replay()
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(reps):
+                graph.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            rows.append({"attention": name, "rows": batch, "long_rows": n_long,
+                         "max_tokens": int(ln.max()),
+                         "mean_tokens": round(float(ln.float().mean()), 1),
+                         "ms_per_30_layers": round(e0.elapsed_time(e1) / reps, 3),
+                         "max_abs_err_vs_reference": round(err, 4)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", default="builtin:smollm2-135m-instruct")
@@ -179,8 +249,17 @@ def main(argv=None) -> int:
     ap.add_argument("--writes", type=int, default=0,
                     help="also write this many synthetic user turns first (one Engine call at "
                          "the first batch size), and a row of writes + answers")
+    ap.add_argument("--attention", type=int, metavar="LONG_ROWS",
+                    help="only the decode attention kernel at the first batch size, with this "
+                         "many rows of 3,000-6,000 tokens, its long rows split and not")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
+    if a.attention is not None:
+        rows = attention_kernel(int(a.batches.split(",")[0]), a.attention)
+        if a.json:
+            Path(a.json).write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                "rows": rows}, indent=2))
+        return 0
 
     tcfg = TargetConfig(model=a.target, dtype=a.dtype)
     model, tok = load_model(tcfg), load_tokenizer(tcfg)

@@ -333,11 +333,12 @@ def test_sampling_kernel_in_the_interpreter():
 def test_triton_kernel_equals_reference_in_the_interpreter():
     """The decode kernel itself, run by Triton's interpreter on the CPU (skipped without Triton;
     the GPU test runs it compiled): GQA 3:1, MHA with unequal key/value dims (MLA-like), an idle
-    row, pages of 16 and 32."""
+    row, pages of 16 and 32; with and without the longest rows split into parts."""
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch
-        from drafter.engine.paged import paged_attention_reference, paged_attention_triton
+        from drafter.engine.paged import (long_rows, paged_attention_reference,
+                                          paged_attention_triton)
         torch.manual_seed(0)
         for B, nh, nkv, hdk, hdv, P in [(5, 9, 3, 64, 64, 16), (3, 4, 4, 24, 16, 16),
                                         (2, 8, 2, 32, 32, 32)]:
@@ -348,6 +349,13 @@ def test_triton_kernel_equals_reference_in_the_interpreter():
             q = torch.randn(B, nh, hdk)
             ref = paged_attention_reference(q, kp, vp, table, lens, 0.3, P)
             out = paged_attention_triton(q, kp, vp, table, lens, 0.3, P)
+            assert (out - ref).abs().max() < 1e-4, (B, nh, (out - ref).abs().max())
+            # the longest rows split into parts of 2 pages (not every long row: at most 2)
+            lens[-1] = W * P
+            ref = paged_attention_reference(q, kp, vp, table, lens, 0.3, P)
+            split = long_rows(lens, 2, 2 * P)
+            assert (split[1] >= 0).any()
+            out = paged_attention_triton(q, kp, vp, table, lens, 0.3, P, split, 2 * P)
             assert (out - ref).abs().max() < 1e-4, (B, nh, (out - ref).abs().max())
         print("ok")
     """)
@@ -379,6 +387,11 @@ def test_engine_on_the_gpu(smollm2_dir):
     assert torch.equal(sample_rows(lg, torch.zeros(64, device="cuda"), torch.zeros(
         1, dtype=torch.long, device="cuda"), True), lg.argmax(-1))
     torch.testing.assert_close(paged_attention_triton(q, kp, vp, table, lens, 0.125, 64),
+                               paged_attention_reference(q, kp, vp, table, lens, 0.125, 64),
+                               atol=1e-4, rtol=1e-4)
+    from drafter.engine.paged import long_rows
+    torch.testing.assert_close(paged_attention_triton(q, kp, vp, table, lens, 0.125, 64,
+                                                      long_rows(lens, 2, 128), 128),
                                paged_attention_reference(q, kp, vp, table, lens, 0.125, 64),
                                atol=1e-4, rtol=1e-4)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).cuda().eval()

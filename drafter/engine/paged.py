@@ -24,9 +24,10 @@ Two modes, set per forward:
            [B, T], plain causal SDPA over the fresh keys (padding sits after every real token of
            its row, so no real token sees it);
   decode   one token per row: written at its slot, then attention over the row's lens[b] tokens
-           read through its page table: a Triton kernel on CUDA (`_paged_decode_kernel`, one
-           program per (row, kv head), online softmax over the row's pages only), a gather + SDPA
-           anywhere else (`paged_attention_reference`, also the kernel's test oracle).
+           read through its page table: a Triton kernel on CUDA (`paged_attention_triton`, one
+           program per (row, kv head), online softmax over the row's pages only; the step's
+           longest rows split into parts of their own, merged after: `long_rows`), a gather +
+           SDPA anywhere else (`paged_attention_reference`, also the kernel's test oracle).
 
 The cost of decode attention is then the row's own length, not the longest row's: the static cache
 (drafter.engine.static) reads every row's slots up to the batch's longest, and its buffer
@@ -65,7 +66,7 @@ def _paged_cache_class():
             self.gather: set[int] = set()
             self.returned: dict[int, int] = {}
             self.mode, self.write, self.table, self.lens = "prefill", None, None, None
-            self.starts = None
+            self.starts = self.split = None
             self.page_size, self.use_triton = 0, False
 
         def allocate(self, pages: int, page_size: int, dtype, device) -> None:
@@ -86,6 +87,8 @@ def _paged_cache_class():
 
         def decode(self, write: Tensor, table: Tensor, lens: Tensor) -> None:
             self.mode, self.write, self.table, self.lens = "decode", write, table, lens
+            self.split = long_rows(lens) if self.use_triton and not self.gather \
+                and table.shape[1] * self.page_size > SPLIT_TOKENS else None
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             B, nkv, T, hdk = key_states.shape
@@ -166,24 +169,39 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(Q, K, V, O, table, lens, scale,
+    def kernel(Q, K, V, O, table, lens, scale, SLOT, ORDER, PM, PL, PACC, B, S1, NH,
                s_qb, s_qh, s_kt, s_kh, s_vt, s_vh, s_tb, s_ob, s_oh,
                G: tl.constexpr, GP: tl.constexpr, HDK: tl.constexpr, HDKP: tl.constexpr,
-               HDV: tl.constexpr, HDVP: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr):
-        b = tl.program_id(0)
+               HDV: tl.constexpr, HDVP: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr,
+               SPLIT: tl.constexpr, CAP: tl.constexpr):
+        pid = tl.program_id(0)
         kh = tl.program_id(1)
-        n = tl.load(lens + b)
         g = tl.arange(0, GP)
         dk = tl.arange(0, HDKP)
         dv = tl.arange(0, HDVP)
         t = tl.arange(0, P)
         heads = kh * G + g
+        if SPLIT:   # programs [B, B + L·S1): pages CAP·s.. of the long row ranked i (s >= 1)
+            extra = pid >= B
+            j = tl.maximum(pid - B, 0)
+            s = tl.where(extra, j % S1 + 1, 0)
+            b = tl.where(extra, tl.load(ORDER + j // S1), pid)
+            n = tl.load(lens + b)
+            slot = tl.load(SLOT + b)           # its rank among the split rows, -1: not split
+            lo = tl.where(slot >= 0, s * CAP, 0)
+            hi = tl.where(slot >= 0, tl.minimum(tl.cdiv(n, P), lo + CAP),
+                          tl.where(extra, 0, tl.cdiv(n, P)))
+        else:
+            b = pid
+            n = tl.load(lens + b)
+            lo = 0
+            hi = tl.cdiv(n, P)
         q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + dk[None, :],
                     mask=(g[:, None] < G) & (dk[None, :] < HDK), other=0.0)        # [GP, HDKP]
         m = tl.full([GP], float("-inf"), tl.float32)
         s_sum = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, HDVP], tl.float32)
-        for i in range(0, tl.cdiv(n, P)):
+        for i in range(lo, hi):
             page = tl.load(table + b * s_tb + i).to(tl.int64)
             tok = page * P + t                                                     # [P]
             k = tl.load(K + tok[:, None] * s_kt + kh * s_kh + dk[None, :],
@@ -191,51 +209,131 @@ def _triton_kernel():
             v = tl.load(V + tok[:, None] * s_vt + kh * s_vh + dv[None, :],
                         mask=dv[None, :] < HDV, other=0.0)                         # [P, HDVP]
             if IEEE:  # float32 models: exact products (the default would be tf32)
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale         # [GP, P]
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale        # [GP, P]
             else:
-                s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where((i * P + t)[None, :] < n, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
+                sc = tl.dot(q, tl.trans(k)) * scale
+            sc = tl.where((i * P + t)[None, :] < n, sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
             alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
+            p = tl.exp(sc - m_new[:, None])
             s_sum = s_sum * alpha + tl.sum(p, 1)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
+        hm = g < G
+        hv = (g[:, None] < G) & (dv[None, :] < HDV)
+        if SPLIT:   # a split row: its part's maximum, sum and unnormalised output
+            part = (tl.maximum(slot, 0) * (S1 + 1) + s) * NH + heads                 # [GP]
+            split = (slot + g * 0) >= 0                   # [GP] (masks are vectors, not scalars)
+            tl.store(PM + part, m, mask=hm & split)
+            tl.store(PL + part, s_sum, mask=hm & split)
+            tl.store(PACC + part[:, None] * HDV + dv[None, :], acc, mask=hv & split[:, None])
+            hv = hv & (~split & ((pid + g * 0) < B))[:, None]   # else the output, once
         out = acc / tl.maximum(s_sum, 1e-30)[:, None]                              # idle: 0
         tl.store(O + b * s_ob + heads[:, None] * s_oh + dv[None, :], out.to(O.dtype.element_ty),
-                 mask=(g[:, None] < G) & (dv[None, :] < HDV))
+                 mask=hv)
 
-    return kernel
+    @triton.jit
+    def merge(O, SLOT, ORDER, PM, PL, PACC, S, NH, s_ob, s_oh, G: tl.constexpr,
+              GP: tl.constexpr, HDV: tl.constexpr, HDVP: tl.constexpr):
+        i = tl.program_id(0)                  # the i-th longest row: its parts into one output
+        kh = tl.program_id(1)
+        g = tl.arange(0, GP)
+        dv = tl.arange(0, HDVP)
+        heads = kh * G + g
+        b = tl.load(ORDER + i)
+        mine = (tl.load(SLOT + b) + g * 0) == i             # [GP]: row b was split, as rank i
+        hm = (g < G) & mine
+        hv = (g[:, None] < G) & (dv[None, :] < HDV) & mine[:, None]
+        mx = tl.full([GP], float("-inf"), tl.float32)
+        s_sum = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, HDVP], tl.float32)
+        for s in range(0, S):
+            part = (i * S + s) * NH + heads
+            m_s = tl.load(PM + part, mask=hm, other=float("-inf"))
+            m_new = tl.maximum(mx, m_s)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # nothing yet: no NaN
+            alpha = tl.exp(mx - m_ref)
+            beta = tl.exp(m_s - m_ref)
+            s_sum = s_sum * alpha + tl.load(PL + part, mask=hm, other=0.0) * beta
+            acc = acc * alpha[:, None] + tl.load(PACC + part[:, None] * HDV + dv[None, :],
+                                                 mask=hv, other=0.0) * beta[:, None]
+            mx = m_new
+        out = acc / tl.maximum(s_sum, 1e-30)[:, None]
+        tl.store(O + b * s_ob + heads[:, None] * s_oh + dv[None, :], out.to(O.dtype.element_ty),
+                 mask=hv)
+
+    return kernel, merge
 
 
 _KERNEL = None
+# Decode attention splits the longest rows (at most SPLIT_ROWS of a step, each over SPLIT_TOKENS
+# tokens) into parts of SPLIT_TOKENS that run as programs of their own, merged after. One program
+# per (row, kv head) reads its row's pages in turn, so a step's few rows of thousands of tokens
+# (a long prompt) set the time of every layer's attention: on the H200, at SmolLM2's heads and
+# 2,048 rows of ~350 tokens, 30 layers took 4.55 ms, and 7.26 ms with 6 rows of 3,000-6,000
+# tokens among them; split, 5.08 ms, and 4.75 ms without long rows (the split's own cost:
+# `generate_throughput.py --attention 6`). 64 rows in parts of 512 tokens: 5.04 and 4.91 ms.
+SPLIT_ROWS = 16
+SPLIT_TOKENS = 1024
 
 
 def _next_pow2(x: int, floor: int = 16) -> int:
     return max(floor, 1 << (int(x) - 1).bit_length())
 
 
+def long_rows(lens: Tensor, rows: int = SPLIT_ROWS, tokens: int = SPLIT_TOKENS
+              ) -> tuple[Tensor, Tensor]:
+    """The rows decode attention splits, from lens [B] (no host sync: a graph captures it) ->
+    (order [L]: the L = min(rows, B) longest rows, longest first; slot [B]: a row's rank in
+    order where it holds over `tokens` tokens, else -1)."""
+    L = min(rows, lens.shape[0])
+    top = torch.topk(lens, L).indices                                              # [L]
+    slot = torch.full_like(lens, -1)
+    rank = torch.arange(L, dtype=lens.dtype, device=lens.device)
+    slot[top] = torch.where(lens[top] > tokens, rank, -1)
+    return top.int(), slot
+
+
 def paged_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor,
-                           lens: Tensor, scale: float, page_size: int) -> Tensor:
-    """The Triton decode kernel (same contract as `paged_attention_reference`)."""
+                           lens: Tensor, scale: float, page_size: int,
+                           split: tuple[Tensor, Tensor] | None = None,
+                           split_tokens: int = SPLIT_TOKENS) -> Tensor:
+    """The Triton decode kernel (same contract as `paged_attention_reference`). split: the rows
+    to split (`long_rows`, computed once a step), each into parts of split_tokens tokens."""
     global _KERNEL
     if _KERNEL is None:
         _KERNEL = _triton_kernel()
+    kernel, merge = _KERNEL
     B, nh, hdk = q.shape
     nkv, hdv = k_pool.shape[1], v_pool.shape[-1]
     g = nh // nkv
     q = q.contiguous()
     out = torch.empty(B, nh, hdv, dtype=q.dtype, device=q.device)
-    _KERNEL[(B, nkv)](q, k_pool, v_pool, out, table, lens, scale,
-                      q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
-                      v_pool.stride(0), v_pool.stride(1), table.stride(0),
-                      out.stride(0), out.stride(1),
-                      G=g, GP=_next_pow2(g), HDK=hdk, HDKP=_next_pow2(hdk), HDV=hdv,
-                      HDVP=_next_pow2(hdv), P=page_size, IEEE=q.dtype == torch.float32,
-                      num_warps=4, num_stages=2)
+    cap = max(1, split_tokens // page_size)                       # pages a part reads
+    S = -(-table.shape[1] // cap)                                 # parts of the widest row
+    if split is None or S < 2:
+        order = slot = pm = pl = pacc = lens                      # unused (SPLIT off)
+        L = S = 1
+    else:
+        order, slot = split
+        L = order.shape[0]
+        pm = torch.empty(L, S, nh, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+        pacc = torch.empty(L, S, nh, hdv, dtype=torch.float32, device=q.device)
+    on = S > 1
+    kernel[(B + (L * (S - 1) if on else 0), nkv)](
+        q, k_pool, v_pool, out, table, lens, scale, slot, order, pm, pl, pacc, B, max(1, S - 1),
+        nh, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+        v_pool.stride(0), v_pool.stride(1), table.stride(0), out.stride(0), out.stride(1),
+        G=g, GP=_next_pow2(g), HDK=hdk, HDKP=_next_pow2(hdk), HDV=hdv,
+        HDVP=_next_pow2(hdv), P=page_size, IEEE=q.dtype == torch.float32, SPLIT=on, CAP=cap,
+        num_warps=4, num_stages=2)
+    if on:
+        merge[(L, nkv)](out, slot, order, pm, pl, pacc, S, nh, out.stride(0), out.stride(1),
+                        G=g, GP=_next_pow2(g), HDV=hdv, HDVP=_next_pow2(hdv), num_warps=4)
     return out
 
 
@@ -340,9 +438,10 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, scale: flo
 
 
 def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lens: Tensor,
-                 scale: float, page_size: int, use_triton: bool) -> Tensor:
+                 scale: float, page_size: int, use_triton: bool,
+                 split: tuple[Tensor, Tensor] | None = None) -> Tensor:
     if use_triton:
-        return paged_attention_triton(q, k_pool, v_pool, table, lens, scale, page_size)
+        return paged_attention_triton(q, k_pool, v_pool, table, lens, scale, page_size, split)
     return paged_attention_reference(q, k_pool, v_pool, table, lens, scale, page_size)
 
 
@@ -371,7 +470,7 @@ def _paged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         o = masked_decode_sdpa(query[:, :, 0], key, value, cache.lens, scale)
     else:
         o = paged_decode(query[:, :, 0], key, value, cache.table, cache.lens, scale,
-                         cache.page_size, cache.use_triton)                      # [B, nh, hdv]
+                         cache.page_size, cache.use_triton, cache.split)         # [B, nh, hdv]
     return o[:, None], None
 
 
