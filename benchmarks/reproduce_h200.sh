@@ -11,7 +11,8 @@
 #                     calls on its prompts (writes, answers), the pools' step against a call, a batch-1
 #                     evaluate, the bf16 lossless check at tie_tolerance=0, decode_speed.py on
 #                     evaluate's own decoding
-#   data     ~10 min  generate_throughput.py (10,000 prompts, batch 1,024 / 2,048 / 512 / 256),
+#   data     ~10 min  generate_throughput.py (10,000 prompts, batch 1,024 / 2,048 / 512 / 256;
+#                     the decode attention kernel with long rows split and not),
 #                     synthetic_prompts.py (100,000 prompts; also the synthetic source of
 #                     configs/scale-smollm2.yaml), extract_throughput.py (every storage option)
 #   train    ~25 min  train_throughput.py beside SpecForge (SmolLM2, Llama-8B at 2,048 and 4,096),
@@ -106,6 +107,8 @@ part_data() {
   step generate-throughput "$PY" benchmarks/generate_throughput.py --data ../shared/data/train \
     --prompts 10000 --batches 1024,2048,512,256 --max-new 512 --profile \
     --json "$OUT/generate-throughput.json"
+  step decode-attention "$PY" benchmarks/generate_throughput.py --batches 2048 --attention 6 \
+    --json "$OUT/decode-attention.json"
   # measured into $OUT; copied to where configs/scale-smollm2.yaml reads it only if none is
   # there (a new file would make every later step of runs/scale stale)
   step synthetic-prompts "$PY" benchmarks/synthetic_prompts.py --count 100000 --batch 2048 \
@@ -299,7 +302,7 @@ print(m['engine_counts']['requests'] - c['turns'] - c['too_long'])" "$R/generate
   step user-path-pools-step "$PY" benchmarks/generate_throughput.py --data ../shared/data/train \
     --prompts 15002 --batches 2048 --max-new 512 --step --json "$OUT/user-path-pools-step.json"
   step user-path-b1 $DRAFTER evaluate "$U" run_dir=runs/user-path-b1 \
-    evaluate.drafter=$R/export/native evaluate.batch_size=1 "evaluate.methods=[chain]" \
+    evaluate.drafter=$R/export/native evaluate.batch_size=1 \
     "evaluate.datasets[0].max_prompts=10" "evaluate.datasets[1].max_prompts=10" \
     "evaluate.datasets[2].max_prompts=10"
   keep_eval user-path-b1 runs/user-path-b1
