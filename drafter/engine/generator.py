@@ -21,8 +21,9 @@ How it works:
   - Continuous batching: every `sync_every` steps the host reads which rows finished (one sync),
     and once `refill_fraction` of the rows are free prefills the next prompts into them. A long
     answer never holds the others back. The GPU does not wait on the host's bookkeeping: inputs
-    go up from pinned buffers without a sync (`_Uploads`), and the finished rows' tokens are
-    copied out at once but read only after the next prefill and decode round are queued.
+    go up from pinned buffers without a sync (drafter.engine.static.Uploads), and the finished
+    rows' tokens are copied out at once but read only after the next prefill and decode round
+    are queued.
   - Prefill: an admission's prompts packed one after another into chunks of at most
     `prefill_tokens` tokens, each one forward [1, N] in which a token attends only within its
     own prompt (drafter.engine.paged.packed_attention): no padding, however mixed the lengths.
@@ -61,7 +62,7 @@ from drafter.core.gpu import triton_available
 from drafter.engine.paged import PagedCache, paged_context, unsupported, use_paged_attention
 from drafter.engine.sampling import sample_rows
 from drafter.engine.stream import Request, Result, Stream, requests  # noqa: F401 (the API)
-from drafter.engine.static import Graphs, eager_attention
+from drafter.engine.static import Graphs, Uploads, eager_attention
 from drafter.engine.tree import DecodeError
 
 log = logging.getLogger("drafter")
@@ -98,37 +99,6 @@ class _Rows:
                 self.out, self.table, self.lens]
 
 
-class _Uploads:
-    """Host arrays to the device without waiting for the GPU. A plain `.to(device)` of host memory
-    waits for every queued kernel first, so the GPU would idle while the host prepares each
-    prefill chunk; here each array is staged in one of a ring of pinned buffers and copied with
-    non_blocking, and a buffer is written again only once its copy has run (its event). Off
-    CUDA: a plain copy."""
-
-    def __init__(self, device, slots: int = 4):
-        self.device, self.cuda = device, device.type == "cuda"
-        self.bufs: list[Tensor | None] = [None] * slots
-        self.events: list = [None] * slots
-        self.i = 0
-
-    def __call__(self, a: np.ndarray) -> Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        if not self.cuda:
-            return t.to(self.device)
-        self.i = i = (self.i + 1) % len(self.bufs)
-        if self.events[i] is not None:
-            self.events[i].synchronize()
-        n = t.numel() * t.element_size()
-        if self.bufs[i] is None or self.bufs[i].numel() < n:
-            self.bufs[i] = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=True)
-        stage = self.bufs[i][:n].view(t.dtype).view(t.shape)
-        stage.copy_(t)
-        out = stage.to(self.device, non_blocking=True)
-        self.events[i] = torch.cuda.Event()
-        self.events[i].record()
-        return out
-
-
 class EngineUnsupported(DecodeError):
     pass
 
@@ -163,7 +133,7 @@ class Engine:
         self.prefill_graphs = Graphs(cuda_graphs and self.device.type == "cuda", "prefilling")
         self._prefill_in: dict[int, dict[str, Tensor]] = {}   # bucket -> its graph's inputs
         self._seed = torch.zeros(1, dtype=torch.long, device=self.device)  # sampling's noise key
-        self._upload = _Uploads(self.device)
+        self._upload = Uploads(self.device)
         self.cache = PagedCache()
         self.cache.use_triton = triton_available(self.device)
         with paged_context(self.cache):                        # the probe: head layout per layer

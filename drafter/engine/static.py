@@ -1,11 +1,13 @@
 """The static-cache target: an HF causal LM decoding over one static KV buffer per layer, written
-at per-row slots, and the CUDA graphs that replay its steps.
+at per-row slots, the CUDA graphs that replay its steps, and host arrays uploaded without waiting
+for the GPU (`Uploads`, the data engine's).
 
     tgt = StaticTarget(model)                     # any HF causal LM (dense, MoE, MLA, sliding)
     tgt.allocate(max_batch=8, max_slots=1024)
     tgt.set_aux([2, 15, 27])                      # capture HS[k] of every token it processes
     logits, aux = tgt.forward(ids, pos, slots, vis, start)
     graphs = Graphs(enabled=True); graphs.run(key, step_fn, state_tensors)
+    up = Uploads(device); x = up(numpy_array)     # a device tensor, the copy queued
 
 Shapes: B rows, T new tokens of a forward, S attention span (static cache slots read), V target
 vocab, A aux layers, Ht target hidden.
@@ -29,6 +31,7 @@ import threading
 import time
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -372,3 +375,34 @@ class Graphs:
             finally:
                 restore()
             return None
+
+
+class Uploads:
+    """Host arrays to the device without waiting for the GPU. A plain `.to(device)` of host memory
+    waits for every queued kernel first, so the GPU would idle while the host prepares each
+    prefill chunk; here each array is staged in one of a ring of pinned buffers and copied with
+    non_blocking, and a buffer is written again only once its copy has run (its event). Off
+    CUDA: a plain copy."""
+
+    def __init__(self, device, slots: int = 4):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.bufs: list[Tensor | None] = [None] * slots
+        self.events: list = [None] * slots
+        self.i = 0
+
+    def __call__(self, a: np.ndarray) -> Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if not self.cuda:
+            return t.to(self.device)
+        self.i = i = (self.i + 1) % len(self.bufs)
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        n = t.numel() * t.element_size()
+        if self.bufs[i] is None or self.bufs[i].numel() < n:
+            self.bufs[i] = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=True)
+        stage = self.bufs[i][:n].view(t.dtype).view(t.shape)
+        stage.copy_(t)
+        out = stage.to(self.device, non_blocking=True)
+        self.events[i] = torch.cuda.Event()
+        self.events[i].record()
+        return out
