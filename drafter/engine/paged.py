@@ -24,10 +24,11 @@ Two modes, set per forward:
            [B, T], plain causal SDPA over the fresh keys (padding sits after every real token of
            its row, so no real token sees it);
   decode   one token per row: written at its slot, then attention over the row's lens[b] tokens
-           read through its page table: a Triton kernel on CUDA (`paged_attention_triton`, one
-           program per (row, kv head), online softmax over the row's pages only; the step's
-           longest rows split into parts of their own, merged after: `long_rows`), a gather +
-           SDPA anywhere else (`paged_attention_reference`, also the kernel's test oracle).
+           read through its page table: a Triton kernel on CUDA (`paged_attention_triton`; the
+           kernels: drafter.engine.paged_kernels), one program per (row, kv head), online softmax
+           over the row's pages only, the step's longest rows split into parts of their own and
+           merged after (`long_rows`); a gather + SDPA anywhere else
+           (`paged_attention_reference`, also the kernel's test oracle).
 
 The cost of decode attention is then the row's own length, not the longest row's: the static cache
 (drafter.engine.static) reads every row's slots up to the batch's longest, and its buffer
@@ -164,111 +165,6 @@ def paged_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: 
                               gather_rows(v_pool, table, page_size), lens, scale)
 
 
-def _triton_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(Q, K, V, O, table, lens, scale, SLOT, ORDER, PM, PL, PACC, B, S1, NH,
-               s_qb, s_qh, s_kt, s_kh, s_vt, s_vh, s_tb, s_ob, s_oh,
-               G: tl.constexpr, GP: tl.constexpr, HDK: tl.constexpr, HDKP: tl.constexpr,
-               HDV: tl.constexpr, HDVP: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr,
-               SPLIT: tl.constexpr, CAP: tl.constexpr):
-        pid = tl.program_id(0)
-        kh = tl.program_id(1)
-        g = tl.arange(0, GP)
-        dk = tl.arange(0, HDKP)
-        dv = tl.arange(0, HDVP)
-        t = tl.arange(0, P)
-        heads = kh * G + g
-        if SPLIT:   # programs [B, B + L·S1): pages CAP·s.. of the long row ranked i (s >= 1)
-            extra = pid >= B
-            j = tl.maximum(pid - B, 0)
-            s = tl.where(extra, j % S1 + 1, 0)
-            b = tl.where(extra, tl.load(ORDER + j // S1), pid)
-            n = tl.load(lens + b)
-            slot = tl.load(SLOT + b)           # its rank among the split rows, -1: not split
-            lo = tl.where(slot >= 0, s * CAP, 0)
-            hi = tl.where(slot >= 0, tl.minimum(tl.cdiv(n, P), lo + CAP),
-                          tl.where(extra, 0, tl.cdiv(n, P)))
-        else:
-            b = pid
-            n = tl.load(lens + b)
-            lo = 0
-            hi = tl.cdiv(n, P)
-        q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + dk[None, :],
-                    mask=(g[:, None] < G) & (dk[None, :] < HDK), other=0.0)        # [GP, HDKP]
-        m = tl.full([GP], float("-inf"), tl.float32)
-        s_sum = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, HDVP], tl.float32)
-        for i in range(lo, hi):
-            page = tl.load(table + b * s_tb + i).to(tl.int64)
-            tok = page * P + t                                                     # [P]
-            k = tl.load(K + tok[:, None] * s_kt + kh * s_kh + dk[None, :],
-                        mask=dk[None, :] < HDK, other=0.0)                         # [P, HDKP]
-            v = tl.load(V + tok[:, None] * s_vt + kh * s_vh + dv[None, :],
-                        mask=dv[None, :] < HDV, other=0.0)                         # [P, HDVP]
-            if IEEE:  # float32 models: exact products (the default would be tf32)
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale        # [GP, P]
-            else:
-                sc = tl.dot(q, tl.trans(k)) * scale
-            sc = tl.where((i * P + t)[None, :] < n, sc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            s_sum = s_sum * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        hm = g < G
-        hv = (g[:, None] < G) & (dv[None, :] < HDV)
-        if SPLIT:   # a split row: its part's maximum, sum and unnormalised output
-            part = (tl.maximum(slot, 0) * (S1 + 1) + s) * NH + heads                 # [GP]
-            split = (slot + g * 0) >= 0                   # [GP] (masks are vectors, not scalars)
-            tl.store(PM + part, m, mask=hm & split)
-            tl.store(PL + part, s_sum, mask=hm & split)
-            tl.store(PACC + part[:, None] * HDV + dv[None, :], acc, mask=hv & split[:, None])
-            hv = hv & (~split & ((pid + g * 0) < B))[:, None]   # else the output, once
-        out = acc / tl.maximum(s_sum, 1e-30)[:, None]                              # idle: 0
-        tl.store(O + b * s_ob + heads[:, None] * s_oh + dv[None, :], out.to(O.dtype.element_ty),
-                 mask=hv)
-
-    @triton.jit
-    def merge(O, SLOT, ORDER, PM, PL, PACC, S, NH, s_ob, s_oh, G: tl.constexpr,
-              GP: tl.constexpr, HDV: tl.constexpr, HDVP: tl.constexpr):
-        i = tl.program_id(0)                  # the i-th longest row: its parts into one output
-        kh = tl.program_id(1)
-        g = tl.arange(0, GP)
-        dv = tl.arange(0, HDVP)
-        heads = kh * G + g
-        b = tl.load(ORDER + i)
-        mine = (tl.load(SLOT + b) + g * 0) == i             # [GP]: row b was split, as rank i
-        hm = (g < G) & mine
-        hv = (g[:, None] < G) & (dv[None, :] < HDV) & mine[:, None]
-        mx = tl.full([GP], float("-inf"), tl.float32)
-        s_sum = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, HDVP], tl.float32)
-        for s in range(0, S):
-            part = (i * S + s) * NH + heads
-            m_s = tl.load(PM + part, mask=hm, other=float("-inf"))
-            m_new = tl.maximum(mx, m_s)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # nothing yet: no NaN
-            alpha = tl.exp(mx - m_ref)
-            beta = tl.exp(m_s - m_ref)
-            s_sum = s_sum * alpha + tl.load(PL + part, mask=hm, other=0.0) * beta
-            acc = acc * alpha[:, None] + tl.load(PACC + part[:, None] * HDV + dv[None, :],
-                                                 mask=hv, other=0.0) * beta[:, None]
-            mx = m_new
-        out = acc / tl.maximum(s_sum, 1e-30)[:, None]
-        tl.store(O + b * s_ob + heads[:, None] * s_oh + dv[None, :], out.to(O.dtype.element_ty),
-                 mask=hv)
-
-    return kernel, merge
-
-
-_KERNEL = None
 # Decode attention splits the longest rows (at most SPLIT_ROWS of a step, each over SPLIT_TOKENS
 # tokens) into parts of SPLIT_TOKENS that run as programs of their own, merged after. One program
 # per (row, kv head) reads its row's pages in turn, so a step's few rows of thousands of tokens
@@ -303,10 +199,8 @@ def paged_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Ten
                            split_tokens: int = SPLIT_TOKENS) -> Tensor:
     """The Triton decode kernel (same contract as `paged_attention_reference`). split: the rows
     to split (`long_rows`, computed once a step), each into parts of split_tokens tokens."""
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _triton_kernel()
-    kernel, merge = _KERNEL
+    from drafter.engine import paged_kernels as pk
+
     B, nh, hdk = q.shape
     nkv, hdv = k_pool.shape[1], v_pool.shape[-1]
     g = nh // nkv
@@ -324,7 +218,7 @@ def paged_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Ten
         pl = torch.empty_like(pm)
         pacc = torch.empty(L, S, nh, hdv, dtype=torch.float32, device=q.device)
     on = S > 1
-    kernel[(B + (L * (S - 1) if on else 0), nkv)](
+    pk.decode[(B + (L * (S - 1) if on else 0), nkv)](
         q, k_pool, v_pool, out, table, lens, scale, slot, order, pm, pl, pacc, B, max(1, S - 1),
         nh, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
         v_pool.stride(0), v_pool.stride(1), table.stride(0), out.stride(0), out.stride(1),
@@ -332,7 +226,7 @@ def paged_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Ten
         HDVP=_next_pow2(hdv), P=page_size, IEEE=q.dtype == torch.float32, SPLIT=on, CAP=cap,
         num_warps=4, num_stages=2)
     if on:
-        merge[(L, nkv)](out, slot, order, pm, pl, pacc, S, nh, out.stride(0), out.stride(1),
+        pk.merge[(L, nkv)](out, slot, order, pm, pl, pacc, S, nh, out.stride(0), out.stride(1),
                         G=g, GP=_next_pow2(g), HDV=hdv, HDVP=_next_pow2(hdv), num_warps=4)
     return out
 
@@ -354,75 +248,19 @@ def packed_attention_reference(q: Tensor, k: Tensor, v: Tensor, starts: Tensor,
     return torch.cat(out)
 
 
-def _triton_prefill_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(Q, K, V, O, starts, N, scale, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh,
-               G: tl.constexpr, HDK: tl.constexpr, HDKP: tl.constexpr, HDV: tl.constexpr,
-               HDVP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
-        pm = tl.program_id(0)
-        h = tl.program_id(1)
-        kh = h // G
-        m = pm * BM + tl.arange(0, BM)                                             # [BM]
-        mv = m < N
-        st = tl.load(starts + m, mask=mv, other=0)
-        dk = tl.arange(0, HDKP)
-        dv = tl.arange(0, HDVP)
-        q = tl.load(Q + m[:, None] * s_qt + h * s_qh + dk[None, :],
-                    mask=mv[:, None] & (dk[None, :] < HDK), other=0.0)            # [BM, HDKP]
-        lo = (tl.min(tl.where(mv, st, N)) // BN) * BN       # the block's earliest prompt start
-        hi = tl.minimum(pm * BM + BM, N)
-        mx = tl.full([BM], float("-inf"), tl.float32)
-        s_sum = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, HDVP], tl.float32)
-        for n0 in range(lo, hi, BN):
-            n = n0 + tl.arange(0, BN)                                              # [BN]
-            k = tl.load(K + n[:, None] * s_kt + kh * s_kh + dk[None, :],
-                        mask=(n[:, None] < N) & (dk[None, :] < HDK), other=0.0)   # [BN, HDKP]
-            v = tl.load(V + n[:, None] * s_vt + kh * s_vh + dv[None, :],
-                        mask=(n[:, None] < N) & (dv[None, :] < HDV), other=0.0)   # [BN, HDVP]
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale        # [BM, BN]
-            else:
-                s = tl.dot(q, tl.trans(k)) * scale
-            seen = (n[None, :] >= st[:, None]) & (n[None, :] <= m[:, None])
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(mx, tl.max(s, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # nothing seen yet: no NaN
-            alpha = tl.exp(mx - m_ref)
-            p = tl.exp(s - m_ref[:, None])
-            s_sum = s_sum * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            mx = m_new
-        out = acc / tl.maximum(s_sum, 1e-30)[:, None]
-        tl.store(O + m[:, None] * s_ot + h * s_oh + dv[None, :], out.to(O.dtype.element_ty),
-                 mask=mv[:, None] & (dv[None, :] < HDV))
-
-    return kernel
-
-
-_PREFILL_KERNEL = None
-
-
 def packed_attention_triton(q: Tensor, k: Tensor, v: Tensor, starts: Tensor,
                             scale: float) -> Tensor:
     """The Triton kernel for packed prompts (same contract as `packed_attention_reference`): one
     program per (64 queries, head), over the keys from the earliest prompt start among its
     queries to its last query. No host sync and fixed shapes: a prefill of N tokens graphs."""
-    global _PREFILL_KERNEL
-    if _PREFILL_KERNEL is None:
-        _PREFILL_KERNEL = _triton_prefill_kernel()
+    from drafter.engine import paged_kernels as pk
+
     N, nh, hdk = q.shape
     nkv, hdv = k.shape[1], v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty(N, nh, hdv, dtype=q.dtype, device=q.device)
     BM = 64
-    _PREFILL_KERNEL[(-(-N // BM), nh)](
+    pk.prefill[(-(-N // BM), nh)](
         q, k, v, out, starts, N, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         G=nh // nkv, HDK=hdk, HDKP=_next_pow2(hdk), HDV=hdv, HDVP=_next_pow2(hdv), BM=BM, BN=64,
