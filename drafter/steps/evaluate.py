@@ -222,8 +222,8 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
 def _plain(dec, prompts: _Prompts, max_new, stop, T, desc: str, continuous: bool):
     """Plain decoding, the reference every speedup divides by: timed as a user would run it.
     At T=0 the same rounds are decoded again, untimed, recording each token's runners-up for
-    the lossless check (recording them in the timed pass made its step 4.5% slower at batch 64
-    on the H200: BENCHMARKS.md). The two passes run the same batches and give the same tokens;
+    the lossless check (recording them in the timed pass made its step 4.5-8.8% slower at batch
+    64 on the H200: BENCHMARKS.md). The two passes run the same batches and give the same tokens;
     should bf16 differ, the recording pass's tokens are the ones checked (with a warning)."""
     outs, stats = _decode(dec, prompts, None, max_new, stop, T, desc=desc, continuous=continuous)
     if T != 0:
