@@ -277,7 +277,7 @@ def test_packed_prefill_attention_equals_masked_dense():
 
 def test_packed_prefill_kernel_in_the_interpreter():
     """The Triton prefill kernel run by Triton's interpreter on the CPU (skipped without Triton):
-    GQA 3:1, unequal key/value dims, prompts of one token and across blocks of 64."""
+    GQA 3:1, unequal key/value dims, prompts of one token and across blocks of 64, padding."""
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch
@@ -290,6 +290,12 @@ def test_packed_prefill_kernel_in_the_interpreter():
             err = (packed_attention_triton(q, k, v, starts, 0.3)
                    - _masked_dense(q, k, v, starts, 0.3)).abs().max()
             assert err < 1e-4, (shape, err)
+            # a graphed chunk's padding (starts -1) attends to nothing: output 0, the rest equal
+            pad = [torch.cat([t, torch.randn(70, *t.shape[1:])]) for t in (q, k, v)]
+            out = packed_attention_triton(*pad, torch.cat([starts, torch.full((70,), -1)]).int(),
+                                          0.3)
+            assert out[len(q):].abs().max() == 0
+            assert (out[:len(q)] - _masked_dense(q, k, v, starts, 0.3)).abs().max() < 1e-4
         print("ok")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -405,6 +411,42 @@ def test_engine_on_the_gpu(smollm2_dir):
     assert eng.last["peak_bytes"] > 0 and eng.last["pages"] >= 5
     again = eng.generate(prompts[:2], 8)         # a new plan frees and re-sizes the pools
     assert [g.tokens for g in again] == [w.tokens[:8] for w in want[:2]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_attention_does_not_depend_on_the_batch_on_the_gpu():
+    """bfloat16 on the GPU, bit for bit: a prompt's prefill attention wherever it sits in the
+    packed chunk (which prompts share it), a long row's decode attention split or not (which rows
+    share the step). benchmarks/generate_throughput.py's `same` column checks the engine's greedy
+    answers across batch sizes end to end."""
+    from drafter.engine.paged import long_rows, packed_attention_triton, paged_attention_triton
+
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    x = [torch.randn(150, h, 64, device="cuda", dtype=dt) for h in (9, 3, 3)]
+
+    def packed(pre, post):                     # the prompt x after pre tokens, before post
+        n = pre + 150 + post
+        qkv = [torch.randn(n, h, 64, device="cuda", dtype=dt) for h in (9, 3, 3)]
+        for t, xx in zip(qkv, x):
+            t[pre:pre + 150] = xx
+        starts = torch.tensor([0] * pre + [pre] * 150 + [pre + 150] * post, dtype=torch.int32,
+                              device="cuda")
+        return packed_attention_triton(*qkv, starts, 0.125)[pre:pre + 150]
+
+    alone = packed(0, 0)
+    for pre, post in [(1, 0), (37, 5), (100, 64), (64, 1)]:
+        assert torch.equal(packed(pre, post), alone), (pre, post)
+    kp = torch.randn(64 * 64, 3, 64, device="cuda", dtype=dt)
+    vp = torch.randn(64 * 64, 3, 64, device="cuda", dtype=dt)
+    table = torch.stack([torch.randperm(63)[:40] + 1 for _ in range(5)]).int().cuda()
+    lens = torch.tensor([2500, 1, 64, 1300, 700], dtype=torch.int32, device="cuda")
+    q = torch.randn(5, 9, 64, device="cuda", dtype=dt)
+    whole = paged_attention_triton(q, kp, vp, table, lens, 0.125, 64)
+    for rows in (1, 2, 5):                     # row 0 split alone, rows 0 and 3, every long row
+        split = paged_attention_triton(q, kp, vp, table, lens, 0.125, 64, long_rows(lens, rows))
+        assert torch.equal(split, whole), rows
 
 
 @pytest.mark.gpu

@@ -232,7 +232,7 @@ class Engine:
         begin = np.cumsum(lens) - lens
         ids[:N] = np.fromiter(itertools.chain.from_iterable(q.ids for q in grp), np.int64, N)
         starts[:N] = np.repeat(begin, lens)
-        starts[N:] = np.arange(N, Nx)     # padding: position 0, the sink, each on its own
+        starts[N:] = -1                   # padding: position 0, the sink, attending to nothing
         pos[:N] = np.arange(N) - starts[:N]
         row[:N] = np.repeat(np.asarray(rws, np.int64), lens)
         real[:N] = 1

@@ -169,9 +169,10 @@ def paged_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: 
 # tokens) into parts of SPLIT_TOKENS that run as programs of their own, merged after. One program
 # per (row, kv head) reads its row's pages in turn, so a step's few rows of thousands of tokens
 # (a long prompt) set the time of every layer's attention: on the H200, at SmolLM2's heads and
-# 2,048 rows of ~350 tokens, 30 layers took 4.55 ms, and 7.26 ms with 6 rows of 3,000-6,000
-# tokens among them; split, 5.08 ms, and 4.75 ms without long rows (the split's own cost:
-# `generate_throughput.py --attention 6`). 64 rows in parts of 512 tokens: 5.04 and 4.91 ms.
+# 2,048 rows of ~350 tokens, 30 layers took 7.38 ms with 6 rows of 3,000-6,000 tokens among
+# them, 5.23 ms split (4.70 and 4.90 ms without long rows: `generate_throughput.py --attention
+# 6`). A row not split runs the same parts in turn and the same merge, so its output does not
+# depend on the split: greedy answers do not depend on which rows share a step.
 SPLIT_ROWS = 16
 SPLIT_TOKENS = 1024
 
@@ -250,9 +251,11 @@ def packed_attention_reference(q: Tensor, k: Tensor, v: Tensor, starts: Tensor,
 
 def packed_attention_triton(q: Tensor, k: Tensor, v: Tensor, starts: Tensor,
                             scale: float) -> Tensor:
-    """The Triton kernel for packed prompts (same contract as `packed_attention_reference`): one
-    program per (64 queries, head), over the keys from the earliest prompt start among its
-    queries to its last query. No host sync and fixed shapes: a prefill of N tokens graphs."""
+    """The Triton kernel for packed prompts (same contract as `packed_attention_reference`, and
+    starts -1 for padding, which attends to nothing: output 0): one program per (64 queries,
+    head), over each of its prompts' keys in blocks from that prompt's first token, so a
+    prompt's output is the same bit for bit wherever it sits in the chunk. No host sync and
+    fixed shapes: a prefill of N tokens graphs."""
     from drafter.engine import paged_kernels as pk
 
     N, nh, hdk = q.shape

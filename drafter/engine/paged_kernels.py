@@ -4,11 +4,16 @@ only where Triton runs: a CUDA device, or TRITON_INTERPRET=1 in the tests).
     decode   one program per (row, kv head): the row's pages in turn (`decode`), the step's
              longest rows split into parts run as extra programs of the same launch and merged
              after (`merge`)
-    prefill  packed prompts [1, N]: one program per (BM queries, head) over the keys from the
-             earliest prompt start among its queries to its last query (`prefill`)
+    prefill  packed prompts [1, N]: one program per (BM queries, head), over each of its
+             prompts' keys in turn (`prefill`)
 
 Both read keys in blocks and keep an online softmax (`_online_step`): per query its running
 maximum m, sum s_sum and unnormalised output acc, rescaled as each block raises the maximum.
+
+A row's output does not depend on the other rows, bit for bit, so greedy answers do not depend
+on the batch size or on which prompts share a prefill: a prompt's keys are read in blocks that
+start at the prompt's own first token wherever it sits in the chunk, and a row's pages go in
+parts of CAP pages merged in order (`_merge_step`) whether the row was split or not.
 """
 import triton
 import triton.language as tl
@@ -33,6 +38,17 @@ def _online_step(q, k, v, seen, m, s_sum, acc, scale, IEEE: tl.constexpr):
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, s_sum, acc
+
+
+@triton.jit
+def _merge_step(mx, s_sum, acc, m_p, l_p, a_p):
+    """A part's (m_p [R], l_p [R], a_p [R, HDVP]) merged into the running (mx, s_sum, acc): the
+    one merge both the split rows' `merge` and a whole row's program run."""
+    m_new = tl.maximum(mx, m_p)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)     # nothing yet: no NaN
+    alpha = tl.exp(mx - m_ref)
+    beta = tl.exp(m_p - m_ref)
+    return m_new, s_sum * alpha + l_p * beta, acc * alpha[:, None] + a_p * beta[:, None]
 
 
 @triton.jit
@@ -68,15 +84,20 @@ def decode(Q, K, V, O, table, lens, scale, SLOT, ORDER, PM, PL, PACC, B, S1, NH,
     m = tl.full([GP], float("-inf"), tl.float32)
     s_sum = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, HDVP], tl.float32)
-    for i in range(lo, hi):
-        page = tl.load(table + b * s_tb + i).to(tl.int64)
-        tok = page * P + t                                                         # [P]
-        k = tl.load(K + tok[:, None] * s_kt + kh * s_kh + dk[None, :],
-                    mask=dk[None, :] < HDK, other=0.0)                             # [P, HDKP]
-        v = tl.load(V + tok[:, None] * s_vt + kh * s_vh + dv[None, :],
-                    mask=dv[None, :] < HDV, other=0.0)                             # [P, HDVP]
-        m, s_sum, acc = _online_step(q, k, v, (i * P + t)[None, :] < n, m, s_sum, acc, scale,
-                                     IEEE)
+    for p0 in range(lo, hi, CAP):      # parts of CAP pages, as a split row's (one when split)
+        m_p = tl.full([GP], float("-inf"), tl.float32)
+        l_p = tl.zeros([GP], tl.float32)
+        a_p = tl.zeros([GP, HDVP], tl.float32)
+        for i in range(p0, tl.minimum(p0 + CAP, hi)):
+            page = tl.load(table + b * s_tb + i).to(tl.int64)
+            tok = page * P + t                                                     # [P]
+            k = tl.load(K + tok[:, None] * s_kt + kh * s_kh + dk[None, :],
+                        mask=dk[None, :] < HDK, other=0.0)                         # [P, HDKP]
+            v = tl.load(V + tok[:, None] * s_vt + kh * s_vh + dv[None, :],
+                        mask=dv[None, :] < HDV, other=0.0)                         # [P, HDVP]
+            m_p, l_p, a_p = _online_step(q, k, v, (i * P + t)[None, :] < n, m_p, l_p, a_p,
+                                         scale, IEEE)
+        m, s_sum, acc = _merge_step(m, s_sum, acc, m_p, l_p, a_p)
     hm = g < G
     hv = (g[:, None] < G) & (dv[None, :] < HDV)
     if SPLIT:   # a split row: its part's maximum, sum and unnormalised output
@@ -108,15 +129,10 @@ def merge(O, SLOT, ORDER, PM, PL, PACC, S, NH, s_ob, s_oh, G: tl.constexpr,
     acc = tl.zeros([GP, HDVP], tl.float32)
     for s in range(0, S):
         part = (i * S + s) * NH + heads
-        m_s = tl.load(PM + part, mask=hm, other=float("-inf"))
-        m_new = tl.maximum(mx, m_s)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # nothing yet: no NaN
-        alpha = tl.exp(mx - m_ref)
-        beta = tl.exp(m_s - m_ref)
-        s_sum = s_sum * alpha + tl.load(PL + part, mask=hm, other=0.0) * beta
-        acc = acc * alpha[:, None] + tl.load(PACC + part[:, None] * HDV + dv[None, :],
-                                             mask=hv, other=0.0) * beta[:, None]
-        mx = m_new
+        mx, s_sum, acc = _merge_step(
+            mx, s_sum, acc, tl.load(PM + part, mask=hm, other=float("-inf")),
+            tl.load(PL + part, mask=hm, other=0.0),
+            tl.load(PACC + part[:, None] * HDV + dv[None, :], mask=hv, other=0.0))
     out = acc / tl.maximum(s_sum, 1e-30)[:, None]
     tl.store(O + b * s_ob + heads[:, None] * s_oh + dv[None, :], out.to(O.dtype.element_ty),
              mask=hv)
@@ -131,24 +147,29 @@ def prefill(Q, K, V, O, starts, N, scale, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_
     kh = h // G
     m = pm * BM + tl.arange(0, BM)                                                 # [BM]
     mv = m < N
-    st = tl.load(starts + m, mask=mv, other=0)
+    st = tl.load(starts + m, mask=mv, other=-1)           # -1: padding, attends to nothing
     dk = tl.arange(0, HDKP)
     dv = tl.arange(0, HDVP)
     q = tl.load(Q + m[:, None] * s_qt + h * s_qh + dk[None, :],
                 mask=mv[:, None] & (dk[None, :] < HDK), other=0.0)                # [BM, HDKP]
-    lo = (tl.min(tl.where(mv, st, N)) // BN) * BN       # the block's earliest prompt start
-    hi = tl.minimum(pm * BM + BM, N)
     mx = tl.full([BM], float("-inf"), tl.float32)
     s_sum = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, HDVP], tl.float32)
-    for n0 in range(lo, hi, BN):
-        n = n0 + tl.arange(0, BN)                                                  # [BN]
-        k = tl.load(K + n[:, None] * s_kt + kh * s_kh + dk[None, :],
-                    mask=(n[:, None] < N) & (dk[None, :] < HDK), other=0.0)       # [BN, HDKP]
-        v = tl.load(V + n[:, None] * s_vt + kh * s_vh + dv[None, :],
-                    mask=(n[:, None] < N) & (dv[None, :] < HDV), other=0.0)       # [BN, HDVP]
-        seen = (n[None, :] >= st[:, None]) & (n[None, :] <= m[:, None])
-        mx, s_sum, acc = _online_step(q, k, v, seen, mx, s_sum, acc, scale, IEEE)
+    # each prompt among the block's queries in turn, its keys in blocks of BN from its own
+    # first token: the same blocks as for that prompt alone (the other queries see none)
+    seg = tl.min(tl.where(st >= 0, st, N))
+    while seg < N:
+        mine = st == seg
+        last = tl.max(tl.where(mine, m, -1))                 # the prompt's last query here
+        for n0 in range(seg, last + 1, BN):
+            n = n0 + tl.arange(0, BN)                                              # [BN]
+            k = tl.load(K + n[:, None] * s_kt + kh * s_kh + dk[None, :],
+                        mask=(n[:, None] < N) & (dk[None, :] < HDK), other=0.0)   # [BN, HDKP]
+            v = tl.load(V + n[:, None] * s_vt + kh * s_vh + dv[None, :],
+                        mask=(n[:, None] < N) & (dv[None, :] < HDV), other=0.0)   # [BN, HDVP]
+            seen = mine[:, None] & (n[None, :] <= m[:, None])
+            mx, s_sum, acc = _online_step(q, k, v, seen, mx, s_sum, acc, scale, IEEE)
+        seg = tl.min(tl.where(st > seg, st, N))
     out = acc / tl.maximum(s_sum, 1e-30)[:, None]
     tl.store(O + m[:, None] * s_ot + h * s_oh + dv[None, :], out.to(O.dtype.element_ty),
              mask=mv[:, None] & (dv[None, :] < HDV))
