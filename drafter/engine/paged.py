@@ -169,8 +169,8 @@ def paged_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: 
 # tokens) into parts of SPLIT_TOKENS that run as programs of their own, merged after. One program
 # per (row, kv head) reads its row's pages in turn, so a step's few rows of thousands of tokens
 # (a long prompt) set the time of every layer's attention: on the H200, at SmolLM2's heads and
-# 2,048 rows of ~350 tokens, 30 layers took 7.38 ms with 6 rows of 3,000-6,000 tokens among
-# them, 5.23 ms split (4.70 and 4.90 ms without long rows: `generate_throughput.py --attention
+# 2,048 rows of ~350 tokens, 30 layers took 7.52 ms with 6 rows of 3,000-6,000 tokens among
+# them, 5.17 ms split (4.63 and 4.82 ms without long rows: `generate_throughput.py --attention
 # 6`). A row not split runs the same parts in turn and the same merge, so its output does not
 # depend on the split: greedy answers do not depend on which rows share a step.
 SPLIT_ROWS = 16
