@@ -76,7 +76,7 @@ MIN_BUCKET = 8
 # run at 0.9 shows that it fits.
 OPEN_POOL_SHARE = 0.4
 # A graphed prefill chunk of N tokens runs the smallest bucket that holds it (padding: sink
-# writes, each pad token its own prompt); steps of about 1.5x keep a third of it at most.
+# writes, attending to nothing); steps of about 1.5x keep a third of it at most.
 PREFILL_BUCKETS = tuple(b for k in range(9, 20) for b in (1 << k, 3 << (k - 1)))
 
 
@@ -183,6 +183,16 @@ class Engine:
         done = (nxt[:, None] == r.stop).any(-1) | (r.n_out[:b] >= r.max_new[:b])
         r.active[:b] = act & ~done
 
+    def _first_logits(self, last: Tensor) -> Tensor:
+        """The head over the prompts' last hidden states [R, H] -> [R, V], fed at least
+        MIN_BUCKET rows (zeros after the R): below 8 rows cuBLAS may pick a matrix-vector kernel
+        whose sums round otherwise, and a prompt's first token would then depend on how many
+        prompts shared its admission (at 4 to 8,192 rows the H200 gave every row the same bits)."""
+        n = last.shape[0]
+        if n >= MIN_BUCKET:
+            return self.head(last)
+        return self.head(torch.cat([last, last.new_zeros(MIN_BUCKET - n, last.shape[1])]))[:n]
+
     def _prefill(self, rows: list[int], reqs: list[Request], top_p: float,
                  sampling: bool) -> tuple[int, int]:
         """Prompts into rows (their page tables are set), packed into chunks of at most
@@ -202,7 +212,7 @@ class Engine:
             chunks, ran = chunks + 1, ran + tokens
             ridx, n_prompt, max_new, temp = meta[0], meta[1], meta[2], \
                 meta[3].view(torch.float64).float()                                 # [R] each
-            first = self._pick(self.head(last), temp, top_p, sampling)              # [R]
+            first = self._pick(self._first_logits(last), temp, top_p, sampling)     # [R]
             r.tok.index_copy_(0, ridx, first)
             r.ctx.index_copy_(0, ridx, n_prompt)
             r.n_out.index_fill_(0, ridx, 1)
