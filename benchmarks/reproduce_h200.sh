@@ -11,8 +11,9 @@
 #                     calls on its prompts (writes, answers), the pools' step against a call, a batch-1
 #                     evaluate, the bf16 lossless check at tie_tolerance=0, decode_speed.py on
 #                     evaluate's own decoding
-#   data     ~10 min  generate_throughput.py (10,000 prompts, batch 1,024 / 2,048 / 512 / 256;
-#                     the decode attention kernel with long rows split and not),
+#   data     ~12 min  generate_throughput.py (10,000 prompts, batch 1,024 / 2,048 / 512 / 256;
+#                     the pools' 15,002 at 2,048 and 1,024: the same answers; the decode
+#                     attention kernel with long rows split and not),
 #                     synthetic_prompts.py (100,000 prompts; also the synthetic source of
 #                     configs/scale-smollm2.yaml), extract_throughput.py (every storage option)
 #   train    ~25 min  train_throughput.py beside SpecForge (SmolLM2, Llama-8B at 2,048 and 4,096),
@@ -107,6 +108,8 @@ part_data() {
   step generate-throughput "$PY" benchmarks/generate_throughput.py --data ../shared/data/train \
     --prompts 10000 --batches 1024,2048,512,256 --max-new 512 --profile \
     --json "$OUT/generate-throughput.json"
+  step same-answers "$PY" benchmarks/generate_throughput.py --data ../shared/data/train \
+    --prompts 15002 --batches 2048,1024 --max-new 512 --json "$OUT/same-answers.json"
   step decode-attention "$PY" benchmarks/generate_throughput.py --batches 2048 --attention 6 \
     --json "$OUT/decode-attention.json"
   # measured into $OUT; copied to where configs/scale-smollm2.yaml reads it only if none is
