@@ -185,9 +185,10 @@ class Engine:
 
     def _first_logits(self, last: Tensor) -> Tensor:
         """The head over the prompts' last hidden states [R, H] -> [R, V], fed at least
-        MIN_BUCKET rows (zeros after the R): below 8 rows cuBLAS may pick a matrix-vector kernel
-        whose sums round otherwise, and a prompt's first token would then depend on how many
-        prompts shared its admission (at 4 to 8,192 rows the H200 gave every row the same bits)."""
+        MIN_BUCKET rows (zeros after the R), as every decode step is: with one row cuBLAS may
+        take a matrix-vector kernel whose sums round otherwise, and a prompt's first token would
+        then depend on how many prompts shared its admission (the H200 gave a row the same bits
+        at 4 to 8,192 rows; fewer were not measured)."""
         n = last.shape[0]
         if n >= MIN_BUCKET:
             return self.head(last)
