@@ -59,6 +59,10 @@ class TargetConfig:
     trust_remote_code: bool = doc(False, "allow the model repo's own Python code (off: security)")
     chat_template: str | None = doc(None, "path to a Jinja chat template overriding the "
                                     "tokenizer's")
+    engine_args: dict[str, Any] = doc(
+        {}, "vLLM's own LLM(...) arguments where a step runs the target inside vLLM "
+        "(extract.engine / evaluate.engine): tensor_parallel_size, enable_expert_parallel, "
+        "quantization, gpu_memory_utilization, max_model_len... (docs/extract.md)")
 
 
 # ------------------------------------------------------------------------------------------ prepare
@@ -180,6 +184,10 @@ class VocabConfig:
 # ------------------------------------------------------------------------------------------ extract
 @dataclass
 class ExtractConfig:
+    engine: Literal["transformers", "vllm"] = doc(
+        "transformers", "where the target runs: transformers (hooks; a target that fits one "
+        "GPU, or extract.tp), or vllm (its extract_hidden_states method: the engine's "
+        "tensor/expert parallelism and quantised weights, target.engine_args)")
     layer_ids: list[int] | None = doc(None, "aux layer ids, HS[k] convention; default "
                                       "[2, N//2, N-3]")
     aux_dtype: Literal["bf16", "fp8"] = doc("bf16", "storage of aux states: bf16, or fp8-e4m3 "
@@ -309,6 +317,10 @@ class EvaluateConfig:
         None, "lossless check: a greedy divergence to one of the plain run's 8 runners-up whose "
         "logit is at most this below the top is a numerical tie, not a failure; default 0 in "
         "float32, 0.5 in 16-bit (any other 16-bit mismatch is decoded again in float32)")
+    engine: Literal["drafter", "vllm", "both"] = doc(
+        "drafter", "who decodes: drafter's own evaluator (the target in transformers), vllm "
+        "(the export served beside the target inside vLLM, tau from vLLM's own counters: "
+        "targets beyond one GPU), or both side by side")
     run_recommended: bool = doc(
         True, "after the methods, also decode the setting the tuner recommends for batch_size "
         "(greedy) when none of them was it: its speedup measured, not only expected")

@@ -308,6 +308,17 @@ def check_values(cfg, where: Where | None = None) -> None:
             ge(f"extract.layer_ids[{i}]", k, 0)
     for f in ("topk", "batch_tokens", "shard_tokens"):
         ge(f"extract.{f}", getattr(e, f), 1)
+    if e.engine == "vllm" and e.tp:
+        bad("extract.tp", e.tp, "must be false with extract.engine=vllm (vLLM shards the "
+            "target itself: set target.engine_args.tensor_parallel_size)")
+    if e.engine == "vllm" and cfg.train.online:
+        bad("train.online", cfg.train.online, "must be false with extract.engine=vllm (online "
+            "training runs the target in transformers beside the drafter; vLLM's states are "
+            "stored as shards)")
+    owned = {"model", "speculative_config", "kv_transfer_config"} & set(t.engine_args)
+    if owned:
+        bad(f"target.engine_args.{sorted(owned)[0]}", t.engine_args[sorted(owned)[0]],
+            "is set by drafter itself (target.model, the drafter, the hidden-states connector)")
 
     tr = cfg.train
     for f in ("ttt_steps", "epochs", "grad_accum", "log_every", "save_every", "keep_checkpoints",

