@@ -37,6 +37,8 @@ from pathlib import Path
 from drafter import DrafterError
 from drafter.core.rundir import Run, atomic_json, atomic_write, read_json
 from drafter.export.tuned import add_tuned_settings
+from drafter.measure.engine_eval import render as render_engine
+from drafter.measure.engine_eval import vllm_acceptance
 from drafter.measure.lossless import recheck_float32
 from drafter.measure.report import plots, render_report
 from drafter.measure.summary import (
@@ -286,6 +288,8 @@ def main(cfg) -> dict:
     from drafter.engine.decode import Decoder, EagleDraft, stop_ids_of
 
     ev, run = cfg.evaluate, Run.of(cfg)
+    if ev.engine == "vllm":
+        return _main_engine(cfg)
     if 0.0 not in [float(t) for t in ev.temperatures]:
         raise EvaluateError("evaluate.temperatures must include 0 (the lossless check runs at "
                             "temperature 0)")
@@ -421,8 +425,18 @@ def main(cfg) -> dict:
     }
     if rec:
         settings["recommended"] = rec
+    engine = None
+    if ev.engine == "both":
+        k = best.depth if best is not None and best.is_chain and ev.run_recommended else ev.k
+        engine = vllm_acceptance(cfg, drafters[0][2], k,
+                                 [(n, greedy[2][n].rounds) for n, _, _ in datasets], stop,
+                                 ev.max_new_tokens)
+        ours = next((r for r in runs if r["drafter"] == "drafter" and r["temperature"] == 0
+                     and r.get("k") == k), None)
+        engine["drafter_tau"] = {n: _r(d.get("tau"), 5) for n, d in ours["datasets"].items()} \
+            if ours else None
     try:
-        metrics = finish(run, settings, runs, plain_all)
+        metrics = finish(run, settings, runs, plain_all, engine)
     finally:
         shutil.rmtree(run.step_dir("evaluate") / "passes", ignore_errors=True)
     return {"counts": {"prompts": sum(d["prompts"] for d in ds_info.values()), "runs": len(runs),
@@ -460,7 +474,8 @@ def _recheck(model, runs: list[dict], parts: list[tuple], prompts: dict, max_new
     return drift
 
 
-def finish(run: Run, settings: dict, runs: list[dict], plain: dict) -> dict:
+def finish(run: Run, settings: dict, runs: list[dict], plain: dict,
+           engine: dict | None = None) -> dict:
     """Write metrics.json, the plots and report.md; then fail (EvaluateError) if any greedy
     speculative output differs from the plain one beyond a numerical tie or float32-checked
     drift."""
@@ -477,9 +492,12 @@ def finish(run: Run, settings: dict, runs: list[dict], plain: dict) -> dict:
     metrics = {"lossless": mismatches == 0, "settings": settings,
                "datasets": runs[0]["datasets"], "plain": plain, "runs": runs,
                "ties": ties, "drift": drift, "mismatches": mismatches}
+    if engine is not None:
+        metrics["engine"] = engine
     atomic_json(run.eval_metrics(), metrics)
     plots(run, runs)
-    atomic_write(run.eval_report(), render_report(metrics))
+    atomic_write(run.eval_report(), render_report(metrics) + (
+        render_engine(engine, engine.get("drafter_tau")) if engine else ""))
     log.info("evaluate: wrote %s", run.eval_report())
     add_tuned_settings(run, metrics)  # the export READMEs: the serving flags measured here
     if mismatches:
@@ -489,6 +507,45 @@ def finish(run: Run, settings: dict, runs: list[dict], plain: dict) -> dict:
             f"evaluate: speculative decoding is NOT lossless: {mismatches} prompt(s) differ from "
             f"plain greedy decoding of the target (first: {first}); see {run.eval_report()}")
     return metrics
+
+
+def _main_engine(cfg) -> dict:
+    """evaluate.engine=vllm: the target only vLLM runs. vLLM decodes the prompts plainly and
+    with the export at chain K=evaluate.k (drafter/measure/engine_eval.py); nothing loads the
+    target in this process."""
+    from drafter.core.target import load_tokenizer
+    from drafter.engine.decode import stop_ids_of
+    from drafter.features.engine_capture import vllm_missing
+
+    ev, run = cfg.evaluate, Run.of(cfg)
+    missing = vllm_missing()
+    if missing:
+        raise EvaluateError(f"evaluate.engine=vllm: {missing}")
+    if ev.drafter == "export":
+        path = run.require(run.export("native"), "export")
+    else:
+        path = Path(ev.drafter).expanduser()
+    if not (path / "config.json").exists():
+        raise EvaluateError(f"evaluate.drafter: {path} is not an export dir (vLLM serves "
+                            f"export/native or export/speculators; a checkpoint needs `drafter "
+                            f"export` first)")
+    tok = load_tokenizer(cfg.target)
+    stop = stop_ids_of(tok)
+    sets = []
+    for name, _, recs in _datasets(ev):
+        pr = _Prompts(tok, recs, 1 << 30, ev.max_new_tokens)
+        sets.append((name, pr.build))
+    engine = vllm_acceptance(cfg, path, ev.k, sets, stop, ev.max_new_tokens, tokenizer=tok)
+    metrics = {"engine": engine, "settings": {
+        "target": cfg.target.model, "drafter": str(path), "engine_args": cfg.target.engine_args,
+        "max_new_tokens": ev.max_new_tokens, "temperatures": [0.0]}}
+    atomic_json(run.eval_metrics(), metrics)
+    atomic_write(run.eval_report(), f"# Evaluation of {path}\n" + render_engine(engine))
+    log.info("evaluate: wrote %s", run.eval_report())
+    ov = engine["overall"]
+    return {"counts": {"prompts": ov["prompts"], "same_as_plain": ov["same_as_plain"]},
+            "tau": {n: d["tau"] for n, d in {**engine["datasets"], "overall": ov}.items()},
+            "engine": "vllm"}
 
 
 def _tree_settings(tree) -> dict:
