@@ -202,9 +202,13 @@ def gpu_memory(cfg, f: dict, warnings: list[str], refused: list[str]) -> dict:
     for step, m in mem.items():
         if m["total"] <= usable or (why and (step == "extract" or step == "train" and online)):
             continue  # the refusal says it for the steps that load the target
-        if weights / max(m.get("tp") or 1, 1) > usable / 2:
+        if weights / max(m.get("tp") or 1, 1) > usable / 2 and moe and step != "generate":
+            fix = (f" The weights alone need >= {n_need} GPUs of this size, and transformers' "
+                   f"tensor parallelism (extract.tp) shards no routed experts: only a smaller "
+                   f"(quantised) checkpoint fits this step.")
+        elif weights / max(m.get("tp") or 1, 1) > usable / 2:
             how = ("generate.server.extra_args, e.g. --tensor-parallel-size" if step == "generate"
-                   else capture.VLLM_PATH if moe else "extract.tp=true under torchrun")
+                   else "extract.tp=true under torchrun")
             fix = (f" The weights alone need >= {n_need} GPUs of this size: shard the target "
                    f"over more GPUs ({how}; {gpus} planned), or use a smaller dtype or a "
                    f"quantised checkpoint.")
