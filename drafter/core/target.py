@@ -19,6 +19,13 @@ MATERIALISE_VERSION in the folder name makes a fixed materialisation replace an 
 
 `target_embeddings` reads the input embedding table from the target's safetensors files, without
 loading the model (training copies it into the drafter).
+
+Remote code: a target whose config.json names its own Python files (`auto_map`, e.g. Kimi-K2.5's
+KimiK25ForConditionalGeneration) loads only with `target.trust_remote_code: true`; every config,
+tokenizer and model drafter builds passes that setting, and without it the error names the key.
+`meta_model` builds the target on the meta device (shapes, no memory) for the planner and the
+memory estimates; `weight_bytes` sizes its weights as stored, quantised modules at the bits that
+config.json's `quantization_config` gives them (docs/operations.md, "Quantised targets").
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -190,11 +198,51 @@ def _kw(tcfg) -> dict:
     return kw
 
 
+def remote_code_error(spec: str) -> TargetError:
+    return TargetError(f"target.model {spec}: its config.json names the model's own Python code "
+                       f"(auto_map), which transformers runs only when allowed: read that code, "
+                       f"then set target.trust_remote_code: true (drafter check: "
+                       f"--trust-remote-code)")
+
+
+@contextlib.contextmanager
+def _remote_code_guard(spec: str):
+    """transformers' refusal to run a folder's own code (a ValueError naming
+    trust_remote_code) as a TargetError that names drafter's key."""
+    try:
+        yield
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise remote_code_error(spec) from None
+
+
 def load_config(tcfg):
     """The target's PretrainedConfig (no weights)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve(tcfg.model), **_kw(tcfg))
+    with _remote_code_guard(tcfg.model):
+        return AutoConfig.from_pretrained(resolve(tcfg.model), **_kw(tcfg))
+
+
+def from_remote_code(config) -> bool:
+    """Whether the config's class came from the model's own code: transformers imports such a
+    class (into its `transformers_modules` package) only under trust_remote_code, so a config
+    of that class was loaded with the user's consent and its model is built the same way."""
+    return type(config).__module__.startswith("transformers_modules")
+
+
+def meta_model(config, trust_remote_code: bool | None = None):
+    """The target built from its config alone on the meta device: every parameter's shape, no
+    memory, no weights. `trust_remote_code` None: as the config was loaded (from_remote_code)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if trust_remote_code is None:
+        trust_remote_code = from_remote_code(config)
+    with _remote_code_guard(getattr(config, "_name_or_path", "") or type(config).__name__), \
+            torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
 def text_config(config):
@@ -215,6 +263,23 @@ def vocab_size(config) -> int:
     return text_config(config).vocab_size
 
 
+def moe_shape(config) -> tuple[int, int]:
+    """(routed experts, experts per token) of a MoE target's text config, (0, 0) for a dense
+    one."""
+    tc = text_config(config)
+    e = next((getattr(tc, k) for k in ("n_routed_experts", "num_experts", "num_local_experts")
+              if getattr(tc, k, None)), 0)
+    k = next((getattr(tc, k) for k in ("num_experts_per_tok", "num_experts_per_token",
+                                       "moe_topk") if getattr(tc, k, None)), 0)
+    return int(e or 0), int(k or 0)
+
+
+def is_routed_expert(name: str) -> bool:
+    """A parameter of the routed experts (per-expert Linears or the fused [E, ...] tensors), not
+    of a shared expert."""
+    return ".experts." in f".{name}" and "shared_expert" not in name
+
+
 def default_layer_ids(n_layers: int) -> list[int]:
     """DESIGN.md convention: id k = HS[k], the residual stream entering layer k."""
     return [2, n_layers // 2, n_layers - 3]
@@ -223,7 +288,8 @@ def default_layer_ids(n_layers: int) -> list[int]:
 def load_tokenizer(tcfg):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve(tcfg.model), **_kw(tcfg))
+    with _remote_code_guard(tcfg.model):
+        tok = AutoTokenizer.from_pretrained(resolve(tcfg.model), **_kw(tcfg))
     if tcfg.chat_template:
         p = Path(tcfg.chat_template)
         if not p.is_file():
@@ -256,8 +322,9 @@ def load_model(tcfg, device: str | None = None, dtype=None, **kw):
 
     device = device or pick_device(tcfg)
     dtype = dtype or pick_dtype(tcfg, device)
-    model = AutoModelForCausalLM.from_pretrained(resolve(tcfg.model), dtype=dtype, **_kw(tcfg),
-                                                 **kw)
+    with _remote_code_guard(tcfg.model):
+        model = AutoModelForCausalLM.from_pretrained(resolve(tcfg.model), dtype=dtype,
+                                                     **_kw(tcfg), **kw)
     if "tp_plan" not in kw and "device_map" not in kw:
         model.to(device)
     model.eval()
@@ -268,9 +335,7 @@ def load_model(tcfg, device: str | None = None, dtype=None, **kw):
 def target_embeddings(tcfg) -> torch.Tensor:
     """The target's input embeddings [V, Ht] read from its safetensors (no model load): the
     tensor of the module transformers calls the input embeddings, else a known name."""
-    import torch
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
 
     spec = resolve(tcfg.model)
     folder = Path(spec)
@@ -285,9 +350,7 @@ def target_embeddings(tcfg) -> torch.Tensor:
             weight_map = {k: "model.safetensors" for k in f.keys()}
     else:
         weight_map = {}
-    config = load_config(tcfg)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=tcfg.trust_remote_code)
+    meta = meta_model(load_config(tcfg), tcfg.trust_remote_code)
     emb = meta.get_input_embeddings()
     names = [n + ".weight" for n, m in meta.named_modules() if m is emb]
     names += sorted((k for k in weight_map if k.endswith(
@@ -306,3 +369,143 @@ def target_embeddings(tcfg) -> torch.Tensor:
                 return w
     log.info("train: embeddings not found by name in %s; loading the target to read them", spec)
     return load_model(tcfg, device="cpu").get_input_embeddings().weight.detach().clone()
+
+
+# ------------------------------------------------------------------------- weights as stored
+# Modules outside the language model: published multimodal checkpoints keep these towers at the
+# config dtype whatever their quantization_config says (Kimi-K2.5's vision tower is bf16).
+TOWERS = ("vision", "visual", "audio", "mm_projector", "multi_modal_projector")
+# Storage of the scale of a group of weights (bf16/fp16; compressed-tensors' default), and of a
+# zero point of an asymmetric scheme (its own bits, packed).
+SCALE_BITS = 16
+
+
+def quantization_config(config) -> dict | None:
+    """config.json's quantization_config, top-level or in the text config, as a dict."""
+    for c in (config, text_config(config)):
+        q = getattr(c, "quantization_config", None)
+        if q is not None:
+            return q if isinstance(q, dict) else q.to_dict()
+    return None
+
+
+def _matches(entry: str, names: list[str], cls: str) -> bool:
+    """compressed-tensors' rule for a `targets`/`ignore` entry: `re:PATTERN` matched from the
+    start of a module name, else a module name or a class name."""
+    if entry.startswith("re:"):
+        return any(re.match(entry[3:], n) for n in names)
+    return entry == cls or entry in names
+
+
+def _group_bits(w: dict, fmt: str | None) -> float:
+    """Bits per weight of a compressed-tensors weights scheme: the stored value, plus its share
+    of a group's scale (and zero point when asymmetric)."""
+    bits = int(w.get("num_bits") or 8)
+    if fmt in ("naive-quantized", "int-quantized", "float-quantized"):
+        bits = max(bits, 8)  # one value per byte, unpacked
+    strategy, gs = w.get("strategy"), w.get("group_size")
+    per_group = SCALE_BITS + (0 if w.get("symmetric", True) else int(w.get("num_bits") or 8))
+    if strategy in ("group", "tensor_group") and gs:
+        return bits + per_group / int(gs)
+    if strategy == "block" and w.get("block_structure"):
+        a, b = w["block_structure"]
+        return bits + per_group / (int(a) * int(b))
+    return float(bits)  # channel / tensor: one scale a row or a tensor, nothing per weight
+
+
+def _quant_rule(q: dict | None):
+    """(bits(names, class) -> float | None, description) for a quantization_config; a None rule
+    for none or an unknown method (everything at the config dtype)."""
+    if q is None:
+        return None, "no quantization_config"
+    method = str(q.get("quant_method") or "").lower()
+    if method == "compressed-tensors":
+        fmt = q.get("format")
+        groups = [(g.get("targets") or [], _group_bits(g["weights"], fmt), g["weights"])
+                  for g in (q.get("config_groups") or {}).values() if g.get("weights")]
+        ignore = list(q.get("ignore") or [])
+
+        def rule(names, cls):
+            if any(_matches(e, names, cls) for e in ignore):
+                return None
+            return next((b for targets, b, _ in groups
+                         if any(_matches(t, names, cls) for t in targets)), None)
+
+        desc = "; ".join(f"{w.get('num_bits')}-bit {w.get('type', 'int')} "
+                         f"{w.get('strategy')}" + (f" {w['group_size']}" if w.get("group_size")
+                                                    else "") + f" = {b:.2f} bits/weight"
+                         for _, b, w in groups)
+        return rule, f"compressed-tensors {fmt}: {desc or 'no weight scheme'}"
+    if method in ("gptq", "awq", "fp8"):
+        skip = list(q.get("modules_to_not_convert") or []) + ["lm_head"]
+        if method == "fp8":
+            block = q.get("weight_block_size")
+            bits = 8 + (32 / (block[0] * block[1]) if block else 0)  # fp32 scale a block
+            desc = f"fp8 {'blocks ' + 'x'.join(map(str, block)) if block else 'per tensor'}"
+        else:
+            n, gs = int(q.get("bits") or 4), int(q.get("group_size") or -1)
+            bits = n + ((SCALE_BITS + n) / gs if gs > 0 else 0)  # fp16 scale + packed zero
+            desc = f"{method} {n}-bit, groups of {gs}"
+
+        def rule(names, cls):
+            if cls != "Linear" or any(s == n or n.endswith("." + s) for s in skip
+                                      for n in names):
+                return None
+            return bits
+
+        return rule, f"{desc} = {bits:.2f} bits/weight"
+    return None, f"quant_method {method or '?'} unknown to drafter"
+
+
+def _lm_prefix(model) -> str:
+    """'language_model.' when the model wraps a whole causal LM (its lm_head included) under a
+    submodule, as Kimi-K2.5 does: the names its quantization_config was written for start
+    below it."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if inner is model or getattr(inner, "get_output_embeddings", lambda: None)() is None:
+        return ""
+    return next((n + "." for n, m in model.named_modules() if m is inner), "")
+
+
+def weight_bytes(config, dtype_bytes: int, model=None) -> dict:
+    """The target's weights as stored: the Linear weights a quantization_config covers at its
+    bits (routed experts fused into [E, ...] tensors count as Linears), everything else, and
+    anything under an unknown method, at `dtype_bytes`. -> {"bytes", "routed_bytes" (of the
+    routed experts), "quantised_params", "source" (one line: where the figure comes from)}.
+    `model`: the meta model when the caller has it (else built here)."""
+    from torch import nn
+
+    model = meta_model(config) if model is None else model
+    q = quantization_config(config)
+    rule, how = _quant_rule(q)
+    prefix = _lm_prefix(model)
+    total = routed = 0.0
+    quantised = 0
+    seen: set[int] = set()
+    for mname, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            full = f"{mname}.{pname}" if mname else pname
+            bits = None
+            linear = isinstance(mod, nn.Linear) and pname == "weight"
+            if rule is not None and not any(t in full for t in TOWERS) \
+                    and (linear or (p.dim() == 3 and is_routed_expert(full))):
+                name = mname if linear else full
+                names = [name] + ([name[len(prefix):]] if prefix and name.startswith(prefix)
+                                  else [])
+                bits = rule(names, "Linear")
+            n = p.numel() * (bits / 8 if bits else dtype_bytes)
+            quantised += p.numel() if bits else 0
+            total += n
+            routed += n if is_routed_expert(full) else 0
+    dname = f"{8 * dtype_bytes} bits"
+    if rule is None:
+        source = f"{how}: every weight at {dname}"
+    elif not quantised:
+        source = f"quantization_config ({how}) covers no weight here: every weight at {dname}"
+    else:
+        source = (f"quantization_config {how}, on {quantised:,} weights; the rest at {dname}")
+    return {"bytes": int(total), "routed_bytes": int(routed), "quantised_params": quantised,
+            "source": source}

@@ -1,8 +1,9 @@
-"""`drafter check DIR [--target MODEL_OR_CONFIG] [--json]`: lint any EAGLE-3 directory (ours or a
-published one, native or speculators layout) for the known acceptance killers (ENGINES.md, "Why
-drafters accept less in an engine than offline"). Each check is named and ends pass, warn or fail
-with a one-line reason; the exit code is 1 when any check fails. The static checks are in
-drafter/export/rules.py; this module runs them, runs the acceptance smoke test and reports.
+"""`drafter check DIR [--target MODEL_OR_CONFIG] [--trust-remote-code] [--json]`: lint any EAGLE-3
+directory (ours or a published one, native or speculators layout) for the known acceptance
+killers (ENGINES.md, "Why drafters accept less in an engine than offline"). Each check is named
+and ends pass, warn or fail with a one-line reason; the exit code is 1 when any check fails.
+The static checks are in drafter/export/rules.py; this module runs them, runs the acceptance
+smoke test and reports.
 
     drafter check runs/x/export/native --target meta-llama/Llama-3.1-8B-Instruct
     drafter check some/published-eagle3 --target path/to/target/config.json --json
@@ -19,7 +20,9 @@ With --target naming a model (not a config.json), the `acceptance` rule also run
 the target writes a few greedy answers to builtin prompts, and the drafter, teacher-forced on
 them, must predict the target's next tokens. It fails a drafter that predicts nothing (random
 weights, wrong aux layer ids or norms, another target) whatever its files say. `--no-smoke`
-skips it (it loads the target's weights).
+skips it (it loads the target's weights). A target that ships its own model code (config.json
+`auto_map`, e.g. Kimi-K2.5) loads only with `--trust-remote-code`, as `target.trust_remote_code`
+does for the steps.
 """
 from __future__ import annotations
 
@@ -66,7 +69,7 @@ SMOKE_FAIL, SMOKE_WARN = 0.05, 0.2       # step-0 accuracy: a random drafter sco
 
 @torch.no_grad()
 def acceptance(path, spec: str, k: int = 3, prompts: int = SMOKE_PROMPTS,
-               new_tokens: int = SMOKE_TOKENS) -> dict:
+               new_tokens: int = SMOKE_TOKENS, trust_remote_code: bool = False) -> dict:
     """Teacher-forced acceptance of the drafter in `path` on text the target `spec` writes
     itself: greedy answers to the first `prompts` builtin quickstart prompts, captured the way
     extract does (drafter/features/capture.py, at the drafter's own layer ids and vocab), scored
@@ -84,7 +87,7 @@ def acceptance(path, spec: str, k: int = 3, prompts: int = SMOKE_PROMPTS,
     from drafter.train.metrics import Meter
     from drafter.train.ttt import TTT
 
-    tcfg = TargetConfig(model=spec)
+    tcfg = TargetConfig(model=spec, trust_remote_code=trust_remote_code)
     device = T.pick_device(tcfg)
     model = T.load_model(tcfg, device=device)
     tok = T.load_tokenizer(tcfg)
@@ -117,10 +120,11 @@ def acceptance(path, spec: str, k: int = 3, prompts: int = SMOKE_PROMPTS,
             "prompts": len(samples), "k": k}
 
 
-def c_acceptance(path, spec: str, fmt: str | None, config: dict) -> list[Check]:
+def c_acceptance(path, spec: str, fmt: str | None, config: dict,
+                 trust_remote_code: bool = False) -> list[Check]:
     sc = config.get("speculators_config") or {}
     k = ((sc.get("proposal_methods") or [{}])[0]).get("speculative_tokens") or 3
-    a = acceptance(path, spec, k=int(k))
+    a = acceptance(path, spec, k=int(k), trust_remote_code=trust_remote_code)
     if not a["tokens"]:
         return [Check("acceptance", WARN, "the target wrote no answer tokens to score")]
     acc0 = a["acc"][0]
@@ -151,11 +155,15 @@ def _hinted_target(ed: EngineDir) -> tuple[E.TargetInfo | None, str | None]:
 
 
 def run_checks(path, target: E.TargetInfo | str | None = None,
-               serving_context: int | None = None, smoke: bool = False) -> Report:
+               serving_context: int | None = None, smoke: bool = False,
+               trust_remote_code: bool = False) -> Report:
     """Every check on one dir. `target`: a TargetInfo, a spec for drafter.core.target / a
     config.json path, or None (use the dir's hints). `smoke`: with a target spec that names a
-    model, also the acceptance smoke test (loads the target). A dir that cannot be read gives
-    one failed check."""
+    model, also the acceptance smoke test (loads the target). `trust_remote_code`: the target's
+    own code may run (target.trust_remote_code). A dir that cannot be read gives one failed
+    check."""
+    from drafter.core.config import TargetConfig
+
     path = Path(path)
     try:
         ed = read_dir(path)
@@ -163,7 +171,8 @@ def run_checks(path, target: E.TargetInfo | str | None = None,
         return Report(str(path), None, None, None, [Check("format", FAIL, str(e))])
     source, spec = None, target if isinstance(target, str) else None
     if isinstance(target, str):
-        target, source = E.target_info(target), "--target"
+        tcfg = TargetConfig(model=target, trust_remote_code=trust_remote_code)
+        target, source = E.target_info(target, tcfg), "--target"
     elif target is not None:
         source = "--target"
     else:
@@ -182,7 +191,7 @@ def run_checks(path, target: E.TargetInfo | str | None = None,
                                 "run (give the model to measure acceptance)"))
         else:
             try:
-                checks += c_acceptance(path, spec, ed.fmt, ed.config)
+                checks += c_acceptance(path, spec, ed.fmt, ed.config, trust_remote_code)
             except Exception as e:  # noqa: BLE001 - a drafter that cannot run predicts nothing
                 checks.append(Check("acceptance", FAIL, f"the drafter cannot run on the target: "
                                     f"{type(e).__name__}: {e}"))
@@ -202,9 +211,10 @@ def format_report(r: Report) -> str:
 
 
 def main(args) -> int:
-    """CLI entry: args.dir, args.target, args.json, args.no_smoke. Returns 1 when any check
-    fails."""
-    report = run_checks(args.dir, args.target, smoke=not getattr(args, "no_smoke", False))
+    """CLI entry: args.dir, args.target, args.json, args.no_smoke, args.trust_remote_code.
+    Returns 1 when any check fails."""
+    report = run_checks(args.dir, args.target, smoke=not getattr(args, "no_smoke", False),
+                        trust_remote_code=getattr(args, "trust_remote_code", False))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

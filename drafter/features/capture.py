@@ -11,10 +11,14 @@ Conventions (../shared/docs/DESIGN.md):
 - layer id k = HS[k] = the residual stream entering decoder layer k = HF
   `output_hidden_states[k]` (0 = embeddings). Captured by a forward pre-hook on layer k, so
   nothing beyond what the model computes anyway is recomputed, for any architecture.
-- teacher hidden = the decoder's `last_hidden_state`, after the final norm (what lm_head sees,
-  = `output_hidden_states[N]`). Logits = lm_head of it, then the model's own output transform
-  (Gemma softcapping, Cohere `logit_scale`, Granite `logits_scaling`), computed in chunks so that
-  a [N, V] fp32 tensor never exists for a whole batch.
+- teacher hidden = the text decoder's `last_hidden_state`, after the final norm (what lm_head
+  sees, = `output_hidden_states[N]`). Logits = lm_head of it, then the model's own output
+  transform (Gemma softcapping, Cohere `logit_scale`, Granite `logits_scaling`), computed in
+  chunks so that a [N, V] fp32 tensor never exists for a whole batch.
+- the text decoder is `get_decoder()` followed down (text_decoder): a multimodal wrapper such as
+  Kimi-K2.5's KimiK25ForConditionalGeneration answers with its whole language model, whose own
+  get_decoder() is the decoder; the lm_head is the wrapper's or its language model's
+  (output_head).
 - in_vocab[t] = argmax over the full vocab at t is a draft-vocab token (training masks the
   others out of the loss).
 - teacher=topk: the k largest log-probs of log_softmax over the draft vocab's logits, with
@@ -60,13 +64,38 @@ class CaptureError(DrafterError):
 
 
 # ------------------------------------------------------------------------------ model anatomy
+def text_decoder(model: nn.Module) -> nn.Module:
+    """The text decoder: the module whose forward returns `last_hidden_state` after the final
+    norm. `get_decoder()` is followed down while it leads somewhere new: a multimodal wrapper
+    such as Kimi-K2.5's KimiK25ForConditionalGeneration answers with its language model, a whole
+    causal LM, whose own get_decoder() is the decoder."""
+    dec = model
+    while hasattr(dec, "get_decoder"):
+        inner = dec.get_decoder()
+        if inner is None or inner is dec:
+            break
+        dec = inner
+    return dec
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The lm_head: the model's output embeddings, else those of the causal LM it wraps."""
+    m = model
+    while m is not None:
+        head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
+        if head is not None:
+            return head
+        inner = m.get_decoder() if hasattr(m, "get_decoder") else None
+        m = inner if inner is not m else None
+    return None
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of any transformers causal LM (also VLMs' language models)."""
     from drafter.core.target import num_layers
 
     n = num_layers(model.config)
-    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(dec, "layers", None)
+    layers = getattr(text_decoder(model), "layers", None)
     if isinstance(layers, nn.ModuleList) and len(layers) == n:
         return layers
     # Fallback: the one ModuleList of length N outside vision/audio towers.
@@ -191,8 +220,11 @@ class Capture:
         self.layer_ids = resolve_layer_ids(layer_ids, self.num_layers)
         self.hidden_size = hidden_size(model.config)
         self.vocab_size = vocab_size(model.config)
-        self.decoder = model.get_decoder()
-        self.lm_head = model.get_output_embeddings()
+        self.decoder = text_decoder(model)
+        self.lm_head = output_head(model)
+        if self.lm_head is None:
+            raise CaptureError(f"{type(model).__name__}: no lm_head found (get_output_embeddings "
+                               f"of the model and of the causal LM it wraps)")
         self.scale, self.softcap = logit_transform(model.config)
         self.teacher = teacher
         self.device = model.get_input_embeddings().weight.device
@@ -427,25 +459,94 @@ def load_capture(cfg, model: nn.Module | None = None, device: str | None = None,
 
 
 # ---------------------------------------------------------------------------- memory estimate
-def param_count(config) -> int:
-    """Parameters of a target from its config alone (built on the meta device: no memory)."""
-    from transformers import AutoModelForCausalLM
+# Where a target the transformers path cannot hold goes instead (the key docs/extract.md names).
+VLLM_PATH = "extract.engine: vllm (docs/extract.md)"
 
-    with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in m.parameters())
+
+class UnfitTarget(DrafterError):
+    """The transformers path cannot hold this target: refused before any weight loads."""
+
+
+def param_count(config, trust_remote_code: bool | None = None) -> int:
+    """Parameters of a target from its config alone (built on the meta device: no memory)."""
+    from drafter.core.target import meta_model
+
+    return sum(p.numel() for p in meta_model(config, trust_remote_code).parameters())
+
+
+def weights_per_gpu(weights: dict, tp: int) -> int:
+    """Weight bytes one rank holds (`weights` from target.weight_bytes): 1/tp of them under
+    transformers' tensor parallelism, but the routed experts whole, which its tp plans do not
+    shard (each rank of a 2-rank tiny DeepSeek-V3 held every expert)."""
+    if tp <= 1:
+        return weights["bytes"]
+    return (weights["bytes"] - weights["routed_bytes"]) // tp + weights["routed_bytes"]
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):,.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):,.1f} MiB"
+
+
+def transformers_refusal(config, weights: dict, sharded: bool, ranks: int,
+                         gpu_bytes: float | None) -> str | None:
+    """Why extract's transformers path cannot run this target, in one line, or None: a MoE
+    target under extract.tp (its experts would be whole on every rank), or weights per GPU
+    above one GPU's memory. `drafter plan` and extract's check before loading share it."""
+    from drafter.core.target import moe_shape
+
+    experts, _ = moe_shape(config)
+    if sharded and experts > 1:
+        return (f"extract.tp: the target is a MoE ({experts} routed experts) and transformers' "
+                f"tensor parallelism leaves the routed experts whole on every rank "
+                f"({_gib(weights['routed_bytes'])} per GPU, not 1/{ranks}): use {VLLM_PATH}, "
+                f"or extract.tp=false where one GPU holds the whole target "
+                f"({_gib(weights['bytes'])})")
+    per_gpu = weights_per_gpu(weights, ranks if sharded else 1)
+    if gpu_bytes and per_gpu > gpu_bytes:
+        more = "" if sharded or experts > 1 else ", or extract.tp=true over enough GPUs"
+        return (f"extract: the target's weights need {_gib(per_gpu)} per GPU "
+                f"({weights['source']}), more than one GPU's {_gib(gpu_bytes)}: transformers "
+                f"cannot load it; use {VLLM_PATH}{more}")
+    return None
+
+
+def refuse_unfit(tcfg, config, sharded: bool, d) -> dict | None:
+    """extract's check before any weight loads (drafter plan tells the same): raises UnfitTarget
+    with transformers_refusal's line. `d`: the process's Dist (device, world, local rank); GPU
+    memory from NVML. Returns the weights (target.weight_bytes) where it sized them, for the
+    memory estimate that follows, else None (a CPU run that shards nothing)."""
+    from drafter.core import gpu
+    from drafter.core.target import meta_model, moe_shape, pick_dtype, weight_bytes
+
+    on_gpu = d.device.type == "cuda"
+    if not on_gpu and not (sharded and moe_shape(config)[0] > 1):
+        return None
+    nbytes = torch.finfo(pick_dtype(tcfg, str(d.device))).bits // 8
+    weights = weight_bytes(config, nbytes, meta_model(config, tcfg.trust_remote_code))
+    mem = None
+    if on_gpu:
+        devs = gpu.devices()
+        visible = gpu.visible_indices(devs) if devs else []
+        if d.local_rank < len(visible):
+            mem = next((g.total for g in devs if g.index == visible[d.local_rank]), None)
+    why = transformers_refusal(config, weights, sharded, d.world, mem)
+    if why:
+        raise UnfitTarget(why)
+    return weights
 
 
 def estimate_gpu_bytes(config, dtype_bytes: int, batch_tokens: int, n_aux: int = 3,
-                       tp: int = 1, params: int | None = None) -> dict:
-    """GPU bytes one rank needs for extraction: weights (/ tp) + activations of a prefill of
-    `batch_tokens` + the capture buffers + a logits chunk. Activations: residual, norm output,
-    attention q/k/v/o and the MLP's three intermediate tensors are alive at once in a no-grad
-    forward (~4 Ht + 3 I per token), plus 25% for allocator fragmentation."""
-    from drafter.core.target import hidden_size, text_config, vocab_size
+                       tp: int = 1, weights: dict | None = None) -> dict:
+    """GPU bytes one rank needs for extraction: its weights (weights_per_gpu) + activations of
+    a prefill of `batch_tokens` + the capture buffers + a logits chunk. Activations: residual,
+    norm output, attention q/k/v/o and the MLP's three intermediate tensors are alive at once in
+    a no-grad forward (~4 Ht + 3 I per token), plus 25% for allocator fragmentation. `weights`:
+    target.weight_bytes of the target (sized here when not given: quantised modules at their
+    stored bits)."""
+    from drafter.core.target import hidden_size, text_config, vocab_size, weight_bytes
 
     tc = text_config(config)
-    params = param_count(config) if params is None else params
+    weights = weight_bytes(config, dtype_bytes) if weights is None else weights
     ht = hidden_size(config)
     # per token: the dense MLP's intermediate, or k routed experts' (whichever is wider)
     inter = max(getattr(tc, "intermediate_size", None) or 4 * ht,
@@ -455,7 +556,7 @@ def estimate_gpu_bytes(config, dtype_bytes: int, batch_tokens: int, n_aux: int =
     capture = batch_tokens * (n_aux + 1) * ht * dtype_bytes
     # one fp32 chunk [c, V] and its model-dtype source
     logits = min(LOGITS_CHUNK_BYTES, batch_tokens * vocab_size(config) * 4) * 3 // 2
-    weights = params * dtype_bytes // tp
-    total = int((weights + act + capture + logits) * 1.25) if weights else 0
-    return {"weights": weights, "activations": act, "capture": capture, "logits": logits,
+    w = weights_per_gpu(weights, tp)
+    total = int((w + act + capture + logits) * 1.25) if w else 0
+    return {"weights": w, "activations": act, "capture": capture, "logits": logits,
             "total": total}

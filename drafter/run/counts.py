@@ -1,8 +1,9 @@
 """What `drafter plan` starts from, counted before any weights load: the target's shape and
 parameters, the samples and tokens of each split, and the throughputs earlier steps measured.
 
-Reads   the target's config.json (an HF folder or id, through target.load_config), or a GGUF
-        file's metadata without its tensors (a .gguf or builtin target is never materialised);
+Reads   the target's config.json (an HF folder or id, through target.load_config, with
+        target.trust_remote_code), or a GGUF file's metadata without its tensors (a .gguf or
+        builtin target is never materialised);
         the run directory when it has something: tokenize/{train,val}.parquet (measured tokens),
         generate/ or prepare/conversations.jsonl (measured samples), earlier manifests (measured
         tokens/s); else the sources themselves (records and characters) and the `plan` section.
@@ -55,31 +56,17 @@ def target_config(tcfg):
     return config, f"{where} (config.json)", None
 
 
-def _moe(tc) -> tuple[int, int]:
-    """(experts, experts per token) of a MoE config, (0, 0) for a dense one."""
-    e = next((getattr(tc, k) for k in ("n_routed_experts", "num_experts", "num_local_experts")
-              if getattr(tc, k, None)), 0)
-    k = next((getattr(tc, k) for k in ("num_experts_per_tok", "num_experts_per_token",
-                                       "moe_topk") if getattr(tc, k, None)), 0)
-    return int(e or 0), int(k or 0)
-
-
-def param_counts(config) -> dict:
-    """total (capture.param_count), routed-expert, embedding and per-token active parameters."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from drafter.features.capture import param_count
-
-    total = param_count(config)
-    with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(config)
-    routed = sum(p.numel() for n, p in m.named_parameters()
-                 if ".experts." in f".{n}" and "shared_expert" not in n)
-    emb = m.get_input_embeddings().weight.numel()
-    tied = m.get_output_embeddings() is not None and \
-        m.get_output_embeddings().weight is m.get_input_embeddings().weight
-    e, k = _moe(target.text_config(config))
+def param_counts(config, model) -> dict:
+    """total, routed-expert, embedding and per-token active parameters of the meta model
+    (target.meta_model)."""
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if target.is_routed_expert(n))
+    emb = model.get_input_embeddings().weight.numel()
+    out = model.get_output_embeddings()
+    if out is None and hasattr(model, "get_decoder"):  # a wrapper: its language model's head
+        out = getattr(model.get_decoder(), "get_output_embeddings", lambda: None)()
+    tied = out is not None and out.weight is model.get_input_embeddings().weight
+    e, k = target.moe_shape(config)
     active = total - (routed - routed * k // e if e else 0)
     # FLOPs per token touch every active weight but the input embedding (a lookup)
     return {"total": total, "routed_experts": routed, "experts": e, "experts_per_token": k,
@@ -88,7 +75,7 @@ def param_counts(config) -> dict:
 
 def describe_target(config) -> dict:
     tc = target.text_config(config)
-    e, k = _moe(tc)
+    e, k = target.moe_shape(config)
     return {"architecture": (getattr(config, "architectures", None) or [type(config).__name__])[0],
             "model_type": getattr(config, "model_type", ""),
             "num_layers": tc.num_hidden_layers, "hidden_size": tc.hidden_size,

@@ -9,8 +9,15 @@ Command drafter plan CONFIG [key=value ...] [--json]
 Every figure names where it comes from: `measured` (this run directory), `config` (the `plan`
 section) or `estimated` (the formulas below, documented in docs/operations.md):
 
-- parameters (drafter.run.counts): the model built on the meta device (capture.param_count); MoE
-  active parameters = total - routed experts * (1 - k/E).
+- parameters (drafter.run.counts): the model built once on the meta device (target.meta_model,
+  with target.trust_remote_code for a model that ships its own code); MoE active parameters =
+  total - routed experts * (1 - k/E).
+- weights: target.weight_bytes: the Linear weights config.json's quantization_config covers at
+  its stored bits (compressed-tensors groups with their scales, GPTQ, AWQ, FP8 blocks), the rest
+  at the dtype the target loads at; the plan names the source of the figure.
+- refused: what extract's check before loading refuses too (capture.transformers_refusal): a
+  MoE under extract.tp (transformers' tensor parallelism leaves routed experts whole on every
+  rank: this plan counts them whole) or weights per GPU above a GPU's memory.
 - disk: store.bytes_per_token for each storage option times the tokens extract stores (train +
   val); the reference layout's 8*Ht+16 for comparison.
 - GPU memory per rank: capture.estimate_gpu_bytes for the target steps; for train, the drafter's
@@ -30,6 +37,7 @@ import os
 import shutil
 from pathlib import Path
 
+from drafter.core import target
 from drafter.core.rundir import Run, cache_dir
 from drafter.features import capture, store
 from drafter.run.counts import (
@@ -56,14 +64,15 @@ GPU_USABLE = 0.95
 
 
 # ---------------------------------------------------------------------------------- estimates
-def decode_tokens_per_s(p, batch: int, params: dict, nbytes: int, gpus: int) -> float:
+def decode_tokens_per_s(p, batch: int, params: dict, weights: dict, gpus: int) -> float:
     """Bandwidth-bound decoding: one step of `batch` sequences reads the dense weights and the
-    experts that its tokens route to (share 1-(1-k/E)^batch), spread over `gpus`."""
-    routed = params["routed_experts"]
-    dense = params["total"] - routed
+    experts that its tokens route to (share 1-(1-k/E)^batch), spread over `gpus`; `weights`:
+    target.weight_bytes (bytes as stored)."""
+    routed = weights["routed_bytes"]
+    dense = weights["bytes"] - routed
     e, k = params["experts"], params["experts_per_token"]
     touched = 1 - (1 - k / e) ** batch if e else 1.0
-    step_bytes = (dense + routed * touched) * nbytes / gpus
+    step_bytes = (dense + routed * touched) / gpus
     step_s = step_bytes / (p.gpu_hbm_tbps * 1e12 * p.hbm_efficiency)
     return batch / step_s
 
@@ -141,7 +150,8 @@ def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
         hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
         cache_path = Path(os.environ.get("HF_HUB_CACHE") or f"{hf_home}/hub").expanduser()
         stored = str(getattr(f["config"], "torch_dtype", None) or "bfloat16")
-        cache_need = f["params"]["total"] * (4 if "32" in stored else 2)
+        cache_need = target.weight_bytes(f["config"], 4 if "32" in stored else 2,
+                                         f["meta"])["bytes"]
     cache_fs, cache_free = _free_bytes(cache_path) if cache_path else (None, None)
     same_fs = cache_fs is not None and os.stat(cache_fs).st_dev == os.stat(run_fs).st_dev
     need = out["total"] + (cache_need if same_fs else 0)
@@ -159,14 +169,15 @@ def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
             "cache_free": cache_free}
 
 
-def gpu_memory(cfg, f: dict, warnings: list[str]) -> dict:
-    """Bytes per GPU of each step that uses one; warns when above the GPUs' memory."""
-    gpus, weights, total = f["gpus"], f["weights"], f["params"]["total"]
+def gpu_memory(cfg, f: dict, warnings: list[str], refused: list[str]) -> dict:
+    """Bytes per GPU of each step that uses one; warns when above the GPUs' memory, and says
+    what extract's check before loading would refuse (capture.transformers_refusal)."""
+    gpus, weights, w = f["gpus"], f["weights"], f["w"]
     tp = gpus if cfg.extract.tp else 1  # extract, online train and evaluate shard alike
     ext = capture.estimate_gpu_bytes(f["config"], f["nbytes"], cfg.extract.batch_tokens,
-                                     f["n_aux"], tp=tp, params=total)
+                                     f["n_aux"], tp=tp, weights=w)
     ev = capture.estimate_gpu_bytes(f["config"], f["nbytes"], cfg.evaluate.max_new_tokens + 2048,
-                                    f["n_aux"], tp=tp, params=total)
+                                    f["n_aux"], tp=tp, weights=w)
     tr = train_gpu_bytes(cfg, f["drafter"], gpus, f["ht"], f["n_aux"])
     online = cfg.train.online
     gen_tp = f["gen_tp"]
@@ -180,14 +191,22 @@ def gpu_memory(cfg, f: dict, warnings: list[str]) -> dict:
         "evaluate": {**ev, "tp": tp, "total": ev["total"] + f["drafter"]["total"] * 2},
     }
     have = f["gpu_memory"]
+    why = capture.transformers_refusal(f["config"], w, cfg.extract.tp, tp, have)
+    if why:
+        refused.append(why)
     if have is None:
         return mem
     usable = have * GPU_USABLE
     n_need = math.ceil(weights * 1.25 / usable)
+    moe = f["params"]["experts"] > 1
     for step, m in mem.items():
-        if m["total"] <= usable:
-            continue
-        if weights / max(m.get("tp") or 1, 1) > usable / 2:
+        if m["total"] <= usable or (why and (step == "extract" or step == "train" and online)):
+            continue  # the refusal says it for the steps that load the target
+        if weights / max(m.get("tp") or 1, 1) > usable / 2 and moe and step != "generate":
+            fix = (f" The weights alone need >= {n_need} GPUs of this size, and transformers' "
+                   f"tensor parallelism (extract.tp) shards no routed experts: only a smaller "
+                   f"(quantised) checkpoint fits this step.")
+        elif weights / max(m.get("tp") or 1, 1) > usable / 2:
             how = ("generate.server.extra_args, e.g. --tensor-parallel-size" if step == "generate"
                    else "extract.tp=true under torchrun")
             fix = (f" The weights alone need >= {n_need} GPUs of this size: shard the target "
@@ -210,14 +229,14 @@ def times(cfg, f: dict) -> list[dict]:
                   "evaluate": p.evaluate_tokens_per_s}
     flops = p.mfu * p.gpu_tflops * 1e12
     estimate = {
-        "generate": decode_tokens_per_s(p, cfg.generate.concurrency, params, f["nbytes"], gen_tp)
+        "generate": decode_tokens_per_s(p, cfg.generate.concurrency, params, f["w"], gen_tp)
         if gen_tp else None,
         "tokenize": TOKENIZE_TOKENS_PER_S_PER_WORKER * (cfg.tokenize.workers
                                                         or min(8, os.cpu_count() or 1)),
         "extract": flops / (2 * params["flop_params"]),
         "train": flops / (6 * tc.ttt_steps * f["drafter"]["trainable"]
                           + (2 * params["flop_params"] if online else 0)),
-        "evaluate": decode_tokens_per_s(p, cfg.evaluate.batch_size, params, f["nbytes"],
+        "evaluate": decode_tokens_per_s(p, cfg.evaluate.batch_size, params, f["w"],
                                         gpus if cfg.extract.tp else 1),
     }
     per_gpu = {"extract", "train"}  # the others: one server / one process
@@ -254,14 +273,16 @@ def make_plan(cfg) -> dict:
     run = Run.of(cfg)
     config, where, gguf_bytes = target_config(cfg.target)
     info = describe_target(config)
-    params = param_counts(config)
+    meta = target.meta_model(config, cfg.target.trust_remote_code)
+    params = param_counts(config, meta)
     gpus, gpu_mem, gpu_mem_src = _gpu_env(cfg.plan)
     # a machine with GPUs, or a plan for one (plan.gpus / plan.gpu_memory_gib set)
     on_gpu = gpu_mem is not None or cfg.plan.gpus is not None
     dname, nbytes = dtype_bytes(cfg, on_gpu)
+    w = target.weight_bytes(config, nbytes, meta)
     engine = cfg.generate.server.engine
-    f = {"config": config, "params": params, "nbytes": nbytes, "gguf_bytes": gguf_bytes,
-         "weights": params["total"] * nbytes, "ht": info["hidden_size"],
+    f = {"config": config, "meta": meta, "params": params, "nbytes": nbytes,
+         "gguf_bytes": gguf_bytes, "w": w, "weights": w["bytes"], "ht": info["hidden_size"],
          "n_aux": len(cfg.extract.layer_ids) if cfg.extract.layer_ids else 3,
          "vd": min(cfg.vocab.draft_vocab_size, info["vocab_size"]),
          "data": data_counts(cfg, run), "drafter": drafter_shape(cfg, config),
@@ -270,21 +291,24 @@ def make_plan(cfg) -> dict:
          # transformers serve and local decoding use one device; an external server none here
          "gen_tp": {"vllm": gpus, "sglang": gpus, "transformers": 1, "local": 1}.get(engine, 0)}
     warnings: list[str] = []
+    refused: list[str] = []
     st = storage(cfg, f)
     dk = disk(cfg, f, st, warnings)
-    mem = gpu_memory(cfg, f, warnings)
+    mem = gpu_memory(cfg, f, warnings, refused)
     tm = times(cfg, f)
     return {
         "run_dir": str(run.root),
         "target": {**info, "source": where, "params": params["total"],
                    "active_params": params["active"],
                    "routed_expert_params": params["routed_experts"],
-                   "dtype": dname, "weights_bytes": f["weights"], "gguf_bytes": gguf_bytes},
+                   "dtype": dname, "weights_bytes": w["bytes"],
+                   "weights_source": w["source"], "quantised_params": w["quantised_params"],
+                   "routed_expert_bytes": w["routed_bytes"], "gguf_bytes": gguf_bytes},
         "data": f["data"], "storage": st, "disk": dk, "drafter": f["drafter"],
         "gpus": {"count": gpus, "memory": gpu_mem, "memory_source": gpu_mem_src},
         "gpu_memory": mem, "time": tm,
         "total_seconds": sum(t["total_seconds"] for t in tm if t["total_seconds"] is not None),
-        "warnings": warnings,
+        "refused": refused, "warnings": warnings,
     }
 
 
@@ -324,8 +348,8 @@ def render(plan: dict) -> str:
         f"         {t['architecture']}: {t['num_layers']} layers, hidden {t['hidden_size']:,}, "
         f"vocab {t['vocab_size']:,}{moe}{', MLA' if t['mla'] else ''}",
         f"         {t['params']:,} parameters ({_count(t['params'])}; "
-        f"{_count(t['active_params'])} active per token); "
-        f"weights at {t['dtype']}: {_size(t['weights_bytes'])}",
+        f"{_count(t['active_params'])} active per token); loads at {t['dtype']}",
+        f"         weights {_size(t['weights_bytes'])}: {t['weights_source']}",
         f"data     {d['samples']:,} samples (train {d['train']['samples']:,}, val "
         f"{d['val']['samples']:,}), {d['tokens']:,} tokens, {d['masked_tokens']:,} "
         f"assistant tokens",
@@ -364,10 +388,13 @@ def render(plan: dict) -> str:
         lines.append(f"         {r['step']:<9}{r['tokens']:>13,} {tps:>12}   {r['source']:<10} "
                      f"{_dur(r['seconds'])}{load}")
     lines.append(f"         total ~{_dur(plan['total_seconds'])} (steps with a known time)")
+    if plan["refused"]:
+        lines.append("refused  (extract refuses it too, before any weight loads)")
+        lines += [f"  x {r}" for r in plan["refused"]]
     if plan["warnings"]:
         lines.append("warnings")
         lines += [f"  ! {w}" for w in plan["warnings"]]
-    else:
+    elif not plan["refused"]:
         lines.append("no warnings: disk and GPU memory suffice")
     return "\n".join(lines)
 

@@ -4,9 +4,10 @@
 
 `config.load` checks types, ranges and the rules between fields; this checks what needs the
 disk: sources, templates, checkpoints and prompt sets exist, source names are unique, layer ids
-fit the target, the engine fits the sources. The pipeline calls it for a step before its folder,
-the run dir's config.yaml or its lock is touched, and `drafter run` for every step before the
-first one runs (docs/operations.md, "Bad input and damaged files").
+fit the target, the engine fits the sources, the target fits the transformers path (extract's
+own refusal, capture.refuse_unfit, said before the first step). The pipeline calls it for a
+step before its folder, the run dir's config.yaml or its lock is touched, and `drafter run` for
+every step before the first one runs (docs/operations.md, "Bad input and damaged files").
 """
 from __future__ import annotations
 
@@ -58,6 +59,15 @@ def preflight(cfg, run: Run, step: str, upfront: bool = False) -> None:
     if step in ("generate", "tokenize", "evaluate") and cfg.target.chat_template:
         if not Path(cfg.target.chat_template).expanduser().is_file():
             bad("target.chat_template", f"{cfg.target.chat_template} is not a file")
+    if step == "extract" and not cfg.train.online or step == "train" and cfg.train.online:
+        from drafter.core import target
+        from drafter.core.dist import read_env
+        from drafter.features import capture
+
+        # what extract (or an online train) refuses before loading, said before a run's first
+        # step: a MoE under extract.tp, weights above a GPU's memory (UnfitTarget)
+        capture.refuse_unfit(cfg.target, target.load_config(cfg.target), cfg.extract.tp,
+                             read_env(target.pick_device(cfg.target)))
     if step == "extract" and cfg.extract.layer_ids and not cfg.train.online:
         from drafter.core import target
 

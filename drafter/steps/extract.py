@@ -18,8 +18,11 @@ Data parallel: rank r of W writes the shards i with i % W == r; every shard is c
 same forwards whatever W, so the shard files are the same. Tensor parallel: every rank runs every
 forward of one sharded target (transformers tp_plan="auto") and rank 0 writes.
 
-Before any weights load: the GPU preflight (drafter/core/gpu.py) compares free memory with the
-estimated need and refuses when other processes hold memory (extract.preflight). After loading,
+Before any weights load: a target the transformers path cannot hold is refused in one line (a
+MoE under extract.tp, whose routed experts transformers would copy whole to every rank, or
+weights per GPU above a GPU's memory; capture.refuse_unfit, which `drafter plan` tells too), and
+the GPU preflight (drafter/core/gpu.py) compares free memory with the estimated need and refuses
+when other processes hold memory (extract.preflight). After loading,
 `Capture.self_check` compares the hooks with a plain forward on one real sample.
 
 Resume: a shard that exists and verifies (its sha256 in the index, else its own content hash;
@@ -137,6 +140,8 @@ def main(cfg) -> dict:
                 "mode": "online"}
     d = read_env(target.pick_device(cfg.target))
     tconf = target.load_config(cfg.target)
+    # a MoE under extract.tp, or weights above a GPU's memory: refused before anything loads
+    weights = C.refuse_unfit(cfg.target, tconf, ec.tp, d)
     d2t, t2d, _ = tokens.load_vocab(run.require(run.vocab(), "vocab"))
     run.require(run.tokens("train"), "tokenize")
     info = _info(cfg, tconf, d2t, str(d.device))
@@ -146,7 +151,7 @@ def main(cfg) -> dict:
     elif d.device.type == "cuda":  # before this process touches CUDA or loads any weights
         dtype_bytes = torch.finfo(target.pick_dtype(cfg.target, str(d.device))).bits // 8
         est = C.estimate_gpu_bytes(tconf, dtype_bytes, ec.batch_tokens, len(info["layer_ids"]),
-                                   tp=d.world if ec.tp else 1)
+                                   tp=d.world if ec.tp else 1, weights=weights)
         visible = gpu.visible_indices()
         use = [visible[d.local_rank]] if d.local_rank < len(visible) else None
         gpu.preflight(est["total"], use=use, policy=ec.preflight, what="drafter extract")
