@@ -75,7 +75,8 @@ def test_good_export_passes_every_check(good, tiny_target, fmt, tmp_path):
     for target in (str(tiny_target), str(tiny_target / "config.json"), None):
         r = run_checks(good[fmt], target)
         assert r.format == fmt
-        assert [c for c in r.checks if c.status != PASS] == [], format_report(r)
+        # engine rules skip where the engine is not installed (tests/test_vllm.py runs them)
+        assert [c for c in r.checks if c.status not in (PASS, "skip")] == [], format_report(r)
         assert r.target["num_hidden_layers"] == 8
     names = {c.name for c in r.checks}
     assert {"d2t", "t2d", "lm_head", "tie_word_embeddings", "rope", "max_position_embeddings",

@@ -35,6 +35,7 @@ import torch
 from drafter.export import engines as E
 from drafter.export.enginedir import EngineDir, read_dir
 from drafter.export.rules import CHECKS, FAIL, PASS, WARN, Check, Ctx, c_target
+from drafter.export.support import c_engine_support
 
 
 @dataclass
@@ -185,6 +186,7 @@ def run_checks(path, target: E.TargetInfo | str | None = None,
         except Exception as e:  # noqa: BLE001 - one broken field must not hide the other checks
             checks.append(Check(fn.__name__[2:], FAIL, f"could not be checked: "
                                 f"{type(e).__name__}: {e}"))
+    checks += c_engine_support(target)
     if smoke and spec is not None:
         if Path(spec).expanduser().suffix == ".json":
             checks.append(Check("acceptance", WARN, f"{spec} is a config.json: no weights to "

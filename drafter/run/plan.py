@@ -169,6 +169,29 @@ def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
             "cache_free": cache_free}
 
 
+def engine_gpus(cfg) -> int:
+    """GPUs vLLM spreads the target over where a step runs it (extract.engine /
+    evaluate.engine: vllm): tensor x pipeline parallel sizes of target.engine_args."""
+    a = cfg.target.engine_args
+    return max(1, int(a.get("tensor_parallel_size", 1))) * \
+        max(1, int(a.get("pipeline_parallel_size", 1)))
+
+
+def where_steps_run(cfg) -> dict:
+    """Where each step runs, for the plan's reader."""
+    s = cfg.generate.server
+    eng = engine_gpus(cfg)
+    return {"generate": f"{s.engine} server" if cfg.generate.enabled else "skipped",
+            "extract": "online (inside train)" if cfg.train.online else
+            f"vLLM over {eng} GPU(s)" if cfg.extract.engine == "vllm" else
+            "transformers" + (" (tp under torchrun)" if cfg.extract.tp else ""),
+            "train": "drafter" + (" beside the target in transformers" if cfg.train.online
+                                  else ", from the stored shards"),
+            "evaluate": {"vllm": f"vLLM over {eng} GPU(s)", "both": "drafter's evaluator and "
+                         f"vLLM over {eng} GPU(s)", "drafter": "drafter's evaluator "
+                         "(transformers)"}[cfg.evaluate.engine]}
+
+
 def gpu_memory(cfg, f: dict, warnings: list[str], refused: list[str]) -> dict:
     """Bytes per GPU of each step that uses one; warns when above the GPUs' memory, and says
     what extract's check before loading would refuse (capture.transformers_refusal)."""
@@ -190,8 +213,20 @@ def gpu_memory(cfg, f: dict, warnings: list[str], refused: list[str]) -> dict:
                   "total": tr["total"] + (ext["total"] if online else 0)},
         "evaluate": {**ev, "tp": tp, "total": ev["total"] + f["drafter"]["total"] * 2},
     }
+    eng = engine_gpus(cfg)
+    if cfg.extract.engine == "vllm" and not online:
+        # inside vLLM: tensor/expert/pipeline parallelism spreads every weight, experts included
+        spread = ext["total"] - int(ext["weights"] * 1.25) + int(weights / eng * 1.25)
+        mem["extract"] = {**ext, "weights": weights // eng, "total": spread, "tp": eng,
+                          "note": f"inside vLLM over {eng} GPU(s) (target.engine_args)"}
+    if cfg.evaluate.engine == "vllm":
+        mem["evaluate"] = {"total": int(weights / eng * 1.25), "tp": eng,
+                           "note": f"inside vLLM over {eng} GPU(s), the drafter beside it"}
     have = f["gpu_memory"]
-    why = capture.transformers_refusal(f["config"], w, cfg.extract.tp, tp, have)
+    loads = (cfg.extract.engine == "transformers" and not online) or online \
+        or cfg.evaluate.engine != "vllm"  # a step that loads the target in transformers
+    why = capture.transformers_refusal(f["config"], w, cfg.extract.tp, tp, have) \
+        if loads else None
     if why:
         refused.append(why)
     if have is None:
@@ -306,7 +341,7 @@ def make_plan(cfg) -> dict:
                    "routed_expert_bytes": w["routed_bytes"], "gguf_bytes": gguf_bytes},
         "data": f["data"], "storage": st, "disk": dk, "drafter": f["drafter"],
         "gpus": {"count": gpus, "memory": gpu_mem, "memory_source": gpu_mem_src},
-        "gpu_memory": mem, "time": tm,
+        "gpu_memory": mem, "time": tm, "runs_in": where_steps_run(cfg),
         "total_seconds": sum(t["total_seconds"] for t in tm if t["total_seconds"] is not None),
         "refused": refused, "warnings": warnings,
     }
@@ -381,6 +416,7 @@ def render(plan: dict) -> str:
         tp = f" (tp {m['tp']})" if m.get("tp", 1) > 1 else ""
         note = f"  {m['note']}" if m.get("note") else ""
         lines.append(f"         {step:<9}{_size(m['total']):>10}{tp}{note}")
+    lines.append("runs in  " + "; ".join(f"{k}: {v}" for k, v in plan["runs_in"].items()))
     lines.append("time     step         tokens     tokens/s   source     compute + load")
     for r in plan["time"]:
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "?"

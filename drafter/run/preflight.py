@@ -59,7 +59,8 @@ def preflight(cfg, run: Run, step: str, upfront: bool = False) -> None:
     if step in ("generate", "tokenize", "evaluate") and cfg.target.chat_template:
         if not Path(cfg.target.chat_template).expanduser().is_file():
             bad("target.chat_template", f"{cfg.target.chat_template} is not a file")
-    if step == "extract" and not cfg.train.online or step == "train" and cfg.train.online:
+    if step == "extract" and not cfg.train.online and cfg.extract.engine == "transformers" \
+            or step == "train" and cfg.train.online:
         from drafter.core import target
         from drafter.core.dist import read_env
         from drafter.features import capture

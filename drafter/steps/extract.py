@@ -141,7 +141,9 @@ def main(cfg) -> dict:
     d = read_env(target.pick_device(cfg.target))
     tconf = target.load_config(cfg.target)
     # a MoE under extract.tp, or weights above a GPU's memory: refused before anything loads
-    weights = C.refuse_unfit(cfg.target, tconf, ec.tp, d)
+    # (vLLM spreads and quantises the target itself)
+    weights = C.refuse_unfit(cfg.target, tconf, ec.tp, d) if ec.engine == "transformers" \
+        else None
     d2t, t2d, _ = tokens.load_vocab(run.require(run.vocab(), "vocab"))
     run.require(run.tokens("train"), "tokenize")
     info = _info(cfg, tconf, d2t, str(d.device))
