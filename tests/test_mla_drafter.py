@@ -89,6 +89,87 @@ def test_portable_scalings_have_no_problem(scaling):
     assert rope_problem(scaling) is None
 
 
+# ----------------------------------------------------- the Kimi slice and the benchmark's shape
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _bench_module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m
+
+
+def test_kimi_slice_sizes_and_the_benchmark_shape_are_the_drafters():
+    """--dry-run (a real subprocess): the default slice is Kimi-K2.5's sizes at 6 layers and 64
+    experts, about 18B parameters and 35 GB of bf16; the drafter shaped from it is the
+    `--shape kimi` of benchmarks/train_throughput.py."""
+    import subprocess
+    import sys
+
+    from transformers import DeepseekV3Config
+
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kimi_slice.py"), "--dry-run"],
+                       capture_output=True, text=True, timeout=120, check=True)
+    head, cfg = r.stdout.split("\n", 1)
+    assert "6 layers, 64 routed experts (8 per token)" in head, head
+    params = float(head.split("tensors, ")[1].split("B params")[0])
+    gb = float(head.split("params, ")[1].split(" GB")[0])
+    assert 17.0 < params < 18.5 and 34.0 < gb < 37.0, head
+    cfg = json.loads(cfg)
+    assert {k: cfg[k] for k in ("hidden_size", "vocab_size", "q_lora_rank", "kv_lora_rank",
+                                "num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim",
+                                "v_head_dim", "intermediate_size", "moe_intermediate_size",
+                                "n_shared_experts", "first_k_dense_replace")} == \
+        {k: KIMI[k] for k in ("hidden_size", "vocab_size", "q_lora_rank", "kv_lora_rank",
+                              "num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim",
+                              "v_head_dim", "intermediate_size", "moe_intermediate_size",
+                              "n_shared_experts", "first_k_dense_replace")}
+    assert cfg["rope_scaling"] == KIMI["rope_scaling"] and cfg["rope_theta"] == 50000.0
+    c = DrafterConfig.from_target(DeepseekV3Config(**cfg), 32000, IDS)
+    shape = _bench_module("train_throughput").SHAPES["kimi"]
+    assert {k: v for k, v in shape.items() if k not in ("batch", "seq", "ttt")} == \
+        {k: getattr(c, k) for k in shape if k not in ("batch", "seq", "ttt")}
+    assert (shape["seq"], shape["draft_vocab_size"]) == (4096, 32000)
+
+
+def test_tiny_kimi_slice_loads_as_a_target(tmp_path, smollm2_dir):
+    """The writer at a tiny size (a real subprocess, CPU): an HF folder that drafter's target
+    loader reads with no missing or unexpected tensor, the DeepSeek YaRN config intact, whose
+    aux states the capture takes."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from drafter.core import target as T
+    from drafter.core.config import TargetConfig
+    from drafter.features.capture import Capture
+
+    out = tmp_path / "slice"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "kimi_slice.py"), str(out),
+                    "--tiny", "--layers", "4", "--experts", "4", "--shard-gb", "0.004"],
+                   capture_output=True, text=True, timeout=300, check=True)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in index["weight_map"]
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tcfg = TargetConfig(model=str(out))
+    model = T.load_model(tcfg, device="cpu")
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    assert model.config.rope_parameters["mscale_all_dim"] == 1.0
+    assert (model.config.num_hidden_layers, model.config.n_routed_experts) == (4, 4)
+    ids = T.load_tokenizer(tcfg)("a slice of Kimi", add_special_tokens=False)["input_ids"]
+    d2t, t2d = torch.zeros(256, dtype=torch.long), torch.zeros(49152, dtype=torch.bool)
+    t2d[:256] = True
+    got = Capture(model, [1, 2, 3], d2t, t2d, teacher="hidden",
+                  out_dtype=torch.float32)([{"input_ids": ids, "loss_mask": [1] * len(ids)}])
+    assert got[0]["aux"].shape == (len(ids), 3, 64) and got[0]["aux"].abs().sum() > 0
+
+
 # ------------------------------------------------------------------ `drafter check` on real dirs
 @pytest.fixture(scope="module")
 def mla_target(tmp_path_factory) -> Path:
