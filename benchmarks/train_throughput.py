@@ -7,6 +7,7 @@ EAGLE-3 model and step at the same shape, in the same process, on one H200:
     python benchmarks/train_throughput.py --shape smollm2 --teacher topk,hidden
     python benchmarks/train_throughput.py --shape llama8b --seq 2048 --teacher topk,hidden
     python benchmarks/train_throughput.py --shape llama8b --seq 4096 --teacher topk,hidden
+    python benchmarks/train_throughput.py --shape kimi --teacher topk,hidden
 
 It prints one line per run (tokens/s, ms a step, warm-up, the fast path's loss against the exact
 path's), SpecForge's line, then a markdown table: tokens/s, step ms, GFLOP/token, MFU, peak GiB,
@@ -23,6 +24,11 @@ the anchor's tokens/s and GiB, and x anchor (ours over SpecForge's tokens/s). Ot
 Shapes, TTT 7 steps, one sample per row unless --data or --real:
     smollm2  (a) H = Ht = 576, 9 / 3 heads of 64, I 1536, V 49152, Vd 32000, batch 4 × 2048
     llama8b  (b) H = Ht = 4096, 32 / 8 heads of 128, I 14336, V 128256, Vd 32000, batch 1 × 2048
+    kimi     H = Ht = 7168, 64 / 64 heads of 128, I 18432, V 163840, Vd 32000, batch 1 × 4096:
+             the drafter drafter derives for Kimi-K2.5 (DrafterConfig.from_target: head_dim =
+             v_head_dim for MLA targets), which is SpecForge's Kimi-K2.5 drafter shape
+             (configs/kimi-k25-eagle3.json; its rope_theta 1e6 against our 50,000 costs the same).
+             --online --target DIR trains it beside benchmarks/kimi_slice.py's target.
     tiny     H = Ht = 64, 4 / 2 heads of 16, I 128, V 1024, Vd 512, batch 2 × 128, TTT 3
 
 One timed step is exactly drafter train's (drafter/train/trainer.py; batches from
@@ -114,6 +120,9 @@ SHAPES = {
                     num_key_value_heads=8, head_dim=128, vocab_size=128256,
                     draft_vocab_size=32000, target_hidden_size=4096, rope_theta=500000.0,
                     batch=1, seq=2048, ttt=7),
+    "kimi": dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64,
+                 num_key_value_heads=64, head_dim=128, vocab_size=163840, draft_vocab_size=32000,
+                 target_hidden_size=7168, rope_theta=50000.0, batch=1, seq=4096, ttt=7),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=1024, draft_vocab_size=512,
                  target_hidden_size=64, batch=2, seq=128, ttt=3),
@@ -377,8 +386,10 @@ def chat_samples(c: DrafterConfig, lengths: list[int], teacher: str, k: int, see
 def load_target(name: str, args, device):
     """--online's target and the drafter config shaped from it (aux ids: drafter's default).
     `random`: a Llama of the shape's size with random weights (no download): SmolLM2-135M's
-    config for smollm2 (30 layers), 4 layers for tiny; its lm_head rows outside the draft vocab
-    (the first Vd ids) zeroed, so the argmax nearly always lies in it, as in the synthetic rows.
+    config for smollm2 (30 layers), 6 for kimi (the layers of benchmarks/kimi_slice.py's
+    default slice, which --target DIR loads instead), 4 for tiny; its lm_head rows outside the
+    draft vocab (the first Vd ids) zeroed, so the argmax nearly always lies in it, as in the
+    synthetic rows.
     Otherwise the target spec (builtin:smollm2-135m-instruct, a path) loaded as train does."""
     from drafter.core import target
     from drafter.features.capture import decoder_layers
@@ -389,7 +400,7 @@ def load_target(name: str, args, device):
             hidden_size=c0.target_hidden_size, intermediate_size=c0.intermediate_size,
             num_attention_heads=c0.num_attention_heads, head_dim=c0.head_dim,
             num_key_value_heads=c0.num_key_value_heads, vocab_size=c0.vocab_size,
-            num_hidden_layers={"smollm2": 30, "tiny": 4}.get(name, 32),
+            num_hidden_layers={"smollm2": 30, "kimi": 6, "tiny": 4}.get(name, 32),
             rope_theta=c0.rope_theta, tie_word_embeddings=False,
             max_position_embeddings=c0.max_position_embeddings)
         torch.manual_seed(0)
@@ -693,7 +704,8 @@ def describe(r: dict) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", choices=["smollm2", "llama8b", "both"], default="both")
+    p.add_argument("--shape", choices=["smollm2", "llama8b", "kimi", "both"], default="both",
+                   help="both: smollm2 and llama8b")
     p.add_argument("--tiny", action="store_true", help="the tiny shape (CPU check)")
     p.add_argument("--seq", type=int, help="tokens per row (default: the shape's)")
     p.add_argument("--batch", type=int, help="rows per micro-batch (default: the shape's)")

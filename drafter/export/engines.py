@@ -34,6 +34,14 @@ Facts checked in the engines' source (2026 versions), cited where used:
 - EAGLE-3.1 engines (vLLM, SGLang forks, TensorRT-LLM PR 14988, speculators PR 610): `fc_norm`
   is a list of per-aux RMSNorms, tensors `fc_norm.{i}.weight` [Ht]; `norm_before_fc` is one
   RMSNorm over the concatenation, tensor `input_norm.weight` [3*Ht] (speculators eagle3/core.py).
+- RoPE of the draft layer: vLLM's llama.py attention calls rotary_embedding get_rope with the
+  draft config's rope_parameters; its `yarn` (yarn_scaling_rope.py) scales cos/sin by
+  attention_factor, else the mscale/mscale_all_dim ratio, else 0.1·ln(factor)+1. vLLM's
+  single-file rotary_embedding.py and SGLang's yarn before PR 22711 ignore mscale keys. Which
+  scalings every engine computes as training does: drafter.train.model.rope_problem.
+- Aux states reach fc in layer order, each layer once (vLLM deepseek_v2.py / llama.py: `if idx
+  in aux_hidden_state_layers`; SGLang: `if i in self.layers_to_capture`), whatever the order of
+  the ids in the config: `drafter check` fails unsorted or repeated ids.
 - llama.cpp conversion/llama.py: registers LlamaForCausalLMEagle3, Eagle3Speculator and
   Eagle3DraftModel; detects a draft by draft_vocab_size + num_hidden_layers == 1; needs
   --target-model-dir; writes extract_layers = [2, N//2, N-3] from the target's config; converts
@@ -50,7 +58,7 @@ from pathlib import Path
 import torch
 
 from drafter import DrafterError
-from drafter.train.model import Drafter, DrafterConfig
+from drafter.train.model import Drafter, DrafterConfig, llama_rope_scaling
 
 NATIVE, SPECULATORS = "native", "speculators"
 FORMATS = (NATIVE, SPECULATORS)
@@ -196,24 +204,26 @@ def target_info(spec: str, tcfg=None) -> TargetInfo:
 
 # ------------------------------------------------------------------------------- rope settings
 def _norm_scaling(s) -> dict | None:
-    if not isinstance(s, dict):
-        return None
-    s = {("rope_type" if k == "type" else k): v for k, v in s.items() if k != "rope_theta"}
-    return None if s.get("rope_type", "default") == "default" else s
+    return llama_rope_scaling(s)  # the drafter config's own spelling, so that both compare
 
 
 def rope_of(d: dict) -> tuple[float | None, dict | None, bool]:
     """(rope_theta, rope_scaling or None, scaling_given) from a config dict in either the
     transformers 4 form (rope_theta, rope_scaling) or the 5 form (rope_parameters, possibly keyed
-    by attention type)."""
+    by attention type). transformers 5 saves some configs with `rope_theta: null` and
+    `rope_scaling: null` beside a full rope_parameters: the nulls are not read as settings."""
     rp = d.get("rope_parameters")
     if isinstance(rp, dict) and isinstance(rp.get("full_attention"), dict):
         rp = rp["full_attention"]
     rp = rp if isinstance(rp, dict) else None
-    theta = d.get("rope_theta", rp.get("rope_theta") if rp else None)
-    if "rope_scaling" in d:
-        return (float(theta) if theta is not None else None), _norm_scaling(d["rope_scaling"]), True
-    return (float(theta) if theta is not None else None), _norm_scaling(rp), rp is not None
+    theta = d.get("rope_theta")
+    theta = theta if theta is not None else (rp.get("rope_theta") if rp else None)
+    theta = float(theta) if theta is not None else None
+    if isinstance(d.get("rope_scaling"), dict):
+        return theta, _norm_scaling(d["rope_scaling"]), True
+    if rp is not None:
+        return theta, _norm_scaling(rp), True
+    return theta, None, "rope_scaling" in d
 
 
 # ------------------------------------------------------------------------------ tensor layout

@@ -14,6 +14,7 @@ import torch
 
 from drafter.export import engines as E
 from drafter.export.enginedir import EngineDir
+from drafter.train.model import rope_problem
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
@@ -309,30 +310,54 @@ def _same_scaling(a: dict | None, b: dict | None) -> bool:
 
 
 def c_rope(x: Ctx) -> list[Check]:
+    """Both spellings agree; the target's theta and scaling, or plain RoPE at its theta where the
+    target's scaling has no engine-portable form (model.rope_problem; see c_rope_engines)."""
     f = x.f
     theta, scaling, given = E.rope_of(f)
     if theta is None:
         return [Check("rope", FAIL, "no rope_theta: engines use 10000, which few targets do")]
     rp = f.get("rope_parameters")
-    if isinstance(rp, dict) and ("rope_theta" in f or "rope_scaling" in f):
+    if isinstance(rp, dict) and (f.get("rope_theta") is not None or "rope_scaling" in f):
         t2, s2, _ = E.rope_of({"rope_parameters": rp})
+        legacy = E.rope_of({"rope_scaling": f.get("rope_scaling")})[1]
         if (t2 is not None and not math.isclose(t2, theta)) or \
-                ("rope_scaling" in f and not _same_scaling(s2, scaling)):
+                ("rope_scaling" in f and not _same_scaling(s2, legacy)):
             return [Check("rope", FAIL, "rope_theta/rope_scaling and rope_parameters disagree: "
                           "transformers 4 and 5 engines read different RoPE")]
     t = x.target
     if t is not None and t.rope_theta is not None:
+        own = rope_problem(t.rope_scaling) is not None  # no Llama layer computes the target's
         if not math.isclose(theta, t.rope_theta, rel_tol=1e-6):
-            return [Check("rope", FAIL, f"rope_theta {theta:g} but the target's is "
-                          f"{t.rope_theta:g}")]
-        if not _same_scaling(scaling, t.rope_scaling):
-            return [Check("rope", FAIL, f"rope_scaling {scaling} but the target's is "
-                          f"{t.rope_scaling}")]
-        return [Check("rope", PASS, f"theta {theta:g}, scaling {scaling}: the target's")]
+            return [Check("rope", WARN if own else FAIL, f"rope_theta {theta:g} but the target's "
+                          f"is {t.rope_theta:g}" + (" (its scaling is no Llama layer's: a "
+                                                    "drafter picks its own RoPE)" if own else ""))]
+        if _same_scaling(scaling, None if own else t.rope_scaling) or \
+                (own and _same_scaling(scaling, t.rope_scaling)):
+            return [Check("rope", PASS, f"theta {theta:g}, scaling {scaling}: "
+                          + ("the target's" if scaling else "plain, at the target's theta"))]
+        return [Check("rope", FAIL, f"rope_scaling {scaling} but the target's is "
+                      f"{t.rope_scaling}" + (" (a drafter trains plain RoPE here)" if own else ""))]
     if not given:
         return [Check("rope", WARN, f"theta {theta:g} but rope_scaling not written: cannot tell "
                       "whether the target scales RoPE (pass --target)")]
     return [Check("rope", PASS, f"theta {theta:g}, scaling {scaling}")]
+
+
+def c_rope_engines(x: Ctx) -> list[Check]:
+    """Every engine's Llama layer computes the dir's RoPE as training did (transformers' Llama):
+    a DeepSeek YaRN block copied from the target passes c_rope and still scores differently."""
+    for key in ("rope_scaling", "rope_parameters"):
+        b = x.f.get(key) if isinstance(x.f.get(key), dict) else {}
+        if why := rope_problem(b.get("full_attention", b)):
+            return [Check("rope_engines", FAIL, f"{key}: {why}. Fix: train with plain RoPE at the "
+                          "target's rope_theta (rope_scaling null, as drafter does for such "
+                          "targets); editing config.json cannot fix weights trained with it")]
+    _, s, _ = E.rope_of(x.f)
+    if s and s["rope_type"] == "yarn" and s.get("truncate") is False:
+        return [Check("rope_engines", WARN, "yarn truncate false: vLLM's single-file "
+                      "rotary_embedding.py always truncates (other frequencies than training)")]
+    return [Check("rope_engines", PASS, f"{s['rope_type'] if s else 'plain RoPE'}: transformers' "
+                  "Llama (training), vLLM and SGLang compute it alike")]
 
 
 def c_max_pos(x: Ctx) -> list[Check]:
@@ -511,6 +536,31 @@ def c_aux_ids(x: Ctx) -> list[Check]:
     return [Check(f"aux_ids.{eng}", *verdict[eng]) for eng in read]
 
 
+def c_aux_order(x: Ctx) -> list[Check]:
+    """vLLM (deepseek_v2.py, llama.py: `if idx in aux_hidden_state_layers`) and SGLang (`if i in
+    self.layers_to_capture`) capture aux states walking the layers: fc gets them in layer order,
+    each layer once, whatever order the config lists."""
+    for where, ids in (("eagle_aux_hidden_state_layer_ids",
+                        x.f.get("eagle_aux_hidden_state_layer_ids")),
+                       ("eagle_config.eagle_aux_hidden_state_layer_ids",
+                        (x.ed.config.get("eagle_config") or {}).get(
+                            "eagle_aux_hidden_state_layer_ids"))):
+        if not isinstance(ids, list) or not ids:
+            continue
+        rep = sorted({k for k in ids if ids.count(k) > 1})
+        if rep:
+            return [Check("aux_ids.order", FAIL, f"{where} {ids} repeats {rep}: vLLM and SGLang "
+                          f"capture each layer once, so fc gets {len(set(ids))} states for its "
+                          f"{len(ids)} column blocks. Fix: train on {len(ids)} distinct layers")]
+        if ids != sorted(ids):
+            return [Check("aux_ids.order", FAIL, f"{where} {ids} not ascending: vLLM and SGLang "
+                          f"hand the states to fc in layer order {sorted(ids)}, so fc.weight's "
+                          "column blocks meet other layers than trained. Fix: write the ids "
+                          "ascending and permute fc.weight's [H, Ht] column blocks (and fc_norm's "
+                          "rows) alike, or retrain with ascending ids")]
+    return [Check("aux_ids.order", PASS, "ascending, no repeats (the order engines use)")]
+
+
 def c_speculators(x: Ctx) -> list[Check]:
     if x.fmt != E.SPECULATORS:
         return []
@@ -542,6 +592,6 @@ def c_speculators(x: Ctx) -> list[Check]:
 
 
 CHECKS = [c_format, c_weights_file, c_config_fields, c_tensor_names, c_tensor_shapes, c_dtype,
-          c_d2t, c_t2d, c_lm_head, c_embed_tokens, c_tie, c_rope, c_max_pos, c_hidden, c_vocab,
-          c_norm_before_residual, c_fc_norm, c_norm_before_fc, c_feedback_post_norm,
-          c_ambiguous_keys, c_aux_ids, c_speculators]
+          c_d2t, c_t2d, c_lm_head, c_embed_tokens, c_tie, c_rope, c_rope_engines, c_max_pos,
+          c_hidden, c_vocab, c_norm_before_residual, c_fc_norm, c_norm_before_fc,
+          c_feedback_post_norm, c_ambiguous_keys, c_aux_ids, c_aux_order, c_speculators]

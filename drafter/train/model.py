@@ -21,10 +21,20 @@ Parameter and buffer names are the engines' own (ENGINES.md): `fc`, `midlayer.*`
 Alignment (DESIGN.md): at position t the drafter sees aux features of token t and the embedding of
 token t+1, and learns the target distribution at t+1 (the teacher of position t+1). The shift is
 written once, in `drafter.train.batches.align`.
+
+Shape from the target (`DrafterConfig.from_target`): H, I, heads and eps are the target's. hd is
+the target's `head_dim`, except for MLA targets (DeepSeek-V2/V3, Kimi-K2/K2.5: `kv_lora_rank`
+set), where transformers sets `head_dim` to the rope part of a query (qk_rope_head_dim, 64 for
+Kimi) and a Llama layer needs a full head: there hd = v_head_dim (128 for Kimi, the
+qk_nope_head_dim too; what the published Kimi-K2.5 drafters use). The RoPE is the target's theta
+and scaling, unless an engine's Llama layer would compute that scaling differently from the
+transformers Llama code the drafter trains with (`rope_problem`: DeepSeek's YaRN keys, rope types
+a Llama layer lacks): then plain RoPE at the target's theta, which every engine computes alike.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +56,7 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # exactly the target's (rope_type, factor, ...), or None
+    rope_scaling: dict | None = None  # the target's (rope_type, factor, ...) or None: from_target
     max_position_embeddings: int = 4096
     norm_before_residual: bool = False
     fc_norm: bool = False             # EAGLE-3.1: RMSNorm each aux state before fc
@@ -63,15 +73,20 @@ class DrafterConfig:
         theta = rope.pop("rope_theta", None) or getattr(tc, "rope_theta", None) or 10000.0
         if not rope and getattr(tc, "rope_scaling", None):  # transformers 4.x configs
             rope = {k: v for k, v in tc.rope_scaling.items() if k != "rope_theta"}
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" \
-            else None
+        scaling = llama_rope_scaling(rope)
+        if rope_problem(scaling):
+            scaling = None  # plain RoPE at the target's theta: the same in every engine
         heads = tc.num_attention_heads
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+        if getattr(tc, "kv_lora_rank", None):  # MLA: head_dim is only the rope part of a query
+            head_dim = getattr(tc, "v_head_dim", None) or getattr(tc, "qk_nope_head_dim", None) \
+                or head_dim
         kw = dict(
             hidden_size=tc.hidden_size,
             intermediate_size=getattr(tc, "intermediate_size", None) or 4 * tc.hidden_size,
             num_attention_heads=heads,
             num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            head_dim=head_dim,
             vocab_size=tc.vocab_size,
             draft_vocab_size=min(draft_vocab_size, tc.vocab_size),
             target_hidden_size=tc.hidden_size,
@@ -91,6 +106,68 @@ class DrafterConfig:
     def from_dict(cls, d: dict) -> "DrafterConfig":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# ------------------------------------------------------------------------------------- RoPE
+# What a Llama layer computes for each RoPE form, in the transformers Llama code the drafter trains
+# with and in the engines' (vLLM model_executor/layers/rotary_embedding: get_rope and
+# yarn_scaling_rope.py; SGLang srt/layers/rotary_embedding: factory.py and yarn.py; both reach it
+# through their llama.py attention, which llama_eagle3.py reuses). Engines that are not the
+# newest read DeepSeek's YaRN keys differently: vLLM's single-file rotary_embedding.py and SGLang
+# before its 2026 fix (PR 22711) ignore mscale / mscale_all_dim in a `yarn` block and scale
+# cos and sin by 0.1·ln(factor) + 1 (1.42 at Kimi's factor 64: attention logits x 2.0), where
+# transformers and the newest engines scale by the mscale ratio (1.0 for DeepSeek and Kimi).
+LLAMA_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+DEEPSEEK_YARN_KEYS = ("mscale", "mscale_all_dim")
+
+
+def _yarn_mscale(factor: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
+def llama_rope_scaling(rope: dict | None) -> dict | None:
+    """A config's RoPE scaling block as the drafter config keeps it: `type` spelled `rope_type`,
+    no `rope_theta` (a field of its own), None for plain RoPE."""
+    if not isinstance(rope, dict):
+        return None
+    s = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+    s["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    return None if s["rope_type"] == "default" else s
+
+
+def rope_problem(scaling: dict | None) -> str | None:
+    """Why an engine's Llama layer would compute this RoPE scaling differently from training
+    (transformers' Llama), naming the key; None when every engine computes it the same."""
+    s = llama_rope_scaling(scaling)
+    if s is None:
+        return None
+    kind = s["rope_type"]
+    if kind in ("deepseek_yarn", "deepseek_llama_scaling"):
+        return (f"rope_type {kind!r} is DeepSeek's MLA RoPE: transformers' Llama layer does not "
+                "implement it, and engines pair it with a softmax scale a Llama layer lacks")
+    if kind not in LLAMA_ROPE_TYPES:
+        return (f"rope_type {kind!r}: not one that transformers' Llama layer and the engines' "
+                f"Llama layers all implement ({', '.join(LLAMA_ROPE_TYPES)})")
+    if kind != "yarn":
+        return None
+    keys = [k for k in DEEPSEEK_YARN_KEYS if s.get(k) is not None]
+    if keys:
+        f = float(s.get("factor") or 1.0)
+        return (f"yarn with DeepSeek's {' and '.join(keys)}: transformers and the newest vLLM and "
+                f"SGLang scale cos/sin by their ratio, while vLLM's single-file "
+                f"rotary_embedding.py and SGLang before 2026 ignore them and scale by "
+                f"0.1*ln(factor)+1 = {_yarn_mscale(f):.3f} (attention logits x "
+                f"{_yarn_mscale(f) ** 2:.2f})")
+    f = float(s.get("factor") or 1.0)
+    af = s.get("attention_factor")
+    if af is not None and not math.isclose(float(af), _yarn_mscale(f), rel_tol=1e-6):
+        return (f"yarn attention_factor {af}: SGLang's yarn reads attn_factor, not "
+                f"attention_factor, and older vLLM neither; they scale by 0.1*ln(factor)+1 = "
+                f"{_yarn_mscale(f):.3f}")
+    for k in ("attn_factor", "extrapolation_factor"):
+        if s.get(k) is not None and float(s[k]) != 1.0:
+            return (f"yarn {k} {s[k]}: SGLang reads it, transformers (training) and vLLM do not")
+    return None
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
