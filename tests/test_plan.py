@@ -370,3 +370,24 @@ def test_dense_weights_above_a_gpu_are_refused_with_both_ways_out(tmp_path):
                         "enough GPUs")
     assert plan["target"]["weights_bytes"] == plan["target"]["params"] * 2
     assert P.make_plan(C.load(None, over + ["plan.gpu_memory_gib=1"]))["refused"] == []
+
+
+def test_kimi_node_config_fits_8_gpus_of_96gb_inside_vllm():
+    """configs/kimi-k2.5-node.yaml: the INT4 target in vLLM (TP 8 + EP) for generate, extract and
+    evaluate, offline train on fp8 + top-k shards: nothing refused, every step within 89.4 GiB."""
+    import json as _json
+    import subprocess as _sp
+
+    p = _sp.run([sys.executable, "-m", "drafter.cli", "plan", "configs/kimi-k2.5-node.yaml",
+                 "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    plan = _json.loads(p.stdout)
+    assert plan["refused"] == []
+    assert plan["target"]["weights_source"].startswith("quantization_config compressed-tensors")
+    for step, m in plan["gpu_memory"].items():
+        assert m["total"] <= 89.4 * 2**30, (step, m)
+    runs = plan["runs_in"]
+    assert runs["extract"] == "vLLM over 8 GPU(s)" and runs["evaluate"] == "vLLM over 8 GPU(s)"
+    assert "from the stored shards" in runs["train"]
+    chosen = [o for o in plan["storage"]["options"] if o["chosen"]]
+    assert chosen[0]["aux_dtype"] == "fp8" and chosen[0]["teacher"] == "topk"

@@ -215,12 +215,16 @@ def gpu_memory(cfg, f: dict, warnings: list[str], refused: list[str]) -> dict:
     }
     eng = engine_gpus(cfg)
     if cfg.extract.engine == "vllm" and not online:
-        # inside vLLM: tensor/expert/pipeline parallelism spreads every weight, experts included
-        spread = ext["total"] - int(ext["weights"] * 1.25) + int(weights / eng * 1.25)
-        mem["extract"] = {**ext, "weights": weights // eng, "total": spread, "tp": eng,
-                          "note": f"inside vLLM over {eng} GPU(s) (target.engine_args)"}
+        # inside vLLM: tensor/expert/pipeline parallelism spreads every weight, experts
+        # included, and vLLM fills what is left with its KV cache (as generate's server);
+        # drafter's side holds one call's captured states and a logits chunk
+        mem["extract"] = {"weights": weights // eng, "capture": ext["capture"],
+                          "logits": ext["logits"], "tp": eng,
+                          "total": weights // eng + ext["capture"] + ext["logits"],
+                          "note": f"inside vLLM over {eng} GPU(s) (target.engine_args); "
+                                  f"vLLM fills the rest with KV cache"}
     if cfg.evaluate.engine == "vllm":
-        mem["evaluate"] = {"total": int(weights / eng * 1.25), "tp": eng,
+        mem["evaluate"] = {"total": weights // eng + f["drafter"]["total"], "tp": eng,
                            "note": f"inside vLLM over {eng} GPU(s), the drafter beside it"}
     have = f["gpu_memory"]
     loads = (cfg.extract.engine == "transformers" and not online) or online \

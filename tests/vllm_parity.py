@@ -1,0 +1,57 @@
+"""Run as a script by tests/test_vllm.py: drafter's transformers capture and its capture inside
+vLLM on the same samples, in float32; prints one JSON line of the differences.
+
+    python tests/vllm_parity.py CONFIG
+
+A script, not a test: vLLM starts its engine in spawned processes, which re-import the main
+module, so it runs under a `__main__` guard of its own."""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+
+def main(path: str) -> None:
+    from drafter.core import config as C
+    from drafter.core import target
+    from drafter.core.rundir import Run
+    from drafter.data import tokens
+    from drafter.features.capture import Capture
+    from drafter.features.engine_capture import EngineCapture
+    from drafter.steps.extract import _read_table
+
+    cfg = C.load(path)
+    run = Run.of(cfg)
+    d2t, t2d, _ = tokens.load_vocab(run.vocab())
+    table = _read_table(run.tokens("train"))
+    samples = [list(x) for x in table.column("input_ids").to_pylist()][:12]
+    ec = cfg.extract
+    ref = Capture(target.load_model(cfg.target, "cpu", torch.float32), ec.layer_ids, d2t, t2d,
+                  teacher="topk", topk=ec.topk, out_dtype=torch.float32)
+    want = ref.run(samples)
+    cap = EngineCapture(cfg, d2t, t2d, max(map(len, samples)), run.engine_states(),
+                        out_dtype=torch.float32)
+    try:
+        got = cap.run(samples)
+    finally:
+        cap.close()
+    a, b = got["aux"].float(), want["aux"].float()                              # [N, L, Ht]
+    rel = [((a[:, j] - b[:, j]).norm() / b[:, j].norm()).item() for j in range(a.shape[1])]
+    print(json.dumps({
+        "tokens": int(a.shape[0]), "layer_ids": cap.layer_ids, "engine_ids": cap.engine_ids,
+        "aux_rel_l2": rel,
+        "aux_max_rel": ((a - b).abs().max() / b.abs().max()).item(),
+        "topk_ids_same": (got["teacher_topk_ids"] == want["teacher_topk_ids"]).all(-1)
+        .float().mean().item(),
+        "top1_same": (got["teacher_topk_ids"][:, 0] == want["teacher_topk_ids"][:, 0])
+        .float().mean().item(),
+        "logp_max_diff": (got["teacher_topk_logp"] - want["teacher_topk_logp"]).abs().max()
+        .item(),
+        "in_vocab_same": (got["in_vocab"] == want["in_vocab"]).float().mean().item(),
+        "engine_check": cap.check}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
