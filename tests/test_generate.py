@@ -680,3 +680,27 @@ def test_a_prompt_over_the_context_is_rejected_per_record(fake, tmp_path):
     assert m["counts"]["too_long"] == 1 and m["counts"]["errors"] == 1
     assert all(len(json.dumps(b)) < 10_000 for b in fake.requests)   # never sent
     assert m["counts"]["ok"] == 2
+
+
+def test_the_quality_recipe_is_one_config(shared_data):
+    """configs/quality-smollm2.yaml: every pool of the shared train data, 40,000 synthetic
+    prompts written on the data engine, each answered greedily and again at T=0.8, one online
+    pass at lr 1.2e-3, evaluated at T 0, 0.7 and 1 with a chain and a tree at batch 64. It is
+    loaded (validated) here, not run."""
+    cfg = C.load(REPO / "configs" / "quality-smollm2.yaml")
+    pools = [s for s in cfg.prepare.sources if s.synthetic is None]
+    assert sorted(Path(s.path).name for s in pools) == \
+        sorted(p.name for p in (shared_data / "train").iterdir() if p.name != "README.md")
+    assert all(s.path.startswith("../shared/data/train/") and (REPO / s.path).is_file()
+               for s in pools)
+    syn = [s for s in cfg.prepare.sources if s.synthetic is not None]
+    assert len(syn) == 1 and syn[0].synthetic.count == 40_000
+    g = cfg.generate
+    assert (g.server.engine, g.temperature, g.extra_temperatures, g.batch_size) == \
+        ("local", 0.0, [0.8], 2048)
+    assert [v for _, v in generate.copies(g)] == [None, 0.8]
+    t = cfg.train
+    assert (t.online, t.epochs, t.lr, t.max_steps) == (True, 1, 1.2e-3, None)
+    ev = cfg.evaluate
+    assert (ev.temperatures, ev.methods, ev.batch_size) == ([0.0, 0.7, 1.0], ["chain", "tree"], 64)
+    assert all((REPO / d.path).is_file() for d in ev.datasets)
