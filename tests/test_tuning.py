@@ -202,4 +202,4 @@ def test_evaluate_recommends_and_measures_a_setting_per_temperature(smollm2_dir,
     assert sum(bool(x.get("recommended")) for x in m["runs"]) == 2
     report = run.eval_report().read_text()
     assert "| temperature | batch | setting |" in report
-    assert "Temperature 1, batch 2: serve with" in report and ", temperature 1 (the run" in report
+    assert "Temperature 1, batch 2: " in report and ", temperature 1 (the run" in report
