@@ -243,11 +243,14 @@ class FakeOpenAI:
 
             def _send(self, code, obj):
                 body = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client timed out first ("slow")
 
             def do_GET(self):
                 if self.path in ("/health", "/v1/models"):
@@ -303,6 +306,17 @@ class FakeOpenAI:
             return 400, {"error": "prompt too long"}
         if last == "long":
             return self.ok("cut off here", finish="length")
+        if last.startswith("ctx-"):  # vLLM's words for a prompt over max_model_len
+            return 400, {"object": "error", "type": "BadRequestError", "code": 400, "message":
+                         f"This model's maximum context length is 2048 tokens. However, you "
+                         f"requested {last[4:]} tokens in the messages. Please reduce it."}
+        if last.startswith("denied-"):  # OpenAI's error object, details varying per request
+            return 403, {"error": {"message": f"Model 'm{last[7:]}' is not allowed for key "
+                                              f"{last[7:]}", "type": "permission_error"}}
+        if last == "malformed":
+            return 200, {"choices": []}
+        if last == "slow":
+            time.sleep(1.5)
         return self.ok(f"echo: {last}")
 
     def close(self):
@@ -373,13 +387,15 @@ def test_reasoning_capture_retries_and_errors(fake, tmp_path, monkeypatch):
     tooly = [b for b in fake.requests if b["messages"][-1]["content"] == "use a tool"][0]
     assert tooly["tools"] == [TOOL] and "tools" not in body
     assert [r for r in out if r["id"] == "t:010"][0]["tools"] == [TOOL]
-    # The 400 is a permanent error with its reason; everything else is ok.
+    # The 400 is a permanent error with its reason and message; everything else is ok.
     errs = errors(cfg)
     assert [(e["id"], e["kind"]) for e in errs] == [("t:007", "permanent")]
-    assert "HTTP 400" in errs[0]["reason"] and "prompt too long" in errs[0]["reason"]
+    assert errs[0]["reason"] == "HTTP 400: context length exceeded"
+    assert "HTTP 400" in errs[0]["message"] and "prompt too long" in errs[0]["message"]
     c = m["counts"]
     assert (c["ok"], c["errors"], c["truncated"]) == (10, 1, 2)
     assert m["errors_by_kind"] == {"permanent": 1, "transient": 0}
+    assert m["errors_by_reason"] == {"HTTP 400: context length exceeded": 1}
 
 
 def test_drop_truncated(fake, tmp_path):
@@ -390,7 +406,8 @@ def test_drop_truncated(fake, tmp_path):
     assert [r["id"] for r in out] == ["t:001"]
     errs = {e["id"]: e for e in errors(cfg)}
     assert set(errs) == {"t:000", "t:002"} and errs["t:002"]["turn"] == 1
-    assert all(e["kind"] == "permanent" and "truncated" in e["reason"] for e in errs.values())
+    assert all(e["kind"] == "permanent" and e["reason"] == "truncated"
+               and "generate.max_tokens" in e["message"] for e in errs.values())
 
 
 def test_transient_failures_fail_the_step_and_are_retried(fake, tmp_path):
@@ -402,7 +419,8 @@ def test_transient_failures_fail_the_step_and_are_retried(fake, tmp_path):
     assert Run.of(cfg).failed("generate").exists()
     errs = errors(cfg)
     assert {e["id"] for e in errs} == {"t:001", "t:003"}
-    assert all(e["kind"] == "transient" and "HTTP 503" in e["reason"] for e in errs)
+    assert all(e["kind"] == "transient" and e["reason"] == "HTTP 503"
+               and "overloaded" in e["message"] for e in errs)
     assert fake.calls["q1"] == 4  # 1 + max_retries
     assert len(output(cfg)) == 3
 
@@ -413,6 +431,91 @@ def test_transient_failures_fail_the_step_and_are_retried(fake, tmp_path):
     out, m = check_invariants(cfg, records)
     assert m["counts"]["ok"] == 5 and m["counts"]["retried"] == 2 and m["counts"]["errors"] == 0
     assert not errors(cfg)  # compacted: resolved errors are gone
+    assert m["errors_by_reason"] == {}
+
+
+def test_every_error_has_its_reason_counted_and_kept_across_a_resume(fake, tmp_path, caplog):
+    """Each failed conversation's id, short reason and message go to errors.jsonl; the manifest
+    counts them by reason (messages that differ only in their numbers group under one) and the
+    step's log line names them; a rerun skips the permanent ones and keeps their reasons; a line
+    written before reasons were kept (the message in `reason`) is read as reason and message."""
+    import logging
+
+    records = [conv(0, "ok"), conv(1, "ctx-3000"), conv(2, "ctx-9000"), conv(3, "denied-1"),
+               conv(4, "denied-22"), conv(5, "malformed"), conv(6, "bad"),
+               {"id": "t:007", "source": "t", "split": "train",
+                "messages": [{"role": "system", "content": "no question"}]}]
+    cfg = fake_cfg(tmp_path, records, [fake.url])
+    with caplog.at_level(logging.INFO, logger="drafter"):
+        m = pipeline.run_step(cfg, "generate")
+    out, m = check_invariants(cfg, records)
+    assert [r["id"] for r in out] == ["t:000"]
+    want = {"t:001": "HTTP 400: context length exceeded",
+            "t:002": "HTTP 400: context length exceeded",
+            "t:003": "HTTP 403: Model '...' is not allowed for key N",
+            "t:004": "HTTP 403: Model '...' is not allowed for key N",
+            "t:005": "a response without choices[0].message",
+            "t:006": "HTTP 400: context length exceeded", "t:007": "no user turn"}
+    errs = {e["id"]: e for e in errors(cfg)}
+    assert {i: e["reason"] for i, e in errs.items()} == want
+    assert all(e["kind"] == "permanent" for e in errs.values())
+    assert "requested 9000 tokens" in errs["t:002"]["message"]
+    assert "'m22' is not allowed" in errs["t:004"]["message"]
+    assert m["errors_by_reason"] == {"HTTP 400: context length exceeded": 3,
+                                     "HTTP 403: Model '...' is not allowed for key N": 2,
+                                     "a response without choices[0].message": 1,
+                                     "no user turn": 1}
+    assert m["errors_by_kind"] == {"permanent": 7, "transient": 0}
+    line = next(r.getMessage() for r in caplog.records if " errors (" in r.getMessage())
+    assert "7 errors (7 permanent, 0 transient: 3 HTTP 400: context length exceeded, 2 HTTP " \
+           "403: Model '...' is not allowed for key N, 1 a response" in line
+    assert str(Run.of(cfg).generate_errors()) in line
+
+    # an errors.jsonl line as written before reasons were kept: its message was the reason
+    path = Run.of(cfg).generate_errors()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    old = {"id": "t:003", "kind": "permanent", "turn": 0, "time": 1.0,
+           "reason": "HTTP 403 from http://h/v1: {\"error\": \"no\"}"}
+    path.write_text("".join(json.dumps(old if e["id"] == "t:003" else e) + "\n" for e in lines))
+    n = len(fake.requests)
+    m = generate.main(cfg)      # the step again, on its own files: a resume
+    assert len(fake.requests) == n                  # permanent errors are not asked again
+    assert m["counts"]["errors"] == 7 and m["counts"]["ok"] == 1
+    errs = {e["id"]: e for e in errors(cfg)}
+    assert errs["t:003"]["reason"] == "HTTP N from http" and \
+        errs["t:003"]["message"] == old["reason"]
+    assert {i: e["reason"] for i, e in errs.items() if i != "t:003"} == \
+        {i: r for i, r in want.items() if i != "t:003"}
+    assert sum(m["errors_by_reason"].values()) == 7
+
+
+def test_a_timeout_is_a_transient_error_named_timeout(fake, tmp_path):
+    records = [conv(0, "q0"), conv(1, "slow")]
+    cfg = fake_cfg(tmp_path, records, [fake.url], **{"generate.request_timeout": 0.3,
+                                                     "generate.max_retries": 1})
+    with pytest.raises(generate.GenerateError, match="1 conversations failed"):
+        pipeline.run_step(cfg, "generate")
+    errs = errors(cfg)
+    assert [(e["id"], e["kind"], e["reason"]) for e in errs] == [("t:001", "transient",
+                                                                  "timeout")]
+    assert "generate.request_timeout" in errs[0]["message"]
+
+
+def test_http_error_bodies_group_by_reason():
+    from drafter.serve.client import body_reason
+
+    assert body_reason(400, json.dumps({"detail": "Prompt is longer than the model's context "
+                                                  "of 4096"})) == \
+        "HTTP 400: context length exceeded"
+    assert body_reason(422, json.dumps({"detail": [{"loc": ["body"], "msg": "field required"}]})) \
+        == "HTTP 422: field required"
+    assert body_reason(404, "Not Found") == "HTTP 404: Not Found"
+    assert body_reason(400, json.dumps({"error": {"message": "top_p 1.5 must be <= 1."}})) == \
+        body_reason(400, json.dumps({"error": {"message": "top_p 2 must be <= 1."}})) == \
+        "HTTP 400: top_p N must be <= N"
+    assert body_reason(400, "") == "HTTP 400"
+    assert generate.error_reason("record has no messages list") == "record has no messages list"
+    assert generate.error_reason("prompt too long: 9000 tokens + 5") == "prompt too long"
 
 
 def test_load_balanced_across_urls(tmp_path):
@@ -461,16 +564,22 @@ def test_split_reasoning():
 
 
 def test_local_engine(tmp_path, smollm2_dir):
-    """engine=local through drafter.engine.local.LocalGenerator: multi-turn, turn by turn."""
+    """engine=local through drafter.engine.local.LocalGenerator: multi-turn, turn by turn; a
+    prompt over the target's context (SmolLM2: 8192) is its conversation's error, with its
+    reason, and the others are answered."""
     from transformers import AutoTokenizer
 
-    records = [conv(0, "Say hi."), conv(1, "Name a color.", "Another one?")]
+    records = [conv(0, "Say hi."), conv(1, "Name a color.", "Another one?"),
+               conv(2, "word " * 9000)]
     cfg = make_run(tmp_path, records, **{"generate.server.engine": "local",
                                          "generate.max_tokens": 4, "generate.batch_size": 2,
                                          "target.device": "cpu"})
     pipeline.run_step(cfg, "generate")
     out, m = check_invariants(cfg, records)
     assert m["counts"]["ok"] == 2 and m["counts"]["turns"] == 3
+    assert m["counts"]["too_long"] == 1 and m["errors_by_reason"] == {"prompt too long": 1}
+    assert [(e["id"], e["reason"]) for e in errors(cfg)] == [("t:002", "prompt too long")]
+    assert "do not fit the target's context" in errors(cfg)[0]["message"]
     for r in out:
         for t in r["meta"]["turns"]:
             assert 1 <= t["completion_tokens"] <= 4 and t["finish_reason"] in ("stop", "length")
@@ -491,7 +600,8 @@ def test_local_engine(tmp_path, smollm2_dir):
         assert abs(sum(ph[part].values()) - secs) <= 0.05 * secs + 0.5, (ph, secs)
     # what the engine did: every turn a request, prefilled in admissions of padded groups
     ec = m["engine_counts"]
-    assert ec["requests"] == 3 and 1 <= ec["admissions"] <= 3 and ec["prefill_groups"] >= 1
+    # (the prompt too long is a request too: answered "too_long" without a prefill)
+    assert ec["requests"] == 4 and 1 <= ec["admissions"] <= 3 and ec["prefill_groups"] >= 1
     assert ec["prefill_tokens"] == sum(t["prompt_tokens"] for r in out for t in r["meta"]["turns"])
     assert ec["prefill_padded_tokens"] >= ec["prefill_tokens"]
     assert ec["steps"] > 0 and ec["sampling_steps"] == 0            # greedy
@@ -565,7 +675,32 @@ def test_a_prompt_over_the_context_is_rejected_per_record(fake, tmp_path):
     assert [r["id"] for r in out] == ["t:000", "t:002"]
     errs = errors(cfg)
     assert [(e["id"], e["kind"]) for e in errs] == [("t:001", "permanent")]
-    assert errs[0]["reason"].startswith("prompt too long:") and "8192" in errs[0]["reason"]
+    assert errs[0]["reason"] == "prompt too long"
+    assert errs[0]["message"].startswith("prompt too long:") and "8192" in errs[0]["message"]
     assert m["counts"]["too_long"] == 1 and m["counts"]["errors"] == 1
     assert all(len(json.dumps(b)) < 10_000 for b in fake.requests)   # never sent
     assert m["counts"]["ok"] == 2
+
+
+def test_the_quality_recipe_is_one_config(shared_data):
+    """configs/quality-smollm2.yaml: every pool of the shared train data, 40,000 synthetic
+    prompts written on the data engine, each answered greedily and again at T=0.8, one online
+    pass at lr 1.2e-3, evaluated at T 0, 0.7 and 1 with a chain and a tree at batch 64. It is
+    loaded (validated) here, not run."""
+    cfg = C.load(REPO / "configs" / "quality-smollm2.yaml")
+    pools = [s for s in cfg.prepare.sources if s.synthetic is None]
+    assert sorted(Path(s.path).name for s in pools) == \
+        sorted(p.name for p in (shared_data / "train").iterdir() if p.name != "README.md")
+    assert all(s.path.startswith("../shared/data/train/") and (REPO / s.path).is_file()
+               for s in pools)
+    syn = [s for s in cfg.prepare.sources if s.synthetic is not None]
+    assert len(syn) == 1 and syn[0].synthetic.count == 40_000
+    g = cfg.generate
+    assert (g.server.engine, g.temperature, g.extra_temperatures, g.batch_size) == \
+        ("local", 0.0, [0.8], 2048)
+    assert [v for _, v in generate.copies(g)] == [None, 0.8]
+    t = cfg.train
+    assert (t.online, t.epochs, t.lr, t.max_steps) == (True, 1, 1.2e-3, None)
+    ev = cfg.evaluate
+    assert (ev.temperatures, ev.methods, ev.batch_size) == ([0.0, 0.7, 1.0], ["chain", "tree"], 64)
+    assert all((REPO / d.path).is_file() for d in ev.datasets)

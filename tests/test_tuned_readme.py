@@ -1,6 +1,7 @@
 """The tuned serving settings in the export READMEs (drafter/export/tuned.py): a real export of a
 tiny random drafter, evaluate's metrics built with drafter.engine.tuning.recommend from made-up
-acceptance and step costs; the section per batch size with each dir's own path in the flags, the
+acceptance and step costs; the section per temperature and batch size with each dir's own path
+in the flags, the
 same README when written twice, export's manifest and lint untouched (export stays done, evaluate
 stays up to date), and a re-export that keeps the section only for the weights evaluate measured."""
 from __future__ import annotations
@@ -18,6 +19,7 @@ from drafter.export.tuned import BEGIN, END, TITLE, add_tuned_settings, splice
 from drafter.run import pipeline
 
 ALPHA = [0.8, 0.6, 0.5]           # conditional acceptance of a greedy chain of K=3
+ALPHA_T1 = [0.5, 0.3, 0.2]        # the same chain sampling at temperature 1
 TIMINGS = {1: {"target_ms": 10.0, "verify_ms": 10.5, "draft_ms": 0.6},
            64: {"target_ms": 14.0, "verify_ms": 20.0, "draft_ms": 1.5}}
 TREE = {"label": "tree depth=4 topk=4 tokens=16", "tau": 3.4, "depth": 4, "topk": 4, "tokens": 16,
@@ -29,6 +31,22 @@ def metrics_for(drafter: str, lossless: bool = True) -> dict:
     """evaluate/metrics.json as evaluate writes it, its serving setting from tuning.recommend."""
     by_batch = recommend(ALPHA, TIMINGS, 3, {"spec_ratio": 1.2, "plain_ratio": 1.05}, [TREE],
                          drafter)
+    # at T=1: lower acceptance, a slower sampling step, the tree's sampled tau
+    by_batch_t1 = recommend(ALPHA_T1, TIMINGS, 3, {"spec_ratio": 1.5, "plain_ratio": 1.1},
+                            [{**TREE, "tau": 1.7, "ratio": 1.6}], drafter)
+    greedy = {"temperature": 0.0,
+              "calibration": {"batch": 64, "spec_ratio": 1.2, "plain_ratio": 1.05,
+                              "static_batch_efficiency": 0.89},
+              "by_batch": by_batch}
+    sampled = {"temperature": 1.0,
+               "calibration": {"batch": 64, "spec_ratio": 1.5, "plain_ratio": 1.1,
+                               "static_batch_efficiency": 0.81},
+               "by_batch": by_batch_t1,
+               "measured": {"batch": 64, "temperature": 1.0, "run": "drafter: chain K=1, T=1",
+                            "tau": 1.5, "speedup": 1.05, "decode_speedup": 1.12,
+                            "expected_speedup": by_batch_t1["64"]["expected_speedup"],
+                            "expected_as_evaluated": {"speedup": 1.04,
+                                                      "decode_speedup": 1.13}}}
 
     def run(name, who, method, tau, speedup, **kw):
         return {"name": name, "drafter": who, "path": drafter, "method": method,
@@ -40,12 +58,10 @@ def metrics_for(drafter: str, lossless: bool = True) -> dict:
         "lossless": lossless, "mismatches": 0, "ties": 0, "drift": 0,
         "settings": {"target": "tiny", "device": "cpu", "dtype": "float32", "drafter": drafter,
                      "baseline": None, "batch_size": 64, "max_new_tokens": 32,
-                     "temperatures": [0.0],
+                     "temperatures": [0.0, 1.0],
                      "datasets": {"mtbench": {"path": "builtin", "records": 8, "prompts": 8}},
-                     "recommended": {"calibration": {"batch": 64, "spec_ratio": 1.2,
-                                                     "plain_ratio": 1.05,
-                                                     "static_batch_efficiency": 0.89},
-                                     "by_batch": by_batch}},
+                     "recommended": {**greedy, "by_temperature": {"0.0": greedy,
+                                                                  "1.0": sampled}}},
         "runs": [run("drafter: chain K=3, T=0", "drafter", "chain", 2.52, 1.31, k=3),
                  run("drafter: tree depth=4 topk=4 tokens=16, T=0", "drafter", "tree", 3.4, 1.6,
                      depth=4, topk=4, tokens=16),
@@ -69,6 +85,8 @@ def test_the_recommendation_mixes_a_tree_and_a_chain():
     rec = recommend(ALPHA, TIMINGS, 3, {"spec_ratio": 1.2, "plain_ratio": 1.05}, [TREE])
     assert rec["1"]["best"] == TREE["label"] and rec["1"]["flags"]["vllm"] is None
     assert rec["64"]["best"] == "chain K=2" and rec["64"]["flags"]["vllm"]
+    t1 = metrics_for("D")["settings"]["recommended"]["by_temperature"]["1.0"]["by_batch"]
+    assert t1["1"]["best"] == "chain K=2" and t1["64"]["best"] == "chain K=1"
 
 
 def test_readmes_carry_each_dirs_flags_and_export_stays_done(tiny_target, tmp_path):
@@ -90,12 +108,30 @@ def test_readmes_carry_each_dirs_flags_and_export_stays_done(tiny_target, tmp_pa
         assert text.index("## Serve it") < text.index(TITLE) < text.index("## Aux layer ids")
         assert splice(text, None) == before[fmt]          # nothing else of the README changed
         assert str(run.eval_report().resolve()) in text
-        # batch 1: the tree (SGLang only, always the native dir); vLLM gets its best chain
-        assert "### Batch 1: tree depth=4 topk=4 tokens=16, expected speedup" in text
-        assert flags(str(native), tree={"depth": 4, "topk": 4, "tokens": 16})["sglang"] in text
-        assert "vLLM cannot serve this tree" in text
-        assert "### Batch 64: chain K=2, expected speedup" in text
-        assert flags(str(native), 2)["sglang"] in text
+        # per temperature, greedy first
+        body = text.split(BEGIN)[1].split(END)[0]
+        greedy, sampled = body.split("### Temperature 0 (greedy)")[1].split("### Temperature 1")
+        sampled = sampled.split("### Measured")[0]
+        # greedy, batch 1: the tree (SGLang only, always the native dir); vLLM its best chain
+        assert "#### Batch 1: tree depth=4 topk=4 tokens=16, expected speedup" in greedy
+        assert flags(str(native), tree={"depth": 4, "topk": 4, "tokens": 16})["sglang"] in greedy
+        assert "vLLM cannot serve this tree" in greedy
+        assert "#### Batch 64: chain K=2, expected speedup" in greedy
+        assert flags(str(native), 2)["sglang"] in greedy
+        # sampling at T=1: chains, their own flags
+        assert "#### Batch 1: chain K=2, expected speedup" in sampled
+        assert "#### Batch 64: chain K=1, expected speedup" in sampled
+        assert flags(str(native), 1)["sglang"] in sampled and "cannot serve" not in sampled
+        # T=1: slower than plain decoding at both batch sizes, said so; greedy is faster
+        t1 = metrics["settings"]["recommended"]["by_temperature"]["1.0"]["by_batch"]
+        assert t1["1"]["expected_speedup"] < 1 and t1["64"]["expected_speedup"] < 1
+        assert sampled.count("No setting is expected to beat plain decoding here") == 2
+        assert "No setting is expected" not in greedy
+        assert "Temperature 1: step model calibrated on the decode steps at batch 64: " \
+               "speculative x1.5" in body
+        assert "speedup 1.05x (1.04x expected with evaluate's batches and prefills), 1.12x " \
+               "without the prefills (1.13x expected)" in body
+        assert "per decode step (prefills left out" in body
         # the measured runs of the drafter (not the baseline's)
         assert "| drafter: chain K=3, T=0 | 2.52 | 1.31x | 1.41x |" in text
         assert "baseline" not in text.split(TITLE)[1].split(END)[0]

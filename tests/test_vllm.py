@@ -86,11 +86,14 @@ def test_capture_inside_vllm_equals_drafters_in_float32(base):
     assert p.returncode == 0, p.stderr[-6000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["layer_ids"] == [2, 15, 27] and r["engine_ids"] == [2, 15, 27, 30]
-    assert r["tokens"] > 500
+    assert r["tokens"] > 1000
     assert max(r["aux_rel_l2"]) < 1e-5, r
-    assert r["topk_ids_same"] >= 0.999 and r["top1_same"] >= 0.999, r
+    # the top-k ids as a set on every token; their order where two log-probs tie to the
+    # rounding of fp16 (the store's precision), never beyond
+    assert r["topk_sets_same"] >= 0.999 and r["top1_same"] >= 0.999, r
+    assert r["topk_ids_same"] >= 0.99 and r["swap_max_gap"] <= 1e-3, r
     assert r["in_vocab_same"] == 1.0 and r["logp_max_diff"] < 1e-3, r
-    assert r["engine_check"]["same_next_token"] == r["engine_check"]["samples"] == 12
+    assert r["engine_check"]["same_next_token"] == r["engine_check"]["samples"] == 19
 
 
 def test_extract_in_vllm_writes_the_same_shards_and_resumes(base):

@@ -323,7 +323,8 @@ class EvaluateConfig:
         "targets beyond one GPU), or both side by side")
     run_recommended: bool = doc(
         True, "after the methods, also decode the setting the tuner recommends for batch_size "
-        "(greedy) when none of them was it: its speedup measured, not only expected")
+        "at each evaluated temperature when none of them was it: its speedup measured, not only "
+        "expected")
 
 
 # --------------------------------------------------------------------------------------------- plan

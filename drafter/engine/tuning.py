@@ -1,6 +1,8 @@
 """The speculative setting to serve a drafter with: from its measured per-position acceptance and
 the measured step costs, the chain length or tree shape with the highest expected speedup at each
-batch size, and the engine flags that select it. Evaluate calls it; no peer tool does this.
+batch size, and the engine flags that select it. Evaluate calls it once per temperature it
+evaluated (the acceptance and the step costs of sampling differ from greedy decoding's); no peer
+tool does this.
 
     rec = recommend(alpha_cond, timings, k_measured=5,
                     calib={"spec_ratio": 1.2, "plain_ratio": 1.1},
@@ -14,7 +16,18 @@ Model (REFERENCES.md's theory, with measured costs):
   speedup(K) = E[tau](K) x plain step / (spec_ratio x chain step(K)),
   plain step = plain_ratio x the 1-token forward.
 spec_ratio and plain_ratio (measured step / modelled step) come from the run evaluate just made, at
-the batch its steps ran at, and carry to the other batch sizes. Chains longer than the measured K
+the batch its steps ran at, and carry to the other batch sizes.
+
+The expected speedup is per decode step: tokens per step over the step's time, against plain
+decoding's, prefills left out, every row live at every step: what an engine with continuous
+batching gets. Evaluate's own speedup counts two things more, so at the batch evaluate ran at
+each setting also gets `as_evaluated`, the speedups evaluate would measure for it:
+  decode_speedup = speedup x efficiency   (evaluate's batches wait for their slowest row: the
+                   share of tau its steps kept, the measured chain's, static_batch_efficiency)
+  speedup = plain seconds / (the speculative run's prefill seconds + plain decode seconds /
+            decode_speedup)               (prefills in: what evaluate's `speedup` counts)
+For the measured chain these equal evaluate's measured figures (up to rounding); for the other
+settings they are a prediction that assumes the chain's efficiency and prefill seconds. Chains longer than the measured K
 are not extrapolated (their acceptance is unmeasured); a measured tree competes with its own
 measured tau and modelled step: verify(tokens+1) + depth + 1 drafter forwards, calibrated on its own
 measured step when it has one.
@@ -82,13 +95,27 @@ def shape_taus(shapes: dict, min_valid: float = 0.95) -> dict:
             if steps and valid[d][n] >= min_valid * steps}
 
 
+def as_evaluated(speedup: float, evaluated: dict) -> dict:
+    """The speedups evaluate measures, for a setting of per-step `speedup`: evaluated holds
+    `efficiency` (static_batch_efficiency), `plain_seconds` and `plain_prefill_seconds` (the
+    plain run's, prefills included and alone) and `prefill_seconds` (the speculative run's)."""
+    dec = speedup * evaluated["efficiency"]
+    plain_decode = evaluated["plain_seconds"] - evaluated["plain_prefill_seconds"]
+    spec = evaluated["prefill_seconds"] + plain_decode / dec
+    return {"speedup": round(evaluated["plain_seconds"] / spec, 3),
+            "decode_speedup": round(dec, 3)}
+
+
 def recommend(alpha_cond: list, timings: dict, k_measured: int, calib: dict,
               trees: list | None = None, drafter_dir: str = "DRAFTER") -> dict:
     """Per batch size (the keys of `timings`: {batch: {target_ms, verify_ms, draft_ms}}), every
     chain K <= k_measured, each measured tree and, for a tree with `shapes`, the best number of
     nodes at each smaller depth, with expected tau, step ms and speedup; the best one and its
-    flags. A tree's `ratio` (measured step / modelled) calibrates its shapes; else spec_ratio."""
+    flags. A tree's `ratio` (measured step / modelled) calibrates its shapes; else spec_ratio.
+    With calib["evaluated"] (as_evaluated's figures and the `batch` they were measured at), the
+    settings at that batch also get `as_evaluated` (evaluate's speedup and decode speedup)."""
     out = {}
+    ev = calib.get("evaluated")
     for batch, t in sorted(timings.items(), key=lambda kv: int(kv[0])):
         plain = calib["plain_ratio"] * t["target_ms"]
         rows = []
@@ -121,4 +148,8 @@ def recommend(alpha_cond: list, timings: dict, k_measured: int, calib: dict,
         out[str(batch)] = {"plain_step_ms": round(plain, 3), "settings": rows,
                            "best": best["setting"], "expected_speedup": best["speedup"],
                            "flags": flags(drafter_dir, best.get("k"), best.get("tree"))}
+        if ev and str(ev["batch"]) == str(batch):
+            for r in rows:
+                r["as_evaluated"] = as_evaluated(r["speedup"], ev)
+            out[str(batch)]["expected_as_evaluated"] = best["as_evaluated"]
     return out

@@ -1,6 +1,7 @@
-"""The tuned serving settings in the export READMEs: per batch size, the chain K or tree that
-`drafter evaluate` measured to serve this drafter best, its expected speedup, and the exact vLLM
-and SGLang flags, so that a user finds the drafter and how to serve it in one folder.
+"""The tuned serving settings in the export READMEs: per temperature evaluated and batch size,
+the chain K or tree that `drafter evaluate` measured to serve this drafter best, its expected
+speedup, and the exact vLLM and SGLang flags, so that a user finds the drafter and how to serve
+it in one folder.
 
     add_tuned_settings(run, metrics)      # evaluate, at its end: every export README
     carry_over(run, fmt, built, final)    # export, on a re-run: the section again, if it applies
@@ -112,23 +113,70 @@ def section(metrics: dict, out_dir: Path, run: Run, meta_dir: Path | None = None
     tgt = (meta.get("target") or {}).get("name_or_path") or s.get("target") or "TARGET"
     tmpl = f" --chat-template {meta['chat_template']}" if meta.get("chat_template") else ""
     nbr = bool((meta.get("drafter_config") or {}).get("norm_before_residual"))
-    cal = rec.get("calibration") or {}
+    by_t = rec.get("by_temperature") or {"0.0": rec}   # metrics written before: greedy only
     report = run.eval_report().resolve()
     L = [TITLE, "",
          f"Measured by `drafter evaluate` with drafter's own decoder on {s.get('device', '?')} "
-         f"({s.get('dtype', '?')}): at each batch size, the setting with the highest expected "
-         "speedup (drafter/engine/tuning.py: the greedy chain's per-position acceptance, each "
-         "measured tree's τ, and the step costs timed on that machine) and the flags that select "
-         "it, in place of the default K under \"Serve it\". Step costs differ on another GPU or "
-         "engine: run `drafter evaluate` there to tune for it. All tables: the \"Serving "
-         f"setting\" section of {report}.", ""]
+         f"({s.get('dtype', '?')}): for each temperature evaluated and each batch size, the "
+         "setting with the highest expected speedup (drafter/engine/tuning.py: the chain's "
+         "per-position acceptance at that temperature, each measured tree's τ, and the step "
+         "costs timed on that machine) and the flags that select it, in place of the default K "
+         "under \"Serve it\". Serve with the flags of the temperature your requests use (the "
+         "acceptance of sampled requests differs from greedy ones'). The expected speedup is "
+         "per decode step (prefills left out, every row live: what an engine with continuous "
+         "batching gets). Step costs differ on another GPU or engine: run `drafter evaluate` "
+         f"there to tune for it. All tables: the \"Serving setting\" section of {report}.", ""]
+    for t, rt in by_t.items():
+        L += [f"### Temperature {float(t):g}" + (" (greedy)" if float(t) == 0 else ""), ""]
+        L += _batches(rt, tgt, tmpl, d, native, is_native, nbr)
+    L += ["### Measured", "",
+          f"Batch {s.get('batch_size', '?')}, {s.get('max_new_tokens', '?')} new tokens per "
+          "prompt, " + ", ".join(f"{n}: {x.get('prompts')} prompts"
+                                 for n, x in (s.get("datasets") or {}).items())
+          + f"; drafter `{s.get('drafter')}`; lossless: "
+          + ("PASS" if metrics.get("lossless") else "FAIL") + ".", "",
+          "| run | τ | speedup | decode speedup |", "|---|---|---|---|"]
+    for x in metrics.get("runs") or []:
+        if x.get("drafter") != "drafter":
+            continue
+        o = (x.get("datasets") or {}).get("overall") or {}
+        L.append(f"| {x.get('name')} | {_f(o.get('tau'))} | {_f(o.get('speedup'))}x | "
+                 f"{_f(o.get('decode_speedup'))}x |")
+    for t, rt in by_t.items():
+        cal = rt.get("calibration") or {}
+        if not cal:
+            continue
+        eff = cal.get("static_batch_efficiency")
+        L += ["", f"Temperature {float(t):g}: step model calibrated on the decode steps at "
+              f"batch {cal.get('batch')}: speculative x{cal.get('spec_ratio')}, plain "
+              f"x{cal.get('plain_ratio')}"
+              + (f"; evaluate's own batches kept {_f(eff)} of the steps' τ (they wait for "
+                 "their slowest row; the expected speedups are per step, as an engine with "
+                 "continuous batching gets)." if eff is not None else ".")]
+        got = rt.get("measured")
+        if got:
+            ae = got.get("expected_as_evaluated") or {}
+            L[-1] += (f" Its best setting there, decoded (`{got.get('run')}`): speedup "
+                      f"{_f(got.get('speedup'))}x ({_f(ae.get('speedup'))}x expected with "
+                      f"evaluate's batches and prefills), {_f(got.get('decode_speedup'))}x "
+                      f"without the prefills ({_f(ae.get('decode_speedup'))}x expected).")
+    return "\n".join(L) + "\n"
+
+
+def _batches(rec: dict, tgt: str, tmpl: str, d: str, native: str, is_native: bool,
+             nbr: bool) -> list[str]:
+    """The section's part for one temperature: per batch size the best setting and its flags."""
+    L = []
     for b, r in sorted(rec["by_batch"].items(), key=lambda kv: int(kv[0])):
         best = next((x for x in r["settings"] if x["setting"] == r["best"]), None)
         if best is None:
             continue
         est = " (estimated from a larger tree's counts)" if best.get("estimated") else ""
-        L += [f"### Batch {b}: {best['setting']}{est}, expected speedup "
+        L += [f"#### Batch {b}: {best['setting']}{est}, expected speedup "
               f"{_f(best['speedup'])}x (expected τ {_f(best['expected_tau'])})", ""]
+        if best["speedup"] < 1:
+            L += [f"No setting is expected to beat plain decoding here: serve without the drafter "
+                  f"at this temperature and batch size. The best one, should you serve it:", ""]
         f = flags(d, best.get("k"), best.get("tree"))
         if f["vllm"]:
             L += ["vLLM:", "", "```bash", f"vllm serve {tgt}{tmpl} {f['vllm']}", "```", ""]
@@ -147,27 +195,7 @@ def section(metrics: dict, out_dir: Path, run: Run, meta_dir: Path | None = None
               + (" (norm_before_residual is true: SGLang implements only false and will accept "
                  "less; serve with vLLM)" if nbr else "") + ":", "", "```bash",
               f"python -m sglang.launch_server --model {tgt}{tmpl} {g}", "```", ""]
-    L += ["### Measured", "",
-          f"Batch {s.get('batch_size', '?')}, {s.get('max_new_tokens', '?')} new tokens per "
-          "prompt, " + ", ".join(f"{n}: {x.get('prompts')} prompts"
-                                 for n, x in (s.get("datasets") or {}).items())
-          + f"; drafter `{s.get('drafter')}`; lossless: "
-          + ("PASS" if metrics.get("lossless") else "FAIL") + ".", "",
-          "| run | τ | speedup | decode speedup |", "|---|---|---|---|"]
-    for x in metrics.get("runs") or []:
-        if x.get("drafter") != "drafter":
-            continue
-        o = (x.get("datasets") or {}).get("overall") or {}
-        L.append(f"| {x.get('name')} | {_f(o.get('tau'))} | {_f(o.get('speedup'))}x | "
-                 f"{_f(o.get('decode_speedup'))}x |")
-    if cal:
-        eff = cal.get("static_batch_efficiency")
-        L += ["", f"Step model calibrated on the decode steps at batch {cal.get('batch')}: "
-              f"speculative x{cal.get('spec_ratio')}, plain x{cal.get('plain_ratio')}"
-              + (f"; evaluate's own batches kept {_f(eff)} of the steps' τ (they wait for "
-                 "their slowest row; the expected speedups are per step, as an engine with "
-                 "continuous batching gets)." if eff is not None else ".")]
-    return "\n".join(L) + "\n"
+    return L
 
 
 def splice(text: str, body: str | None) -> str:

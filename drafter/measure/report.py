@@ -101,37 +101,7 @@ def render_report(m: dict) -> str:
                          f"{_fmt(d.get('x_parts'))}x | {_fmt(d.get('gpu_x_parts'))}x |")
     rec = s.get("recommended")
     if rec:
-        L += ["", "## Serving setting (expected speedup per batch size)", "",
-              "From the greedy chain run's conditional acceptance and the step costs measured at "
-              "each batch size (drafter/engine/tuning.py; model calibrated on this run's decode "
-              "step "
-              f"times against the costs at batch {rec['calibration']['batch']}, the rows they "
-              f"ran at: speculative x{rec['calibration']['spec_ratio']}, plain "
-              f"x{rec['calibration']['plain_ratio']}); a greedy tree run's own τ and step, and "
-              "for each smaller depth the best number of nodes of its top-k, with the τ its "
-              "steps give for that shape (*estimated*). These are per-step figures: what an "
-              "engine with continuous batching gets. This evaluation's batches ("
-              f"{'continuous' if m['settings'].get('continuous') else 'static'}) wait for "
-              "their slowest row (continuous ones only once no prompt is left): they took "
-              f"{_fmt(rec['calibration']['static_batch_efficiency'])} of the steps' τ.",
-              "",
-              "| batch | setting | expected τ | step ms | expected speedup |",
-              "|---|---|---|---|---|"]
-        for b, r in rec["by_batch"].items():
-            for x in r["settings"]:
-                best = " **(best)**" if x["setting"] == r["best"] else ""
-                best += " *(estimated)*" if x.get("estimated") else ""
-                L.append(f"| {b} | {x['setting']}{best} | {_fmt(x['expected_tau'])} | "
-                         f"{_fmt(x['step_ms'])} | {_fmt(x['speedup'])}x |")
-        for b, r in rec["by_batch"].items():
-            L += ["", f"Batch {b}: serve with {r['best']}:", ""]
-            L += [f"- {eng}: `{f}`" for eng, f in r["flags"].items() if f]
-        got = rec.get("measured")
-        if got:
-            L += ["", f"Measured at batch {got['batch']} (the run `{got['run']}`): speedup "
-                  f"**{_fmt(got['speedup'])}x** ({_fmt(got['decode_speedup'])}x without the "
-                  f"prefills) against the expected {_fmt(got['expected_speedup'])}x, τ "
-                  f"{_fmt(got['tau'])}."]
+        L += _serving(rec)
     L += ["", "## Per-position acceptance", "",
           "Unconditional: share of steps whose draft position i was accepted. Conditional: the "
           "same among steps whose positions 1..i-1 were all accepted.", ""]
@@ -158,6 +128,70 @@ def render_report(m: dict) -> str:
                      f"{_fmt(d['accept_rate'], 3)} | {d['new_tokens']} | {ll} |")
     L += ["", "![per-position acceptance](acceptance.png)", "", "![tau per dataset](tau.png)", ""]
     return "\n".join(L)
+
+
+def _serving(rec: dict) -> list[str]:
+    """The serving setting per temperature and batch size (settings.recommended)."""
+    by_t = rec.get("by_temperature") or {"0.0": rec}   # metrics written before: greedy only
+    L = ["", "## Serving setting (expected speedup per temperature and batch size)", "",
+         "For each temperature evaluated, from the chain run's conditional acceptance at that "
+         "temperature and the step costs measured at each batch size (drafter/engine/tuning.py; "
+         "the model calibrated on that temperature's decode step times against the costs at "
+         "the batch its steps ran at); each tree run's own τ and step, and for a greedy tree, "
+         "for each smaller depth the best number of nodes of its top-k, with the τ its steps "
+         "give for that shape (*estimated*).", "",
+         "**Expected speedup** is per decode step: τ × the plain step's time / the speculative "
+         "step's, prefills left out, every row live at every step: what an engine with "
+         "continuous batching gets, and what the best setting is chosen by. **As evaluated** "
+         "(at the batch evaluate ran at) is the same prediction in the quantities evaluate "
+         "measures: *decode speedup* = expected speedup × the share of τ evaluate's batches "
+         "kept (they wait for their slowest row: continuous ones only once no prompt is left), "
+         "and *speedup* with the prefills in, plain seconds / (the chain run's prefill seconds "
+         "+ plain decode seconds / decode speedup). For the chain run the model is calibrated "
+         "on, as evaluated equals what evaluate measured.", "",
+         "| temperature | calibrated at batch | speculative step x | plain step x | "
+         "share of τ kept |", "|---|---|---|---|---|"]
+    for t, r in by_t.items():
+        c = r["calibration"]
+        L.append(f"| {_t(t)} | {c['batch']} | {c['spec_ratio']} | {c['plain_ratio']} | "
+                 f"{_fmt(c['static_batch_efficiency'])} |")
+    L += ["", "| temperature | batch | setting | expected τ | step ms | expected speedup | "
+          "as evaluated: speedup / decode speedup |", "|---|---|---|---|---|---|---|"]
+    for t, r in by_t.items():
+        for b, x in r["by_batch"].items():
+            for row in x["settings"]:
+                best = " **(best)**" if row["setting"] == x["best"] else ""
+                best += " *(estimated)*" if row.get("estimated") else ""
+                ae = row.get("as_evaluated")
+                L.append(f"| {_t(t)} | {b} | {row['setting']}{best} | "
+                         f"{_fmt(row['expected_tau'])} | {_fmt(row['step_ms'])} | "
+                         f"{_fmt(row['speedup'])}x | "
+                         + (f"{_fmt(ae['speedup'])}x / {_fmt(ae['decode_speedup'])}x |"
+                            if ae else "- |"))
+    for t, r in by_t.items():
+        for b, x in r["by_batch"].items():
+            slower = x["expected_speedup"] < 1
+            L += ["", f"Temperature {_t(t)}, batch {b}: "
+                  + (f"no setting is expected to beat plain decoding (the best, {x['best']}, "
+                     f"{_fmt(x['expected_speedup'])}x): serve without the drafter; its flags:"
+                     if slower else f"serve with {x['best']}:"), ""]
+            L += [f"- {eng}: `{f}`" for eng, f in x["flags"].items() if f]
+    for t, r in by_t.items():
+        got = r.get("measured")
+        if not got:
+            continue
+        ae = got.get("expected_as_evaluated") or {}
+        L += ["", f"Measured at batch {got['batch']}, temperature {_t(t)} (the run "
+              f"`{got['run']}`): speedup **{_fmt(got['speedup'])}x** against "
+              f"{_fmt(ae.get('speedup'))}x expected as evaluated; without the prefills "
+              f"{_fmt(got['decode_speedup'])}x against {_fmt(ae.get('decode_speedup'))}x; "
+              f"per step (an engine with continuous batching) {_fmt(got['expected_speedup'])}x "
+              f"expected; τ {_fmt(got['tau'])}."]
+    return L
+
+
+def _t(t) -> str:
+    return f"{float(t):g}"
 
 
 def plots(run: Run, runs: list[dict]) -> None:

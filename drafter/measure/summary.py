@@ -4,7 +4,8 @@ over datasets, and the serving setting the tuner picks from them.
     m = summarize(outs, stats, tree, plain_outs, tol, records)   # one dataset of one run
     m = with_plain(m, plain_summary)                             # speedups against plain
     o = overall({"mt_bench": m, ...}, tree)                      # sums over the datasets
-    rec = recommend_setting(runs, plain_all, batch, drafter_dir)
+    rec = recommend_setting(runs, plain_all, batch, drafter_dir, temperature=0.0)
+    rec["measured"] = measured(rec, run)     # the run decoded at rec's best setting
 
 `stats` is one pass's timing (drafter.engine.decode.Decoder.last summed over its calls):
 seconds (prefills included: what a user waits for), prefill_seconds, iterations (decode steps),
@@ -159,48 +160,70 @@ def overall(per: dict, tree) -> dict:
     return m
 
 
-def recommend_setting(runs: list[dict], plain: dict, batch: int, drafter_dir: str) -> dict | None:
-    """The serving setting (drafter.engine.tuning) from the drafter's greedy chain run: its
-    conditional acceptance, the step costs measured per batch size, calibrated on this run's
-    step times (decode steps, prefills left out: the per-step figures an engine with continuous
-    batching gets) against the costs timed at `batch`, the rows those steps ran at (a batch_size
-    64 run of 21 and 22-row batches, calibrated against costs timed at 64 rows, had come out
-    x0.876); and from each greedy tree run, its own tau and those of its smaller shapes."""
+def recommend_setting(runs: list[dict], plain: dict, batch: int, drafter_dir: str,
+                      temperature: float = 0.0) -> dict | None:
+    """The serving setting at `temperature` (drafter.engine.tuning) from the drafter's chain run
+    at that temperature: its conditional acceptance, the step costs measured per batch size,
+    calibrated on this run's step times (decode steps, prefills left out: the per-step figures
+    an engine with continuous batching gets) against the costs timed at `batch`, the rows those
+    steps ran at (a batch_size 64 run of 21 and 22-row batches, calibrated against costs timed
+    at 64 rows, had come out x0.876); from each tree run at that temperature, its own tau, and
+    from a greedy one those of its smaller shapes (counted at temperature 0 only). At `batch`
+    each setting also gets the speedups evaluate would measure for it (tuning.as_evaluated:
+    evaluate's batches and prefills in). None without a chain run at that temperature."""
     from drafter.engine.tuning import chain_step_ms, recommend, tree_step_ms
 
+    T = float(temperature)
     chain = next((r for r in runs if r["drafter"] == "drafter" and r["method"] == "chain"
-                  and r["temperature"] == 0), None)
+                  and r["temperature"] == T), None)
     if chain is None or not chain["datasets"]["overall"].get("step_ms"):
         return None
     o, k = chain["datasets"]["overall"], chain["k"]
     t = chain["timing"]["by_batch"]
     spec_ratio = (o.get("decode_step_ms") or o["step_ms"]) / chain_step_ms(t[batch], k, k)
-    po = plain["0.0"]["overall"]
+    po = plain[str(T)]["overall"]
     plain_ms = po.get("decode_step_ms") or po.get("step_ms")
     plain_ratio = plain_ms / t[batch]["target_ms"] if plain_ms else 1.0
     trees = []
     for r in runs:
         ov = r["datasets"]["overall"]
-        if r["drafter"] != "drafter" or r["method"] != "tree" or r["temperature"] != 0 \
+        if r["drafter"] != "drafter" or r["method"] != "tree" or r["temperature"] != T \
                 or not ov.get("tau"):
             continue
         tt, D, N = r["timing"]["by_batch"], r["depth"], r["tokens"]
-        measured = ov.get("decode_step_ms") or ov.get("step_ms")
+        step = ov.get("decode_step_ms") or ov.get("step_ms")
         trees.append({"label": r["name"].split(",")[0].split(": ", 1)[-1], "tau": ov["tau"],
                       "depth": D, "topk": r["topk"], "tokens": N, "timings": tt,
-                      "ratio": measured / tree_step_ms(tt[batch], D, N, N) if measured else None,
+                      "ratio": step / tree_step_ms(tt[batch], D, N, N) if step else None,
                       "shapes": ov.get("tree_shapes")})
-    rec = recommend(o["acceptance_conditional"], t, k, {"spec_ratio": spec_ratio,
-                                                        "plain_ratio": plain_ratio},
-                    trees, drafter_dir)
     # a batch waits for its slowest row (static batches; continuous ones at their last prompts):
     # the steps the batches took, against tau's promise
-    p_it = plain["0.0"]["overall"].get("iterations")
+    p_it = po.get("iterations")
     eff = (p_it / o["iterations"]) / o["tau"] if p_it and o.get("iterations") and o["tau"] \
         else None
-    return {"calibration": {"batch": batch, "spec_ratio": round(spec_ratio, 3),
+    calib = {"spec_ratio": spec_ratio, "plain_ratio": plain_ratio}
+    if eff and all(x.get("prefill_seconds") is not None for x in (o, po)) and po.get("seconds"):
+        calib["evaluated"] = {"batch": batch, "efficiency": eff, "plain_seconds": po["seconds"],
+                              "plain_prefill_seconds": po["prefill_seconds"],
+                              "prefill_seconds": o["prefill_seconds"]}
+    rec = recommend(o["acceptance_conditional"], t, k, calib, trees, drafter_dir)
+    return {"temperature": T,
+            "calibration": {"batch": batch, "spec_ratio": round(spec_ratio, 3),
                             "plain_ratio": round(plain_ratio, 3),
                             "static_batch_efficiency": _r(eff)}, "by_batch": rec}
+
+
+def measured(rec: dict, run: dict) -> dict:
+    """The figures evaluate measured for the setting `rec` (recommend_setting's) finds best at
+    its batch, beside the expected ones: `expected_speedup` per step (as an engine with
+    continuous batching gets) and `expected_as_evaluated`, the same two quantities evaluate
+    measured (`speedup`, prefills in; `decode_speedup`, the steps alone)."""
+    b = str(rec["calibration"]["batch"])
+    return {"batch": rec["calibration"]["batch"], "temperature": rec.get("temperature", 0.0),
+            "run": run["name"], **{k: run["datasets"]["overall"].get(k)
+                                   for k in ("tau", "speedup", "decode_speedup", "x_parts")},
+            "expected_speedup": rec["by_batch"][b]["expected_speedup"],
+            "expected_as_evaluated": rec["by_batch"][b].get("expected_as_evaluated")}
 
 
 def best_tree(rec: dict, batch: int):

@@ -44,6 +44,7 @@ from drafter.measure.report import plots, render_report
 from drafter.measure.summary import (
     best_tree,
     lossless_sum,
+    measured,
     overall,
     recommend_setting,
     summarize,
@@ -322,6 +323,7 @@ def main(cfg) -> dict:
     log.info("evaluate: warm-up: %s", warm)
     cal = None  # the batch the steps run at (rows_per_step), decided by the first plain passes
     greedy, run_parts = None, []  # T=0's (plain outs, plain summaries, prompts); (Drafter, tree)
+    decoded = {}                  # the same per temperature
 
     def parts(m: dict, prop, tree) -> dict:  # what m's steps must run at the shapes they ran at
         return with_parts(m, dec.parts_ms(prop, tree, m["spans"])) if m.get("spans") else m
@@ -374,8 +376,9 @@ def main(cfg) -> dict:
         ps = {n: s for n, (_, s) in plain.items()}
         ps["overall"] = parts(overall(ps, None), None, None)
         plain_all[str(T)] = ps
+        decoded[T] = (plain, ps, prompts)
         if T == 0:
-            greedy = (plain, ps, prompts)
+            greedy = decoded[T]
         if cal is None:  # below batch_size when a dataset has fewer prompts (or a last partial
             # batch): the costs are timed there too, and the serving setting calibrated there
             rows = ps["overall"].get("rows_per_step")
@@ -385,23 +388,25 @@ def main(cfg) -> dict:
                 runs.append(method_run(what, prop, dr, path, method, tree, T, plain, ps,
                                        prompts))
 
-    # the tuner's setting for the batch evaluated, run too when no run above was it: the speedup
-    # it promises, measured
-    rec = recommend_setting(runs, plain_all, cal, str(drafters[0][2]))
-    best = best_tree(rec, cal) if rec else None
-    if best is not None and ev.run_recommended:
-        same = next((r for r, (_, tree) in zip(runs, run_parts) if r["drafter"] == "drafter"
-                     and r["temperature"] == 0 and tree == best), None)
-        if same is None:
-            log.info("evaluate: the recommended setting at batch %d, %s", cal, best.label())
-            same = method_run("drafter", proposers[0][1], drafters[0][1], drafters[0][2],
-                              "chain" if best.is_chain else "tree", best, 0.0, *greedy)
-            runs.append(same)
-        same["recommended"] = True
-        rec["measured"] = {"batch": cal, "run": same["name"],
-                           **{k: same["datasets"]["overall"].get(k)
-                              for k in ("tau", "speedup", "decode_speedup", "x_parts")},
-                           "expected_speedup": rec["by_batch"][str(cal)]["expected_speedup"]}
+    # per temperature, the tuner's setting for the batch evaluated, run too when no run above
+    # was it: the speedup it promises, measured
+    recs = {}
+    for T in decoded:
+        rec = recommend_setting(runs, plain_all, cal, str(drafters[0][2]), T)
+        best = best_tree(rec, cal) if rec else None
+        if best is not None and ev.run_recommended:
+            same = next((r for r, (_, tree) in zip(runs, run_parts) if r["drafter"] == "drafter"
+                         and r["temperature"] == T and tree == best), None)
+            if same is None:
+                log.info("evaluate: the recommended setting at batch %d, T=%g: %s", cal, T,
+                         best.label())
+                same = method_run("drafter", proposers[0][1], drafters[0][1], drafters[0][2],
+                                  "chain" if best.is_chain else "tree", best, T, *decoded[T])
+                runs.append(same)
+            same["recommended"] = True
+            rec["measured"] = measured(rec, same)
+        if rec:
+            recs[str(T)] = rec
     drift = _recheck(model, runs, run_parts, greedy[2], ev.max_new_tokens, stop) \
         if dtype != torch.float32 else 0
     primary = runs[0]
@@ -423,11 +428,14 @@ def main(cfg) -> dict:
                     if k in primary},
         "datasets": ds_info,
     }
-    if rec:
-        settings["recommended"] = rec
+    if recs:  # the greedy one's keys at the top, as the export READMEs and older readers read
+        settings["recommended"] = {**recs.get("0.0", {}), "by_temperature": recs}
     engine = None
     if ev.engine == "both":
-        k = best.depth if best is not None and best.is_chain and ev.run_recommended else ev.k
+        rec0 = recs.get("0.0")
+        best0 = best_tree(rec0, cal) if rec0 else None
+        k = best0.depth if best0 is not None and best0.is_chain and ev.run_recommended \
+            else ev.k
         engine = vllm_acceptance(cfg, drafters[0][2], k,
                                  [(n, greedy[2][n].rounds) for n, _, _ in datasets], stop,
                                  ev.max_new_tokens)

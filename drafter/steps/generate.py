@@ -2,7 +2,8 @@
 
 Reads   prepare/conversations.jsonl    canonical conversations (docs/internals.md)
 Writes  generate/conversations.jsonl   same schema; every assistant turn is the target's answer
-        generate/errors.jsonl          conversations that failed: {"id", "kind", "reason", "turn"}
+        generate/errors.jsonl          conversations that failed: {"id", "kind", "reason",
+                                       "message", "turn", "time"}
         generate/server.log            the output of the server drafter started
 Command drafter generate CONFIG [key=value ...]     (one process; the server batches requests)
 
@@ -31,6 +32,11 @@ error is transient (connection errors, 5xx and timeouts that outlasted the retri
 moment loses at most the conversations in flight; a torn last line is cut off on restart. At the
 end the file is rewritten in input order (atomically) and the step fails if transient errors are
 left, so that `drafter generate CONFIG` again retries them. ok + errors + skipped == input.
+
+Errors: each failed conversation's line in errors.jsonl holds a short `reason` shared by every
+conversation that failed the same way ("prompt too long", "HTTP 400: context length exceeded",
+"timeout", ...) and the full `message`; the manifest counts them by reason (`errors_by_reason`)
+and the step's log line names them.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sys
 import time
 from contextlib import contextmanager
@@ -61,6 +68,31 @@ class GenerateError(DrafterError):
 
 class _Transient(Exception):
     """A failure that outlasted the retries but may pass later (server down, 5xx, timeouts)."""
+
+
+class _Failed(Permanent):
+    """A permanent failure whose short reason is known where it is raised."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def error_reason(message: str) -> str:
+    """The short reason of an error message that came without one (a record drafter.data's
+    Conversation refuses, an errors.jsonl line written before reasons were kept): the message up
+    to its first colon, parenthesis or sentence end, numbers as N, at most 60 characters."""
+    head = re.split(r"[:;(\n]|\. ", str(message).strip(), maxsplit=1)[0]
+    return re.sub(r"\d+(\.\d+)?", "N", head).strip()[:60].rstrip() or "unknown"
+
+
+def count_reasons(errors) -> dict[str, int]:
+    """{reason: conversations} over errors.jsonl records, the most frequent first."""
+    out: dict[str, int] = {}
+    for e in errors:
+        r = e.get("reason") or "unknown"
+        out[r] = out.get(r, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 # --------------------------------------------------------------------------------------- the sink
@@ -96,9 +128,9 @@ class _Sink:
         self.completion_tokens += sum(t["completion_tokens"] for t in conv.turns)
         self._tick()
 
-    def add_error(self, conv_id: str, kind: str, reason: str, turn: int) -> None:
-        self.err.write({"id": conv_id, "kind": kind, "reason": reason[:2000], "turn": turn,
-                        "time": round(time.time(), 3)})
+    def add_error(self, conv_id: str, kind: str, reason: str, message: str, turn: int) -> None:
+        self.err.write({"id": conv_id, "kind": kind, "reason": reason, "message": message[:2000],
+                        "turn": turn, "time": round(time.time(), 3)})
         self.failed[kind] += 1
         self._tick()
 
@@ -136,12 +168,16 @@ def _parse(resp: dict) -> dict:
         choice = resp["choices"][0]
         msg = choice["message"]
     except (KeyError, IndexError, TypeError):
-        raise Permanent(f"a response without choices[0].message: {str(resp)[:500]}") from None
+        raise _Failed("a response without choices[0].message",
+                      f"a response without choices[0].message: {str(resp)[:500]}") from None
     content, reasoning = split_reasoning(msg.get("content"),
                                          msg.get("reasoning_content") or msg.get("reasoning"))
     return {"content": content, "reasoning": reasoning,
             "finish_reason": choice.get("finish_reason"), "usage": resp.get("usage") or {},
             "tool_calls": msg.get("tool_calls")}
+
+
+TOO_LONG = "prompt too long"  # the reason of a prompt that cannot fit (counted as too_long)
 
 
 class _Fits:
@@ -180,8 +216,12 @@ class _Fits:
         n = len(self.tok(text, add_special_tokens=False)["input_ids"])
         if n <= budget:
             return None
-        return (f"prompt too long: {n} tokens + generate.max_tokens {self.max_tokens} exceed the "
+        return (f"{TOO_LONG}: {n} tokens + generate.max_tokens {self.max_tokens} exceed the "
                 f"target's context of {self.ctx} tokens (max_position_embeddings); not sent")
+
+
+def _reason(e: Permanent) -> str:
+    return e.reason if isinstance(e, _Failed) else error_reason(str(e))
 
 
 async def _answer(conv: Conversation, client, model: str, g, sink: _Sink,
@@ -190,27 +230,29 @@ async def _answer(conv: Conversation, client, model: str, g, sink: _Sink,
 
     try:
         if not conv.points:
-            raise Permanent("no user turn to answer")
+            raise _Failed("no user turn", "no user turn to answer")
         while not conv.done:
             body = request_body(g, model, conv.next_messages(),
                                 request_seed(g.seed, conv.id, conv.turn), conv.tools,
                                 conv.temperature)
             why = fits(body["messages"], conv.tools) if fits is not None else None
             if why is not None:
-                raise Permanent(why)
+                raise _Failed(TOO_LONG, why)
             try:
                 out = _parse(await client.chat(body))
             except RequestError as e:
-                raise (Permanent if e.permanent else _Transient)(str(e)) from None
+                if e.permanent:
+                    raise _Failed(e.reason, str(e)) from None
+                raise _Transient(e.reason, str(e)) from None
             if out["finish_reason"] == "length" and g.drop_truncated:
-                raise Permanent(f"truncated: the answer reached generate.max_tokens="
-                                 f"{g.max_tokens} (generate.drop_truncated is true)")
+                raise _Failed("truncated", f"truncated: the answer reached generate.max_tokens="
+                              f"{g.max_tokens} (generate.drop_truncated is true)")
             conv.add(out["content"], out["reasoning"], out["finish_reason"], out["usage"],
                      out["tool_calls"])
     except Permanent as e:
-        sink.add_error(conv.id, "permanent", str(e), conv.turn)
+        sink.add_error(conv.id, "permanent", _reason(e), str(e), conv.turn)
     except _Transient as e:
-        sink.add_error(conv.id, "transient", str(e), conv.turn)
+        sink.add_error(conv.id, "transient", *e.args, conv.turn)
     else:
         sink.add_ok(conv)
 
@@ -235,7 +277,7 @@ async def _run_http(g, pool, records: Iterator[dict], sink: _Sink,
             try:
                 conv = Conversation(rec)
             except Permanent as e:
-                sink.add_error(rec["id"], "permanent", str(e), 0)
+                sink.add_error(rec["id"], "permanent", _reason(e), str(e), 0)
                 continue
             await _answer(conv, client, pool.model, g, sink, fits)
 
@@ -298,13 +340,14 @@ class _Local:
         try:
             conv = Conversation(rec)
             if conv.synthetic and self.syn is None:
-                raise Permanent("a synthetic record, but no synthetic source in "
-                                 "prepare.sources (rerun `drafter prepare`)")
+                raise _Failed("synthetic record without a synthetic source",
+                              "a synthetic record, but no synthetic source in prepare.sources "
+                              "(rerun `drafter prepare`)")
             if not conv.points and not conv.synthetic:
-                raise Permanent("no user turn to answer")
+                raise _Failed("no user turn", "no user turn to answer")
         except Permanent as e:
             with self.ph("write"):
-                self.sink.add_error(rec["id"], "permanent", str(e), 0)
+                self.sink.add_error(rec["id"], "permanent", _reason(e), str(e), 0)
             return None
         return conv
 
@@ -340,9 +383,9 @@ class _Local:
         for (conv, n_prompt, cap, user, ids, finish_reason), text in zip(done, texts):
             if finish_reason == "too_long":
                 with ph("write"):
-                    sink.add_error(conv.id, "permanent", f"prompt too long: {n_prompt} tokens + "
-                                   f"{cap} new do not fit the target's context or the KV cache",
-                                   conv.turn)
+                    sink.add_error(conv.id, "permanent", TOO_LONG,
+                                   f"{TOO_LONG}: {n_prompt} tokens + {cap} new do not fit the "
+                                   f"target's context or the KV cache", conv.turn)
                 continue
             if user:
                 with ph("synthetic"):
@@ -350,14 +393,15 @@ class _Local:
                 if why is not None and conv.attempts >= syn.settings(conv).max_attempts:
                     with ph("write"):
                         sink.add_error(conv.id, "permanent", f"synthetic: no usable user turn "
-                                       f"in {conv.attempts} samples (last: {why})", conv.turn)
+                                       f"({why})", f"synthetic: no usable user turn in "
+                                       f"{conv.attempts} samples (last: {why})", conv.turn)
                     continue
                 still.append(conv)
                 continue
             if finish_reason == "length" and g.drop_truncated:
                 with ph("write"):
-                    sink.add_error(conv.id, "permanent", f"truncated: the answer reached "
-                                   f"generate.max_tokens={g.max_tokens}", conv.turn)
+                    sink.add_error(conv.id, "permanent", "truncated", f"truncated: the answer "
+                                   f"reached generate.max_tokens={g.max_tokens}", conv.turn)
                 continue
             with ph("detokenize"):
                 content, reasoning = split_reasoning(text)
@@ -602,8 +646,16 @@ def _scan_output(path: Path, repair: bool, bad: list | None = None
 
 
 def _errors(path: Path) -> dict[str, dict]:
-    """Last error per id (a retried id may have several lines)."""
-    return {e["id"]: e for e in read_jsonl(path, repair=True) if "id" in e}
+    """Last error per id (a retried id may have several lines). A line without a `message`
+    (written before errors kept a short reason) has its message in `reason`: read as both."""
+    out = {}
+    for e in read_jsonl(path, repair=True):
+        if "id" not in e:
+            continue
+        if "message" not in e:
+            e = {**e, "reason": error_reason(e.get("reason", "")), "message": e.get("reason", "")}
+        out[e["id"]] = e
+    return out
 
 
 def _finalise(run: Run, ids: list[str]) -> dict:
@@ -712,15 +764,18 @@ def main(cfg) -> dict:
     counts = {"input": len(ids), "ok": fin["ok"], "errors": len(errors), "skipped": 0,
               "generated": generated, "resumed": fin["ok"] - generated, "retried": retried,
               "truncated": fin["stats"]["truncated"], "turns": fin["stats"]["turns"],
-              "too_long": sum(str(e.get("reason", "")).startswith("prompt too long")
-                              for e in errors.values())}
+              "too_long": sum(e.get("reason") == TOO_LONG for e in errors.values())}
+    reasons = count_reasons(errors.values())
     if counts["ok"] + counts["errors"] + counts["skipped"] != counts["input"]:
         raise GenerateError(f"generate: ok {counts['ok']} + errors {counts['errors']} != input "
                             f"{counts['input']} (a bug: please report it with {run.root})")
-    log.info("generate: %d ok, %d errors (%d permanent, %d transient), %d answers truncated; "
+    log.info("generate: %d ok, %d errors (%d permanent, %d transient%s), %d answers truncated; "
              "%d completion tokens in %.1fs (%.0f tok/s)", counts["ok"], counts["errors"],
-             kinds["permanent"], kinds["transient"], counts["truncated"], completion_tokens,
-             seconds, completion_tokens / max(seconds, 1e-9))
+             kinds["permanent"], kinds["transient"],
+             (": " + ", ".join(f"{n} {r}" for r, n in reasons.items())
+              + f"; each in {run.generate_errors()}") if reasons else "",
+             counts["truncated"], completion_tokens, seconds,
+             completion_tokens / max(seconds, 1e-9))
     if phases:
         log.info("generate: seconds by phase: load %.1f; host %s; engine %s", phases["load"],
                  ", ".join(f"{k} {v:.1f}" for k, v in phases["host"].items()),
@@ -740,6 +795,7 @@ def main(cfg) -> dict:
         **({"phases_s": phases} if phases else {}),
         **({"engine_counts": engine_counts} if engine_counts else {}),
         "errors_by_kind": kinds,
+        "errors_by_reason": reasons,
         **({"synthetic": synthetic_stats(run)} if synthetic else {}),
         "server": server,
         "sampling": {"temperature": g.temperature, "extra_temperatures": g.extra_temperatures,
