@@ -157,12 +157,13 @@ def _hinted_target(ed: EngineDir) -> tuple[E.TargetInfo | None, str | None]:
 
 def run_checks(path, target: E.TargetInfo | str | None = None,
                serving_context: int | None = None, smoke: bool = False,
-               trust_remote_code: bool = False) -> Report:
+               trust_remote_code: bool = False, engines: bool = True) -> Report:
     """Every check on one dir. `target`: a TargetInfo, a spec for drafter.core.target / a
     config.json path, or None (use the dir's hints). `smoke`: with a target spec that names a
     model, also the acceptance smoke test (loads the target). `trust_remote_code`: the target's
-    own code may run (target.trust_remote_code). A dir that cannot be read gives one failed
-    check."""
+    own code may run (target.trust_remote_code). `engines`: also the engine rule (the installed
+    vLLM / SGLang serve EAGLE-3 for the target: export/support.py). A dir that cannot be read
+    gives one failed check."""
     from drafter.core.config import TargetConfig
 
     path = Path(path)
@@ -186,7 +187,8 @@ def run_checks(path, target: E.TargetInfo | str | None = None,
         except Exception as e:  # noqa: BLE001 - one broken field must not hide the other checks
             checks.append(Check(fn.__name__[2:], FAIL, f"could not be checked: "
                                 f"{type(e).__name__}: {e}"))
-    checks += c_engine_support(target)
+    if engines:
+        checks += c_engine_support(target)
     if smoke and spec is not None:
         if Path(spec).expanduser().suffix == ".json":
             checks.append(Check("acceptance", WARN, f"{spec} is a config.json: no weights to "
