@@ -81,7 +81,7 @@ def test_shards_index_and_manifest(base):
     assert c["train_samples"] + c["val_samples"] == c["samples"] > 15
     assert c["shards"] == c["shards_written"] > 4 and c["shards_kept"] == c["shards_redone"] == 0
     info = m["info"]
-    assert info["layer_ids"] == [2, 3, 3] and info["num_layers"] == 6 and info["hidden_size"] == 64
+    assert info["layer_ids"] == [1, 3, 4] and info["num_layers"] == 6 and info["hidden_size"] == 64
     assert info["teacher"] == "hidden" and info["aux_dtype"] == "bf16"
     assert info["target_dtype"] == "float32"
     assert m["tokens_per_s"] > 0 and m["self_check"]["tokens"] > 0

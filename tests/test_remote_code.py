@@ -1,6 +1,7 @@
 """A target that ships its own model code, shaped like Kimi-K2.5 (tests/remote_code.py: a
 KimiK25ForConditionalGeneration wrapper around a tiny DeepSeek-V3 with a vision stub), through
-plan -> prepare -> tokenize -> vocab -> extract -> train -> export -> check on the CPU with
+plan -> prepare -> tokenize -> vocab -> extract -> train -> export -> evaluate -> check on the
+CPU with
 `target.trust_remote_code: true`; without it, one error naming the key, from a fresh process
 (transformers registers a remote class for the rest of a process once it has loaded it)."""
 from __future__ import annotations
@@ -42,6 +43,9 @@ def write_config(path: Path, run_dir: Path, model: Path, shared_data: Path,
         "train": {"max_length": 64, "batch_tokens": 128, "ttt_steps": 2, "lr": 3e-3,
                   "log_every": 1, "eval_every": 0, "save_every": 1000, "max_steps": 6},
         "export": {"dtype": "float32"},
+        "evaluate": {"datasets": [{"name": "humaneval", "path": "builtin:humaneval",
+                                   "max_prompts": 2}], "max_new_tokens": 8, "k": 2,
+                     "run_recommended": False},
     }))
     return path
 
@@ -88,8 +92,12 @@ def test_plan_extract_train_export_check_on_a_remote_code_wrapper(kimi, tmp_path
     assert not run.root.exists()                                            # plan writes nothing
 
     # every step in a fresh process, where only target.trust_remote_code lets the code run
-    p = cli("run", str(cfg_path), "--until", "export")
+    p = cli("run", str(cfg_path))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    # evaluate decoded the wrapper (the static-cache decoder found its language model's final
+    # norm), plain and speculative, identical in float32
+    ev = read_json(run.manifest("evaluate"))
+    assert ev["lossless"] is True and ev["counts"]["prompts"] == 2
     ext = read_json(run.manifest("extract"))
     # the capture found the language model's decoder inside the wrapper, and its self-check
     # compared the hooks and the teacher with the wrapper's own forward

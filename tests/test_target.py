@@ -78,6 +78,9 @@ def test_bad_target_specs(tmp_path):
 def test_default_layer_ids():
     assert T.default_layer_ids(30) == [2, 15, 27]
     assert T.default_layer_ids(61) == [2, 30, 58]
+    assert T.default_layer_ids(8) == [2, 4, 5]
+    # below 8 layers [2, N//2, N-3] repeats one: three distinct layers instead
+    assert T.default_layer_ids(6) == [1, 3, 4] and T.default_layer_ids(4) == [0, 2, 3]
 
 
 # --------------------------------------------------------- the tokenizer against llama.cpp's

@@ -306,6 +306,10 @@ def check_values(cfg, where: Where | None = None) -> None:
                 "default [2, N//2, N-3]")
         for i, k in enumerate(e.layer_ids):
             ge(f"extract.layer_ids[{i}]", k, 0)
+        if list(e.layer_ids) != sorted(set(e.layer_ids)):
+            bad("extract.layer_ids", e.layer_ids, "must be ascending and distinct (vLLM and "
+                "SGLang capture each layer once, in layer order: a drafter trained on another "
+                "order or on a repeat would read its features permuted)")
     for f in ("topk", "batch_tokens", "shard_tokens"):
         ge(f"extract.{f}", getattr(e, f), 1)
     if e.engine == "vllm" and e.tp:

@@ -281,8 +281,16 @@ def is_routed_expert(name: str) -> bool:
 
 
 def default_layer_ids(n_layers: int) -> list[int]:
-    """DESIGN.md convention: id k = HS[k], the residual stream entering layer k."""
-    return [2, n_layers // 2, n_layers - 3]
+    """DESIGN.md convention: id k = HS[k], the residual stream entering layer k; [2, N//2, N-3].
+    Below 8 layers that repeats a layer, which engines cannot serve (they capture each layer
+    once, in order): three distinct layers spread over the stack instead."""
+    ids = [2, n_layers // 2, n_layers - 3]
+    if len(set(ids)) == 3 and ids[0] < ids[1] < ids[2]:
+        return ids
+    for ids in ([1, n_layers // 2, n_layers - 2], [0, n_layers // 2, n_layers - 1]):
+        if 0 <= ids[0] < ids[1] < ids[2] < n_layers:
+            return ids
+    return list(range(n_layers))
 
 
 def load_tokenizer(tcfg):

@@ -117,8 +117,11 @@ class Engine:
         if why:
             raise EngineUnsupported(f"{type(model).__name__}: {why}")
         use_paged_attention(model)
-        self.model, self.decoder = model, model.get_decoder()
-        self.head = model.get_output_embeddings()
+        from drafter.features.capture import output_head, text_decoder
+
+        # a multimodal wrapper's get_decoder() is its whole language model: follow it down
+        self.model, self.decoder = model, text_decoder(model)
+        self.head = output_head(model)
         emb = model.get_input_embeddings().weight
         self.device, self.dtype = emb.device, emb.dtype
         params = inspect.signature(self.decoder.forward).parameters

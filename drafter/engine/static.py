@@ -201,7 +201,7 @@ class StaticTarget:
 
     def __init__(self, model, fold: bool | None = None):
         from drafter.core.target import text_config
-        from drafter.features.capture import decoder_layers
+        from drafter.features.capture import decoder_layers, text_decoder
 
         self.model = model
         tc = text_config(model.config)
@@ -217,7 +217,7 @@ class StaticTarget:
                               f"only)")
         self.window = getattr(tc, "sliding_window", None) if "sliding_attention" in types else None
         self.layers = decoder_layers(model)
-        self.final_norm = getattr(model.get_decoder(), "norm", None)
+        self.final_norm = getattr(text_decoder(model), "norm", None)  # wrappers: their LM's
         self.num_layers = len(self.layers)
         # (heads, dim) of a standard layer's keys and values: their cache layers share a pool
         self.kv_shape = (getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
