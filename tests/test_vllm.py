@@ -60,12 +60,15 @@ def base(tmp_path_factory, shared_data):
     pipeline.run_all(cfg, steps=["prepare", "generate", "tokenize", "vocab", "extract", "train",
                                  "export"])
     env = {**os.environ, "VLLM_CACHE_ROOT": str(d / "vllm-cache"), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": str(REPO),
+           # as a user's shell may have it: extract drops it for vLLM's connector
+           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     return {"dir": d, "cfg": cfg_path, "run": Run(d / "run"), "env": env}
 
 
 def _drafter(base, *args, run_dir=None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "drafter.cli", *args, str(base["cfg"])]
+    step, *overrides = args
+    cmd = [sys.executable, "-m", "drafter.cli", step, str(base["cfg"]), *overrides]
     if run_dir is not None:
         cmd.append(f"run_dir={run_dir}")
     p = subprocess.run(cmd, env=base["env"], capture_output=True, text=True, timeout=1500)

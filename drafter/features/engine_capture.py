@@ -31,6 +31,7 @@ copies through pinned memory and CUDA streams).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -79,6 +80,19 @@ def engine_memory_defaults(engine_args: dict) -> dict:
     if torch.cuda.is_available():
         return {"gpu_memory_utilization": 0.8}
     return {"kv_cache_memory_bytes": 2 << 30}
+
+
+def _no_expandable_segments() -> None:
+    """vLLM refuses any KV connector under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (a
+    remapped page would move the states under the connector): drop that one setting for the
+    engine's processes, saying so."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    parts = [p for p in conf.split(",") if p.strip()]
+    keep = [p for p in parts if p.strip() != "expandable_segments:True"]
+    if keep != parts:
+        log.info("extract: PYTORCH_CUDA_ALLOC_CONF without expandable_segments:True for vLLM "
+                 "(its hidden-states connector refuses it)")
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(keep)
 
 
 # ------------------------------------------------------------------------- the target's head
@@ -241,6 +255,7 @@ class EngineCapture(Capture):
                  self.layer_ids, self.engine_ids,
                  ", ".join(f"{k}={v}" for k, v in tcfg.engine_args.items()) or "its defaults")
         self.params = SamplingParams(max_tokens=1, temperature=0.0)
+        _no_expandable_segments()
         return LLM(**kw)
 
     def close(self) -> None:
