@@ -3,7 +3,7 @@ equal drafter's own capture, extract.engine=vllm writes the same shards and resu
 from its own counters equals drafter's evaluator's count for count, and `drafter check`'s engine
 rule reads vLLM's model registry. Skipped where vLLM is not installed.
 
-One SmolLM2 run in float32 (prepare -> export through transformers, 30 train steps) is shared by
+One SmolLM2 run in float32 (prepare -> export through transformers, 60 train steps) is shared by
 the module; every vLLM start runs in a subprocess (vLLM spawns its engine processes) with its
 compile cache in the test's temporary folder and eager kernels (target.engine_args)."""
 from __future__ import annotations
@@ -47,10 +47,11 @@ def base(tmp_path_factory, shared_data):
         "tokenize": {"max_length": 160, "workers": 1},
         "vocab": {"draft_vocab_size": 2048},
         "extract": {"shard_tokens": 512, "batch_tokens": 512, "teacher": "topk", "topk": 16},
-        "train": {"max_steps": 30, "batch_tokens": 1024, "max_length": 160, "ttt_steps": 3,
+        "train": {"max_steps": 60, "batch_tokens": 1024, "max_length": 160, "ttt_steps": 3,
                   "lr": 3e-3, "log_every": 10, "eval_every": 0, "save_every": 100},
-        "evaluate": {"datasets": [{"name": "humaneval", "path": "builtin:humaneval",
-                                   "max_prompts": 6}],
+        # the prompts it trained on: a drafter of 60 CPU steps accepts there
+        "evaluate": {"datasets": [{"name": "chat", "path": str(
+            shared_data / "train/sharegpt_dummy_conversation.json"), "max_prompts": 6}],
                      "max_new_tokens": 32, "methods": ["chain"], "k": 3,
                      "run_recommended": False},
     }
@@ -91,11 +92,11 @@ def test_capture_inside_vllm_equals_drafters_in_float32(base):
     assert r["layer_ids"] == [2, 15, 27] and r["engine_ids"] == [2, 15, 27, 30]
     assert r["tokens"] > 1000
     assert max(r["aux_rel_l2"]) < 1e-5, r
-    # the top-k ids as a set on every token; their order where two log-probs tie to the
-    # rounding of fp16 (the store's precision), never beyond
+    # the top-k ids as a set on >= 99.9% of tokens; their order differs only where two log-probs
+    # tie at fp16, the store's precision (one ulp is 1/128 for |logp| in [4, 8), 1/64 below 16)
     assert r["topk_sets_same"] >= 0.999 and r["top1_same"] >= 0.999, r
-    assert r["topk_ids_same"] >= 0.99 and r["swap_max_gap"] <= 1e-3, r
-    assert r["in_vocab_same"] == 1.0 and r["logp_max_diff"] < 1e-3, r
+    assert r["topk_ids_same"] >= 0.99 and r["swap_max_gap"] <= 1 / 64, r
+    assert r["in_vocab_same"] == 1.0 and r["logp_max_diff"] <= 1 / 64, r   # fp16: one ulp
     assert r["engine_check"]["same_next_token"] == r["engine_check"]["samples"] == 19
 
 
@@ -145,9 +146,9 @@ def test_vllm_tau_equals_drafters_count_for_count(base):
     m = read_json(run.eval_metrics())
     eng, ours = m["engine"], m["runs"][0]["datasets"]
     assert eng["k"] == 3 and eng["version"]
-    for name in ("humaneval", "overall"):
+    for name in ("chat", "overall"):
         e, d = eng["datasets"].get(name, eng["overall"]), ours[name]
-        assert e["drafts"] == d["steps"] and e["accepted"] == d["accepted"], (e, d)
+        assert e["steps"] == d["steps"] and e["accepted"] == d["accepted"], (e, d)
         assert e["tau"] == pytest.approx(d["tau"], abs=1e-4)
         assert e["same_as_plain"] == e["prompts"] == 6
     assert eng["overall"]["accepted"] > 0

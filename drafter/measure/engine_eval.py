@@ -13,9 +13,10 @@ user's parallelism and quantisation (target.engine_args):
 2. greedy with `speculative_config={"method": "eagle3", "model": DIR, "num_speculative_tokens":
    K}`, on the same prompt ids, its spec-decode counters read before and after each dataset.
 
-τ per dataset = 1 + accepted / drafts (`vllm:spec_decode_num_accepted_tokens` over
-`vllm:spec_decode_num_drafts`: drafter's own definition, the bonus token counted), and the
-acceptance at each position from `vllm:spec_decode_num_accepted_tokens_per_pos`. Greedy outputs
+τ per dataset = 1 + accepted / steps, steps = draft tokens / K (`vllm:spec_decode_num_accepted_tokens`
+and `vllm:spec_decode_num_draft_tokens`: drafter's own definition, the bonus token counted; vLLM's
+`num_drafts` also counts a last scheduling with nothing left to draft), and the acceptance at
+each position from `vllm:spec_decode_num_accepted_tokens_per_pos`. Greedy outputs
 with and without the drafter are compared token for token (identical, or the first difference);
 in 16-bit a difference can be vLLM's own batch-dependent rounding, which is why it is reported
 and not judged here (drafter's own evaluator, where the target fits, gives the lossless verdict).
@@ -183,11 +184,15 @@ def _max_len(cfg, batch, max_new: int) -> int:
 
 
 def _figures(c: dict, k: int) -> dict:
-    drafts = c["drafts"]
-    per_pos = [a / drafts if drafts else None for a in c["per_pos"]]
-    return {"tau": round(1 + c["accepted"] / drafts, 5) if drafts else None,
-            "drafts": drafts, "draft_tokens": c["draft_tokens"], "accepted": c["accepted"],
-            "accepted_per_pos": c["per_pos"], "acceptance_per_pos": per_pos}
+    """τ over verification steps of K drafts: draft_tokens / K. vLLM's own `num_drafts` also
+    counts a request's last scheduling, where nothing was left to draft (0 tokens): kept as
+    `drafts`, not divided by."""
+    steps = c["draft_tokens"] / k
+    per_pos = [a / steps if steps else None for a in c["per_pos"]]
+    return {"tau": round(1 + c["accepted"] / steps, 5) if steps else None,
+            "steps": round(steps, 3), "drafts": c["drafts"], "draft_tokens": c["draft_tokens"],
+            "accepted": c["accepted"], "accepted_per_pos": c["per_pos"],
+            "acceptance_per_pos": per_pos}
 
 
 def render(engine: dict, ours: dict | None = None) -> str:
