@@ -222,6 +222,16 @@ def check_philox_draws(dev="cpu", rows=400):
     first = torch.bincount(ids[:, 0] - 100, minlength=5).float() / rows
     assert (first - p).abs().max() < 4.5 * (0.25 / rows) ** 0.5, first
     assert (ids[:, 0] != ids[:, 1]).all() and ((ids >= 100) & (ids < 105)).all()
+    # the walk's last token at a root without children: a draw from p (V = 10, 3 draftable)
+    logits = torch.cat([hot, hot], 0).repeat(rows, 1)[:, None]                   # [rows, 1, 10]
+    q = DraftQ(torch.zeros(rows, 1, 3, device=dev), torch.zeros(rows, 1, device=dev), 0.7)
+    _, n_acc, last = rejection.walk_triton(
+        logits, torch.zeros(rows, 0, dtype=torch.long, device=dev),
+        torch.full((rows, 1, 1), -1, device=dev), torch.zeros(rows, 1, dtype=torch.long,
+                                                               device=dev),
+        q, torch.tensor([0, 4, 7], device=dev), 0.7, torch.rand(rows, 1, 1, device=dev))
+    freq = torch.bincount(last % 5, minlength=5).float() / rows
+    assert (n_acc == 0).all() and (freq - p).abs().max() < 4.5 * (0.25 / rows) ** 0.5, freq
 
 
 def test_kernels_in_the_interpreter():

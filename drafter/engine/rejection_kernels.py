@@ -13,13 +13,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _noise(NOISE, SEED, off, HAS_NOISE: tl.constexpr):
-    # uniforms at int32 offsets `off`: read (the tests' fixed draws) or Philox's
-    if HAS_NOISE:
-        u = tl.load(NOISE + off)
-    else:
-        u = tl.rand(tl.load(SEED), off)
+def _gumbel(u):
     return -tl.log(-tl.log(tl.minimum(tl.maximum(u, 1e-20), 1.0 - 1e-7)))
+
+
+@triton.jit
+def _philox(SEED, off4):
+    # four uniforms per Philox offset (off4 [..., M] int32) for four adjacent columns: [..., 4M]
+    # in a fixed order (a draw of Philox costs ten rounds; one a column would pay four times)
+    u0, u1, u2, u3 = tl.rand4x(tl.load(SEED), off4)
+    u = tl.join(tl.join(u0, u1), tl.join(u2, u3))                             # [..., M, 2, 2]
+    return u
 
 
 @triton.jit
@@ -50,6 +54,7 @@ def walk_kernel(L, s_lb, s_ln, TOK, s_tb, CH, s_cb, s_cn, DIST, s_db, Q, s_qb, s
     # one program a row: walk_torch's arithmetic, one node at a time (the module doc)
     b = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, TILE)
+    t4 = tl.arange(0, TILE // 4)
     kk = tl.arange(0, KP)
     cur = tl.zeros([], tl.int64)
     n_acc = tl.zeros([], tl.int64)
@@ -136,7 +141,12 @@ def walk_kernel(L, s_lb, s_ln, TOK, s_tb, CH, s_cb, s_cn, DIST, s_db, Q, s_qb, s
         mu = tl.where(tl.max(hit.to(tl.int32), 1) > 0,
                       tl.sum(tl.where(hit, dmu[None, :], 0.0), 1), lam)
         w = tl.where(ins, tl.log(tl.maximum(tl.exp(x) - mu * q0, 0.0)), x)
-        y = w + _noise(NOISE, SEED, (b * V + v).to(tl.int32), HAS_NOISE)
+        if HAS_NOISE:  # the tests' fixed uniforms
+            u = tl.load(NOISE + b * V + v, mask=ok, other=0.5)
+        else:          # row b's offsets: b * ceil(V / 4) + the column's fourth
+            u = tl.reshape(_philox(SEED, (b * ((V + 3) // 4) + v0 // 4 + t4).to(tl.int32)),
+                           [TILE])
+        y = w + _gumbel(u)
         y = tl.where(ok, y, float("-inf"))
         idx = tl.where(y > best, v, idx)
         best = tl.maximum(y, best)
@@ -157,13 +167,19 @@ def children_kernel(X, XMAX, YMAX, IDS, TOPV, LSE, NOISE, SEED, V, s_x, temp,
     r = tl.program_id(0).to(tl.int64)
     row = X + r * s_x
     tile, col = tl.arange(0, TILE), tl.arange(0, C)
+    col4 = tl.arange(0, C // 4)
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
     for t in range(NC // TILE):
         idx = (t * TILE + tile)[:, None] * C + col[None, :]                       # [TILE, C]
         ok = idx < V
         x = tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32) / temp
-        y = x + _noise(NOISE, SEED, (r * V + idx).to(tl.int32), HAS_NOISE)
+        if HAS_NOISE:
+            u = tl.load(NOISE + r * V + idx, mask=ok, other=0.5)
+        else:  # chunk j's offsets: (r V + j C) / 4 + the column's fourth (C divides V)
+            off4 = (r * V) // 4 + (t * TILE + tile)[:, None] * (C // 4) + col4[None, :]
+            u = tl.reshape(_philox(SEED, off4.to(tl.int32)), [TILE, C])
+        y = x + _gumbel(u)
         y = tl.where(ok, y, float("-inf"))
         cmax = tl.max(x, 1)
         tl.store(XMAX + r * NC + t * TILE + tile, cmax)
@@ -194,7 +210,12 @@ def children_kernel(X, XMAX, YMAX, IDS, TOPV, LSE, NOISE, SEED, V, s_x, temp,
         ok = (kk[:, None] < K) & (idx < V)
         x = tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32) / temp
         if which == 1:
-            x = x + _noise(NOISE, SEED, (r * V + idx).to(tl.int32), HAS_NOISE)
+            if HAS_NOISE:
+                u = tl.load(NOISE + r * V + idx, mask=ok, other=0.5)
+            else:  # the first read's offsets for these chunks
+                off4 = (r * V) // 4 + best[:, None] * (C // 4) + col4[None, :]
+                u = tl.reshape(_philox(SEED, off4.to(tl.int32)), [KP, C])
+            x = x + _gumbel(u)
         bits = x.to(tl.int32, bitcast=True)
         key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) * 4294967296 \
             + (2147483647 - idx)
