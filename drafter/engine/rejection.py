@@ -25,7 +25,7 @@ where the direct form rewrites [V] rows several times. The acceptance test reads
 the last token is a Gumbel-max draw over the final weights (no normalisation needed). Where
 G_{r+1} is 0 (p_r = q_r, a rejection of probability 0 that only rounding reaches) p stays, as
 in the direct form. tests/test_sampling_exact.py holds the result to the target's distribution,
-tests/test_decode.py to the direct form's decisions under the same uniforms.
+tests/test_rejection.py to the direct form's decisions under the same uniforms.
 
 On CUDA with Triton, `walk` is one kernel (one program a row: the row's node stats, acceptance
 tests and residual passes, then the last token's Gumbel-max with in-kernel Philox noise) and a
@@ -43,7 +43,7 @@ from torch import Tensor
 
 from drafter.core.gpu import triton_available
 
-TILE = 1024          # the walk kernel's columns a load
+TILE = 2048          # the walk kernel's columns a load (eight a thread of its eight warps)
 
 
 def gumbel(u: Tensor) -> Tensor:
@@ -195,7 +195,7 @@ def walk_triton(logits, tokens, children, dist, q: DraftQ, t_ids, temperature, u
         t_ids, target_to_draft(t_ids, V), u.contiguous(), noise_t,
         _seed(dev) if noise is None else u, out[0], out[1], out[2], float(temperature), V,
         t_ids.shape[0], D=D, K=k, KP=max(2, 1 << (k - 1).bit_length()), TILE=TILE,
-        HAS_NOISE=noise is not None, num_warps=4)
+        HAS_NOISE=noise is not None, num_warps=8)
     return out[0], out[1], out[2]
 
 
