@@ -180,23 +180,28 @@ def _kernel_cases():
                0.9, u, noise)
 
 
-def check_walk_kernel(cases):
-    """walk_triton makes walk_torch's decisions on each case (the same uniforms)."""
+def check_walk_kernel(cases, exact=True):
+    """walk_triton makes walk_torch's decisions on each case (the same uniforms): in every row
+    (`exact`: the interpreter's numpy exp and log), else in all but a row or two in 32
+    (compiled, Triton's exp and log are the GPU's approximate ones: a draw within rounding of a
+    threshold may go the other way)."""
     for args in cases:
         want = rejection.walk_torch(*args)
         got = rejection.walk_triton(*args)
-        for name, a, b in zip(("cur", "n_acc", "last token"), want, got):
-            assert torch.equal(a.cpu(), b.cpu()), (name, a, b)
+        same = torch.stack([(a == b).cpu() for a, b in zip(want, got)]).all(0)      # [B]
+        assert (~same).sum() <= (0 if exact else max(2, len(same) // 32)), \
+            (~same).nonzero().flatten().tolist()
 
 
-def check_children_kernel(cases):
+def check_children_kernel(cases, exact=True):
     """sampled_children's kernel draws the eager form's ids, with its scores and log-sum-exp,
-    from the same uniforms."""
+    from the same uniforms (`exact` as check_walk_kernel's)."""
     for x, k in cases:
         u = torch.rand(x.shape, device=x.device)
         ids, sc, lse = sampled_children(x, k, 0.7, fused=False, noise=u)
         ids2, sc2, lse2 = sampled_children(x, k, 0.7, fused=True, noise=u)
-        assert torch.equal(ids, ids2)
+        same = (ids == ids2).all(-1).flatten()
+        assert (~same).sum() <= (0 if exact else max(2, len(same) // 32)), (~same).sum()
         assert (sc - sc2).abs().max() < 1e-4 and (lse - lse2).abs().max() < 1e-4
 
 
@@ -260,15 +265,16 @@ def test_kernels_on_the_gpu():
     49,152-token target with a 32,000-token draft vocab (bf16 logits), the frontier's
     [64, 8, 32000] expansion; and their Philox draws."""
     pytest.importorskip("triton")
-    check_walk_kernel([_to(args, "cuda") for args in _kernel_cases()])
+    check_walk_kernel([_to(args, "cuda") for args in _kernel_cases()], exact=False)
     spec, B, V, Vd = TreeSpec(6, 8, 48), 64, 49152, 32000
     d, pf, df, anc, logits, t_ids, u, noise = sampled_tree(0, spec, B=B, V=V, Vd=Vd)
     big = (logits.bfloat16(), d.tokens, children_table(pf, d.valid, spec.topk), d.dist,
            DraftQ(d.q.rows.bfloat16(), torch.logsumexp(d.q.rows.bfloat16().float() / 0.9, -1),
                   0.9), t_ids, 0.9, u, noise)
-    check_walk_kernel([_to(big, "cuda")])
+    check_walk_kernel([_to(big, "cuda")], exact=False)
     check_children_kernel(list(_children_cases("cuda"))
-                          + [((torch.randn(64, 8, 32000, device="cuda") * 3).bfloat16(), 8)])
+                          + [((torch.randn(64, 8, 32000, device="cuda") * 3).bfloat16(), 8)],
+                          exact=False)
     check_philox_draws("cuda", rows=20000)
 
 

@@ -214,8 +214,8 @@ def walk(logits: Tensor, tokens: Tensor, children: Tensor, dist: Tensor, q: Draf
     k = children.shape[-1]
     if u is None:
         u = torch.rand(B, depth, k, device=logits.device)
-    if fused is None:
-        fused = triton_available(logits.device)
+    if fused is None:  # (the kernel's Philox offsets are int32)
+        fused = triton_available(logits.device) and B * V < 2 ** 31
     if fused:
         return walk_triton(logits, tokens, children, dist, q, t_ids, temperature, u, noise)
     if noise is None:

@@ -137,7 +137,7 @@ def sampled_children(logits: Tensor, k: int, temperature: float, fused: bool | N
     kernel's own Philox stream)."""
     fused = FUSED_SEARCH if fused is None else fused
     c = chunk_width(logits.shape[-1], k)
-    if fused and c and triton_available(logits.device):
+    if fused and c and triton_available(logits.device) and logits.numel() < 2 ** 31:
         return sampled_children_kernel(logits, k, temperature, c, noise)
     x = logits.float() / temperature
     lse = torch.logsumexp(x, -1)
