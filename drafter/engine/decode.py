@@ -26,7 +26,8 @@ One speculative step (greedy or sampling; the chain is the tree with k = 1):
      Greedy: a node is accepted when its parent is and it equals the target's argmax at its parent.
      Sampling: recursive rejection sampling (each child in turn accepted with min(1, p/q), else
      p <- norm(max(p - q, 0)) and the child's q mass removed), which reduces to the standard
-     rejection sampling of Leviathan et al. for the chain; the bonus token comes from the last p.
+     rejection sampling of Leviathan et al. for the chain; the bonus token comes from the last p
+     (drafter.engine.rejection: on the draft vocab's support, one kernel a step on CUDA).
   3. commit: the accepted path's KV entries move to contiguous slots; the drafter re-reads the
      accepted tokens with the target's true aux hidden states (`observe`), giving the next root.
 
