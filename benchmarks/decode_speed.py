@@ -22,6 +22,9 @@ prompt lengths, graphed and eager. Other uses:
     python benchmarks/decode_speed.py --random-target --batches 1,64 --profile   # no model files:
                                               # SmolLM2-135M's shape, random weights; the steps'
                                               # time by part (drafting, verify, accept, commit)
+    python benchmarks/decode_speed.py --random-target --batches 1,64 --prefill-lengths 0 \
+        --temperature 1                       # the sampling steps (rejection sampling) against
+                                              # the same parts as the greedy ones
 
 Measures, on whatever device the target loads to (CUDA graphs on when there is a GPU):
   - plain decode step at batch 1 (ms per token);
@@ -109,7 +112,8 @@ def step_parts(dec, P) -> list[tuple]:
     return [(decode, "build_tree", "tree construction (build_tree)"),
             (P, "score", "drafter forwards"), (dec.target, "forward", "verify forward"),
             (decode, "ancestors", "ancestors"), (decode, "verify_greedy", "accept"),
-            (decode, "verify_chain_sample", "accept"), (P, "observe", "drafter re-read"),
+            (decode, "verify_sample", "accept"), (decode, "verify_chain_sample", "accept"),
+            (P, "observe", "drafter re-read"),
             (dec, "_commit", "commit")]
 
 
@@ -148,7 +152,8 @@ def counts_per_step(dec, prompt, parts=(), **kw) -> dict[str, tuple[float, float
             for k in c2.ops}
 
 
-def ops_rows(model, P, prompt, k: int, tree: TreeSpec, row, fold: bool | None = None) -> None:
+def ops_rows(model, P, prompt, k: int, tree: TreeSpec, row, fold: bool | None = None,
+             temperature: float = 0.0) -> None:
     """Aten ops dispatched per decode step, eagerly (graphs off): each is one kernel or more
     that a captured step replays, so the count is the launch-bound part of a step; for the tree
     and the chain also by part of the step (at batch 1 a captured step's time beyond its
@@ -172,20 +177,24 @@ def ops_rows(model, P, prompt, k: int, tree: TreeSpec, row, fold: bool | None = 
             row(f"aten ops per step: chain K={k}, T={T:g}, "
                 f"{'chain step' if fast else 'general tree step'}",
                 total(proposer=P, tree=TreeSpec.chain(k), temperature=T), "ops")
+    T = temperature
     for tr in (tree, TreeSpec.chain(k)):
-        by = counts_per_step(dec, prompt, step_parts(dec, P), proposer=P, tree=tr)
+        by = counts_per_step(dec, prompt, step_parts(dec, P), proposer=P, tree=tr, temperature=T)
         if tr is tree:
-            row(f"aten ops per step: {tree.label()}, T=0", round(sum(o for o, _ in by.values())),
-                "ops")
-            stats = counts_per_step(dec, prompt, proposer=P, tree=tr, tree_stats=True)
-            row(f"  {tree.label()}, T=0: kernels tree_stats adds (evaluate's tree counts)",
-                round(sum(k for _, k in stats.values()) - sum(k for _, k in by.values())),
-                "kernels")
+            row(f"aten ops per step: {tree.label()}, T={T:g}",
+                round(sum(o for o, _ in by.values())), "ops")
+            if T == 0:
+                stats = counts_per_step(dec, prompt, proposer=P, tree=tr, tree_stats=True)
+                row(f"  {tree.label()}, T=0: kernels tree_stats adds (evaluate's tree counts)",
+                    round(sum(k for _, k in stats.values()) - sum(k for _, k in by.values())),
+                    "kernels")
         for part, (ops, kernels) in by.items():
-            row(f"  {tr.label()}, T=0: {part}", f"{ops:.0f} / {kernels:.0f}", "ops / kernels")
+            row(f"  {tr.label()}, T={T:g}: {part}", f"{ops:.0f} / {kernels:.0f}",
+                "ops / kernels")
 
 
-def phase_profile(model, P, prompts, tree: TreeSpec, steps: int = 16) -> str:
+def phase_profile(model, P, prompts, tree: TreeSpec, steps: int = 16,
+                  temperature: float = 0.0) -> str:
     """Where a speculative step's time goes: the step run eagerly (graphs off: the same kernels,
     launched one by one) under torch.profiler, its parts (step_parts) marked with
     record_function. Returns a table of GPU and CPU milliseconds per step by part (a part's time
@@ -194,19 +203,20 @@ def phase_profile(model, P, prompts, tree: TreeSpec, steps: int = 16) -> str:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     dec = Decoder(model, max_batch=len(prompts), cuda_graphs=False)
-    dec.generate(prompts, 8, proposer=P, tree=tree)                       # warm-up
+    dec.generate(prompts, 8, proposer=P, tree=tree, temperature=temperature)   # warm-up
     parts = step_parts(dec, P)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
                                      else [])
     with profile(activities=acts) as prof, marked(parts, record_function):
         with record_function("step (all)"):
-            dec.generate(prompts, steps, proposer=P, tree=tree)
+            dec.generate(prompts, steps, proposer=P, tree=tree, temperature=temperature)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     n = max(dec.last["iterations"], 1)
     ka = prof.key_averages()
     labels = ["step (all)"] + list(dict.fromkeys(label for _, _, label in parts))
-    lines = [f"{tree.label()}, batch {len(prompts)}: ms per step over {n} eager steps "
+    lines = [f"{tree.label()}, T={temperature:g}, batch {len(prompts)}: ms per step over {n} "
+             f"eager steps "
              f"(prefill included in 'step (all)')",
              "| part | GPU ms | CPU ms |", "|---|---:|---:|"]
     for e in sorted((e for e in ka if e.key in labels), key=lambda e: labels.index(e.key)):
@@ -311,6 +321,10 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=5, help="chain length K")
     ap.add_argument("--tree", default="6,8,48", help="depth,topk,tokens")
     ap.add_argument("--batches", default="1", help="rows decoded together, e.g. 1,64")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="decode the step rows (plain, chain, tree; --profile and --ops by "
+                         "part) at this temperature: > 0 samples, verified by rejection "
+                         "sampling; the parts (the forwards) are the greedy steps' own")
     ap.add_argument("--profile", action="store_true",
                     help="top CUDA kernels of a chain step (graphs on), and per batch size the "
                     "chain's and the tree's time by part (eager steps, record_function ranges)")
@@ -385,11 +399,13 @@ def main(argv=None) -> int:
     for B in (int(x) for x in a.batches.split(",") if not a.skip_steps):
         dec = Decoder(model, max_batch=B, cuda_graphs=graphs, fold=fold)
         prompts = [prompt] * B
-        dec.generate(prompts, 8)                 # warm-up (kernels, allocator)
-        dec.generate(prompts, n1)
+        T = a.temperature
+        at_t = f", T={T:g}" if T else ""
+        dec.generate(prompts, 8, temperature=T)  # warm-up (kernels, allocator)
+        dec.generate(prompts, n1, temperature=T)
         plain_ms = 1000 * (dec.last["seconds"] - dec.last["prefill_seconds"]) \
             / dec.last["iterations"]
-        row(f"plain decode step, batch {B}", round(plain_ms, 3), "ms")
+        row(f"plain decode step, batch {B}{at_t}", round(plain_ms, 3), "ms")
         at = dec.parts_ms(None, None, dict(dec.last["spans"]))["parts_ms"]
         row("  step / a target forward at the spans its steps ran at (evaluate's x parts)",
             f"{plain_ms / at:.3f}", "")
@@ -398,13 +414,13 @@ def main(argv=None) -> int:
         row(f"  prefill of {a.prompt_tokens} tokens x {B} (plain)",
             round(1000 * dec.last["prefill_seconds"], 3), "ms")
         for tree in (TreeSpec.chain(a.k), TreeSpec(depth, topk, tokens)):
-            dec.generate(prompts, 8, proposer=P, tree=tree)
-            outs = dec.generate(prompts, n1, proposer=P, tree=tree)
+            dec.generate(prompts, 8, proposer=P, tree=tree, temperature=T)
+            outs = dec.generate(prompts, n1, proposer=P, tree=tree, temperature=T)
             step = 1000 * (dec.last["seconds"] - dec.last["prefill_seconds"]) \
                 / dec.last["iterations"]
             spans = dict(dec.last["spans"])
             tau = acceptance_stats(outs[0].hist)["tau"]
-            row(f"speculative step, {tree.label()}, batch {B}", round(step, 3), "ms",
+            row(f"speculative step, {tree.label()}, batch {B}{at_t}", round(step, 3), "ms",
                 "<= 10" if B == 1 else None, step <= 10 if B == 1 else None)
             pre = 1000 * dec.last["prefill_seconds"]
             t = dec.time_forwards(P, tree, batch=B, context=a.prompt_tokens)
@@ -423,13 +439,13 @@ def main(argv=None) -> int:
                 from torch.profiler import ProfilerActivity, profile
 
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    dec.generate(prompts, 32, proposer=P, tree=tree)
+                    dec.generate(prompts, 32, proposer=P, tree=tree, temperature=T)
                     torch.cuda.synchronize()
                 print(f"-- chain step, batch {B}: top kernels over "
                       f"{dec.last['iterations']} steps")
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
             if a.profile:
-                print(phase_profile(model, P, prompts, tree))
+                print(phase_profile(model, P, prompts, tree, temperature=T))
         del dec
 
     if a.prefill_lengths:
@@ -456,7 +472,7 @@ def main(argv=None) -> int:
         del dec
 
     if a.ops:
-        ops_rows(model, P, prompt, a.k, TreeSpec(depth, topk, tokens), row, fold)
+        ops_rows(model, P, prompt, a.k, TreeSpec(depth, topk, tokens), row, fold, a.temperature)
 
     dev_name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"\ndecode speed: {a.target} on {dev_name} ({dtype}), CUDA graphs "

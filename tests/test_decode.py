@@ -15,6 +15,7 @@ import torch
 from drafter.engine import tree as tree_mod
 from drafter.engine.decode import (
     Decoder,
+    DraftQ,
     EagleDraft,
     TreeSpec,
     acceptance_stats,
@@ -133,7 +134,7 @@ def test_build_tree_is_eagle2_greedy_and_ancestor_closed():
     d = build_tree(root, scorer, spec, 0.0)
     assert calls == [(1, (B, k)), (2, (B, k)), (3, (B, k))]
     N = spec.nodes
-    assert d.tokens.shape == (B, N) and d.logq is None
+    assert d.tokens.shape == (B, N) and d.q is None
     lp0 = torch.log_softmax(root, -1)
     for b in range(B):
         par = d.parent[b].tolist()
@@ -176,9 +177,11 @@ def _wide_vocab_tree(temperature: float):
 
 
 def _assert_same_tree(a, b):
-    for f in ("tokens", "parent", "depth", "valid", "dist", "rank", "logq"):
-        x, y = getattr(a, f), getattr(b, f)
-        assert (x is None and y is None) or torch.equal(x, y), f
+    for f in ("tokens", "parent", "depth", "valid", "dist", "rank"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert (a.q is None) == (b.q is None)
+    if a.q is not None:
+        assert torch.equal(a.q.rows, b.q.rows) and torch.equal(a.q.lse, b.q.lse)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -260,9 +263,8 @@ def test_rejection_sampling_preserves_the_target_distribution(spec):
             full.append((lq - torch.log(-torch.log(torch.rand_like(lq)))).argmax(-1))
         full = torch.stack(full, 1)                                                 # [n, K+1]
         toks = full[:, 1:]
-        q_tok = Q[full[:, :-1], toks]                                               # [n, K]
-        n_acc, last = verify_chain_sample(toks, logP[full], q_tok,
-                                          lambda m: Q[full.gather(1, m[:, None])[:, 0]], 1.0)
+        q = DraftQ(logQ[full[:, :-1]], torch.zeros(n, K), 1.0)     # log-probs as logits: lse 0
+        n_acc, last = verify_chain_sample(toks, logP[full], q, torch.arange(V), 1.0)
         return torch.cat([toks, last[:, None]], 1).scatter(1, n_acc[:, None], last[:, None]), \
             n_acc
 
@@ -274,8 +276,8 @@ def test_rejection_sampling_preserves_the_target_distribution(spec):
         df = torch.cat([torch.zeros(n, 1, dtype=torch.long), d.depth], 1)
         full = torch.cat([x0[:, None], d.tokens], 1)
         path, n_acc, bonus = verify_sample(d.tokens, pf, d.valid, df, ancestors(pf, spec.depth),
-                                           logP[full], d.logq.exp(), d.dist, 1.0, spec.depth,
-                                           spec.topk)
+                                           logP[full], d.q, d.dist, torch.arange(V), 1.0,
+                                           spec.depth, spec.topk)
         em = torch.cat([full.gather(1, path)[:, 1:], bonus[:, None]], 1)
         return em.scatter(1, n_acc[:, None], bonus[:, None]), n_acc
 

@@ -4,11 +4,12 @@ decoded in one batch, each copy's first three tokens (the prefill's token, then 
 steps') counted and set against the target's exact joint distribution of three tokens (its own
 softmax at the temperature, from one forward over every continuation). Plain sampling, a chain
 (Decoder._chain_step, tree.verify_chain_sample) and a tree with siblings (Decoder._spec_step,
-tree.build_tree, tree.verify_sample) must pass a chi-square test whose threshold is computed for
-the cells' degrees of freedom; and the same test must fail on planted bugs: each is the real
-function with one thing wrong (a residual not renormalised, a draft sampled with replacement, the
-acceptance min(1, p/q) read from the wrong rows, a rejection that does not take the residual),
-put in place of the real one for one decoding.
+tree.build_tree, tree.verify_sample, both walking rejection.walk_torch here) must pass a
+chi-square test whose threshold is computed for the cells' degrees of freedom; and the same test
+must fail on planted bugs: each is the real function with one thing wrong (a residual not
+renormalised, siblings verified as if drawn with replacement, the acceptance min(1, p/q) read
+from the wrong rows, a rejection that does not take the residual), put in place of the real one
+for one decoding. On a GPU (`pytest -m gpu`) the same check runs the compiled walk kernel.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from drafter.engine import decode, tree as tree_mod
+from drafter.engine import decode, rejection
 from drafter.engine.decode import Decoder, TreeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,10 +80,10 @@ def pair():
     return model, TableDrafter(table), joint
 
 
-def draws(model, proposer=None, tree=None, seed=0) -> torch.Tensor:
+def draws(model, proposer=None, tree=None, seed=0, graphs=False) -> torch.Tensor:
     """The first three new tokens of N_DRAWS copies of PROMPT, one batch: [N_DRAWS, 3]."""
     # one step between two reads of the state: the rows are done after one step or two
-    dec = Decoder(model, max_batch=N_DRAWS, cuda_graphs=False, span_bucket=16, sync_every=1)
+    dec = Decoder(model, max_batch=N_DRAWS, cuda_graphs=graphs, span_bucket=16, sync_every=1)
     torch.manual_seed(seed)
     outs = dec.generate([PROMPT] * N_DRAWS, 3, temperature=TEMPERATURE, proposer=proposer,
                         tree=tree)
@@ -108,44 +109,58 @@ def chi_square(tokens: torch.Tensor, joint: torch.Tensor) -> tuple[float, float]
     return stat, df * (1 - h + z.item() * math.sqrt(h)) ** 3
 
 
-def planted(fn, old: str, new: str):
-    """`fn` (a function of drafter.engine.tree) with the source text `old` replaced by `new`."""
+def planted(fn, *edits: tuple[str, str]):
+    """`fn` (a function of drafter.engine.rejection) with each source text `old` of `edits`
+    replaced by its `new`."""
     src = textwrap.dedent(inspect.getsource(fn))
-    assert src.count(old) == 1, f"{fn.__name__} no longer reads {old!r}: update the plant"
-    ns = dict(vars(tree_mod))
-    exec(compile(src.replace(old, new), f"<{fn.__name__}, planted>", "exec"), ns)
+    for old, new in edits:
+        assert src.count(old) == 1, f"{fn.__name__} no longer reads {old!r}: update the plant"
+        src = src.replace(old, new)
+    ns = dict(vars(rejection))
+    exec(compile(src, f"<{fn.__name__}, planted>", "exec"), ns)
     return ns[fn.__name__]
 
 
-# Each bug as a replacement of the verifier decode.py calls: (name, tree, decode's attribute,
-# the replacement). The chain's residual is drawn by Gumbel-max, which does not need it
-# normalised; in the tree the next sibling's acceptance reads the renormalised residual.
-def _chain_residual_dropped():
-    real = tree_mod.verify_chain_sample
-    return lambda toks, logits, q_tok, q_row, t: real(
-        toks, logits, q_tok, lambda n: torch.zeros_like(q_row(n)), t)  # rejected: drawn from p
+# Each bug as a replacement of a function the decoder calls: (name, tree, module, attribute,
+# the replacement). The walk (rejection.walk_torch, both verifiers' arithmetic on the CPU) keeps
+# a node's residual as max(0, p0 - lam q0) / G and its draft distribution as q0 / Z (its module
+# doc): a rejection moves lam, G and Z and sets the drawn token aside.
+def _walk(*edits):
+    return lambda: planted(rejection.walk_torch, *edits)
+
+
+# the last token after a rejection drawn from p, not from the residual
+_residual_dropped = _walk(("w = (p0 - mu * q0).clamp(min=0)", "w = p0"))
+# the residual's new normaliser G not taken: the next sibling's p is norm(..) times s, as
+# `res` unnormalised in the direct form
+_not_renormalised = _walk(("lam, g = torch.where(upd, lam1, lam), torch.where(upd, g1, g)",
+                           "lam = torch.where(upd, lam1, lam)"))
+# q kept whole after a rejection (Z stays 1, the drawn token stays in q's support, so its
+# mass is neither set aside nor frozen): the siblings verified as if drawn with replacement
+_with_replacement = _walk(("z = torch.where(rej, z - qt, z)", "z = z"),
+                          ("drawn = drawn | (", "drawn = drawn & ~("),
+                          ("f1 = f + (pt - lam1 * qt).clamp(min=0)", "f1 = f"))
 
 
 def _chain_wrong_rows():
-    real = tree_mod.verify_chain_sample
+    real = decode.verify_chain_sample
     # p of draft i read at position i + 1: min(1, p/q) with the next position's target row
-    return lambda toks, logits, q_tok, q_row, t: real(toks, logits.roll(-1, 1), q_tok, q_row, t)
+    return lambda toks, logits, *a, **kw: real(toks, logits.roll(-1, 1), *a, **kw)
 
 
 def _tree_wrong_rows():
-    real = tree_mod.verify_sample
+    real = decode.verify_sample
     # every node's q read from the root's row (dist 0): depth 2's acceptance uses the wrong q
-    return lambda *a: real(*a[:7], torch.zeros_like(a[7]), *a[8:])
+    return lambda *a, **kw: real(*a[:7], torch.zeros_like(a[7]), *a[8:], **kw)
 
 
 PLANTS = [
-    ("chain: residual dropped", CHAIN, "verify_chain_sample", _chain_residual_dropped),
-    ("chain: acceptance from the wrong rows", CHAIN, "verify_chain_sample", _chain_wrong_rows),
-    ("tree: residual not renormalised", TREE, "verify_sample", lambda: planted(
-        tree_mod.verify_sample, "res / s.clamp(min=tiny)", "res")),
-    ("tree: siblings drawn with replacement", TREE, "verify_sample", lambda: planted(
-        tree_mod.verify_sample, "q2 = q_now.scatter(1, tok, 0.0)", "q2 = q_now")),
-    ("tree: acceptance from the wrong rows", TREE, "verify_sample", _tree_wrong_rows),
+    ("chain: residual dropped", CHAIN, rejection, "walk_torch", _residual_dropped),
+    ("chain: acceptance from the wrong rows", CHAIN, decode, "verify_chain_sample",
+     _chain_wrong_rows),
+    ("tree: residual not renormalised", TREE, rejection, "walk_torch", _not_renormalised),
+    ("tree: siblings drawn with replacement", TREE, rejection, "walk_torch", _with_replacement),
+    ("tree: acceptance from the wrong rows", TREE, decode, "verify_sample", _tree_wrong_rows),
 ]
 
 
@@ -178,9 +193,25 @@ def test_speculative_sampling_follows_the_target(pair, method):
         assert hist[0] > 0 and hist[1:].sum() > 0
 
 
-@pytest.mark.parametrize("name,spec,attr,make", PLANTS, ids=[p[0] for p in PLANTS])
-def test_a_planted_bias_fails_the_test(pair, monkeypatch, name, spec, attr, make):
+@pytest.mark.parametrize("name,spec,module,attr,make", PLANTS, ids=[p[0] for p in PLANTS])
+def test_a_planted_bias_fails_the_test(pair, monkeypatch, name, spec, module, attr, make):
     model, drafter, joint = pair
-    monkeypatch.setattr(decode, attr, make())
+    monkeypatch.setattr(module, attr, make())
     stat, limit = chi_square(draws(model, drafter, spec), joint)
     assert stat > limit, f"{name}: chi-square {stat:.1f}, not over {limit:.1f}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_speculative_sampling_follows_the_target_on_the_gpu(pair, method):
+    """The chi-square check with the walk compiled by Triton (its own Philox noise for the last
+    token) and the steps captured in CUDA graphs."""
+    pytest.importorskip("triton")
+    model, drafter, joint = pair
+    gpu = TableDrafter(drafter.table.cuda())
+    gpu.t_ids = gpu.t_ids.cuda()
+    spec = {"chain": CHAIN, "tree": TREE}[method]
+    stat, limit = chi_square(draws(model.cuda(), gpu, spec, graphs=True).cpu(), joint)
+    model.cpu()
+    assert stat < limit, f"{method} on the GPU: chi-square {stat:.1f} over {limit:.1f}"

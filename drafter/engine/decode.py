@@ -26,7 +26,8 @@ One speculative step (greedy or sampling; the chain is the tree with k = 1):
      Greedy: a node is accepted when its parent is and it equals the target's argmax at its parent.
      Sampling: recursive rejection sampling (each child in turn accepted with min(1, p/q), else
      p <- norm(max(p - q, 0)) and the child's q mass removed), which reduces to the standard
-     rejection sampling of Leviathan et al. for the chain; the bonus token comes from the last p.
+     rejection sampling of Leviathan et al. for the chain; the bonus token comes from the last p
+     (drafter.engine.rejection: on the draft vocab's support, one kernel a step on CUDA).
   3. commit: the accepted path's KV entries move to contiguous slots; the drafter re-reads the
      accepted tokens with the target's true aux hidden states (`observe`), giving the next root.
 
@@ -49,7 +50,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from drafter.engine.static import Graphs, StaticTarget, eager_attention, round_up
@@ -58,12 +58,13 @@ from drafter.engine.static import Graphs, StaticTarget, eager_attention, round_u
 from drafter.engine.tree import (  # noqa: F401
     DecodeError,
     DraftModel,
+    DraftQ,
     EagleDraft,
     TreeSpec,
-    _gumbel_like,
     ancestors,
     build_tree,
     pick,
+    sampled_children,
     shape_acceptance,
     verify_chain_sample,
     verify_greedy,
@@ -659,20 +660,23 @@ class Decoder:
         pos = (L - start)[:, None]                                                  # [B, 1]
         first = torch.zeros(B, 1, dtype=torch.long, device=dev)       # each node's parent: 0
 
-        def draw(lg):  # [B, Vd] -> draft id [B, 1], its log-probs [B, Vd] (sampling)
+        def draw(lg):  # [B, Vd] -> draft id [B, 1], the log-sum-exp [B] of lg / T (sampling)
             if temperature == 0:
                 return lg.argmax(-1, keepdim=True), None
-            lq = F.log_softmax(lg.float() / temperature, dim=-1)
-            return (lq + _gumbel_like(lq)).argmax(-1, keepdim=True), lq
+            ids, _, lse = sampled_children(lg, 1, temperature)
+            return ids, lse
 
-        tok, lq = draw(st.root)
-        drafts, logqs = [tok], [lq]
+        # sampling: the rows drawn from, in the drafter's dtype (verification reads these)
+        root = st.root if temperature == 0 else st.root.to(tgt.dtype)
+        tok, lse = draw(root)
+        drafts, rows, lses = [tok], [root[:, None]], [lse]
         for i in range(1, K):  # node i in the drafter's slot L + i - 1 sees the nodes before it
             lg = P.score(i, P.to_target(tok), first, pos + i - 1, L[:, None] + i - 1,
                          committed[:, None] | ((rel >= 0) & (rel < i)))             # [B, 1, Vd]
-            tok, lq = draw(lg[:, 0].float())
+            tok, lse = draw(lg[:, 0] if temperature else lg[:, 0].float())
             drafts.append(tok)
-            logqs.append(lq)
+            rows.append(lg)
+            lses.append(lse)
         d_ids = torch.cat(drafts, 1)                                                # [B, K]
         toks = P.to_target(d_ids)
         j = torch.arange(K + 1, device=dev)
@@ -684,15 +688,9 @@ class Decoder:
             n_acc = (toks == y[:, :K]).long().cumprod(1).sum(1)                     # [B]
             bonus = y.gather(1, n_acc[:, None]).squeeze(1)
         else:
-            logq = torch.stack(logqs, 1)                                            # [B, K, Vd]
-            t_ids = P.to_target(torch.arange(logq.shape[-1], device=dev)).expand(B, -1)
-
-            def q_row(n):  # the draft distribution at chain position n, in the target vocab
-                q = logq.gather(1, n[:, None, None].expand(B, 1, logq.shape[-1])).squeeze(1)
-                return torch.zeros(B, logits.shape[-1], device=dev).scatter_(1, t_ids, q.exp())
-
+            q = DraftQ(torch.cat(rows, 1), torch.stack(lses, 1), temperature)  # [B, K, Vd]
             n_acc, bonus = verify_chain_sample(
-                toks, logits, logq.gather(2, d_ids[..., None]).squeeze(2).exp(), q_row,
+                d_ids, logits, q, P.to_target(torch.arange(q.rows.shape[-1], device=dev)),
                 temperature)
         emitted = torch.cat([toks, bonus[:, None]], 1).scatter(1, n_acc[:, None], bonus[:, None])
         # the drafter reads the committed tokens (past n_acc: slots the next step overwrites)
@@ -720,7 +718,9 @@ class Decoder:
             return P.score(i, P.to_target(ids), parent, pos1 + (i - 1) if i > 1 else pos1,
                            slots, fvis)
 
-        draft = build_tree(st.root, scorer, tree, temperature)
+        # sampling: the root's logits in the drafter's dtype, as verification reads them
+        draft = build_tree(st.root if temperature == 0 else st.root.to(tgt.dtype), scorer,
+                           tree, temperature)
         toks = P.to_target(draft.tokens)                                            # [B, N]
         parent_full = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), draft.parent], 1)
         depth_full = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), draft.depth], 1)
@@ -733,12 +733,10 @@ class Decoder:
         logits, aux = tgt.forward(ids, (L - start)[:, None] + depth_full, slots,
                                   committed[:, None] | tree_vis, start)
         if temperature > 0:
-            Vd, V = draft.logq.shape[-1], logits.shape[-1]
-            t_ids = P.to_target(torch.arange(Vd, device=dev))
-            q = torch.zeros(B, draft.logq.shape[1], V, device=dev) \
-                .scatter_(2, t_ids.expand(B, draft.logq.shape[1], Vd), draft.logq.exp())
-            path, n_acc, bonus = verify_sample(toks, parent_full, draft.valid, depth_full, anc,
-                                               logits, q, draft.dist, temperature, D, k)
+            t_ids = P.to_target(torch.arange(draft.q.rows.shape[-1], device=dev))
+            path, n_acc, bonus = verify_sample(draft.tokens, parent_full, draft.valid,
+                                               depth_full, anc, logits, draft.q, draft.dist,
+                                               t_ids, temperature, D, k)
         else:
             path, n_acc, bonus = verify_greedy(toks, parent_full, draft.valid, depth_full, anc,
                                                logits, D)

@@ -17,6 +17,8 @@ from torch import Tensor
 
 from drafter import DrafterError
 from drafter.core.gpu import triton_available
+from drafter.engine.rejection import (DraftQ, chain_layout, children_table, gumbel,
+                                      sampled_children_kernel, walk)
 
 
 class DecodeError(DrafterError):
@@ -68,14 +70,13 @@ class Draft:
     parent: Tensor        # [B, N] array index of each node's parent (0 = root)
     depth: Tensor         # [B, N] 1..D
     valid: Tensor         # [B, N] bool: drawn with non-zero draft probability
-    dist: Tensor          # [B, N+1] row of `logq` its children were drawn from; -1 = leaf
-    logq: Tensor | None   # [B, E, Vd] draft log-probs of the expanded nodes (sampling only)
+    dist: Tensor          # [B, N+1] row of `q` its children were drawn from; -1 = leaf
+    q: DraftQ | None      # the draft distributions of the E expanded nodes (sampling only)
     rank: Tensor          # [B, N] place in the selection's score order (0: the best)
 
 
 def _gumbel_like(x: Tensor) -> Tensor:
-    u = torch.rand_like(x, dtype=torch.float32).clamp_(min=1e-20, max=1.0 - 1e-7)
-    return -torch.log(-torch.log(u))
+    return gumbel(torch.rand_like(x, dtype=torch.float32))
 
 
 TOP_CHUNKS = (128, 64, 32)  # top_indices' chunk widths, the first that divides the row
@@ -121,6 +122,27 @@ def greedy_children(logits: Tensor, k: int, fused: bool | None = None) -> tuple[
         return fused_children(logits, k)
     ids = top_indices(logits, k)
     return ids, F.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, ids)
+
+
+def sampled_children(logits: Tensor, k: int, temperature: float, fused: bool | None = None,
+                     noise: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """A sampled expansion of logits [..., Vd] at temperature > 0: k children drawn without
+    replacement from softmax(logits / temperature) (Gumbel top-k: ids [..., k] in draw order),
+    the k largest log-probs [..., k] (float32, largest first: the scores build_tree ranks by,
+    whichever tokens were drawn) and logsumexp(logits / temperature) [...] (float32: with the
+    logits, the distribution verification reads; DraftQ). On CUDA with Triton a row that
+    chunk_width splits is one kernel's work (rejection.sampled_children_kernel: the logits
+    read twice, nothing [..., Vd] written); `fused` as greedy_children's. noise: uniforms
+    [..., Vd] for the Gumbel noise (the tests' fixed draws; by default torch.rand's, the
+    kernel's own Philox stream)."""
+    fused = FUSED_SEARCH if fused is None else fused
+    c = chunk_width(logits.shape[-1], k)
+    if fused and c and triton_available(logits.device) and logits.numel() < 2 ** 31:
+        return sampled_children_kernel(logits, k, temperature, c, noise)
+    x = logits.float() / temperature
+    lse = torch.logsumexp(x, -1)
+    g = gumbel(torch.rand_like(x) if noise is None else noise)
+    return top_indices(x + g, k), x.gather(-1, top_indices(x, k)) - lse[..., None], lse
 
 
 @functools.cache
@@ -234,29 +256,29 @@ def build_tree(root_logits: Tensor, scorer, spec: TreeSpec, temperature: float) 
     if k > Vd:
         raise DecodeError(f"tree topk {k} exceeds the draft vocab ({Vd})")
 
-    def expand(logits):  # [..., Vd] -> children's ids, log-probs [..., k]; the log-probs
-        if sample:           # [..., Vd] they are drawn from (sampling only)
-            lq = F.log_softmax(logits.float() / temperature, dim=-1)
-            return top_indices(lq + _gumbel_like(lq), k), \
-                lq.gather(-1, top_indices(lq, k)), lq
+    def expand(logits):  # [..., Vd] -> children's ids, log-probs [..., k]; the log-sum-exp
+        if sample:           # [...] of the logits their draws came from (sampling only)
+            return sampled_children(logits, k, temperature)
         return (*greedy_children(logits, k), None)
 
-    ids, sc, lq = expand(root_logits)                                               # [B, k]
+    ids, sc, lse = expand(root_logits)                                              # [B, k]
     c_ids, c_sc, c_par = [ids], [sc], [torch.full_like(ids, -1)]
-    logqs = [lq[:, None]] if sample else []
+    q_rows, q_lse = [root_logits[:, None]], [lse[:, None] if sample else None]
     f_ids, f_sc, f_par = ids, sc, torch.zeros_like(ids)
     f_cand = torch.arange(k, device=dev).expand(B, k)
     fronts, offset = [], k
     for i in range(1, D):
         fronts.append(f_cand)
-        cid, csc, lq = expand(scorer(i, f_ids, f_par))                     # [B, k, k]; [B, k, Vd]
+        lg = scorer(i, f_ids, f_par)                                                # [B, k, Vd]
+        cid, csc, lse = expand(lg)                                                  # [B, k, k]
         tot = (f_sc[:, :, None] + csc).flatten(1)                                   # [B, k·k]
         cid = cid.flatten(1)
         c_ids.append(cid)
         c_sc.append(tot)
         c_par.append(f_cand[:, :, None].expand(B, k, k).flatten(1))
         if sample:
-            logqs.append(lq)
+            q_rows.append(lg)
+            q_lse.append(lse)
         if i < D - 1:
             top = tot.topk(k, dim=-1)
             f_par = top.indices // k
@@ -278,7 +300,8 @@ def build_tree(root_logits: Tensor, scorer, spec: TreeSpec, temperature: float) 
     dist = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), row.gather(1, sel)], 1)
     return Draft(tokens=ids.gather(1, sel), parent=parent, depth=depth[sel],
                  valid=torch.isfinite(sc.gather(1, sel)), dist=dist,
-                 logq=torch.cat(logqs, 1) if sample else None, rank=rank)
+                 q=DraftQ(torch.cat(q_rows, 1), torch.cat(q_lse, 1), temperature) if sample
+                 else None, rank=rank)                       # [B, E, Vd], [B, E]
 
 
 def shape_acceptance(rank: Tensor, depth: Tensor, path: Tensor, n_acc: Tensor
@@ -348,70 +371,32 @@ def verify_greedy(tokens: Tensor, parent_full: Tensor, valid: Tensor, depth_full
 
 
 def verify_sample(tokens: Tensor, parent_full: Tensor, valid: Tensor, depth_full: Tensor,
-                  anc: Tensor, logits: Tensor, q: Tensor, dist: Tensor, temperature: float,
-                  D: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Recursive rejection sampling over the tree. q [B, E, V]: draft probabilities (target vocab)
-    of the expanded nodes; dist [B, N+1]: each node's row of q. Same returns as verify_greedy."""
-    B, N = tokens.shape
-    dev = tokens.device
-    p_all = F.softmax(logits.float() / temperature, dim=-1)                         # [B, N+1, V]
-    par = parent_full[:, 1:]                                                        # [B, N]
-    earlier = torch.ones(N, N, dtype=torch.bool, device=dev).tril(-1)               # j' < j
-    rank = ((par[:, :, None] == par[:, None, :]) & earlier).sum(-1)                 # [B, N]
-    rows = torch.arange(B, device=dev)
-    cur = torch.zeros(B, dtype=torch.long, device=dev)
-    alive = torch.ones(B, dtype=torch.bool, device=dev)
-    p = p_all[:, 0]
-    q_now = q[rows, dist[:, 0].clamp(min=0)]
-    tiny = torch.finfo(torch.float32).tiny
-    for _ in range(D):
-        found = torch.zeros_like(alive)
-        nxt = cur
-        for r in range(k):
-            is_c = (par == cur[:, None]) & (rank == r) & valid                     # [B, N]
-            c = is_c.int().argmax(1)
-            tok = tokens.gather(1, c[:, None])                                      # [B, 1]
-            pt, qt = p.gather(1, tok).squeeze(1), q_now.gather(1, tok).squeeze(1)
-            live = is_c.any(1) & alive & ~found
-            ok = live & (torch.rand(B, device=dev) * qt < pt)    # accept w.p. min(1, p/q)
-            rej = live & ~ok
-            found, nxt = found | ok, torch.where(ok, c + 1, nxt)
-            res = (p - q_now).clamp(min=0)
-            s = res.sum(-1, keepdim=True)
-            p = torch.where(rej[:, None], torch.where(s > 0, res / s.clamp(min=tiny), p), p)
-            q2 = q_now.scatter(1, tok, 0.0)                     # without replacement
-            s2 = q2.sum(-1, keepdim=True)
-            q_now = torch.where(rej[:, None], q2 / s2.clamp(min=tiny), q_now)
-        alive = alive & found
-        cur = torch.where(alive, nxt, cur)
-        p = torch.where(alive[:, None], p_all[rows, cur], p)
-        q_now = torch.where(alive[:, None], q[rows, dist.gather(1, cur[:, None]).squeeze(1)
-                                               .clamp(min=0)], q_now)
-    bonus = (torch.log(p) + _gumbel_like(p)).argmax(-1)
-    n_acc = depth_full.gather(1, cur[:, None]).squeeze(1)
+                  anc: Tensor, logits: Tensor, q: DraftQ, dist: Tensor, t_ids: Tensor,
+                  temperature: float, D: int, k: int, u: Tensor | None = None,
+                  noise: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Recursive rejection sampling over the tree (drafter.engine.rejection). tokens [B, N] the
+    nodes' draft ids; logits [B, N+1, V] of the verify forward (row 0: the root); q the draft
+    distributions (Draft.q), dist [B, N+1] each node's row of them; t_ids [Vd] the draft ->
+    target id map. u, noise: fixed uniforms (rejection.walk). Same returns as verify_greedy."""
+    cur, n_acc, bonus = walk(logits, tokens, children_table(parent_full, valid, k), dist, q,
+                             t_ids, temperature, D, u, noise)
     return _path(anc, cur, depth_full, D), n_acc, bonus
 
 
-def verify_chain_sample(tokens: Tensor, logits: Tensor, q_tok: Tensor, q_row, temperature: float
+def verify_chain_sample(tokens: Tensor, logits: Tensor, q: DraftQ, t_ids: Tensor,
+                        temperature: float, u: Tensor | None = None, noise: Tensor | None = None
                         ) -> tuple[Tensor, Tensor]:
-    """Rejection sampling for a chain (Leviathan et al.): draft i (tokens [B, K], target ids) is
+    """Rejection sampling for a chain (Leviathan et al.): draft i (tokens [B, K], draft ids) is
     accepted with probability min(1, p_i / q_i) while every earlier one was; at the first
     rejection the step's last token is drawn from norm(max(0, p - q)) there, after K
-    acceptances from p_K. logits [B, K+1, V] of the verify forward; q_tok [B, K] the draft
-    probability of each drafted token; q_row(n [B]) -> [B, V] the draft distribution at position
-    n in the target vocab (one row: only where the chain stopped). Returns accepted count [B]
-    and the last token [B]. verify_sample's arithmetic with one child a node."""
+    acceptances from p_K. logits [B, K+1, V] of the verify forward; q [B, K] rows: position i's
+    draft distribution (row 0: the root's). verify_sample's walk with one child a node. Returns
+    accepted count [B] and the last token [B] (a target id)."""
     B, K = tokens.shape
-    p = F.softmax(logits.float() / temperature, dim=-1)                             # [B, K+1, V]
-    p_tok = p[:, :K].gather(2, tokens[..., None]).squeeze(2)                        # [B, K]
-    ok = torch.rand(B, K, device=tokens.device) * q_tok < p_tok
-    n_acc = ok.long().cumprod(1).sum(1)                                             # [B]
-    p_n = p.gather(1, n_acc[:, None, None].expand(B, 1, p.shape[-1])).squeeze(1)  # [B, V]
-    res = (p_n - q_row(n_acc.clamp(max=K - 1))).clamp(min=0)
-    s = res.sum(-1, keepdim=True)
-    rejected = (n_acc < K)[:, None] & (s > 0)
-    dist = torch.where(rejected, res / s.clamp(min=torch.finfo(torch.float32).tiny), p_n)
-    return n_acc, (torch.log(dist) + _gumbel_like(dist)).argmax(-1)
+    children, dist = chain_layout(K, str(tokens.device))                  # [K+1, 1], [K+1]
+    _, n_acc, last = walk(logits, tokens, children.expand(B, K + 1, 1), dist.expand(B, K + 1),
+                          q, t_ids, temperature, K, u, noise)
+    return n_acc, last
 
 
 def nucleus(lg: Tensor, top_p: float) -> Tensor:
