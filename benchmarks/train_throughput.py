@@ -11,7 +11,8 @@ EAGLE-3 model and step at the same shape, in the same process, on one H200:
 
 It prints one line per run (tokens/s, ms a step, warm-up, the fast path's loss against the exact
 path's), SpecForge's line, then a markdown table: tokens/s, step ms, GFLOP/token, MFU, peak GiB,
-the anchor's tokens/s and GiB, and x anchor (ours over SpecForge's tokens/s). Other uses:
+plan's GiB and peak / plan, the anchor's tokens/s, GiB and MFU (the same FLOP count at its
+tokens/s), and x anchor (ours over SpecForge's tokens/s). Other uses:
 
     python benchmarks/train_throughput.py                       # shapes (a) and (b), one GPU
     python benchmarks/train_throughput.py --shape llama8b --seq 4096
@@ -702,7 +703,8 @@ def table(rows: list[dict], anchors: dict) -> str:
         cells += [f"{r['gflop_tok']:.2f}", _f(r["mfu"], ".1%"), _f(r["mfu_measured"], ".1%"),
                   _f(r["mem_gib"], ".1f"), _f(r.get("plan_gib"), ".1f"),
                   _f(r.get("mem_over_plan"), ".2f"),
-                  f"{a[0] * r['world']:,.0f} ({a[1]:.1f} GiB, {a[2]})" if a else "-",
+                  f"{a[0] * r['world']:,.0f} ({a[1]:.1f} GiB, MFU {_f(a[3], '.1%')}, {a[2]})"
+                  if a else "-",
                   f"{r['tok_s'] / (a[0] * r['world']):.2f}" if a and r["tok_s"] else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -855,6 +857,11 @@ def main(argv=None):
             anchors[(name, T, B)] = (a["tok_s"], a["mem_gib"], "SpecForge here")
         elif (name, T) in ANCHOR and B == shape["batch"]:
             anchors[(name, T, B)] = (*ANCHOR[(name, T)], "recorded")
+        if (name, T, B) in anchors:  # its MFU by the same count (its teacher: the hidden one)
+            c, _, _, K = shape_config(name, args)
+            anchors[(name, T, B)] += (mfu(flops_per_token(c, T, K, "hidden")[0],
+                                          anchors[(name, T, B)][0], args.peak_tflops, 1,
+                                          torch.cuda.is_available()),)
     if dist.main and rows:
         print("\n" + table(rows, anchors))
     if dist.main and args.json:
@@ -868,8 +875,8 @@ def write_json(path: str, rows: list[dict], anchors: dict) -> None:
     import json
 
     out = {"rows": rows, "anchors": [{"shape": k[0], "seq": k[1], "batch": k[2],
-                                      "tok_s": v[0], "mem_gib": v[1], "source": v[2]}
-                                     for k, v in anchors.items()]}
+                                      "tok_s": v[0], "mem_gib": v[1], "source": v[2],
+                                      "mfu": v[3]} for k, v in anchors.items()]}
     for r in rows:
         a = anchors.get((r.get("shape"), r.get("seq"), r.get("batch")))
         r["x_anchor"] = r["tok_s"] / a[0] / r["world"] if a and r.get("tok_s") else None
