@@ -14,6 +14,9 @@ uses:
     python benchmarks/extract_throughput.py --tiny                # any machine, a minute on CPU
     torchrun --nproc-per-node 2 benchmarks/extract_throughput.py  # data parallel: rank r takes
                                                                   # the shards i % W == r
+    python benchmarks/extract_throughput.py --model /data/kimi-slice --tokens 131072 \
+        --options fp8/topk,bf16/hidden --fp8-error --json extract.json   # a Kimi-K2.5 slice
+                                                # (benchmarks/kimi_slice.py; kimi_shape.sh extract)
 
 For the same samples, cut into the same padded batches (extract's plan: longest first,
 `--batch-tokens` per forward), it times
@@ -25,12 +28,21 @@ For the same samples, cut into the same padded batches (extract's plan: longest 
                   writer (serialise, sha256, atomic write, fsync) until the last shard is on disk
 and prints tokens/s, the ratio to the raw forward (goal >= 0.8), bytes/token from the files and
 the ratio to the reference layout 8*Ht+16 (goal <= 0.4 for fp8 + top-k), then the same formula at
-the hidden sizes of larger targets.
+the hidden sizes of larger targets. Peak GiB: torch.cuda.max_memory_allocated over each option's
+timed loop (the weights included), per rank, the largest.
+
+--fp8-error: the error that fp8 storage adds to the aux states, at the target's own hidden size:
+the first --fp8-error-tokens tokens (longest samples first, as extract orders them) captured at
+the input of every decoder layer (HS[0..N-1], in bf16 as capture returns them), encoded to fp8
+and decoded again (store.quantize_fp8 / dequantize_fp8: one scale per token and layer), and per
+layer the relative L2 error ||fp8 - bf16|| / ||bf16|| over those tokens (and the largest one
+token's). --json writes everything, with the load seconds and the GPU, for kimi_plan.py.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -115,6 +127,29 @@ def run_raw(model, batches, device: str, decoder_only: bool) -> None:
             del out
 
 
+def fp8_error(model, samples, order, d2t, t2d, n_tokens: int) -> dict:
+    """Relative L2 error of fp8 storage of every decoder layer's input over the first n_tokens
+    tokens of `order` (see the module docstring): {"tokens", "layers": {k: {"rel_l2",
+    "max_token_rel_l2"}}}. One forward of those samples, all layers captured at once."""
+    n = len(C.decoder_layers(model))
+    cap = C.Capture(model, list(range(n)), d2t, t2d, teacher="hidden", batch_tokens=n_tokens)
+    take, total = [], 0
+    for i in order:
+        if total >= n_tokens and take:
+            break
+        take.append(samples[i])
+        total += len(samples[i])
+    aux = cap.run(take)["aux"]                                               # [T, N, Ht] bf16
+    q, scale = store.quantize_fp8(aux)
+    diff = (store.dequantize_fp8(q, scale).float() - aux.float()).pow(2).sum(-1)   # [T, N]
+    ref = aux.float().pow(2).sum(-1).clamp_min(1e-30)                              # [T, N]
+    layers = {}
+    for k in range(n):
+        layers[k] = {"rel_l2": float((diff[:, k].sum() / ref[:, k].sum()).sqrt()),
+                     "max_token_rel_l2": float((diff[:, k] / ref[:, k]).sqrt().max())}
+    return {"tokens": total, "layers": layers}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -134,6 +169,10 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="folder for the shards (default: a temp dir "
                     "on the same disk as /tmp; use the run dir's disk to measure it)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--fp8-error", action="store_true", help="also the fp8 storage error of "
+                    "every layer's input states (module docstring)")
+    ap.add_argument("--fp8-error-tokens", type=int, default=16384,
+                    help="tokens the fp8 error is measured over (one forward)")
     a = ap.parse_args()
 
     ex = ExtractConfig()
@@ -210,8 +249,12 @@ def main() -> int:
     R.barrier()
     table = extract._read_table(run.tokens("train"))
     results = {"model": model_spec, "device": device, "world_size": R.world,
+               "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+               "gpu_memory_gib": torch.cuda.get_device_properties(device).total_memory / 2**30
+               if device.startswith("cuda") else None,
                "dtype": str(model.dtype), "Ht": Ht, "N": N, "V": V, "Vd": vd, "topk": a.topk,
-               "tokens": total, "batch_tokens": batch_tokens, "shard_tokens": shard_tokens,
+               "tokens": total, "samples": len(samples), "padded_tokens": padded_tokens,
+               "batch_tokens": batch_tokens, "shard_tokens": shard_tokens, "load_s": load_s,
                "raw_tokens_per_s": total / raw_s, "decoder_tokens_per_s": total / dec_s,
                "options": {}}
 
@@ -256,6 +299,17 @@ def main() -> int:
             print(f"  {aux_dtype}+{teacher}: {total / secs:,.0f} tok/s, {bpt:.0f} B/tok",
                   flush=True)
 
+    if a.fp8_error and R.rank == 0:
+        err = fp8_error(model, samples, order or C.length_order([len(x) for x in samples]),
+                        d2t, t2d, a.fp8_error_tokens)
+        results["fp8_error"] = err
+        print(f"fp8 aux error at Ht={Ht} over {err['tokens']:,} tokens, relative L2 per layer "
+              f"input HS[k] (largest one token's): " + ", ".join(
+                  f"{k}: {e['rel_l2']:.4f} ({e['max_token_rel_l2']:.4f})"
+                  for k, e in err["layers"].items()), flush=True)
+    R.barrier()
+    if a.out is None and R.rank == 0:  # the shards of the last option: gigabytes at large Ht
+        shutil.rmtree(work, ignore_errors=True)
     if R.rank != 0:
         return 0
     ref = store.reference_bytes_per_token(Ht)
@@ -275,7 +329,10 @@ def main() -> int:
                  for h in sizes]
         print(f"| {aux_dtype} + {teacher} | " + " | ".join(cells) + " |")
     if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=2))
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{a.json}.tmp")
+        tmp.write_text(json.dumps(results, indent=2))
+        tmp.replace(a.json)
     return 0
 
 

@@ -6,13 +6,16 @@ DeepSeek-V3 checkpoint with random weights, Kimi-K2.5's real sizes and fewer lay
     python benchmarks/kimi_slice.py /data/kimi-slice-4 --layers 4 --experts 16
     python benchmarks/kimi_slice.py --dry-run                     # sizes only, writes nothing
     python benchmarks/kimi_slice.py /tmp/tiny-slice --tiny --layers 2 --experts 4   # CPU check
+    python benchmarks/kimi_slice.py OUT --tokenizer DIR           # a tokenizer folder instead
 
 Writes OUT_DIR as a normal HF folder that transformers, vLLM and drafter's target loader read:
 config.json (model_type deepseek_v3, DeepseekV3ForCausalLM), bf16 safetensors shards in the hub's
 DeepSeek-V3 layout (per-expert tensors, `model.safetensors.index.json`), and the tokenizer of
 the embedded SmolLM2 (drafter.core.target.resolve("builtin:smollm2-135m-instruct"); its ids stay
 below 49,152, so most of the 163,840 embedding rows are never read; the tokenizer only makes
-the folder loadable, the sizes are Kimi's).
+the folder loadable, the sizes are Kimi's). --tokenizer takes any other tokenizer folder or spec
+(a machine without the builtin's package: a folder of the SmolLM2 tokenizer saved beforehand,
+as benchmarks/kimi_shape.sh pack does).
 
 Kimi-K2.5's language model kept whole: hidden 7168, vocab 163,840, MLA (q_lora 1536, kv_lora
 512, 64 heads, qk nope / rope 128 / 64, v 128), YaRN (theta 50,000, factor 64, mscale and
@@ -23,9 +26,12 @@ routed experts become --layers (6) and --experts (64, 8 per token). A layer of 6
 lm_head (1.2B each). --tiny shrinks every size (hidden 64 ...) for a CPU run of this script.
 
 Weights are drawn on the GPU when there is one (N(0, 0.02), norms 1, routing biases 0; seeded)
-and written shard by shard (each about --shard-gb, atomically: a temp name, then a rename), so
-host memory holds one shard at a time. The folder is complete only when its index is written;
-the index goes last.
+and written shard by shard; the lm_head rows of ids the tokenizer does not have (49,152 and up)
+are zeros (--live-vocab), so that the target's greedy tokens are ones the tokenizer can write
+(evaluate turns MT-bench's first answers back into text) and the draft vocab, counted over
+tokenized text, can hold them; the compute is the same. Shards are written one by one (each
+about --shard-gb, atomically: a temp name, then a rename), so host memory holds one shard at a
+time. The folder is complete only when its index is written; the index goes last.
 """
 from __future__ import annotations
 
@@ -131,14 +137,21 @@ def draw(name: str, shape: tuple[int, ...], g: torch.Generator, device) -> torch
     return t.normal_(0.0, KIMI["initializer_range"], generator=g)
 
 
-def write(out: Path, c: dict, shard_bytes: int, device, seed: int = 0) -> dict:
+def write(out: Path, c: dict, shard_bytes: int, device, seed: int = 0,
+          tokenizer: str = BUILTIN_TOKENIZER, live_vocab: int | None = None) -> dict:
     """The checkpoint in `out` (an existing or new folder): shards, then config.json, the
-    tokenizer and, last, the index. -> {"shards", "params", "bytes", "seconds"}."""
+    tokenizer and, last, the index. lm_head rows from live_vocab on are zeros (None: the
+    tokenizer's length; 0: none). -> {"shards", "params", "bytes", "seconds"}."""
     from transformers import AutoTokenizer
 
     from drafter.core.target import resolve
 
     t0 = time.perf_counter()
+    # a target spec (builtin:, .gguf) materialised, or a tokenizer folder as it is
+    spec = resolve(tokenizer) if tokenizer.startswith("builtin:") or \
+        tokenizer.endswith(".gguf") else tokenizer
+    tok = AutoTokenizer.from_pretrained(spec)
+    live = len(tok) if live_vocab is None else live_vocab
     out.mkdir(parents=True, exist_ok=True)
     shapes = tensor_shapes(c)
     groups: list[list[str]] = [[]]
@@ -154,14 +167,19 @@ def write(out: Path, c: dict, shard_bytes: int, device, seed: int = 0) -> dict:
     weight_map, total = {}, 0
     for k, names in enumerate(groups):
         fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-        shard = {n: draw(n, shapes[n], g, device).cpu() for n in names}
+        shard = {}
+        for n in names:
+            t = draw(n, shapes[n], g, device)
+            if n == "lm_head.weight" and 0 < live < t.shape[0]:
+                t[live:] = 0  # ids the tokenizer cannot write never win the argmax
+            shard[n] = t.cpu()
         total += sum(t.numel() * t.element_size() for t in shard.values())
         safe_save_file(shard, out / fname, {"format": "pt"})
         weight_map.update({n: fname for n in names})
         del shard
         print(f"{fname}: {len(names)} tensors ({time.perf_counter() - t0:.0f}s)", flush=True)
     atomic_json(out / "config.json", c)
-    AutoTokenizer.from_pretrained(resolve(BUILTIN_TOKENIZER)).save_pretrained(out)
+    tok.save_pretrained(out)
     atomic_json(out / "model.safetensors.index.json",
                 {"metadata": {"total_size": total}, "weight_map": weight_map})
     return {"shards": len(groups), "params": sum(torch.Size(s).numel() for s in shapes.values()),
@@ -178,6 +196,11 @@ def main(argv=None) -> None:
     p.add_argument("--shard-gb", type=float, default=5.0, help="about this many GB a shard")
     p.add_argument("--device", help="where weights are drawn (default: cuda when there is one)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--live-vocab", type=int, default=None,
+                   help="lm_head rows from this id on are zeros (default: the tokenizer's "
+                        "length; 0: every row random)")
+    p.add_argument("--tokenizer", default=BUILTIN_TOKENIZER,
+                   help="the tokenizer saved with the slice: a target spec or tokenizer folder")
     p.add_argument("--dry-run", action="store_true", help="print the sizes, write nothing")
     args = p.parse_args(argv)
     c = slice_config(args.layers, args.experts, args.experts_per_token, args.tiny)
@@ -192,7 +215,8 @@ def main(argv=None) -> None:
     if args.out is None:
         p.error("give the folder to write (or --dry-run)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    r = write(args.out, c, int(args.shard_gb * 1e9), device, args.seed)
+    r = write(args.out, c, int(args.shard_gb * 1e9), device, args.seed, args.tokenizer,
+              args.live_vocab)
     print(f"wrote {args.out}: {r['shards']} shards, {r['bytes'] / 1e9:.1f} GB in "
           f"{r['seconds']:.0f}s", flush=True)
 

@@ -11,7 +11,8 @@ EAGLE-3 model and step at the same shape, in the same process, on one H200:
 
 It prints one line per run (tokens/s, ms a step, warm-up, the fast path's loss against the exact
 path's), SpecForge's line, then a markdown table: tokens/s, step ms, GFLOP/token, MFU, peak GiB,
-the anchor's tokens/s and GiB, and x anchor (ours over SpecForge's tokens/s). Other uses:
+plan's GiB and peak / plan, the anchor's tokens/s, GiB and MFU (the same FLOP count at its
+tokens/s), and x anchor (ours over SpecForge's tokens/s). Other uses:
 
     python benchmarks/train_throughput.py                       # shapes (a) and (b), one GPU
     python benchmarks/train_throughput.py --shape llama8b --seq 4096
@@ -72,7 +73,9 @@ datasheet bf16 dense 989 TFLOP/s (--peak-tflops) and its measured matmul rate 79
 (--measured-tflops; ../shared/docs/REFERENCES.md). For (b) at 2048 this count gives
 16.3 GFLOP/token, so the anchor's 23,300 tokens/s is 48% of 790.
 Peak memory: torch.cuda.max_memory_allocated over the timed steps (reset after warm-up; --real:
-the whole run).
+the whole run), beside `drafter plan`'s estimate for the same train (drafter/train/memory.py
+train_gpu_bytes over this drafter, batch and TTT; online, the target's part is not in it): the
+`plan GiB` and `peak / plan` columns (goal 0.85-1.15). --json writes every row and the anchors.
 
 The anchor (benchmarks/specforge_anchor.py): when `import specforge` works on a CUDA machine
 (`pip install 'drafter[bench]'`), SpecForge's own model and training step run at the same shape
@@ -171,7 +174,7 @@ def setup(c: DrafterConfig, B: int, T: int, K: int, args, dist, attention: str) 
     cfg = C.load(None, [f"train.ttt_steps={K}", f"train.max_length={T}",
                         f"train.batch_tokens={B * T}", f"train.attention={attention}",
                         f"train.compile={str(not args.no_compile).lower()}",
-                        f"train.loss_chunk={args.loss_chunk}"])
+                        f"train.loss_chunk={args.loss_chunk}", f"extract.topk={args.topk}"])
     tc = cfg.train
     attention = trainer.pick_attention(tc, dist.device)
     torch.manual_seed(0)
@@ -182,21 +185,40 @@ def setup(c: DrafterConfig, B: int, T: int, K: int, args, dist, attention: str) 
     ttt, model, opt = trainer.setup_model(drafter, tc, dist, attention)
     amp = torch.autocast(dist.device.type, dtype=torch.bfloat16) if cuda else \
         torch.autocast("cpu", enabled=False)
-    return dict(tc=tc, attention=attention, drafter=drafter, head=head, model=model, opt=opt,
+    return dict(cfg=cfg, tc=tc, attention=attention, drafter=drafter, head=head, model=model,
+                opt=opt,
                 params=[p for p in ttt.parameters() if p.requires_grad], amp=amp, cuda=cuda,
                 fused=attention == "flex")
 
 
-def row(name: str, args, dist, S: dict, B, T, K, teacher: str, tok_s, model_f) -> dict:
+def plan_bytes(S: dict, teacher: str, online: bool, world: int) -> dict:
+    """`drafter plan`'s GPU bytes for this train by part, and their total (drafter/train/
+    memory.py), the target's own memory left out."""
+    from drafter.train.memory import train_gpu_bytes
+
+    d, c, cfg = S["drafter"], S["drafter"].cfg, S["cfg"]
+    cfg.train.online, cfg.extract.teacher = online, teacher
+    shape = {"trainable": sum(p.numel() for p in d.parameters() if p.requires_grad),
+             "total": sum(p.numel() for p in d.parameters()), "hidden_size": c.hidden_size,
+             "intermediate_size": c.intermediate_size, "draft_vocab_size": c.draft_vocab_size}
+    return train_gpu_bytes(cfg, shape, world, c.target_hidden_size, len(c.aux_layer_ids))
+
+
+def row(name: str, args, dist, S: dict, B, T, K, teacher: str, tok_s, model_f,
+        online: bool = False) -> dict:
     on = S["cuda"] or args.peak_tflops_cpu
+    mem = torch.cuda.max_memory_allocated(dist.device) / 2**30 if S["cuda"] else None
+    parts = plan_bytes(S, teacher if teacher in ("topk", "hidden") else "topk", online,
+                       dist.world)
+    plan = parts["total"] / 2**30
     return {"shape": name, "seq": T, "batch": B, "ttt": K, "attention": S["attention"],
             "compile": not args.no_compile and S["cuda"], "teacher": teacher,
             "world": dist.world, "params": param_count(S["drafter"]), "tok_s": tok_s,
             "gflop_tok": model_f / 1e9,
             "mfu": mfu(model_f, tok_s, args.peak_tflops, dist.world, on),
             "mfu_measured": mfu(model_f, tok_s, args.measured_tflops, dist.world, on),
-            "mem_gib": torch.cuda.max_memory_allocated(dist.device) / 2**30 if S["cuda"]
-            else None}
+            "mem_gib": mem, "plan_gib": plan, "mem_over_plan": mem / plan if mem else None,
+            "plan_parts_gib": {k: v / 2**30 for k, v in parts.items()}}
 
 
 # ------------------------------------------------------------- fixed rows: one sample per row
@@ -547,7 +569,8 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
     graphs = trainer.compiled_graphs()
     if args.compile_times:
         compile_report(name, step_s[:trainer.WARMUP_STEPS])
-    r = row(name, args, dist, S, B, T, K, teacher, summary["steady_tokens_per_s"], model_f)
+    r = row(name, args, dist, S, B, T, K, teacher, summary["steady_tokens_per_s"], model_f,
+            online)
     return {**r, **summary, "source": f"online, group {group}" if online else "offline",
             "steps": args.steps,
             "step_ms": 1e3 * statistics.median(step_s[len(step_s) // 2:]),
@@ -654,7 +677,8 @@ def table(rows: list[dict], anchors: dict) -> str:
     (measured here, or its recorded figure when it could not run)."""
     real = any("source" in r for r in rows)
     head = ["shape", "seq", "batch", "attn", "teacher", "world", "params", "tokens/s",
-            "step ms", "GFLOP/tok", "MFU 989", "MFU 790", "peak GiB", "anchor", "x anchor"]
+            "step ms", "GFLOP/tok", "MFU 989", "MFU 790", "peak GiB", "plan GiB",
+            "peak / plan", "anchor", "x anchor"]
     if real:
         head[7:7] = ["source", "steps", "warm-up s", "avg tok/s"]
         head[13:13] = ["avg/steady", "graphs (after warm-up)"]
@@ -677,8 +701,10 @@ def table(rows: list[dict], anchors: dict) -> str:
             cells += [_f(r["avg_over_steady"], ".2f"),
                       f"{r['graphs']} ({_f(r['graphs_after_warmup'], 'd')})"]
         cells += [f"{r['gflop_tok']:.2f}", _f(r["mfu"], ".1%"), _f(r["mfu_measured"], ".1%"),
-                  _f(r["mem_gib"], ".1f"),
-                  f"{a[0] * r['world']:,.0f} ({a[1]:.1f} GiB, {a[2]})" if a else "-",
+                  _f(r["mem_gib"], ".1f"), _f(r.get("plan_gib"), ".1f"),
+                  _f(r.get("mem_over_plan"), ".2f"),
+                  f"{a[0] * r['world']:,.0f} ({a[1]:.1f} GiB, MFU {_f(a[3], '.1%')}, {a[2]})"
+                  if a else "-",
                   f"{r['tok_s'] / (a[0] * r['world']):.2f}" if a and r["tok_s"] else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -760,6 +786,7 @@ def main(argv=None):
     p.add_argument("--no-fused-merge", action="store_true",
                    help="the diagonal merge as eager ops (merge._MergeDiagonal), not its two "
                    "Triton kernels (drafter.train.merge.FUSED_MERGE)")
+    p.add_argument("--json", help="also write the rows and the anchors here (rank 0)")
     p.add_argument("--switch-interval", type=float,
                    help="sys.setswitchinterval seconds (Python's default 0.005): how long a "
                    "thread keeps the GIL while the other waits (online: the prefetch thread "
@@ -830,9 +857,33 @@ def main(argv=None):
             anchors[(name, T, B)] = (a["tok_s"], a["mem_gib"], "SpecForge here")
         elif (name, T) in ANCHOR and B == shape["batch"]:
             anchors[(name, T, B)] = (*ANCHOR[(name, T)], "recorded")
+        if (name, T, B) in anchors:  # its MFU by the same count (its teacher: the hidden one)
+            c, _, _, K = shape_config(name, args)
+            anchors[(name, T, B)] += (mfu(flops_per_token(c, T, K, "hidden")[0],
+                                          anchors[(name, T, B)][0], args.peak_tflops, 1,
+                                          torch.cuda.is_available()),)
     if dist.main and rows:
         print("\n" + table(rows, anchors))
+    if dist.main and args.json:
+        write_json(args.json, rows, anchors)
     close_dist()
+
+
+def write_json(path: str, rows: list[dict], anchors: dict) -> None:
+    """--json: the rows, SpecForge's figures per (shape, seq, batch), and each row's tokens/s
+    over SpecForge's at its shape (atomically: a temp name, then a rename)."""
+    import json
+
+    out = {"rows": rows, "anchors": [{"shape": k[0], "seq": k[1], "batch": k[2],
+                                      "tok_s": v[0], "mem_gib": v[1], "source": v[2],
+                                      "mfu": v[3]} for k, v in anchors.items()]}
+    for r in rows:
+        a = anchors.get((r.get("shape"), r.get("seq"), r.get("batch")))
+        r["x_anchor"] = r["tok_s"] / a[0] / r["world"] if a and r.get("tok_s") else None
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(out, indent=2, default=str))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":
