@@ -150,7 +150,7 @@ def test_vllm_tau_equals_drafters_count_for_count(base):
         e, d = eng["datasets"].get(name, eng["overall"]), ours[name]
         assert e["steps"] == d["steps"] and e["accepted"] == d["accepted"], (e, d)
         assert e["tau"] == pytest.approx(d["tau"], abs=1e-4)
-        assert e["same_as_plain"] == e["prompts"] == 6
+        assert e["same_as_plain"] == e["prompts"] >= 6   # both turns of multi-turn ones
     assert eng["overall"]["accepted"] > 0
     assert "Acceptance inside vLLM" in run.eval_report().read_text()
 
