@@ -302,12 +302,7 @@ class Capture:
         nothing comes back. Online training runs this on its prefetch thread, and a copy to or
         from pageable memory would hold up the training thread's kernel launches until the
         target's forward is done (pytorch/pytorch#143825): the overlap would be lost."""
-        ids = [torch.as_tensor(x, dtype=torch.long).cpu() for x in input_ids]  # built on host
-        lens = torch.tensor([len(x) for x in ids])
-        if not ids or (lens == 0).any():
-            raise CaptureError("capture: no samples, or an empty one")
-        offsets = torch.zeros(len(ids) + 1, dtype=torch.long)
-        offsets[1:] = lens.cumsum(0)
+        ids, lens, offsets = host_samples(input_ids)                            # built on host
         n_tok = int(offsets[-1])
         flat = self._to_device(torch.cat(ids))                                   # [N]
         if self.packed:
@@ -430,6 +425,18 @@ class Capture:
                                f"logits (max diff {err:.3g}, in_vocab agreement {agree:.0%}): "
                                f"an output transform (logit scale, softcap) is not handled")
         return {"tokens": len(ids), "max_logp_diff": err}
+
+
+def host_samples(input_ids) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Samples as host int64 tensors, their lengths [B] and offsets [B+1] (sample b = rows
+    offsets[b]:offsets[b+1] of the concatenation). Raises on no sample or an empty one."""
+    ids = [torch.as_tensor(x, dtype=torch.long).cpu() for x in input_ids]
+    lens = torch.tensor([len(x) for x in ids])
+    if not ids or (lens == 0).any():
+        raise CaptureError("capture: no samples, or an empty one")
+    offsets = torch.zeros(len(ids) + 1, dtype=torch.long)
+    offsets[1:] = lens.cumsum(0)
+    return ids, lens, offsets
 
 
 def split(flat: dict) -> list[dict]:

@@ -42,7 +42,13 @@ from torch import nn
 
 from drafter.core import target
 from drafter.core.rundir import read_json
-from drafter.features.capture import Capture, CaptureError, logit_transform, resolve_layer_ids
+from drafter.features.capture import (
+    Capture,
+    CaptureError,
+    host_samples,
+    logit_transform,
+    resolve_layer_ids,
+)
 
 log = logging.getLogger("drafter")
 
@@ -278,12 +284,7 @@ class EngineCapture(Capture):
             load_hidden_states,
         )
 
-        ids = [torch.as_tensor(x, dtype=torch.long).cpu() for x in input_ids]
-        lens = torch.tensor([len(x) for x in ids])
-        if not ids or (lens == 0).any():
-            raise CaptureError("capture: no samples, or an empty one")
-        offsets = torch.zeros(len(ids) + 1, dtype=torch.long)
-        offsets[1:] = lens.cumsum(0)
+        ids, _, offsets = host_samples(input_ids)
         n_tok = int(offsets[-1])
         with self.lock:
             outs = self.llm.generate([{"prompt_token_ids": x.tolist()} for x in ids],
