@@ -188,8 +188,9 @@ class ExtractConfig:
         "transformers", "where the target runs: transformers (hooks; a target that fits one "
         "GPU, or extract.tp), or vllm (its extract_hidden_states method: the engine's "
         "tensor/expert parallelism and quantised weights, target.engine_args)")
-    layer_ids: list[int] | None = doc(None, "aux layer ids, HS[k] convention; default "
-                                      "[2, N//2, N-3]")
+    layer_ids: list[int] | None = doc(None, "aux layer ids, HS[k] convention, ascending and "
+                                      "distinct; default [2, N//2, N-3] (three distinct "
+                                      "layers below 8 layers)")
     aux_dtype: Literal["bf16", "fp8"] = doc("bf16", "storage of aux states: bf16, or fp8-e4m3 "
                                             "with a per-token scale")
     teacher: Literal["hidden", "topk"] = doc("hidden", "teacher signal: final hidden state, or "
