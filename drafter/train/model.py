@@ -115,8 +115,8 @@ class DrafterConfig:
 # through their llama.py attention, which llama_eagle3.py reuses). Engines that are not the
 # newest read DeepSeek's YaRN keys differently: vLLM's single-file rotary_embedding.py and SGLang
 # before its 2026 fix (PR 22711) ignore mscale / mscale_all_dim in a `yarn` block and scale
-# cos and sin by 0.1·ln(factor) + 1 (1.42 at Kimi's factor 64: attention logits x 2.0), where
-# transformers and the newest engines scale by the mscale ratio (1.0 for DeepSeek and Kimi).
+# cos and sin by 0.1·ln(factor) + 1, where transformers and the newest engines scale by the
+# mscale ratio (docs/export.md works both out for Kimi-K2.5).
 LLAMA_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 DEEPSEEK_YARN_KEYS = ("mscale", "mscale_all_dim")
 
