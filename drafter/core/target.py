@@ -340,24 +340,42 @@ def load_model(tcfg, device: str | None = None, dtype=None, **kw):
     return model
 
 
-def target_embeddings(tcfg) -> torch.Tensor:
-    """The target's input embeddings [V, Ht] read from its safetensors (no model load): the
-    tensor of the module transformers calls the input embeddings, else a known name."""
+def weight_files(tcfg) -> tuple[Path, dict[str, str]]:
+    """(folder, tensor name -> file) of the target's safetensors, without loading any (an HF
+    id: the index alone); an empty map when the folder has no safetensors."""
     from safetensors import safe_open
 
     spec = resolve(tcfg.model)
     folder = Path(spec)
-    if not folder.is_dir():  # an HF id: the index, then only the shard that holds the table
+    if not folder.is_dir():  # an HF id: the index, then only the shards a caller reads
         from huggingface_hub import snapshot_download
         folder = Path(snapshot_download(spec, revision=tcfg.revision, allow_patterns=["*.json"]))
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = read_json(index)["weight_map"]
-    elif (folder / "model.safetensors").exists():
+        return folder, read_json(index)["weight_map"]
+    if (folder / "model.safetensors").exists():
         with safe_open(str(folder / "model.safetensors"), "pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-    else:
-        weight_map = {}
+            return folder, {k: "model.safetensors" for k in f.keys()}
+    return folder, {}
+
+
+def read_weight(tcfg, folder: Path, weight_map: dict[str, str], name: str) -> torch.Tensor:
+    """One tensor of the target's checkpoint (its shard fetched first for an HF id)."""
+    from safetensors import safe_open
+
+    file = folder / weight_map[name]
+    if not file.exists():
+        from huggingface_hub import hf_hub_download
+        file = Path(hf_hub_download(resolve(tcfg.model), weight_map[name],
+                                    revision=tcfg.revision))
+    with safe_open(str(file), "pt") as f:
+        return f.get_tensor(name)
+
+
+def target_embeddings(tcfg) -> torch.Tensor:
+    """The target's input embeddings [V, Ht] read from its safetensors (no model load): the
+    tensor of the module transformers calls the input embeddings, else a known name."""
+    folder, weight_map = weight_files(tcfg)
     meta = meta_model(load_config(tcfg), tcfg.trust_remote_code)
     emb = meta.get_input_embeddings()
     names = [n + ".weight" for n, m in meta.named_modules() if m is emb]
@@ -367,15 +385,11 @@ def target_embeddings(tcfg) -> torch.Tensor:
     shape = tuple(emb.weight.shape)
     for name in names:
         if name in weight_map:
-            file = folder / weight_map[name]
-            if not file.exists():
-                from huggingface_hub import hf_hub_download
-                file = Path(hf_hub_download(spec, weight_map[name], revision=tcfg.revision))
-            with safe_open(str(file), "pt") as f:
-                w = f.get_tensor(name)
+            w = read_weight(tcfg, folder, weight_map, name)
             if tuple(w.shape) == shape:
                 return w
-    log.info("train: embeddings not found by name in %s; loading the target to read them", spec)
+    log.info("train: embeddings not found by name in %s; loading the target to read them",
+             tcfg.model)
     return load_model(tcfg, device="cpu").get_input_embeddings().weight.detach().clone()
 
 

@@ -230,6 +230,13 @@ class Capture:
         self.device = model.get_input_embeddings().weight.device
         self.model_dtype = model.get_input_embeddings().weight.dtype
         self.out_dtype = out_dtype or self.model_dtype
+        attn = str(getattr(model.config, "_attn_implementation", "") or "")
+        self.packed = packing == "packed" or (packing == "auto" and "flash" in attn)
+        self._vocab(d2t, t2d, topk, batch_tokens)
+
+    def _vocab(self, d2t: torch.Tensor, t2d: torch.Tensor, topk: int, batch_tokens: int):
+        """The draft vocab, top-k and the state every capture shares (EngineCapture too), once
+        vocab_size and device are known."""
         d2t = d2t.long()
         if t2d.numel() != self.vocab_size:
             raise CaptureError(f"vocab: t2d has {t2d.numel()} entries but the target vocab is "
@@ -239,8 +246,6 @@ class Capture:
         self.draft_vocab_size = d2t.numel()
         self.topk = min(topk, self.draft_vocab_size)
         self.batch_tokens = batch_tokens
-        attn = str(getattr(model.config, "_attn_implementation", "") or "")
-        self.packed = packing == "packed" or (packing == "auto" and "flash" in attn)
         self.pad_id = 0
         self._head: Head | None = None
         # online training captures on a prefetch thread while validation captures on the main

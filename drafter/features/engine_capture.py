@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -41,10 +40,10 @@ import torch
 from torch import nn
 
 from drafter.core import target
-from drafter.core.rundir import read_json
 from drafter.features.capture import (
     Capture,
     CaptureError,
+    _transform,
     host_samples,
     logit_transform,
     resolve_layer_ids,
@@ -88,6 +87,24 @@ def engine_memory_defaults(engine_args: dict) -> dict:
     return {"kv_cache_memory_bytes": 2 << 30}
 
 
+def llm_kwargs(tcfg, dtype: torch.dtype, **fixed) -> dict:
+    """vLLM's LLM(...) arguments for the target: drafter's (`fixed`, the memory defaults), then
+    the user's target.engine_args over them; the dtype is engine_dtype's resolution of both."""
+    kw = {"model": target.resolve(tcfg.model), "trust_remote_code": tcfg.trust_remote_code,
+          **fixed, **engine_memory_defaults(tcfg.engine_args), **tcfg.engine_args,
+          "dtype": str(dtype).replace("torch.", "")}
+    if tcfg.revision:
+        kw["revision"] = tcfg.revision
+    return kw
+
+
+def shutdown_llm(llm) -> None:
+    """Stop an LLM's engine processes now (not at garbage collection)."""
+    shutdown = getattr(llm, "shutdown", None) or getattr(llm.llm_engine, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
 def _no_expandable_segments() -> None:
     """vLLM refuses any KV connector under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (a
     remapped page would move the states under the connector): drop that one setting for the
@@ -102,37 +119,6 @@ def _no_expandable_segments() -> None:
 
 
 # ------------------------------------------------------------------------- the target's head
-def _weight_files(tcfg) -> tuple[Path, dict[str, str]]:
-    """(folder, tensor name -> file) of the target's safetensors; an HF id's index only."""
-    from safetensors import safe_open
-
-    spec = target.resolve(tcfg.model)
-    folder = Path(spec)
-    if not folder.is_dir():
-        from huggingface_hub import snapshot_download
-        folder = Path(snapshot_download(spec, revision=tcfg.revision, allow_patterns=["*.json"]))
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        return folder, read_json(index)["weight_map"]
-    if (folder / "model.safetensors").exists():
-        with safe_open(str(folder / "model.safetensors"), "pt") as f:
-            return folder, {k: "model.safetensors" for k in f.keys()}
-    raise CaptureError(f"{spec}: no model.safetensors or model.safetensors.index.json: the "
-                       f"vLLM path reads the final norm and lm_head from safetensors")
-
-
-def _read(tcfg, folder: Path, weight_map: dict, name: str) -> torch.Tensor:
-    from safetensors import safe_open
-
-    file = folder / weight_map[name]
-    if not file.exists():
-        from huggingface_hub import hf_hub_download
-        file = Path(hf_hub_download(target.resolve(tcfg.model), weight_map[name],
-                                    revision=tcfg.revision))
-    with safe_open(str(file), "pt") as f:
-        return f.get_tensor(name)
-
-
 def _find(weight_map: dict, name: str, suffix: str) -> str:
     """A module's tensor in the checkpoint: its own name, else the one name ending in `suffix`
     outside vision towers and MTP layers (checkpoints that prefix their text model)."""
@@ -149,10 +135,7 @@ def _find(weight_map: dict, name: str, suffix: str) -> str:
 def load_final_norm_and_head(tcfg, config, device, dtype) -> tuple[nn.Module, nn.Linear]:
     """The target's final-norm module (its own class, so Gemma's 1 + w and the like hold) and
     lm_head [V, Ht], with weights read from its safetensors: no other weight is loaded."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=tcfg.trust_remote_code)
+    meta = target.meta_model(config, tcfg.trust_remote_code)
     names = {id(m): n for n, m in meta.named_modules()}
     n_layers, ht = target.num_layers(config), target.hidden_size(config)
     norms = [(n, m) for n, m in meta.named_modules()
@@ -163,11 +146,14 @@ def load_final_norm_and_head(tcfg, config, device, dtype) -> tuple[nn.Module, nn
         raise CaptureError(f"{type(meta).__name__}: cannot tell its final norm (candidates: "
                            f"{[n for n, _ in norms] or 'none'}; {n_layers} layers)")
     norm_name, norm = norms[0]
-    folder, weight_map = _weight_files(tcfg)
+    folder, weight_map = target.weight_files(tcfg)
+    if not weight_map:
+        raise CaptureError(f"{tcfg.model}: no model.safetensors or its index: the vLLM path "
+                           f"reads the final norm and lm_head from safetensors")
     norm = norm.to_empty(device=device)
     for pname, p in norm.named_parameters():
         key = _find(weight_map, f"{norm_name}.{pname}", f"norm.{pname}")
-        p.data.copy_(_read(tcfg, folder, weight_map, key))
+        p.data.copy_(target.read_weight(tcfg, folder, weight_map, key))
     norm.to(dtype).eval().requires_grad_(False)
     head_mod = meta.get_output_embeddings()
     head_name = names.get(id(head_mod), "lm_head") + ".weight"
@@ -178,7 +164,7 @@ def load_final_norm_and_head(tcfg, config, device, dtype) -> tuple[nn.Module, nn
         key = _find(weight_map, emb, "embed_tokens.weight")
     else:
         key = _find(weight_map, head_name, "lm_head.weight")
-    w = _read(tcfg, folder, weight_map, key)                                     # [V, Ht]
+    w = target.read_weight(tcfg, folder, weight_map, key)                                     # [V, Ht]
     head = nn.Linear(w.shape[1], w.shape[0], bias=False, device=device, dtype=dtype)
     head.weight.data.copy_(w)
     head.requires_grad_(False)
@@ -205,19 +191,8 @@ class EngineCapture(Capture):
         self.vocab_size = target.vocab_size(config)
         self.scale, self.softcap = logit_transform(config)
         self.teacher = ec.teacher
-        if t2d.numel() != self.vocab_size:
-            raise CaptureError(f"vocab: t2d has {t2d.numel()} entries but the target vocab is "
-                               f"{self.vocab_size}: the vocab step ran on another target")
-        d2t = d2t.long()
-        self.draft_ids = (torch.arange(d2t.numel()) + d2t).to(self.device)   # [Vd] target ids
-        self.t2d = t2d.bool().to(self.device)                                # [V]
-        self.draft_vocab_size = d2t.numel()
-        self.topk = min(ec.topk, self.draft_vocab_size)
-        self.batch_tokens = ec.batch_tokens
         self.packed = True           # vLLM pads nothing: forwards are planned by ΣT
-        self.pad_id = 0
-        self._head = None
-        self.lock = threading.RLock()
+        self._vocab(d2t, t2d, ec.topk, ec.batch_tokens)
         self.norm, self.lm_head = load_final_norm_and_head(tcfg, config, self.device,
                                                            self.model_dtype)
         # vLLM's ids: sorted, unique, with N (the last layer's output, pre-norm) for the teacher
@@ -239,24 +214,15 @@ class EngineCapture(Capture):
                     "kv_connector_module_path": "drafter.features.vllm_connector"}
         else:
             conn = {"kv_connector": "ExampleHiddenStatesConnector"}
-        kw = {"model": target.resolve(tcfg.model),
-              "dtype": str(self.model_dtype).replace("torch.", ""),
-              "trust_remote_code": tcfg.trust_remote_code,
-              "max_model_len": max_len + 1,
-              # a cached prefix is not recomputed: its states would be another batch's
-              "enable_prefix_caching": False,
-              "speculative_config": {
-                  "method": "extract_hidden_states", "num_speculative_tokens": 1,
-                  "draft_model_config": {"hf_config": {
-                      "eagle_aux_hidden_state_layer_ids": self.engine_ids}}},
-              "kv_transfer_config": {**conn, "kv_role": "kv_producer",
-                                     "kv_connector_extra_config": {
-                                         "shared_storage_path": str(self.states_dir)}}}
-        if tcfg.revision:
-            kw["revision"] = tcfg.revision
-        kw.update(engine_memory_defaults(tcfg.engine_args))
-        kw.update(tcfg.engine_args)
-        kw["dtype"] = str(self.model_dtype).replace("torch.", "")
+        kw = llm_kwargs(tcfg, self.model_dtype, max_model_len=max_len + 1,
+                        # a cached prefix is not recomputed: its states would be another batch's
+                        enable_prefix_caching=False)
+        kw["speculative_config"] = {
+            "method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {
+                "eagle_aux_hidden_state_layer_ids": self.engine_ids}}}
+        kw["kv_transfer_config"] = {**conn, "kv_role": "kv_producer", "kv_connector_extra_config": {
+            "shared_storage_path": str(self.states_dir)}}
         log.info("extract: starting vLLM on %s (layer ids %s as vLLM's %s; %s)", kw["model"],
                  self.layer_ids, self.engine_ids,
                  ", ".join(f"{k}={v}" for k, v in tcfg.engine_args.items()) or "its defaults")
@@ -267,10 +233,7 @@ class EngineCapture(Capture):
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            shutdown = getattr(llm, "shutdown", None) or getattr(llm.llm_engine, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
-            del llm
+            shutdown_llm(llm)
         shutil.rmtree(self.states_dir, ignore_errors=True)
 
     def info(self) -> dict:
@@ -320,9 +283,7 @@ class EngineCapture(Capture):
 
     def _check_next(self, h_last: torch.Tensor, engine_next: torch.Tensor) -> None:
         """vLLM's greedy token after each sample = the argmax of drafter's logits there."""
-        z = self.lm_head(h_last).float() * self.scale                             # [B, V]
-        if self.softcap:
-            z = torch.tanh(z / self.softcap) * self.softcap
+        z = _transform(self.lm_head(h_last), self.scale, self.softcap)            # [B, V]
         ours = z.argmax(-1)
         top2 = z.topk(2, -1).values
         margin = top2[:, 0] - top2[:, 1]

@@ -54,34 +54,18 @@ def _delta(after: dict, before: dict) -> dict:
 
 
 def _llm(cfg, max_len: int, speculative: dict | None):
+    import torch
     from vllm import LLM
 
-    from drafter.core import target
-    from drafter.features.engine_capture import engine_dtype, engine_memory_defaults
+    from drafter.features.engine_capture import engine_dtype, llm_kwargs
 
     t = cfg.target
-    kw = {"model": target.resolve(t.model), "trust_remote_code": t.trust_remote_code,
-          "max_model_len": max_len, "seed": cfg.evaluate.seed,
-          **engine_memory_defaults(t.engine_args), **t.engine_args}
-    kw["dtype"] = str(engine_dtype(t, "cuda" if _cuda() else "cpu")).replace("torch.", "")
-    if t.revision:
-        kw["revision"] = t.revision
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = llm_kwargs(t, engine_dtype(t, device), max_model_len=max_len, seed=cfg.evaluate.seed)
     if speculative:
         kw["speculative_config"] = speculative
         kw["disable_log_stats"] = False  # the spec-decode counters are its stats
     return LLM(**kw)
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _close(llm) -> None:
-    shutdown = getattr(llm, "shutdown", None) or getattr(llm.llm_engine, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
 
 
 def _generate(llm, batch: list[tuple[int, list[int]]], params) -> list[list[int]]:
@@ -98,6 +82,7 @@ def vllm_acceptance(cfg, drafter_dir, k: int, sets: list[tuple], stop: list[int]
     from vllm import SamplingParams
 
     from drafter import DrafterError
+    from drafter.features.engine_capture import shutdown_llm
 
     if k < 1:
         raise DrafterError(f"evaluate.engine=vllm: K must be >= 1, got {k}")
@@ -138,7 +123,7 @@ def vllm_acceptance(cfg, drafter_dir, k: int, sets: list[tuple], stop: list[int]
                     plain[name] = [t for b in rounds[name] for t in _generate(llm, b, params)]
     finally:
         if llm is not None:
-            _close(llm)
+            shutdown_llm(llm)
     log.info("evaluate: vLLM plain greedy done (%d prompts)", sum(len(v) for v in plain.values()))
     # 2. speculative: the same prompt ids, the counters per dataset
     spec = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": k}
@@ -160,7 +145,7 @@ def vllm_acceptance(cfg, drafter_dir, k: int, sets: list[tuple], stop: list[int]
                      "greedy identical to plain on %d of %d prompts", k, name,
                      per[name]["tau"] or 0, c["accepted"], c["draft_tokens"], same, len(toks))
     finally:
-        _close(llm)
+        shutdown_llm(llm)
     total = {"drafts": sum(d["drafts"] for d in per.values()),
              "draft_tokens": sum(d["draft_tokens"] for d in per.values()),
              "accepted": sum(d["accepted"] for d in per.values()),
