@@ -15,7 +15,7 @@ from drafter.core import config as C
 from drafter.core.rundir import Run, atomic_json
 from drafter.run import plan as P
 from drafter.run.counts import PlanError
-from drafter.train.memory import train_gpu_bytes
+from drafter.train.memory import embed_dtype_bytes, train_gpu_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 KIMI_YAML = REPO / "configs" / "plan-kimi-k2.5.yaml"
@@ -142,9 +142,52 @@ def test_online_train_memory_counts_the_features_in_flight():
                                        f"extract.teacher={teacher}"])
             on = train_gpu_bytes(cfg, d, 1, ht=96)
             assert on["online_features"] == (3 * group + 1) * 4096 * per_token
-            assert on["total"] == int((sum(off[k] for k in ("states", "frozen", "activations",
+            assert on["total"] == int((sum(off[k] for k in ("states", "activations",
                                                             "teacher"))
                                        + on["online_features"]) * 1.25)
+
+
+def test_train_memory_keeps_the_frozen_embedding_on_the_host():
+    """The frozen embedding table [V, H] stays on the CPU (setup_model moves only the trainable
+    modules; host_batches looks the rows up there): it is no GPU byte but host memory at the
+    dtype train holds it, while the batch's [tokens, H] embeddings that cross to the GPU are in
+    the activations. By hand, for a bf16 and an fp32 table, on one GPU and 2 under FSDP."""
+    V, Hd, Ht, I, Vd, trainable, tokens, K = 1000, 64, 96, 128, 512, 10_000, 4096, 7
+    for emb_bytes in (2, 4):
+        d = {"trainable": trainable, "total": trainable + V * Hd, "hidden_size": Hd,
+             "intermediate_size": I, "draft_vocab_size": Vd, "embed_bytes": emb_bytes}
+        for gpus, fsdp in ((1, "false"), (2, "true")):
+            cfg = C.load(None, [f"train.batch_tokens={tokens}", "train.max_length=1024",
+                                f"train.ttt_steps={K}", f"train.fsdp={fsdp}"])
+            m = train_gpu_bytes(cfg, d, gpus, ht=Ht)
+            states = trainable * 16 // gpus
+            act = tokens * (K * (10 * Hd + 3 * I) + 3 * Ht) * 2 + tokens * Hd * emb_bytes
+            teacher = tokens * Vd * 4
+            assert m["host_embedding"] == V * Hd * emb_bytes
+            assert (m["states"], m["activations"], m["teacher"]) == (states, act, teacher)
+            assert m["total"] == int((states + act + teacher) * 1.25)   # no table in it
+            assert "frozen" not in m
+    # a shape without embed_bytes (benchmarks/train_throughput.py's): a bf16 table
+    del d["embed_bytes"]
+    assert train_gpu_bytes(cfg, d, 1, ht=Ht)["host_embedding"] == V * Hd * 2
+    # drafter_shape's embed_bytes: the dtype config.json stores the checkpoint at
+    from transformers import LlamaConfig
+    assert [embed_dtype_bytes(LlamaConfig(dtype=t)) for t in ("float32", "bfloat16", None)] \
+        == [4, 2, 2]
+
+
+def test_kimi_train_memory(kimi):
+    """The Kimi-K2.5 plan's train line: the GPU figure without the drafter's embedding table,
+    which is printed as host memory at the checkpoint's bf16 (V x H x 2 bytes)."""
+    plan, _ = kimi
+    tr = plan["gpu_memory"]["train"]
+    ds = plan["drafter"]
+    assert ds["total"] - ds["trainable"] == V * H and ds["embed_bytes"] == 2
+    assert tr["host_embedding"] == V * H * 2
+    assert tr["total"] == int((tr["states"] + tr["activations"] + tr["teacher"]
+                               + tr["online_features"]) * 1.25) + tr["target"]
+    assert f"{tr['host_embedding'] / GiB:.1f} GiB host memory: the frozen embedding" \
+        in P.render(plan)
 
 
 def test_kimi_times(kimi):

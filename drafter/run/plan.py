@@ -22,7 +22,9 @@ section) or `estimated` (the formulas below, documented in docs/operations.md):
   val); the reference layout's 8*Ht+16 for comparison.
 - GPU memory per rank: capture.estimate_gpu_bytes for the target steps; for train, the drafter's
   weights + grads + AdamW (16 bytes per trainable parameter, / GPUs under FSDP) + activations
-  (+ the target and the micro-batches' captured features in flight, online).
+  and the batch's token embeddings (+ the target and the micro-batches' captured features in
+  flight, online). The frozen embedding table stays in host memory: its bytes are printed on
+  train's line, outside the GPU figure (memory.train_gpu_bytes' host_embedding).
 - time: tokens / tokens-per-second. Prefill and training: mfu * gpu_tflops over 2 (prefill) or
   6 * ttt_steps (training) FLOPs per parameter and token. Decoding is bandwidth bound: a step of
   batch B reads the dense weights and the share 1-(1-k/E)^B of the experts it touches.
@@ -210,7 +212,9 @@ def gpu_memory(cfg, f: dict, warnings: list[str], refused: list[str]) -> dict:
                      else "external server"},
         "extract": {**ext, "tp": tp} if not online else {"total": 0, "tp": 0, "note": "online"},
         "train": {**tr, "target": ext["total"] if online else 0, "tp": tp if online else 1,
-                  "total": tr["total"] + (ext["total"] if online else 0)},
+                  "total": tr["total"] + (ext["total"] if online else 0),
+                  "note": f"+ {_size(tr['host_embedding'])} host memory: the frozen embedding "
+                          f"table (not on the GPU)"},
         "evaluate": {**ev, "tp": tp, "total": ev["total"] + f["drafter"]["total"] * 2},
     }
     eng = engine_gpus(cfg)

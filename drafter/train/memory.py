@@ -1,15 +1,27 @@
 """The GPU memory of a train step, estimated before any weights load: `drafter plan` prints it,
 and the precompile waits for room for it beside the target (extract's, or an online train's).
-    dshape = drafter_shape(cfg, target_config)   # trainable/total parameters, H, I, Vd, layer ids
-    train_gpu_bytes(cfg, dshape, gpus, ht)       # bytes by part, and their total
+    dshape = drafter_shape(cfg, target_config)   # trainable/total parameters, H, I, Vd, layer ids,
+                                                 # bytes per value of the frozen embedding
+    train_gpu_bytes(cfg, dshape, gpus, ht)       # GPU bytes by part, their total, and the
+                                                 # frozen embedding's host bytes
 """
 from __future__ import annotations
 
 from drafter.core import target
 
 
+def embed_dtype_bytes(config) -> int:
+    """Bytes per value of the frozen embedding table as train holds it: target.target_embeddings
+    reads the tensor from the safetensors as stored and build_drafter keeps that dtype, so it is
+    config.json's dtype (bf16 where the config names none)."""
+    dt = getattr(config, "dtype", None) or getattr(getattr(config, "text_config", None),
+                                                   "dtype", None)
+    return 4 if "32" in str(dt or "bfloat16") else 2
+
+
 def drafter_shape(cfg, config) -> dict:
-    """Trainable and frozen parameters of the drafter this config trains (meta device)."""
+    """Trainable and frozen parameters of the drafter this config trains (meta device); the
+    frozen ones are the embedding table [V, H], held at `embed_bytes` per value."""
     import torch
 
     from drafter.features.capture import resolve_layer_ids
@@ -25,29 +37,37 @@ def drafter_shape(cfg, config) -> dict:
     trainable = sum(p.numel() for p in d.parameters() if p.requires_grad)
     return {"trainable": trainable, "total": total, "hidden_size": dc.hidden_size,
             "intermediate_size": dc.intermediate_size, "draft_vocab_size": dc.draft_vocab_size,
-            "layer_ids": ids}
+            "layer_ids": ids, "embed_bytes": embed_dtype_bytes(config)}
 
 
 def train_gpu_bytes(cfg, dshape: dict, gpus: int, ht: int, n_aux: int = 3) -> dict:
     """One rank of train: fp32 weights + grads + AdamW moments of the trainable parameters
-    (16 bytes each, sharded over ranks under FSDP), the frozen embedding (fp32), and
-    activations kept for backward over ttt_steps: per token and step ~ (10 H + 3 I) bf16 values
-    (norms, attention q/k/v/o, MLP), the aux input 3 Ht, one [tokens, Vd] fp32 teacher; online,
-    the captured features of the micro-batches in flight (3 x train.online_group + 1: queued,
-    being captured, in use), bf16 aux states and the teacher as capture returns it; +25%. The
-    target's own memory is extract's estimate, added by the caller."""
+    (16 bytes each, sharded over ranks under FSDP); activations kept for backward over
+    ttt_steps: per token and step ~ (10 H + 3 I) bf16 values (norms, their inputs including the
+    step's gathered embeddings, attention q/k/v/o, MLP), the aux input 3 Ht bf16, and the
+    batch's token embeddings [tokens, H] as the host ships them, at the table's dtype; one
+    [tokens, Vd] fp32 teacher; online, the captured features of the micro-batches in flight
+    (3 x train.online_group + 1: queued, being captured, in use), bf16 aux states and the
+    teacher as capture returns it; +25%. The target's own memory is extract's estimate, added
+    by the caller.
+    Not on the GPU: the frozen embedding table [V, H] stays in host memory (setup_model moves
+    only the trainable modules; host_batches looks the rows up there), at the dtype train holds
+    it (dshape's embed_bytes, from drafter_shape; 2, bf16, where the shape does not say):
+    `host_embedding`, outside `total`."""
     tc = cfg.train
     shard = gpus if (tc.fsdp and gpus > 1) else 1
     states = dshape["trainable"] * 16 // shard
-    frozen = (dshape["total"] - dshape["trainable"]) * 4
+    emb_bytes = dshape.get("embed_bytes", 2)
+    host_embedding = (dshape["total"] - dshape["trainable"]) * emb_bytes
     H, I = dshape["hidden_size"], dshape["intermediate_size"]
-    act = tc.batch_tokens * (tc.ttt_steps * (10 * H + 3 * I) + 3 * ht) * 2
+    act = tc.batch_tokens * (tc.ttt_steps * (10 * H + 3 * I) + 3 * ht) * 2 \
+        + tc.batch_tokens * H * emb_bytes
     teacher = tc.batch_tokens * dshape["draft_vocab_size"] * 4
     features = 0
     if tc.online:  # teacher: hidden bf16 [Ht], or top-k int64 ids + fp32 log-probs
         per_token = n_aux * ht * 2 + (ht * 2 if cfg.extract.teacher == "hidden"
                                       else cfg.extract.topk * 12)
         features = (3 * tc.online_group + 1) * tc.batch_tokens * per_token
-    total = int((states + frozen + act + teacher + features) * 1.25)
-    return {"states": states, "frozen": frozen, "activations": act, "teacher": teacher,
-            "online_features": features, "total": total}
+    total = int((states + act + teacher + features) * 1.25)
+    return {"states": states, "activations": act, "teacher": teacher,
+            "online_features": features, "total": total, "host_embedding": host_embedding}
