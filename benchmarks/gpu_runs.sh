@@ -45,8 +45,9 @@
 # is $STATE (runs/gpu-runs); the run folders (runs/quality, the slices in $SLICES) stay on the
 # machine for the steps that follow on it.
 #
-# Environment: PYTHON (python3); STATE; QRUN (runs/quality: the quality run dir); RESUME (.gpu-results/gpu-runs.tar.gz: the archive of an
-# earlier machine, unpacked into a missing state); GPU_RUNS_DEADLINE (570; tiny: 0 = none):
+# Environment: PYTHON (python3); STATE; QRUN (runs/quality: the quality run dir); RESUME
+# (.gpu-results/gpu-runs.tar.gz: the archive of an earlier machine, unpacked into the state,
+# its files kept where the state has them already); GPU_RUNS_DEADLINE (570; tiny: 0 = none):
 # seconds after the start from which no command starts and a running one is stopped with
 # SIGTERM (drafter steps unwind resumable; the step is not marked done and runs again);
 # GPU_RUNS_TINY=1: a CPU check of this script, every step at tiny sizes in runs/gpu-runs-tiny.
