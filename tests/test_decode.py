@@ -657,6 +657,54 @@ def test_tiny_architectures_plain_and_speculative(arch, tmp_path):
     assert [o.tokens for o in spec] == want
 
 
+def _tiny_moe(tmp_path, dtype=torch.float32):
+    """A tiny random DeepSeek-V3 (MLA; 5 MoE layers of 8 routed experts, 2 per token) at std 0.2
+    (at 0.02 its top logits sit within rounding of each other: a check of nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        make_tiny("deepseek_v3", tmp_path, initializer_range=0.2, n_routed_experts=8),
+        dtype=dtype).eval()
+
+
+def test_moe_experts_switch_to_batched_mm_for_a_capture_and_back(tmp_path, tiny_llama):
+    """capturable_experts (entered around a CUDA graph's warm-up and capture) runs the experts
+    that sync with the host (grouped_mm off its bf16 fast path, eager) as batched_mm and puts
+    their implementation back after, also after an error; the three give the same logits in
+    float32. A dense model is left alone."""
+    from drafter.engine.static import capturable_experts, syncing_experts
+
+    model = _tiny_moe(tmp_path)
+    experts = model.model.layers[1].mlp.experts
+    assert model.config._experts_implementation == "grouped_mm"
+    assert syncing_experts(model) == [model.config] and experts.config is model.config
+    torch.manual_seed(0)
+    ids = torch.randint(3, 1000, (2, 5))
+    with torch.no_grad():
+        want = model(ids).logits
+        with capturable_experts(model):
+            assert experts.config._experts_implementation == "batched_mm"
+            got = model(ids).logits
+        assert model.config._experts_implementation == "grouped_mm"
+        model.set_experts_implementation("eager")
+        with capturable_experts(model):
+            assert experts.config._experts_implementation == "batched_mm"
+        eager = model(ids).logits
+    assert model.config._experts_implementation == "eager"
+    model.set_experts_implementation("grouped_mm")
+    for out in (got, eager):
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=5e-5)
+    with pytest.raises(RuntimeError, match="in the capture"):
+        with capturable_experts(model):
+            raise RuntimeError("in the capture")
+    assert model.config._experts_implementation == "grouped_mm"
+    dense = tiny_llama["model"]
+    before = dense.config._experts_implementation
+    assert syncing_experts(dense) == []
+    with capturable_experts(dense):
+        assert dense.config._experts_implementation == before
+
+
 # ------------------------------------------------------------------------------------ GPU only
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -769,6 +817,52 @@ def test_trees_at_batch_64_give_the_plain_tokens_in_float32(smollm2_dir):
             bad = [i for i, o in enumerate(got) if o.tokens != want[i]]
             assert not bad, f"{tree.label()} {type(P).__name__}: rows {bad[:8]} differ"
     assert dec.graphs.enabled and dec.graphs.graphs, "graph capture fell back to eager"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_moe_steps_capture_in_float32(tmp_path, caplog):
+    """A tiny DeepSeek-V3 in float32 on the GPU. Its grouped_mm experts copy their offsets to
+    the host there (torch's grouped GEMM off its bf16 fast path), which a capture refuses
+    ("cannot copy between CPU and CUDA tensors during capture": decoding fell back to eager);
+    the steps are now captured with batched_mm and give the eager tokens, plain and
+    speculative (chain and tree), without a fallback; prefills stay eager and the experts keep
+    grouped_mm outside captures. On SM90/SM100 bf16 captures grouped_mm itself."""
+    import logging
+
+    from drafter.engine.static import syncing_experts
+
+    model = _tiny_moe(tmp_path).cuda()
+    assert syncing_experts(model) == [model.config]
+    torch.manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,)).tolist() for n in (30, 17, 5)]
+    eager, graphed = Decoder(model, max_batch=3, cuda_graphs=False), Decoder(model, max_batch=3)
+    with caplog.at_level(logging.WARNING, logger="drafter"):
+        plain = eager.generate(prompts, 24)
+        assert len({t for o in plain for t in o.tokens}) > 12  # varied: a check that can fail
+        assert [o.tokens for o in graphed.generate(prompts, 24)] == [o.tokens for o in plain]
+        ref = _ref(prompts, plain).cuda()
+        for tree in (TreeSpec.chain(3), TreeSpec(3, 2, 5)):
+            P = RefDrafter(ref, model.config.vocab_size, "noisy")
+            want = eager.generate(prompts, 24, proposer=P, tree=tree)
+            got = graphed.generate(prompts, 24, proposer=P, tree=tree)
+            assert [o.tokens for o in got] == [o.tokens for o in want] == \
+                [o.tokens for o in plain]
+            assert [o.hist for o in got] == [o.hist for o in want]
+    assert "CUDA graph capture failed" not in caplog.text
+    assert graphed.graphs.enabled and graphed.graphs.graphs, "graph capture fell back to eager"
+    assert not [k for k in graphed.graphs.graphs if k[0] == "prefill"]
+    assert model.config._experts_implementation == "grouped_mm"
+    if torch.cuda.get_device_capability()[0] in (9, 10):
+        model.bfloat16()
+        assert syncing_experts(model) == []
+        eager, graphed = (Decoder(model, max_batch=3, cuda_graphs=g, prefill_graph_tokens=0)
+                          for g in (False, True))
+        with caplog.at_level(logging.WARNING, logger="drafter"):
+            want = eager.generate(prompts, 16)
+            got = graphed.generate(prompts, 16)
+        assert "CUDA graph capture failed" not in caplog.text and graphed.graphs.graphs
+        assert [o.tokens for o in got] == [o.tokens for o in want]
 
 
 def test_gqa_sdpa_equals_transformers_sdpa():

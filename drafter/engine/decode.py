@@ -52,7 +52,14 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from drafter.engine.static import Graphs, StaticTarget, eager_attention, round_up
+from drafter.engine.static import (
+    Graphs,
+    StaticTarget,
+    capturable_experts,
+    eager_attention,
+    round_up,
+    syncing_experts,
+)
 
 # the drafting half of speculative decoding; EagleDraft and the tree helpers are re-exported here
 from drafter.engine.tree import (  # noqa: F401
@@ -137,7 +144,8 @@ class Decoder:
     max_batch rows decode together; `span_bucket` rounds the attention span (one graph per
     bucket); `prefill_tokens` bounds B x chunk of the (eager) prefill. A batch's prefill of at most
     `prefill_graph_tokens` (B x its prompts left-padded to a multiple of PREFILL_BUCKET) replays
-    a CUDA graph as the steps do (0: eager prefills only): a small prefill is all kernel launches
+    a CUDA graph as the steps do (0: eager prefills only; so for a target whose MoE experts sync
+    with the host: static's `capturable_experts`): a small prefill is all kernel launches
     (batch 1, 128 tokens on the H200: 47 ms eager, 5.4 ms graphed). `last` holds
     the timing of the latest generate call: seconds (without graph capture), capture_seconds,
     prefill_seconds, iterations (decode steps) and row_steps (their rows summed)."""
@@ -152,9 +160,13 @@ class Decoder:
         self.sync_every = max(1, sync_every)
         self.fast_chain = True  # chains take _chain_step (False: the general tree step)
         self.max_batch = max_batch
-        self.graphs = Graphs(cuda_graphs and self.target.device.type == "cuda")
+        # MoE experts whose kernels sync with the host are captured as batched_mm
+        # (capturable_experts), whose memory grows with the tokens: such prefills stay eager
+        self.graphs = Graphs(cuda_graphs and self.target.device.type == "cuda",
+                             context=lambda: capturable_experts(model))
         self.span_bucket, self.prefill_tokens = span_bucket, prefill_tokens
-        self.prefill_graph_tokens = prefill_graph_tokens
+        self.prefill_graph_tokens = \
+            0 if self.graphs.enabled and syncing_experts(model) else prefill_graph_tokens
         self._prefill_in: dict = {}  # (B, Tp) -> the graphed prefill's ids [B, Tp], start [B]
         self.cap = (0, 0)
         self._states: dict = {}

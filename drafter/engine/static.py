@@ -25,6 +25,7 @@ own paged cache (drafter.engine.generator).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
@@ -315,13 +316,78 @@ class StaticTarget:
 
 
 # ------------------------------------------------------------------------------- CUDA graphs
+def _grouped_mm_on_device(w: Tensor) -> bool:
+    """Whether transformers' "grouped_mm" experts run over expert weights `w` without a host
+    sync. torch's grouped GEMM (aten `_grouped_mm_cuda`) reads the per-expert offsets on the
+    device only on its fast path, bf16 on SM90 or SM100; any other dtype or GPU takes its
+    fallback, which copies the offsets to the host (`offs.cpu()`) to loop over the experts, and
+    without torch's kernel transformers' own fallback does the same (`offs.tolist()`)."""
+    return (w.is_cuda and torch.version.hip is None and hasattr(torch, "_grouped_mm")
+            and w.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(w.device)[0] in (9, 10))
+
+
+def syncing_experts(model) -> list:
+    """The configs of `model`'s MoE experts whose kernels sync with the host, which a CUDA graph
+    cannot capture. transformers' experts modules (decorated by `use_experts_implementation`,
+    which gives them `is_transposed` and `_apply_gate`) dispatch on their own config's
+    `_experts_implementation`: "eager" loops over the experts hit (a nonzero, then one matmul
+    each), "grouped_mm" syncs where `_grouped_mm_on_device` says so. Empty for a dense model,
+    for other implementations (deepgemm, batched_mm) and for quantized experts."""
+    out = {}
+    for m in model.modules():
+        c = getattr(m, "config", None)
+        if not (hasattr(m, "is_transposed") and hasattr(type(m), "_apply_gate")
+                and hasattr(c, "_experts_implementation")):
+            continue
+        w = getattr(m, "gate_up_proj", None)
+        w = getattr(m, "up_proj", None) if w is None else w
+        if not isinstance(w, Tensor) or w.dtype not in (torch.float32, torch.float16,
+                                                        torch.bfloat16):
+            continue
+        impl = c._experts_implementation
+        if impl == "eager" or (impl == "grouped_mm" and not _grouped_mm_on_device(w)):
+            out[id(c)] = c
+    return list(out.values())
+
+
+def _set_experts(config, impl: str) -> None:
+    # the attribute set_experts_implementation writes (transformers 5.0 to 5.19): the public
+    # setter would also overwrite the config's sub-configs, which a restore could not undo
+    if hasattr(config, "_experts_implementation_internal"):
+        config._experts_implementation_internal = impl
+    else:
+        config._experts_implementation = impl
+
+
+@contextlib.contextmanager
+def capturable_experts(model):
+    """Inside: the experts of `syncing_experts(model)` run transformers' "batched_mm" (each
+    token's expert weights gathered, then batched matmuls: no host sync, so a graph captures
+    them); their implementation is restored on the way out. For a step's warm-up and capture
+    only (`Graphs(context=...)`), whose replays then run the kernels recorded: the gathered
+    weights take memory in proportion to tokens x top-k x one expert's weights, which the few
+    tokens of a decode step afford and a prefill does not, so eager forwards keep theirs."""
+    saved = [(c, c._experts_implementation) for c in syncing_experts(model)]
+    try:
+        for c, _ in saved:
+            _set_experts(c, "batched_mm")
+        yield
+    finally:
+        for c, impl in saved:
+            _set_experts(c, impl)
+
+
 class Graphs:
     """One captured CUDA graph per key; eager on CPU or when capture fails (logged once).
-    A step mutates persistent state in place; warm-up runs it once and restores that state."""
+    A step mutates persistent state in place; warm-up runs it once and restores that state.
+    `context`: a callable giving a context manager entered around each warm-up and capture
+    (the static decoder's: `capturable_experts`)."""
 
-    def __init__(self, enabled: bool, what: str = "decoding"):
+    def __init__(self, enabled: bool, what: str = "decoding", context=None):
         self.enabled = enabled and torch.cuda.is_available()
         self.what = what            # named in the warning when capture fails
+        self.context = context or contextlib.nullcontext
         self.graphs: dict = {}
         self.pool = None
         self.capture_seconds = 0.0
@@ -353,16 +419,17 @@ class Graphs:
                 t.copy_(v)
 
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()  # warm-up: lazy inits (cuBLAS handles, ...) must not happen under capture
-            torch.cuda.current_stream().wait_stream(side)
-            restore()
-            g = torch.cuda.CUDAGraph()
-            # thread_local: LocalGenerator's replicas capture on their GPUs at the same time
-            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-                fn()
+            with self.context():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    fn()  # warm-up: lazy inits (cuBLAS handles, ...) must not happen in capture
+                torch.cuda.current_stream().wait_stream(side)
+                restore()
+                g = torch.cuda.CUDAGraph()
+                # thread_local: LocalGenerator's replicas capture on their GPUs at the same time
+                with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                    fn()
             self.pool = g.pool()
             torch.cuda.synchronize()
             return g
