@@ -293,7 +293,7 @@ class Run:
         return self.step_dir("evaluate") / f"{name}.png"
 
     def eval_tuned(self) -> Path:
-        """What the tuned section of the export READMEs was written from (drafter.export.tuned)."""
+        """What the tuned section of the export READMEs was written from (drafter.measure.tuned)."""
         return self.step_dir("evaluate") / "tuned.json"
 
 

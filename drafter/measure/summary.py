@@ -162,7 +162,7 @@ def overall(per: dict, tree) -> dict:
 
 def recommend_setting(runs: list[dict], plain: dict, batch: int, drafter_dir: str,
                       temperature: float = 0.0) -> dict | None:
-    """The serving setting at `temperature` (drafter.engine.tuning) from the drafter's chain run
+    """The serving setting at `temperature` (drafter.measure.tuning) from the drafter's chain run
     at that temperature: its conditional acceptance, the step costs measured per batch size,
     calibrated on this run's step times (decode steps, prefills left out: the per-step figures
     an engine with continuous batching gets) against the costs timed at `batch`, the rows those
@@ -171,7 +171,7 @@ def recommend_setting(runs: list[dict], plain: dict, batch: int, drafter_dir: st
     from a greedy one those of its smaller shapes (counted at temperature 0 only). At `batch`
     each setting also gets the speedups evaluate would measure for it (tuning.as_evaluated:
     evaluate's batches and prefills in). None without a chain run at that temperature."""
-    from drafter.engine.tuning import chain_step_ms, recommend, tree_step_ms
+    from drafter.measure.tuning import chain_step_ms, recommend, tree_step_ms
 
     T = float(temperature)
     chain = next((r for r in runs if r["drafter"] == "drafter" and r["method"] == "chain"

@@ -36,7 +36,6 @@ from pathlib import Path
 
 from drafter import DrafterError
 from drafter.core.rundir import Run, atomic_json, atomic_write, read_json
-from drafter.export.tuned import add_tuned_settings
 from drafter.measure.engine_eval import render as render_engine
 from drafter.measure.engine_eval import vllm_acceptance
 from drafter.measure.lossless import recheck_float32
@@ -51,6 +50,7 @@ from drafter.measure.summary import (
     with_parts,
     with_plain,
 )
+from drafter.measure.tuned import add_tuned_settings
 
 log = logging.getLogger("drafter")
 
