@@ -1,4 +1,4 @@
-"""Throughput of the data engine (drafter.engine.generator: generate.server.engine: local) per
+"""Throughput of the data engine (drafter.generation.generator: generate.server.engine: local) per
 batch size, and of the generate step beside it (--step).
 
 Headline figure (BENCHMARKS.md, Data engine): completion tokens/s end to end over 10,000 real
@@ -24,7 +24,7 @@ Its rows: the writes, and "writes + answers" (the answers' tokens over both call
         --prompts 40000 --batches 2048 --max-new 512 --writes 11869
 
 With --attention N it times the decode attention kernel alone at the first batch size, N rows of
-3,000-6,000 tokens among them, its longest rows split and not (drafter.engine.paged.SPLIT_ROWS):
+3,000-6,000 tokens among them, its longest rows split and not (drafter.generation.paged.SPLIT_ROWS):
 
     python benchmarks/generate_throughput.py --batches 2048 --attention 6
 
@@ -43,8 +43,8 @@ every prompt; reported: completion tokens/s end to end (prefill, refills, the ta
 graph capture included, as the generate step counts them), the same without capture, seconds of
 prefill, decode steps, row utilisation (tokens / (steps x batch)), peak GPU memory and the KV
 pool, and how many answers equal the first batch size's (bf16 greedy: near-ties may flip with
-the batch shape). --static adds drafter.engine.decode's static batches at the first batch size (the
-decoder the engine replaced). --profile prints the top CUDA kernels of 16 decode steps.
+the batch shape). --static adds drafter.decoding.decode's static batches at the first batch size
+(the decoder the engine replaced). --profile prints the top CUDA kernels of 16 decode steps.
 """
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from drafter.core.config import TargetConfig  # noqa: E402
 from drafter.core.target import load_model, load_tokenizer  # noqa: E402
 from drafter.data.sources import load_prompts  # noqa: E402
-from drafter.engine.decode import Decoder, stop_ids_of  # noqa: E402
-from drafter.engine.generator import Engine  # noqa: E402
+from drafter.decoding.decode import Decoder, stop_ids_of  # noqa: E402
+from drafter.generation.generator import Engine  # noqa: E402
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "drafter" / "data" / "quickstart_prompts.jsonl"
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".gz")
@@ -166,13 +166,13 @@ def profile_steps(eng: Engine, prompts, max_new, stop) -> str:
 
 
 def attention_kernel(batch: int, long_rows: int, reps: int = 50) -> list[dict]:
-    """The decode attention kernel alone (drafter.engine.paged) at SmolLM2's heads (9 query, 3
+    """The decode attention kernel alone (drafter.generation.paged) at SmolLM2's heads (9 query, 3
     key/value, 64 dims), pages of 64, the open stream's table width (128 pages): rows of a
     pool-like prompt plus 0-512 answer tokens, and `long_rows` of them 3,000-6,000 tokens (what
-    a long prompt brings into a step), with its long rows split (drafter.engine.paged's setting
+    a long prompt brings into a step), with its long rows split (drafter.generation.paged's setting
     first, then others) and without. Times 30 calls (a step's layers) in a CUDA graph, and checks
     each against the gather reference on the first 64 rows."""
-    from drafter.engine import paged
+    from drafter.generation import paged
 
     torch.manual_seed(0)
     dev = "cuda"
@@ -314,7 +314,7 @@ def main(argv=None) -> int:
                      "steps": w["steps"] + ans["steps"]})
         print(json.dumps(rows[-1]), flush=True)
     if a.all_gpus and torch.cuda.device_count() > 1:
-        from drafter.engine.local import LocalGenerator
+        from drafter.generation.local import LocalGenerator
 
         gen = LocalGenerator(TargetConfig(model=a.target, dtype=a.dtype, device="auto"),
                              batch_size=batches[0])

@@ -1,7 +1,8 @@
-"""drafter.engine.generator and drafter.engine.paged: the paged, continuously batched generation of
-the generate step equals plain decoding token for token (float32) on every architecture it runs,
-refills and compacts rows, refuses what cannot fit per request, samples reproducibly; the Triton
-decode kernel equals the gather reference. CPU; GPU tests skip themselves."""
+"""drafter.generation.generator and drafter.generation.paged: the paged, continuously batched
+generation of the generate step equals plain decoding token for token (float32) on every
+architecture it runs, refills and compacts rows, refuses what cannot fit per request, samples
+reproducibly; the Triton decode kernel equals the gather reference. CPU; GPU tests skip
+themselves."""
 from __future__ import annotations
 
 import os
@@ -12,10 +13,10 @@ import textwrap
 import pytest
 import torch
 
-from drafter.engine.decode import Decoder
-from drafter.engine.generator import Engine, EngineUnsupported
-from drafter.engine.local import LocalGenerator
-from drafter.engine.paged import paged_attention_reference
+from drafter.decoding.decode import Decoder
+from drafter.generation.generator import Engine, EngineUnsupported
+from drafter.generation.local import LocalGenerator
+from drafter.generation.paged import paged_attention_reference
 from tests.tiny import make_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,7 +106,7 @@ def test_engine_sampling_is_seeded_and_greedy_rows_stay_greedy(tmp_path):
     greedy = _one_by_one(model, [prompts[0], prompts[2]], [12, 12], [])
     assert [a[0].tokens, a[2].tokens] == [w.tokens for w in greedy]
     assert a[1].tokens != _one_by_one(model, [prompts[1]], [12], [])[0].tokens
-    # without a nucleus the engine samples through drafter.engine.sampling: seeded, greedy rows
+    # without a nucleus the engine samples through drafter.generation.sampling: seeded, greedy rows
     # greedy, and the sampled rows differ from greedy decoding
     torch.manual_seed(6)
     c = eng.generate(prompts, 12, temperature=temps)
@@ -159,7 +160,7 @@ def test_streaming_engine_equals_the_closed_call(tmp_path, smollm2_dir):
     import threading
 
     from drafter.core.config import TargetConfig
-    from drafter.engine.generator import Stream
+    from drafter.generation.generator import Stream
 
     gen = LocalGenerator(TargetConfig(model=str(smollm2_dir), dtype="float32"), batch_size=3,
                          page_size=16, sync_every=2, refill_fraction=0.3)
@@ -203,7 +204,7 @@ def test_stream_puts_first_requests_ahead_in_their_order():
     """put(..., first=True) goes ahead of every request put without it, first-put first (each
     put longest prompt first); taking one from the head keeps the rest in place; abort drops
     them all."""
-    from drafter.engine.generator import Stream, requests
+    from drafter.generation.generator import Stream, requests
 
     s = Stream(bound=(64, 4))
     s.put(requests([[1] * 3, [1] * 9], 4, 0.0, ["a3", "a9"]))
@@ -266,7 +267,7 @@ def _masked_dense(q, k, v, starts, scale):
 def test_packed_prefill_attention_equals_masked_dense():
     """Packed prompts (one token, a block of 64, lengths across blocks) attend causally within
     their own prompt only: one SDPA per prompt equals a dense block-diagonal causal mask."""
-    from drafter.engine.paged import packed_attention_reference
+    from drafter.generation.paged import packed_attention_reference
 
     torch.manual_seed(0)
     for shape in [([5, 70, 1, 130, 3], 9, 3, 64, 64), ([200], 4, 4, 24, 16)]:
@@ -281,7 +282,7 @@ def test_packed_prefill_kernel_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch
-        from drafter.engine.paged import packed_attention_triton
+        from drafter.generation.paged import packed_attention_triton
         from tests.test_engine import _masked_dense, _packed
         torch.manual_seed(0)
         for shape in [([5, 70, 1, 130, 3], 9, 3, 64, 64), ([200], 4, 4, 24, 16),
@@ -305,13 +306,13 @@ def test_packed_prefill_kernel_in_the_interpreter():
 
 
 def test_sampling_kernel_in_the_interpreter():
-    """drafter.engine.sampling's kernel by Triton's interpreter: greedy rows take torch.argmax's
+    """drafter.generation.sampling's kernel by Triton's interpreter: greedy rows take torch.argmax's
     index (the first of a tie, across blocks), bfloat16 logits read as they are; sampled rows
     follow softmax(logits / T) and the same seed draws the same tokens, another seed others."""
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch
-        from drafter.engine.sampling import sample_rows
+        from drafter.generation.sampling import sample_rows
         torch.manual_seed(0)
         lg = (torch.randn(4, 9000) * 2).bfloat16()
         lg[0, 5] = lg[0, 8000] = 50.0
@@ -343,7 +344,7 @@ def test_triton_kernel_equals_reference_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch
-        from drafter.engine.paged import (long_rows, paged_attention_reference,
+        from drafter.generation.paged import (long_rows, paged_attention_reference,
                                           paged_attention_triton)
         torch.manual_seed(0)
         for B, nh, nkv, hdk, hdv, P in [(5, 9, 3, 64, 64, 16), (3, 4, 4, 24, 16, 16),
@@ -384,8 +385,8 @@ def test_engine_on_the_gpu(smollm2_dir):
     table = torch.stack([torch.randperm(63)[:8] + 1 for _ in range(5)]).int().cuda()
     lens = torch.tensor([0, 1, 64, 300, 512], dtype=torch.int32).cuda()
     q = torch.randn(5, 9, 64).cuda()
-    from drafter.engine.paged import packed_attention_triton, paged_attention_triton
-    from drafter.engine.sampling import sample_rows
+    from drafter.generation.paged import packed_attention_triton, paged_attention_triton
+    from drafter.generation.sampling import sample_rows
     pq, pk, pv, starts = (t.cuda() for t in _packed([5, 70, 1, 130, 3], 9, 3, 64, 64))
     torch.testing.assert_close(packed_attention_triton(pq, pk, pv, starts, 0.3),
                                _masked_dense(pq, pk, pv, starts, 0.3), atol=1e-4, rtol=1e-4)
@@ -395,7 +396,7 @@ def test_engine_on_the_gpu(smollm2_dir):
     torch.testing.assert_close(paged_attention_triton(q, kp, vp, table, lens, 0.125, 64),
                                paged_attention_reference(q, kp, vp, table, lens, 0.125, 64),
                                atol=1e-4, rtol=1e-4)
-    from drafter.engine.paged import long_rows
+    from drafter.generation.paged import long_rows
     torch.testing.assert_close(paged_attention_triton(q, kp, vp, table, lens, 0.125, 64,
                                                       long_rows(lens, 2, 128), 128),
                                paged_attention_reference(q, kp, vp, table, lens, 0.125, 64),
@@ -420,7 +421,7 @@ def test_attention_does_not_depend_on_the_batch_on_the_gpu():
     packed chunk (which prompts share it), a long row's decode attention split or not (which rows
     share the step). benchmarks/generate_throughput.py's `same` column checks the engine's greedy
     answers across batch sizes end to end."""
-    from drafter.engine.paged import long_rows, packed_attention_triton, paged_attention_triton
+    from drafter.generation.paged import long_rows, packed_attention_triton, paged_attention_triton
 
     torch.manual_seed(0)
     dt = torch.bfloat16

@@ -9,8 +9,8 @@ CPU:
 - benchmarks/kimi-slice.yaml loads as the evaluate run it says it is; the driver refuses what it
   does not know (a real bash subprocess).
 GPU (`pytest -m gpu tests/test_kimi_shape.py`; they skip themselves without CUDA):
-- plain greedy decoding (drafter.engine.decode.Decoder, CUDA graphs, left-padded batch) and the
-  data engine (drafter.engine.generator.Engine, paged MLA cache) give transformers' own
+- plain greedy decoding (drafter.decoding.decode.Decoder, CUDA graphs, left-padded batch) and the
+  data engine (drafter.generation.generator.Engine, paged MLA cache) give transformers' own
   `generate`, one prompt at a time, token for token (float32);
 - the data engine's greedy answers are the same at two batch sizes (bfloat16, as generate's
   `engine: local` runs: other rows, other refills, other prefill chunks in every step).
@@ -165,8 +165,8 @@ def test_plain_decoding_and_the_engine_equal_transformers_generate(tiny_kimi):
     """float32: the static decoder (4 prompts left-padded into one batch, CUDA graphs where
     the MoE routing lets them capture) and the paged engine (3 rows: refills) give what
     transformers' generate gives each prompt alone."""
-    from drafter.engine.decode import Decoder
-    from drafter.engine.generator import Engine
+    from drafter.decoding.decode import Decoder
+    from drafter.generation.generator import Engine
 
     model = _load(tiny_kimi, "float32")
     assert type(model).__name__ == "DeepseekV3ForCausalLM" and model.config.kv_lora_rank == 512
@@ -193,7 +193,7 @@ def test_engine_answers_are_the_same_at_two_batch_sizes(tiny_kimi):
     """bfloat16, as the generate step runs the engine: 24 prompts at batch 32 (one admission,
     one prefill) and at batch 8 (refills as rows end, other prompts sharing every step and
     prefill chunk) give the same greedy answers token for token."""
-    from drafter.engine.generator import Engine
+    from drafter.generation.generator import Engine
 
     model = _load(tiny_kimi, "bfloat16")
     prompts = _prompts(24, seed=1)

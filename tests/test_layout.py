@@ -11,8 +11,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "drafter"
 # Bottom to top: a package imports only from itself and the packages before it.
-LAYERS = ["core", "data", "features", "serve", "engine", "train", "export", "measure", "steps",
-          "run", "cli"]
+LAYERS = ["core", "data", "features", "serve", "decoding", "generation", "train", "export",
+          "measure", "steps", "run", "cli"]
 MAX_LINES = 600
 
 

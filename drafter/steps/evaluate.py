@@ -124,7 +124,7 @@ def _datasets(ev) -> list[tuple[str, str, list[dict]]]:
 
 
 def _methods(ev):
-    from drafter.engine.decode import TreeSpec
+    from drafter.decoding.decode import TreeSpec
 
     out = []
     for m in ev.methods:
@@ -257,7 +257,7 @@ def _pass(run: Run, key: str, prompts: _Prompts, fn):
     """One decoding pass (fn() -> _decode's result), kept in evaluate/passes/ so that a killed
     evaluate resumes after the passes it finished. A plain pass also keeps the prompt rounds it
     built (MT-bench's second turns carry its answers)."""
-    from drafter.engine.decode import Output
+    from drafter.decoding.decode import Output
 
     name = hashlib.sha256(key.encode()).hexdigest()[:16]
     p = run.step_dir("evaluate") / "passes" / f"{name}.json"
@@ -286,7 +286,7 @@ def main(cfg) -> dict:
     import torch
 
     from drafter.core.target import load_model, load_tokenizer, pick_device, pick_dtype, text_config
-    from drafter.engine.decode import Decoder, EagleDraft, stop_ids_of
+    from drafter.decoding.decode import Decoder, EagleDraft, stop_ids_of
 
     ev, run = cfg.evaluate, Run.of(cfg)
     if ev.engine == "vllm":
@@ -522,7 +522,7 @@ def _main_engine(cfg) -> dict:
     with the export at chain K=evaluate.k (drafter/measure/engine_eval.py); nothing loads the
     target in this process."""
     from drafter.core.target import load_tokenizer
-    from drafter.engine.decode import stop_ids_of
+    from drafter.decoding.decode import stop_ids_of
     from drafter.features.engine_capture import vllm_missing
 
     ev, run = cfg.evaluate, Run.of(cfg)

@@ -20,7 +20,7 @@ meta.generate_temperature; the same split). Greedy answers alone give a drafter 
 only; sampled copies beside them raised its T=1 acceptance (BENCHMARKS.md, "Quality").
 
 Engines: a server drafter starts (transformers, vllm, sglang: drafter/serve/servers.py),
-external URLs (load-balanced), or `local` (in-process: drafter.engine.local.LocalGenerator,
+external URLs (load-balanced), or `local` (in-process: drafter.generation.local.LocalGenerator,
 paged KV cache and continuous batching, fed one open request stream; the manifest's phases_s
 splits its seconds by phase, docs/generate.md). The conversation being answered turn by turn is
 drafter.data.conversations.Conversation.
@@ -313,7 +313,7 @@ class _Local:
 
     def __init__(self, cfg, sink: _Sink, run: Run, ph: _Phases):
         from drafter.core.target import load_tokenizer
-        from drafter.engine.local import LocalGenerator
+        from drafter.generation.local import LocalGenerator
 
         self.g, self.sink, self.ph = cfg.generate, sink, ph
         self.tok = load_tokenizer(cfg.target)
@@ -422,7 +422,7 @@ PUT_CHUNK = 256          # conversations rendered per put: the first rows start 
 
 
 def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> tuple[dict, dict]:
-    """engine=local: one open request stream (drafter.engine.local.LocalGenerator.start)
+    """engine=local: one open request stream (drafter.generation.local.LocalGenerator.start)
     decoded while this thread feeds it. Conversations are admitted while fewer than
     QUEUED_PER_ROW x batch_size x GPUs requests are queued; as each row ends (the engine's
     thread hands it over) its conversation's bookkeeping runs here, and its next request (the
@@ -431,7 +431,7 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> tuple[dic
     Returns (phases_s, engine_counts): load, then the seconds of this thread (host) and of the
     engines' threads (engine: the mean over GPUs), each split by phase and summing to the step's
     seconds; and what the engines did, summed (empty for the static decoder's calls)."""
-    from drafter.engine.generator import Engine
+    from drafter.generation.generator import Engine
 
     t0 = time.perf_counter()
     ph = _Phases()

@@ -1,8 +1,8 @@
 """Speculative drafting: the tree (EAGLE-2 dynamic tree; a chain is the tree with k = 1), its
 verification (greedy, and recursive rejection sampling), and the drafters behind `DraftModel`.
-drafter.engine.decode runs them inside its static-cache decoding loop; the module doc there explains
-one speculative step. Shapes as there: B rows, D depth, k children per node, N nodes verified,
-E expanded nodes, Vd draft vocab, S attention span.
+drafter.decoding.decode runs them inside its static-cache decoding loop; the module doc there
+explains one speculative step. Shapes as there: B rows, D depth, k children per node, N nodes
+verified, E expanded nodes, Vd draft vocab, S attention span.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from drafter import DrafterError
 from drafter.core.gpu import triton_available
-from drafter.engine.rejection import (DraftQ, chain_layout, children_table, gumbel,
+from drafter.decoding.rejection import (DraftQ, chain_layout, children_table, gumbel,
                                       sampled_children_kernel, walk)
 
 
@@ -374,7 +374,7 @@ def verify_sample(tokens: Tensor, parent_full: Tensor, valid: Tensor, depth_full
                   anc: Tensor, logits: Tensor, q: DraftQ, dist: Tensor, t_ids: Tensor,
                   temperature: float, D: int, k: int, u: Tensor | None = None,
                   noise: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Recursive rejection sampling over the tree (drafter.engine.rejection). tokens [B, N] the
+    """Recursive rejection sampling over the tree (drafter.decoding.rejection). tokens [B, N] the
     nodes' draft ids; logits [B, N+1, V] of the verify forward (row 0: the root); q the draft
     distributions (Draft.q), dist [B, N+1] each node's row of them; t_ids [Vd] the draft ->
     target id map. u, noise: fixed uniforms (rejection.walk). Same returns as verify_greedy."""

@@ -1,5 +1,5 @@
 """The Triton kernels of speculative sampling's verification and sampled expansion
-(drafter.engine.rejection imports this module only where Triton runs: a CUDA device, or
+(drafter.decoding.rejection imports this module only where Triton runs: a CUDA device, or
 TRITON_INTERPRET=1 in the tests). The module doc there gives the arithmetic; `walk_torch` there
 is the walk kernel's PyTorch form, tree.sampled_children's eager branch the children kernel's.
 

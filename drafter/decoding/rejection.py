@@ -162,7 +162,7 @@ def walk_torch(logits: Tensor, tokens: Tensor, children: Tensor, dist: Tensor, q
 
 # ---------------------------------------------------------------------------- the Triton kernels
 def _kernels():
-    from drafter.engine import rejection_kernels  # imports triton: only where Triton runs
+    from drafter.decoding import rejection_kernels  # imports triton: only where Triton runs
 
     return rejection_kernels.walk_kernel, rejection_kernels.children_kernel
 

@@ -1,4 +1,4 @@
-"""Generation for the generate step's `engine: local`: one Engine (drafter.engine.generator) per
+"""Generation for the generate step's `engine: local`: one Engine (drafter.generation.generator) per
 visible GPU, all draining one request stream, each in its own thread; the static decoder for
 models the paged engine does not support.
 
@@ -16,8 +16,9 @@ from typing import Sequence
 
 import torch
 
-from drafter.engine.generator import Engine, EngineUnsupported, Request, Result, Stream, requests
-from drafter.engine.tree import DecodeError
+from drafter.decoding.tree import DecodeError
+from drafter.generation.generator import (Engine, EngineUnsupported, Request, Result, Stream,
+                                          requests)
 
 log = logging.getLogger("drafter")
 
@@ -36,7 +37,7 @@ class LocalGenerator:
 
     def __init__(self, target_cfg, batch_size: int = 64, cuda_graphs: bool = True, **engine_kw):
         from drafter.core.target import load_model, load_tokenizer
-        from drafter.engine.decode import Decoder, stop_ids_of
+        from drafter.decoding.decode import Decoder, stop_ids_of
 
         n = torch.cuda.device_count() if target_cfg.device == "auto" else 1
         devices = [f"cuda:{i}" for i in range(n)] if n > 1 else [None]

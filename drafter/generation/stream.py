@@ -1,4 +1,4 @@
-"""The data engine's requests and the stream its replicas drain (drafter.engine.generator):
+"""The data engine's requests and the stream its replicas drain (drafter.generation.generator):
 
     reqs = requests(prompts, max_new=512, temperature=0.0)     # one Request per prompt
     stream = Stream(reqs); stream.close()                      # or open: put() while decoding
@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from drafter.engine.tree import DecodeError
+from drafter.decoding.tree import DecodeError
 
 
 @dataclass
