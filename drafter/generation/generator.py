@@ -1,9 +1,9 @@
 """The data engine: batched generation of a target in-process, as fast as one GPU allows, for the
 generate step's `engine: local` (answers, and the user turns of synthetic prompts).
 
-    eng = Engine(model, max_batch=1024)                        # any HF causal LM it supports
+    eng = Generator(model, max_batch=1024)                        # any HF causal LM it supports
     res = eng.generate(prompts, max_new=512, stop_ids=[2])     # list[Result], prompt order
-    (drafter.generation.local.LocalGenerator: one Engine per visible GPU, the generate step's)
+    (drafter.generation.local.LocalGenerator: one Generator per visible GPU, the generate step's)
     feed = gen.start(on_result, max_len=8192, max_new=512)    # an open stream, decoding now
     feed.put(prompts, 512, 0.0, tags); ...; feed.join()       # on_result(tag, token_ids, finish)
 
@@ -37,8 +37,8 @@ How it works:
   - Sampling per row: greedy at temperature 0, else Gumbel-max over logits / temperature, in one
     read of the logits (drafter.generation.sampling; with nucleus top_p < 1 for all rows: torch's
     sort), one seeded stream per call (per feed).
-  - Streaming (`Stream`, `LocalGenerator.start`): requests may be put while the engines decode;
-    an idle engine waits on the open stream, and ends once it is closed, empty and no row is
+  - Streaming (`Stream`, `LocalGenerator.start`): requests may be put while the generators decode;
+    an idle generator waits on the open stream, and ends once it is closed, empty and no row is
     live. The plan is then sized from the caller's bound (max prompt + max_new tokens) instead
     of the requests. `generate` is one closed stream (put all, close).
 
@@ -100,11 +100,11 @@ class _Rows:
                 self.out, self.table, self.lens]
 
 
-class EngineUnsupported(DecodeError):
+class GeneratorUnsupported(DecodeError):
     pass
 
 
-class Engine:
+class Generator:
     """Batched generation of one target on its device (module docstring). `last` holds the
     figures of the latest call: seconds (prefill_, decode_, wait_, capture_seconds; the GPU
     timeline's prefill_ and decode_gpu_seconds), steps, sampling_steps, tokens, requests,
@@ -116,7 +116,7 @@ class Engine:
                  cuda_graphs: bool = True, sync_every: int = 8, refill_fraction: float = 1 / 16):
         why = unsupported(model)
         if why:
-            raise EngineUnsupported(f"{type(model).__name__}: {why}")
+            raise GeneratorUnsupported(f"{type(model).__name__}: {why}")
         use_paged_attention(model)
         from drafter.features.capture import output_head, text_decoder
 

@@ -326,7 +326,7 @@ def use_paged_attention(model) -> None:
 
 
 def unsupported(model) -> str | None:
-    """Why the paged engine cannot run this model exactly (None: it can): sliding windows, logit
+    """Why the paged generator cannot run this model exactly (None: it can): sliding windows, logit
     softcapping, attention sinks and scaled logits need masks or outputs it does not build."""
     from drafter.core.target import text_config
 

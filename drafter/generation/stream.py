@@ -2,7 +2,7 @@
 
     reqs = requests(prompts, max_new=512, temperature=0.0)     # one Request per prompt
     stream = Stream(reqs); stream.close()                      # or open: put() while decoding
-    Engine.run(stream, on_result, ...)                         # on_result(Request, Result)
+    Generator.run(stream, on_result, ...)                         # on_result(Request, Result)
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def requests(prompts, max_new, temperature, tags=None, start: int = 0) -> list[R
 
 
 class Stream:
-    """The requests the replicas of one Engine.run drain, thread-safe. Open while the caller may
+    """The requests the replicas of one Generator.run drain, thread-safe. Open while the caller may
     still `put` requests; `close()` says no more will come (a replica then ends once the stream
     is empty and its rows are done); `abort()` also drops what is queued and stops the replicas
     at their next check. Each `put` is queued longest prompt first; `put(..., first=True)` goes

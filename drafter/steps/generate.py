@@ -415,7 +415,7 @@ class _Local:
         return still
 
 
-# Requests queued per GPU beyond its rows: the engine refills from them at once, while the host
+# Requests queued per GPU beyond its rows: the generator refills from them at once, while the host
 # renders the next ones; a kill loses at most these and the rows' conversations.
 QUEUED_PER_ROW = 2
 PUT_CHUNK = 256          # conversations rendered per put: the first rows start after one chunk
@@ -424,14 +424,15 @@ PUT_CHUNK = 256          # conversations rendered per put: the first rows start 
 def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> tuple[dict, dict]:
     """engine=local: one open request stream (drafter.generation.local.LocalGenerator.start)
     decoded while this thread feeds it. Conversations are admitted while fewer than
-    QUEUED_PER_ROW x batch_size x GPUs requests are queued; as each row ends (the engine's
+    QUEUED_PER_ROW x batch_size x GPUs requests are queued; as each row ends (the generator's
     thread hands it over) its conversation's bookkeeping runs here, and its next request (the
     next user turn, a synthetic user turn or its answer) goes straight back into the stream.
-    The static decoder (models the paged engine does not run) decodes pools in calls instead.
+    The static decoder (models the paged generator does not run) decodes pools in calls instead.
     Returns (phases_s, engine_counts): load, then the seconds of this thread (host) and of the
-    engines' threads (engine: the mean over GPUs), each split by phase and summing to the step's
-    seconds; and what the engines did, summed (empty for the static decoder's calls)."""
-    from drafter.generation.generator import Engine
+    generators' threads (`engine`: the mean over GPUs), each split by phase and summing to the
+    step's seconds; and what the generators did, summed (empty for the static decoder's
+    calls)."""
+    from drafter.generation.generator import Generator
 
     t0 = time.perf_counter()
     ph = _Phases()
@@ -440,7 +441,7 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> tuple[dic
     sink.restart()                       # throughput counts from the first request
     t1 = time.perf_counter()
     try:
-        if isinstance(loc.gen.engines[0], Engine):
+        if isinstance(loc.gen.workers[0], Generator):
             _stream_local(loc, records)
         else:
             _pools_local(loc, records)
@@ -463,7 +464,7 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> tuple[dic
         # waiting on the host between them)
         out["engine_gpu"] = {k: round(sum(s.get(f"{k}_gpu_seconds", 0.0) for s in stats)
                                       / len(stats), 3) for k in ("prefill", "decode")}
-    # what the engines did, summed over GPUs: admissions and their packed prefills (prompt
+    # what the generators did, summed over GPUs: admissions and their packed prefills (prompt
     # tokens, and the tokens the forwards ran), decode steps, those that sampled (any live row
     # at T > 0)
     counts = {k: sum(s[k] for s in stats)
@@ -482,7 +483,7 @@ def _stream_local(loc: _Local, records: Iterator[dict]) -> None:
                                     if syn else []))
     # The plan covers any prompt the model takes; without a context length, prompts of up to
     # 32,768 tokens (a longer one is "too_long": a permanent error of its conversation).
-    max_len = gen.engines[0].max_positions or max_new + 32768
+    max_len = gen.workers[0].max_positions or max_new + 32768
     results: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
     feed = gen.start(lambda tag, ids, finish: results.put((*tag, ids, finish)), max_len,
                      max_new, top_p=g.top_p, seed=g.seed, stop_ids=loc.stop)
@@ -501,7 +502,7 @@ def _stream_local(loc: _Local, records: Iterator[dict]) -> None:
                          [(convs[i], len(ids[i]), caps[i], user) for i in k], first=user)
         in_flight += len(convs)
 
-    # The engine's thread gives up the GIL in every torch call and waits to take it back while
+    # The generator's thread gives up the GIL in every torch call and waits to take it back while
     # this thread renders templates or checks user turns: a switch interval of 0.1 ms (Python's:
     # 5 ms) bounds each such wait, of which a prefill or a sync has tens.
     interval = sys.getswitchinterval()
@@ -524,7 +525,7 @@ def _stream_local(loc: _Local, records: Iterator[dict]) -> None:
                     except queue_mod.Empty:
                         if not feed.alive():
                             feed.check()
-                            raise GenerateError("generate (local): the engine stopped with "
+                            raise GenerateError("generate (local): the generator stopped with "
                                                 f"{in_flight} requests in flight (a bug)")
             while True:
                 try:
