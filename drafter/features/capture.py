@@ -235,7 +235,7 @@ class Capture:
         self._vocab(d2t, t2d, topk, batch_tokens)
 
     def _vocab(self, d2t: torch.Tensor, t2d: torch.Tensor, topk: int, batch_tokens: int):
-        """The draft vocab, top-k and the state every capture shares (EngineCapture too), once
+        """The draft vocab, top-k and the state every capture shares (VllmCapture too), once
         vocab_size and device are known."""
         d2t = d2t.long()
         if t2d.numel() != self.vocab_size:
