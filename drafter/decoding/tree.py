@@ -18,7 +18,7 @@ from torch import Tensor
 from drafter import DrafterError
 from drafter.core.gpu import triton_available
 from drafter.decoding.rejection import (DraftQ, chain_layout, children_table, gumbel,
-                                      sampled_children_kernel, walk)
+                                        philox_key, walk)
 
 
 class DecodeError(DrafterError):
@@ -131,8 +131,8 @@ def sampled_children(logits: Tensor, k: int, temperature: float, fused: bool | N
     the k largest log-probs [..., k] (float32, largest first: the scores build_tree ranks by,
     whichever tokens were drawn) and logsumexp(logits / temperature) [...] (float32: with the
     logits, the distribution verification reads; DraftQ). On CUDA with Triton a row that
-    chunk_width splits is one kernel's work (rejection.sampled_children_kernel: the logits
-    read twice, nothing [..., Vd] written); `fused` as greedy_children's. noise: uniforms
+    chunk_width splits is one kernel's work (sampled_children_kernel: the logits read twice,
+    nothing [..., Vd] written); `fused` as greedy_children's. noise: uniforms
     [..., Vd] for the Gumbel noise (the tests' fixed draws; by default torch.rand's, the
     kernel's own Philox stream)."""
     fused = FUSED_SEARCH if fused is None else fused
@@ -143,6 +143,35 @@ def sampled_children(logits: Tensor, k: int, temperature: float, fused: bool | N
     lse = torch.logsumexp(x, -1)
     g = gumbel(torch.rand_like(x) if noise is None else noise)
     return top_indices(x + g, k), x.gather(-1, top_indices(x, k)) - lse[..., None], lse
+
+
+def sampled_children_kernel(logits: Tensor, k: int, temperature: float, chunk: int,
+                            noise: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """sampled_children as one Triton kernel (rejection_kernels.children_kernel) over rows that
+    `chunk` divides (CUDA; the CPU tests run it in Triton's interpreter with `noise`, uniforms
+    [..., V] as the eager form reads): ids [..., k] drawn without replacement, the k largest
+    log-probs [..., k], the log-sum-exp [...] of logits / temperature."""
+    from drafter.decoding import rejection_kernels  # imports triton: only where Triton runs
+
+    *lead, V = logits.shape
+    x = logits.reshape(-1, V)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    R, nc = x.shape[0], 1 << (V // chunk - 1).bit_length()            # chunks, a power of 2
+    if R * V >= 2 ** 31:
+        raise ValueError(f"sampled_children: {R} x {V} logits overflow the noise offsets")
+    dev = x.device
+    xmax = torch.empty(2, R, nc, dtype=torch.float32, device=dev)
+    ids = torch.empty(R, k, dtype=torch.long, device=dev)
+    topv = torch.empty(R, k, dtype=torch.float32, device=dev)
+    lse = torch.empty(R, dtype=torch.float32, device=dev)
+    rejection_kernels.children_kernel[(R,)](
+        x, xmax[0], xmax[1], ids, topv, lse,
+        noise.reshape(R, V).contiguous() if noise is not None else lse,
+        philox_key(dev) if noise is None else lse, V, x.stride(0), float(temperature),
+        NC=nc, TILE=min(nc, 4096 // chunk), C=chunk, K=k, KP=max(2, 1 << (k - 1).bit_length()),
+        HAS_NOISE=noise is not None, num_warps=8)
+    return ids.view(*lead, k), topv.view(*lead, k), lse.view(lead)
 
 
 @functools.cache
