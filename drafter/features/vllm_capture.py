@@ -41,6 +41,7 @@ from torch import nn
 
 from drafter.core import target
 from drafter.core.vllm import llm_kwargs, shutdown_llm, vllm_dtype, vllm_missing
+from drafter.core.weights import read_weight, weight_files
 from drafter.features.capture import (
     Capture,
     CaptureError,
@@ -99,14 +100,14 @@ def load_final_norm_and_head(tcfg, config, device, dtype) -> tuple[nn.Module, nn
         raise CaptureError(f"{type(meta).__name__}: cannot tell its final norm (candidates: "
                            f"{[n for n, _ in norms] or 'none'}; {n_layers} layers)")
     norm_name, norm = norms[0]
-    folder, weight_map = target.weight_files(tcfg)
+    folder, weight_map = weight_files(tcfg)
     if not weight_map:
         raise CaptureError(f"{tcfg.model}: no model.safetensors or its index: the vLLM path "
                            f"reads the final norm and lm_head from safetensors")
     norm = norm.to_empty(device=device)
     for pname, p in norm.named_parameters():
         key = _find(weight_map, f"{norm_name}.{pname}", f"norm.{pname}")
-        p.data.copy_(target.read_weight(tcfg, folder, weight_map, key))
+        p.data.copy_(read_weight(tcfg, folder, weight_map, key))
     norm.to(dtype).eval().requires_grad_(False)
     head_mod = meta.get_output_embeddings()
     head_name = names.get(id(head_mod), "lm_head") + ".weight"
@@ -117,7 +118,7 @@ def load_final_norm_and_head(tcfg, config, device, dtype) -> tuple[nn.Module, nn
         key = _find(weight_map, emb, "embed_tokens.weight")
     else:
         key = _find(weight_map, head_name, "lm_head.weight")
-    w = target.read_weight(tcfg, folder, weight_map, key)                                     # [V, Ht]
+    w = read_weight(tcfg, folder, weight_map, key)                                # [V, Ht]
     head = nn.Linear(w.shape[1], w.shape[0], bias=False, device=device, dtype=dtype)
     head.weight.data.copy_(w)
     head.requires_grad_(False)
