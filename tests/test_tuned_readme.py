@@ -1,4 +1,4 @@
-"""The tuned serving settings in the export READMEs (drafter/export/tuned.py): a real export of a
+"""The tuned serving settings in the export READMEs (drafter/measure/tuned.py): a real export of a
 tiny random drafter, evaluate's metrics built with drafter.measure.tuning.recommend from made-up
 acceptance and step costs; the section per temperature and batch size with each dir's own path
 in the flags, the
