@@ -172,7 +172,7 @@ def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
             "cache_free": cache_free}
 
 
-def engine_gpus(cfg) -> int:
+def vllm_gpus(cfg) -> int:
     """GPUs vLLM spreads the target over where a step runs it (extract.engine /
     evaluate.engine: vllm): tensor x pipeline parallel sizes of target.engine_args."""
     a = cfg.target.engine_args
@@ -183,7 +183,7 @@ def engine_gpus(cfg) -> int:
 def where_steps_run(cfg) -> dict:
     """Where each step runs, for the plan's reader."""
     s = cfg.generate.server
-    eng = engine_gpus(cfg)
+    eng = vllm_gpus(cfg)
     return {"generate": f"{s.engine} server" if cfg.generate.enabled else "skipped",
             "extract": "online (inside train)" if cfg.train.online else
             f"vLLM over {eng} GPU(s)" if cfg.extract.engine == "vllm" else
@@ -218,7 +218,7 @@ def gpu_memory(cfg, f: dict, warnings: list[str], refused: list[str]) -> dict:
                           f"table (not on the GPU)"},
         "evaluate": {**ev, "tp": tp, "total": ev["total"] + f["drafter"]["total"] * 2},
     }
-    eng = engine_gpus(cfg)
+    eng = vllm_gpus(cfg)
     if cfg.extract.engine == "vllm" and not online:
         # inside vLLM: tensor/expert/pipeline parallelism spreads every weight, experts
         # included, and vLLM fills what is left with its KV cache (as generate's server);
