@@ -89,7 +89,7 @@ def test_capture_inside_vllm_equals_drafters_in_float32(base):
                        env=base["env"], capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stderr[-6000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["layer_ids"] == [2, 15, 27] and r["engine_ids"] == [2, 15, 27, 30]
+    assert r["layer_ids"] == [2, 15, 27] and r["vllm_ids"] == [2, 15, 27, 30]
     assert r["tokens"] > 1000
     assert max(r["aux_rel_l2"]) < 1e-5, r
     # the top-k ids as a set on >= 99.9% of tokens; their order differs only where two log-probs

@@ -40,7 +40,7 @@ def main(path: str) -> None:
     a, b = got["aux"].float(), want["aux"].float()                              # [N, L, Ht]
     rel = [((a[:, j] - b[:, j]).norm() / b[:, j].norm()).item() for j in range(a.shape[1])]
     print(json.dumps({
-        "tokens": int(a.shape[0]), "layer_ids": cap.layer_ids, "engine_ids": cap.engine_ids,
+        "tokens": int(a.shape[0]), "layer_ids": cap.layer_ids, "vllm_ids": cap.vllm_ids,
         "aux_rel_l2": rel,
         "aux_max_rel": ((a - b).abs().max() / b.abs().max()).item(),
         "topk_ids_same": (got["teacher_topk_ids"] == want["teacher_topk_ids"]).all(-1)
