@@ -564,7 +564,7 @@ def test_split_reasoning():
 
 
 def test_local_engine(tmp_path, smollm2_dir):
-    """engine=local through drafter.engine.local.LocalGenerator: multi-turn, turn by turn; a
+    """engine=local through drafter.generation.local.LocalGenerator: multi-turn, turn by turn; a
     prompt over the target's context (SmolLM2: 8192) is its conversation's error, with its
     reason, and the others are answered."""
     from transformers import AutoTokenizer

@@ -1,4 +1,4 @@
-"""drafter.engine.rejection: the walk over the draft vocab's support makes the direct form's
+"""drafter.decoding.rejection: the walk over the draft vocab's support makes the direct form's
 decisions (the recursive rejection sampling that rewrote [B, V] rows per sibling, kept here as
 the reference) under the same uniforms: the same accepted nodes and counts and the same last
 token, over trees, chains, a draft vocab smaller than the target's and a draft distribution with
@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafter.engine import rejection
-from drafter.engine.rejection import DraftQ, gumbel
-from drafter.engine.tree import (TreeSpec, _path, ancestors, build_tree, children_table,
+from drafter.decoding import rejection
+from drafter.decoding.rejection import DraftQ, gumbel
+from drafter.decoding.tree import (TreeSpec, _path, ancestors, build_tree, children_table,
                                  sampled_children, verify_chain_sample, verify_sample)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

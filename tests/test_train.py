@@ -24,6 +24,7 @@ from drafter.core import config as C
 from drafter.core import target
 from drafter.core.dist import Dist
 from drafter.core.rundir import Run, read_json, read_jsonl
+from drafter.core.weights import target_embeddings
 from drafter.features.capture import Capture
 from drafter.steps import train
 from drafter.train import batches
@@ -584,7 +585,7 @@ def test_precompile_batches_look_like_trains_batches(pipe):
     m = train.build_drafter(cfg, target.load_config(cfg.target),
                             store.Reader(Run(pipe.run), "train").info["layer_ids"],
                             *_vocab(pipe.run),
-                            target.target_embeddings(cfg.target))
+                            target_embeddings(cfg.target))
     assert {k: v.shape for k, v in m.state_dict().items()} == \
         {k: v.shape for k, v in S["drafter"].state_dict().items()}
 

@@ -255,7 +255,7 @@ class Run:
     def shard_index(self, split: str) -> Path:
         return self.shards(split) / "index.json"
 
-    def engine_states(self) -> Path:
+    def vllm_states(self) -> Path:
         """Where vLLM writes per-request hidden states for extract.engine=vllm (read, deleted)."""
         return self.step_dir("extract") / ".engine-states"
 
@@ -293,7 +293,7 @@ class Run:
         return self.step_dir("evaluate") / f"{name}.png"
 
     def eval_tuned(self) -> Path:
-        """What the tuned section of the export READMEs was written from (drafter.export.tuned)."""
+        """What the tuned section of the export READMEs was written from (drafter.measure.tuned)."""
         return self.step_dir("evaluate") / "tuned.json"
 
 

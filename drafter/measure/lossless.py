@@ -56,8 +56,8 @@ def recheck_float32(model, checks: list[dict], max_new: int, stop_ids, max_batch
     Returns the number of drifts."""
     import torch
 
-    from drafter.engine.decode import Decoder
-    from drafter.engine.tree import EagleDraft
+    from drafter.decoding.decode import Decoder
+    from drafter.decoding.tree import EagleDraft
 
     if not checks:
         return 0

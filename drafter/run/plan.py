@@ -12,7 +12,7 @@ section) or `estimated` (the formulas below, documented in docs/operations.md):
 - parameters (drafter.run.counts): the model built once on the meta device (target.meta_model,
   with target.trust_remote_code for a model that ships its own code); MoE active parameters =
   total - routed experts * (1 - k/E).
-- weights: target.weight_bytes: the Linear weights config.json's quantization_config covers at
+- weights: core.weights.weight_bytes: the Linear weights config.json's quantization_config covers at
   its stored bits (compressed-tensors groups with their scales, GPTQ, AWQ, FP8 blocks), the rest
   at the dtype the target loads at; the plan names the source of the figure.
 - refused: what extract's check before loading refuses too (capture.transformers_refusal): a
@@ -41,6 +41,7 @@ from pathlib import Path
 
 from drafter.core import target
 from drafter.core.rundir import Run, cache_dir
+from drafter.core.weights import weight_bytes
 from drafter.features import capture, store
 from drafter.run.counts import (
     CHARS_PER_TOKEN,
@@ -69,7 +70,7 @@ GPU_USABLE = 0.95
 def decode_tokens_per_s(p, batch: int, params: dict, weights: dict, gpus: int) -> float:
     """Bandwidth-bound decoding: one step of `batch` sequences reads the dense weights and the
     experts that its tokens route to (share 1-(1-k/E)^batch), spread over `gpus`; `weights`:
-    target.weight_bytes (bytes as stored)."""
+    core.weights.weight_bytes (bytes as stored)."""
     routed = weights["routed_bytes"]
     dense = weights["bytes"] - routed
     e, k = params["experts"], params["experts_per_token"]
@@ -152,7 +153,7 @@ def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
         hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
         cache_path = Path(os.environ.get("HF_HUB_CACHE") or f"{hf_home}/hub").expanduser()
         stored = str(getattr(f["config"], "torch_dtype", None) or "bfloat16")
-        cache_need = target.weight_bytes(f["config"], 4 if "32" in stored else 2,
+        cache_need = weight_bytes(f["config"], 4 if "32" in stored else 2,
                                          f["meta"])["bytes"]
     cache_fs, cache_free = _free_bytes(cache_path) if cache_path else (None, None)
     same_fs = cache_fs is not None and os.stat(cache_fs).st_dev == os.stat(run_fs).st_dev
@@ -171,7 +172,7 @@ def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
             "cache_free": cache_free}
 
 
-def engine_gpus(cfg) -> int:
+def vllm_gpus(cfg) -> int:
     """GPUs vLLM spreads the target over where a step runs it (extract.engine /
     evaluate.engine: vllm): tensor x pipeline parallel sizes of target.engine_args."""
     a = cfg.target.engine_args
@@ -182,7 +183,7 @@ def engine_gpus(cfg) -> int:
 def where_steps_run(cfg) -> dict:
     """Where each step runs, for the plan's reader."""
     s = cfg.generate.server
-    eng = engine_gpus(cfg)
+    eng = vllm_gpus(cfg)
     return {"generate": f"{s.engine} server" if cfg.generate.enabled else "skipped",
             "extract": "online (inside train)" if cfg.train.online else
             f"vLLM over {eng} GPU(s)" if cfg.extract.engine == "vllm" else
@@ -217,7 +218,7 @@ def gpu_memory(cfg, f: dict, warnings: list[str], refused: list[str]) -> dict:
                           f"table (not on the GPU)"},
         "evaluate": {**ev, "tp": tp, "total": ev["total"] + f["drafter"]["total"] * 2},
     }
-    eng = engine_gpus(cfg)
+    eng = vllm_gpus(cfg)
     if cfg.extract.engine == "vllm" and not online:
         # inside vLLM: tensor/expert/pipeline parallelism spreads every weight, experts
         # included, and vLLM fills what is left with its KV cache (as generate's server);
@@ -322,7 +323,7 @@ def make_plan(cfg) -> dict:
     # a machine with GPUs, or a plan for one (plan.gpus / plan.gpu_memory_gib set)
     on_gpu = gpu_mem is not None or cfg.plan.gpus is not None
     dname, nbytes = dtype_bytes(cfg, on_gpu)
-    w = target.weight_bytes(config, nbytes, meta)
+    w = weight_bytes(config, nbytes, meta)
     engine = cfg.generate.server.engine
     f = {"config": config, "meta": meta, "params": params, "nbytes": nbytes,
          "gguf_bytes": gguf_bytes, "w": w, "weights": w["bytes"], "ht": info["hidden_size"],

@@ -48,10 +48,11 @@ from tqdm import tqdm
 from drafter.core import gpu, target
 from drafter.core.dist import Dist, all_gather, barrier, init_dist, read_env
 from drafter.core.rundir import Run
+from drafter.core.vllm import vllm_dtype, vllm_missing
 from drafter.data import tokens
 from drafter.features import capture as C
-from drafter.features.engine_capture import EngineCapture, engine_dtype
 from drafter.features import store
+from drafter.features.vllm_capture import VllmCapture
 from drafter.train import precompile
 
 log = logging.getLogger("drafter")
@@ -100,7 +101,7 @@ def _info(cfg, tconf, d2t: torch.Tensor, device: str) -> dict:
     scale, softcap = C.logit_transform(tconf)
     ec = cfg.extract
     vd = d2t.numel()
-    dtype = engine_dtype(cfg.target, device) if ec.engine == "vllm" \
+    dtype = vllm_dtype(cfg.target, device) if ec.engine == "vllm" \
         else target.pick_dtype(cfg.target, device)
     return {"layer_ids": C.resolve_layer_ids(ec.layer_ids, n), "num_layers": n,
             "hidden_size": target.hidden_size(tconf), "vocab_size": target.vocab_size(tconf),
@@ -149,7 +150,7 @@ def main(cfg) -> dict:
     info = _info(cfg, tconf, d2t, str(d.device))
     est = {"total": 0}
     if ec.engine == "vllm":
-        _engine_preflight(cfg, d)
+        _vllm_preflight(cfg, d)
     elif d.device.type == "cuda":  # before this process touches CUDA or loads any weights
         dtype_bytes = torch.finfo(target.pick_dtype(cfg.target, str(d.device))).bits // 8
         est = C.estimate_gpu_bytes(tconf, dtype_bytes, ec.batch_tokens, len(info["layer_ids"]),
@@ -273,7 +274,7 @@ def _extract(cfg, run: Run, d: Dist, info: dict, d2t, t2d, tables, every: list[S
     t_load = time.time()
     if ec.engine == "vllm":
         longest = max((n for s in every for n in s.lengths), default=1)
-        cap = EngineCapture(cfg, d2t, t2d, longest, run.engine_states())
+        cap = VllmCapture(cfg, d2t, t2d, longest, run.vllm_states())
     else:
         model = target.load_model(cfg.target, device=str(d.device),
                                   **({"tp_plan": "auto"} if ec.tp else {}))
@@ -283,7 +284,7 @@ def _extract(cfg, run: Run, d: Dist, info: dict, d2t, t2d, tables, every: list[S
     try:
         return _capture_all(cfg, run, d, info, cap, tables, every, todo, writes, n_kept, t_load)
     finally:
-        if isinstance(cap, EngineCapture):
+        if isinstance(cap, VllmCapture):
             cap.close()
 
 
@@ -316,7 +317,7 @@ def _capture_all(cfg, run: Run, d: Dist, info: dict, cap, tables, every: list[Sh
             written = writer.close()
     finally:
         bar.close()
-    if isinstance(cap, EngineCapture):
+    if isinstance(cap, VllmCapture):
         check = {**(check or {}), "engine_check": dict(cap.check)}
         log.info("extract: vLLM's next token = the teacher's argmax on %d of %d samples "
                  "(%d near-ties)", cap.check["same_next_token"], cap.check["samples"],
@@ -324,12 +325,10 @@ def _capture_all(cfg, run: Run, d: Dist, info: dict, cap, tables, every: list[Sh
     return written, time.time() - t0, check
 
 
-def _engine_preflight(cfg, d: Dist) -> None:
+def _vllm_preflight(cfg, d: Dist) -> None:
     """extract.engine=vllm: one process (vLLM spreads the target itself), vLLM importable, and
     no GPU memory held by another process (reported with its PID, never killed). vLLM sizes its
     own memory: there is no weights estimate to check here."""
-    from drafter.features.engine_capture import vllm_missing
-
     if d.world > 1:
         raise C.CaptureError(f"extract.engine=vllm runs in one process, not {d.world} torchrun "
                              f"ranks: vLLM spreads the target over the GPUs itself (set "

@@ -52,6 +52,7 @@ from drafter.core import target
 from drafter.core.config import ConfigError
 from drafter.core.dist import Dist, all_sum, close_dist, dist_env
 from drafter.core.rundir import JsonlAppender, Run, read_jsonl
+from drafter.core.weights import target_embeddings
 from drafter.data import tokens
 from drafter.features import store
 from drafter.train import precompile
@@ -443,7 +444,7 @@ def _main(cfg, dist: Dist) -> dict:
             val_src = Source.offline(vr) if len(vr) else None
     setup.tick("capture" if tc.online else "store")
     # from the target's files in both modes: the same table
-    embeddings = target.target_embeddings(cfg.target)
+    embeddings = target_embeddings(cfg.target)
     setup.tick("embeddings")
     drafter = build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings)
     setup.tick("drafter")

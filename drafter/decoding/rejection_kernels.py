@@ -1,7 +1,8 @@
 """The Triton kernels of speculative sampling's verification and sampled expansion
-(drafter.engine.rejection imports this module only where Triton runs: a CUDA device, or
-TRITON_INTERPRET=1 in the tests). The module doc there gives the arithmetic; `walk_torch` there
-is the walk kernel's PyTorch form, tree.sampled_children's eager branch the children kernel's.
+(drafter.decoding.rejection's walk and drafter.decoding.tree's sampled_children_kernel import
+this module only where Triton runs: a CUDA device, or TRITON_INTERPRET=1 in the tests). The
+module doc of rejection gives the arithmetic; `walk_torch` there is the walk kernel's PyTorch
+form, tree.sampled_children's eager branch the children kernel's.
 
     walk_kernel      one program a row: the row's node statistics, acceptance tests and residual
                      passes down the tree, then the last token's Gumbel-max

@@ -1,8 +1,8 @@
 """Speculative drafting: the tree (EAGLE-2 dynamic tree; a chain is the tree with k = 1), its
 verification (greedy, and recursive rejection sampling), and the drafters behind `DraftModel`.
-drafter.engine.decode runs them inside its static-cache decoding loop; the module doc there explains
-one speculative step. Shapes as there: B rows, D depth, k children per node, N nodes verified,
-E expanded nodes, Vd draft vocab, S attention span.
+drafter.decoding.decode runs them inside its static-cache decoding loop; the module doc there
+explains one speculative step. Shapes as there: B rows, D depth, k children per node, N nodes
+verified, E expanded nodes, Vd draft vocab, S attention span.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from torch import Tensor
 
 from drafter import DrafterError
 from drafter.core.gpu import triton_available
-from drafter.engine.rejection import (DraftQ, chain_layout, children_table, gumbel,
-                                      sampled_children_kernel, walk)
+from drafter.decoding.rejection import (DraftQ, chain_layout, children_table, gumbel,
+                                        philox_key, walk)
 
 
 class DecodeError(DrafterError):
@@ -131,8 +131,8 @@ def sampled_children(logits: Tensor, k: int, temperature: float, fused: bool | N
     the k largest log-probs [..., k] (float32, largest first: the scores build_tree ranks by,
     whichever tokens were drawn) and logsumexp(logits / temperature) [...] (float32: with the
     logits, the distribution verification reads; DraftQ). On CUDA with Triton a row that
-    chunk_width splits is one kernel's work (rejection.sampled_children_kernel: the logits
-    read twice, nothing [..., Vd] written); `fused` as greedy_children's. noise: uniforms
+    chunk_width splits is one kernel's work (sampled_children_kernel: the logits read twice,
+    nothing [..., Vd] written); `fused` as greedy_children's. noise: uniforms
     [..., Vd] for the Gumbel noise (the tests' fixed draws; by default torch.rand's, the
     kernel's own Philox stream)."""
     fused = FUSED_SEARCH if fused is None else fused
@@ -143,6 +143,35 @@ def sampled_children(logits: Tensor, k: int, temperature: float, fused: bool | N
     lse = torch.logsumexp(x, -1)
     g = gumbel(torch.rand_like(x) if noise is None else noise)
     return top_indices(x + g, k), x.gather(-1, top_indices(x, k)) - lse[..., None], lse
+
+
+def sampled_children_kernel(logits: Tensor, k: int, temperature: float, chunk: int,
+                            noise: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """sampled_children as one Triton kernel (rejection_kernels.children_kernel) over rows that
+    `chunk` divides (CUDA; the CPU tests run it in Triton's interpreter with `noise`, uniforms
+    [..., V] as the eager form reads): ids [..., k] drawn without replacement, the k largest
+    log-probs [..., k], the log-sum-exp [...] of logits / temperature."""
+    from drafter.decoding import rejection_kernels  # imports triton: only where Triton runs
+
+    *lead, V = logits.shape
+    x = logits.reshape(-1, V)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    R, nc = x.shape[0], 1 << (V // chunk - 1).bit_length()            # chunks, a power of 2
+    if R * V >= 2 ** 31:
+        raise ValueError(f"sampled_children: {R} x {V} logits overflow the noise offsets")
+    dev = x.device
+    xmax = torch.empty(2, R, nc, dtype=torch.float32, device=dev)
+    ids = torch.empty(R, k, dtype=torch.long, device=dev)
+    topv = torch.empty(R, k, dtype=torch.float32, device=dev)
+    lse = torch.empty(R, dtype=torch.float32, device=dev)
+    rejection_kernels.children_kernel[(R,)](
+        x, xmax[0], xmax[1], ids, topv, lse,
+        noise.reshape(R, V).contiguous() if noise is not None else lse,
+        philox_key(dev) if noise is None else lse, V, x.stride(0), float(temperature),
+        NC=nc, TILE=min(nc, 4096 // chunk), C=chunk, K=k, KP=max(2, 1 << (k - 1).bit_length()),
+        HAS_NOISE=noise is not None, num_warps=8)
+    return ids.view(*lead, k), topv.view(*lead, k), lse.view(lead)
 
 
 @functools.cache
@@ -374,7 +403,7 @@ def verify_sample(tokens: Tensor, parent_full: Tensor, valid: Tensor, depth_full
                   anc: Tensor, logits: Tensor, q: DraftQ, dist: Tensor, t_ids: Tensor,
                   temperature: float, D: int, k: int, u: Tensor | None = None,
                   noise: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Recursive rejection sampling over the tree (drafter.engine.rejection). tokens [B, N] the
+    """Recursive rejection sampling over the tree (drafter.decoding.rejection). tokens [B, N] the
     nodes' draft ids; logits [B, N+1, V] of the verify forward (row 0: the root); q the draft
     distributions (Draft.q), dist [B, N+1] each node's row of them; t_ids [Vd] the draft ->
     target id map. u, noise: fixed uniforms (rejection.walk). Same returns as verify_greedy."""

@@ -20,8 +20,8 @@ accepts a different count per row) while every shape stays fixed: the step can b
 CUDA graph (one graph per (batch, span bucket)), which is what makes small-model decoding fast
 (launch overhead dominates otherwise: ../shared/docs/REFERENCES.md).
 
-Speculative decoding (drafter.engine.decode) runs on it; plain batched generation at scale has its
-own paged cache (drafter.engine.generator).
+Speculative decoding (drafter.decoding.decode) runs on it; plain batched generation at scale has its
+own paged cache (drafter.generation.generator).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drafter.engine.tree import DecodeError, _additive
+from drafter.decoding.tree import DecodeError, _additive
 
 log = logging.getLogger("drafter")
 
@@ -237,8 +237,8 @@ class StaticTarget:
         self._hooks: list = []
 
     def claim(self) -> None:
-        """Put back this decoder's attention if another (drafter.engine.generator's) switched the
-        shared model to its own since."""
+        """Put back this decoder's attention if another (drafter.generation.generator's)
+        switched the shared model to its own since."""
         if self.model.config._attn_implementation != self._impl:
             self.model.set_attn_implementation(self._impl)
 

@@ -3,7 +3,7 @@ temperature is 0, else a Gumbel-max sample of logits / temperature.
 
     nxt = sample_rows(logits, temp, seed, use_triton, top_p)  # logits [B, V], temp [B]
 
-The unfused form (drafter.engine.tree: logits.float() / temp + Gumbel noise, then argmax) writes
+The unfused form (drafter.decoding.tree: logits.float() / temp + Gumbel noise, then argmax) writes
 and reads [B, V] float32 tensors seven times; at the data engine's batch of 2,048 rows over
 SmolLM2's 49,152 tokens that is 400 MB each, in every step that any row samples (a synthetic
 user turn at T=1 makes all of them sample). The Triton kernel (one program per row) draws its
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from drafter.engine.tree import _gumbel_like, nucleus
+from drafter.decoding.tree import _gumbel_like, nucleus
 
 LANES = 1024
 _KERNEL = None
