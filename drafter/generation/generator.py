@@ -60,7 +60,13 @@ import torch
 from torch import Tensor
 
 from drafter.core.gpu import triton_available
-from drafter.decoding.static import Graphs, Uploads, eager_attention
+from drafter.decoding.static import (
+    Graphs,
+    Uploads,
+    capturable_experts,
+    eager_attention,
+    syncing_experts,
+)
 from drafter.decoding.tree import DecodeError
 from drafter.generation.paged import PagedCache, paged_context, unsupported, use_paged_attention
 from drafter.generation.sampling import sample_rows
@@ -133,8 +139,11 @@ class Generator:
         self.max_batch, self.P = max_batch, page_size
         self.prefill_tokens, self.memory_fraction = prefill_tokens, memory_fraction
         self.sync_every, self.refill_fraction = max(1, sync_every), refill_fraction
-        self.graphs = Graphs(cuda_graphs and self.device.type == "cuda")
-        self.prefill_graphs = Graphs(cuda_graphs and self.device.type == "cuda", "prefilling")
+        # MoE experts that sync with the host decode as batched_mm in the captured steps, whose
+        # memory grows with the tokens: such a target's prefill chunks stay eager (as Decoder's)
+        graphed = cuda_graphs and self.device.type == "cuda"
+        self.graphs = Graphs(graphed, context=lambda: capturable_experts(model))
+        self.prefill_graphs = Graphs(graphed and not syncing_experts(model), "prefilling")
         self._prefill_in: dict[int, dict[str, Tensor]] = {}   # bucket -> its graph's inputs
         self._seed = torch.zeros(1, dtype=torch.long, device=self.device)  # sampling's noise key
         self._upload = Uploads(self.device)
