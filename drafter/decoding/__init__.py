@@ -1,5 +1,5 @@
 """Evaluate's decoding on one GPU, plain and speculative, as fast as it allows: the static-cache
 target, its CUDA graphs and pinned uploads (static), speculative trees, their drafting and
 verification and the drafter behind them (tree), sampled verification on the draft vocab's
-support (rejection) and its Triton kernels (rejection_kernels), and the decoding loop evaluate
-measures (decode)."""
+support (rejection) and its Triton kernels (rejection_kernels), block verification of a sampled
+chain (block), and the decoding loop evaluate measures (decode)."""
