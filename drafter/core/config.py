@@ -298,7 +298,8 @@ class EvaluateConfig:
     drafter: str = doc("export", "export (this run's native/), a checkpoint dir, or a native dir")
     baseline: str | None = doc(None, "another drafter dir shown side by side")
     max_new_tokens: int = doc(128, "new tokens per prompt")
-    methods: list[str] = doc(["chain"], "chain and/or tree")
+    methods: list[str] = doc(["chain"], "chain, tree and/or block (the chain verified as a "
+                             "block at temperatures above 0)")
     k: int = doc(5, "chain: tokens drafted per step")
     tree_depth: int = doc(6, "tree: drafting depth")
     tree_topk: int = doc(8, "tree: children per node")
