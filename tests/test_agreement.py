@@ -1,7 +1,7 @@
 """The agreement test between two evaluators' sampled acceptance (drafter/measure/agreement.py),
 on simulated per-prompt histograms: its false-alarm rate holds when prompts differ from one
 another (the steps of a prompt share its rate: clustered), and a difference of the size greedy
-drafting makes at temperature 1.5 (vLLM on the CPU: 17% against 1% at position 1) is found in
+drafting makes (BENCHMARKS.md, CPU, "Inside vLLM": probabilistic against greedy) is found in
 samples of the size tests/test_vllm.py decodes."""
 from __future__ import annotations
 
