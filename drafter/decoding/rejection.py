@@ -42,13 +42,9 @@ import torch
 from torch import Tensor
 
 from drafter.core.gpu import triton_available
+from drafter.decoding.noise import OFFSETS, gumbel, philox_key
 
 TILE = 2048          # the walk kernel's columns a load (eight a thread of its eight warps)
-
-
-def gumbel(u: Tensor) -> Tensor:
-    """Gumbel noise from uniforms in [0, 1)."""
-    return -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
 
 
 @dataclass
@@ -167,19 +163,13 @@ def _walk_kernel():
     return rejection_kernels.walk_kernel
 
 
-def philox_key(dev) -> Tensor:
-    """A fresh Philox key [1] on the device, from torch's generator (captured graphs draw a new
-    one every replay)."""
-    return torch.randint(0, 2 ** 31 - 1, (1,), device=dev)
-
-
 def walk_triton(logits, tokens, children, dist, q: DraftQ, t_ids, temperature, u,
                 noise=None) -> tuple[Tensor, Tensor, Tensor]:
     """walk_torch as one Triton kernel; `noise` [B, V] uniforms as walk_torch's (the tests),
     else Philox noise from a fresh key."""
     B, n1, V = logits.shape
     D, k = u.shape[1], u.shape[2]
-    if B * V >= 2 ** 31:
+    if B * V >= OFFSETS:
         raise ValueError(f"walk: {B} x {V} logits overflow the noise offsets")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -215,7 +205,7 @@ def walk(logits: Tensor, tokens: Tensor, children: Tensor, dist: Tensor, q: Draf
     if u is None:
         u = torch.rand(B, depth, k, device=logits.device)
     if fused is None:  # (the kernel's Philox offsets are int32)
-        fused = triton_available(logits.device) and B * V < 2 ** 31
+        fused = triton_available(logits.device) and B * V < OFFSETS
     if fused:
         return walk_triton(logits, tokens, children, dist, q, t_ids, temperature, u, noise)
     if noise is None:

@@ -12,10 +12,15 @@ form, tree.sampled_children's eager branch the children kernel's.
 import triton
 import triton.language as tl
 
+from drafter.decoding.noise import U_MAX, U_MIN
+
+GUMBEL_U_MIN = tl.constexpr(U_MIN)    # noise.gumbel's clamp of the uniforms, so that the
+GUMBEL_U_MAX = tl.constexpr(U_MAX)    # kernels and the PyTorch forms draw alike
+
 
 @triton.jit
 def _gumbel(u):
-    return -tl.log(-tl.log(tl.minimum(tl.maximum(u, 1e-20), 1.0 - 1e-7)))
+    return -tl.log(-tl.log(tl.minimum(tl.maximum(u, GUMBEL_U_MIN), GUMBEL_U_MAX)))
 
 
 @triton.jit

@@ -17,8 +17,8 @@ from torch import Tensor
 
 from drafter import DrafterError
 from drafter.core.gpu import triton_available
-from drafter.decoding.rejection import (DraftQ, chain_layout, children_table, gumbel,
-                                        philox_key, walk)
+from drafter.decoding.noise import OFFSETS, gumbel, philox_key
+from drafter.decoding.rejection import DraftQ, chain_layout, children_table, walk
 
 
 class DecodeError(DrafterError):
@@ -137,7 +137,7 @@ def sampled_children(logits: Tensor, k: int, temperature: float, fused: bool | N
     kernel's own Philox stream)."""
     fused = FUSED_SEARCH if fused is None else fused
     c = chunk_width(logits.shape[-1], k)
-    if fused and c and triton_available(logits.device) and logits.numel() < 2 ** 31:
+    if fused and c and triton_available(logits.device) and logits.numel() < OFFSETS:
         return sampled_children_kernel(logits, k, temperature, c, noise)
     x = logits.float() / temperature
     lse = torch.logsumexp(x, -1)
@@ -158,7 +158,7 @@ def sampled_children_kernel(logits: Tensor, k: int, temperature: float, chunk: i
     if x.stride(-1) != 1:
         x = x.contiguous()
     R, nc = x.shape[0], 1 << (V // chunk - 1).bit_length()            # chunks, a power of 2
-    if R * V >= 2 ** 31:
+    if R * V >= OFFSETS:
         raise ValueError(f"sampled_children: {R} x {V} logits overflow the noise offsets")
     dev = x.device
     xmax = torch.empty(2, R, nc, dtype=torch.float32, device=dev)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from drafter.decoding.noise import OFFSETS
 from drafter.decoding.tree import _gumbel_like, nucleus
 
 LANES = 1024
@@ -92,7 +93,7 @@ def sample_rows(logits: Tensor, temp: Tensor, seed: Tensor, use_triton: bool,
     if _KERNEL is None:
         _KERNEL = _make_kernel()
     B, V = logits.shape
-    if B * V >= 2**31:
+    if B * V >= OFFSETS:
         raise ValueError(f"sample_rows: {B} x {V} logits overflow the noise index")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
