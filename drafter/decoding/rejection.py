@@ -31,7 +31,7 @@ On CUDA with Triton, `walk` is one kernel (one program a row: the row's node sta
 tests and residual passes, then the last token's Gumbel-max with in-kernel Philox noise);
 elsewhere `walk_torch`, the same arithmetic in PyTorch, which also checks the kernel (the same
 uniforms in, the same decisions out). The drafting side of sampling, the expansion's Gumbel top-k
-(tree.sampled_children, its kernel in rejection_kernels beside the walk's), is tree.py's.
+(tree.sampled_children, its kernel in tree_kernels beside the walk's), is tree.py's.
 """
 from __future__ import annotations
 
@@ -158,9 +158,9 @@ def walk_torch(logits: Tensor, tokens: Tensor, children: Tensor, dist: Tensor, q
 
 # ---------------------------------------------------------------------------- the Triton kernels
 def _walk_kernel():
-    from drafter.decoding import rejection_kernels  # imports triton: only where Triton runs
+    from drafter.decoding import tree_kernels  # imports triton: only where Triton runs
 
-    return rejection_kernels.walk_kernel
+    return tree_kernels.walk_kernel
 
 
 def walk_triton(logits, tokens, children, dist, q: DraftQ, t_ids, temperature, u,

@@ -1,0 +1,299 @@
+"""The Triton kernels of speculative trees: the expansions that draft them (tree's greedy_children
+and sampled_children, one kernel each) and the walk that verifies a sampled one (rejection's
+walk). tree and rejection import this module only where Triton runs (a CUDA device, or
+TRITON_INTERPRET=1 in the tests). Each kernel has a PyTorch form that the tests hold it to:
+tree.greedy_children's and tree.sampled_children's eager branches, rejection.walk_torch (whose
+module doc gives the walk's arithmetic).
+
+    greedy_kernel   one program a row of draft logits: the k largest (ids, log-probs), in two
+                    reads (the chunks' maxima and log-sum-exp, then the k best chunks again)
+    sampled_kernel  the same two reads for two searches: the k largest log-probs and k Gumbel-top-k
+                    draws (without replacement), and the log-sum-exp
+    walk_kernel     one program a row: the row's node statistics, acceptance tests and residual
+                    passes down the tree, then the last token's Gumbel-max
+"""
+import triton
+import triton.language as tl
+
+from drafter.decoding.noise import U_MAX, U_MIN
+
+GUMBEL_U_MIN = tl.constexpr(U_MIN)    # noise.gumbel's clamp of the uniforms, so that the
+GUMBEL_U_MAX = tl.constexpr(U_MAX)    # kernels and the PyTorch forms draw alike
+
+
+@triton.jit
+def _gumbel(u):
+    return -tl.log(-tl.log(tl.minimum(tl.maximum(u, GUMBEL_U_MIN), GUMBEL_U_MAX)))
+
+
+@triton.jit
+def _philox(SEED, off4):
+    # four uniforms per Philox offset (off4 [..., M] int32) for four adjacent columns: [..., 4M]
+    # in a fixed order (a draw of Philox costs ten rounds; one a column would pay four times)
+    u0, u1, u2, u3 = tl.rand4x(tl.load(SEED), off4)
+    u = tl.join(tl.join(u0, u1), tl.join(u2, u3))                             # [..., M, 2, 2]
+    return u
+
+
+@triton.jit
+def greedy_kernel(X, MAXES, IDS, LOGP, V, s_x, NC: tl.constexpr, TILE: tl.constexpr,
+                  C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
+    # one program a row of V: each chunk of C columns' maximum and the row's log-sum-exp in
+    # one read, then the K chunks with the largest maxima read again (L2), whose K·C values
+    # hold the row's K largest (tree.top_indices' argument). A value and its column share
+    # one int64 key, so each of the K picks is one max reduction: above, the float's bits
+    # as an int32 in the floats' order (negative ones' magnitude bits flipped; NaN above
+    # +inf, as torch.topk), below, the column reversed (the lower one wins a tie).
+    r = tl.program_id(0).to(tl.int64)
+    row = X + r * s_x
+    tile, col = tl.arange(0, TILE), tl.arange(0, C)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    for t in range(NC // TILE):
+        idx = (t * TILE + tile)[:, None] * C + col[None, :]                       # [TILE, C]
+        x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        cmax = tl.max(x, 1)                                                       # [TILE]
+        tl.store(MAXES + r * NC + t * TILE + tile, cmax)
+        m_new = tl.maximum(m, tl.max(cmax, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.sum(tl.exp(x - m_new), 1), 0)
+        m = m_new
+    lse = m + tl.log(s)
+    tl.debug_barrier()  # the maxima this block stored, visible to all of its threads
+    nc = tl.arange(0, NC)
+    b = tl.load(MAXES + r * NC + nc).to(tl.int32, bitcast=True)
+    key = tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.int64) * 4294967296 + (NC - 1 - nc)
+    kk = tl.arange(0, KP)
+    best = tl.zeros([KP], tl.int64)                                   # the K chunks [KP]
+    for j in tl.static_range(K):
+        top = tl.max(key, 0)
+        best = tl.where(kk == j, NC - 1 - (top - (top >> 32) * 4294967296), best)
+        key = tl.where(key == top, -9223372036854775808, key)
+    idx = best[:, None] * C + col[None, :]                                        # [KP, C]
+    ok = (kk[:, None] < K) & (idx < V)
+    x = tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32)
+    b = x.to(tl.int32, bitcast=True)
+    key = tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.int64) * 4294967296 + (2147483647 - idx)
+    key = tl.where(ok, key, -9223372036854775808)
+    ids = tl.zeros([KP], tl.int64)
+    lp = tl.zeros([KP], tl.float32)
+    for j in tl.static_range(K):
+        top = tl.max(tl.max(key, 1), 0)
+        hi = top >> 32
+        b = hi.to(tl.int32)
+        v = tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.float32, bitcast=True)
+        ids = tl.where(kk == j, 2147483647 - (top - hi * 4294967296), ids)
+        lp = tl.where(kk == j, v - lse, lp)
+        key = tl.where(key == top, -9223372036854775808, key)
+    tl.store(IDS + r * K + kk, ids, mask=kk < K)
+    tl.store(LOGP + r * K + kk, lp, mask=kk < K)
+
+
+@triton.jit
+def sampled_kernel(X, XMAX, YMAX, IDS, TOPV, LSE, NOISE, SEED, V, s_x, temp,
+                   NC: tl.constexpr, TILE: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
+                   KP: tl.constexpr, HAS_NOISE: tl.constexpr):
+    # greedy_kernel's two reads for two searches at once: the K largest of x / temp (their
+    # values: the scores) and of x / temp + Gumbel noise (their ids: K draws without
+    # replacement, in draw order), with the row's log-sum-exp. The second read recomputes the
+    # noise of the chunks it reads (Philox is a function of its offset).
+    r = tl.program_id(0).to(tl.int64)
+    row = X + r * s_x
+    tile, col = tl.arange(0, TILE), tl.arange(0, C)
+    col4 = tl.arange(0, C // 4)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    for t in range(NC // TILE):
+        idx = (t * TILE + tile)[:, None] * C + col[None, :]                       # [TILE, C]
+        ok = idx < V
+        x = tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32) / temp
+        if HAS_NOISE:
+            u = tl.load(NOISE + r * V + idx, mask=ok, other=0.5)
+        else:  # chunk j's offsets: (r V + j C) / 4 + the column's fourth (C divides V)
+            off4 = (r * V) // 4 + (t * TILE + tile)[:, None] * (C // 4) + col4[None, :]
+            u = tl.reshape(_philox(SEED, off4.to(tl.int32)), [TILE, C])
+        y = x + _gumbel(u)
+        y = tl.where(ok, y, float("-inf"))
+        cmax = tl.max(x, 1)
+        tl.store(XMAX + r * NC + t * TILE + tile, cmax)
+        tl.store(YMAX + r * NC + t * TILE + tile, tl.max(y, 1))
+        m_new = tl.maximum(m, tl.max(cmax, 0))
+        a = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
+        ex = tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new))
+        s = s * a + tl.sum(tl.sum(ex, 1), 0)
+        m = m_new
+    lse = m + tl.log(s)
+    tl.debug_barrier()  # the maxima this block stored, visible to all of its threads
+    nc = tl.arange(0, NC)
+    kk = tl.arange(0, KP)
+    for which in tl.static_range(2):       # 0: the scores' search, 1: the draws'
+        if which == 0:
+            cm = tl.load(XMAX + r * NC + nc)
+        else:
+            cm = tl.load(YMAX + r * NC + nc)
+        bits = cm.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) * 4294967296 \
+            + (NC - 1 - nc)
+        best = tl.zeros([KP], tl.int64)
+        for j in tl.static_range(K):
+            top = tl.max(key, 0)
+            best = tl.where(kk == j, NC - 1 - (top - (top >> 32) * 4294967296), best)
+            key = tl.where(key == top, -9223372036854775808, key)
+        idx = best[:, None] * C + col[None, :]                                    # [KP, C]
+        ok = (kk[:, None] < K) & (idx < V)
+        x = tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32) / temp
+        if which == 1:
+            if HAS_NOISE:
+                u = tl.load(NOISE + r * V + idx, mask=ok, other=0.5)
+            else:  # the first read's offsets for these chunks
+                off4 = (r * V) // 4 + best[:, None] * (C // 4) + col4[None, :]
+                u = tl.reshape(_philox(SEED, off4.to(tl.int32)), [KP, C])
+            x = x + _gumbel(u)
+        bits = x.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) * 4294967296 \
+            + (2147483647 - idx)
+        key = tl.where(ok, key, -9223372036854775808)
+        out_i = tl.zeros([KP], tl.int64)
+        out_v = tl.zeros([KP], tl.float32)
+        for j in tl.static_range(K):
+            top = tl.max(tl.max(key, 1), 0)
+            hi = top >> 32
+            hb = hi.to(tl.int32)
+            val = tl.where(hb < 0, hb ^ 0x7FFFFFFF, hb).to(tl.float32, bitcast=True)
+            out_i = tl.where(kk == j, 2147483647 - (top - hi * 4294967296), out_i)
+            out_v = tl.where(kk == j, val - lse, out_v)
+            key = tl.where(key == top, -9223372036854775808, key)
+        if which == 0:
+            tl.store(TOPV + r * K + kk, out_v, mask=kk < K)
+        else:
+            tl.store(IDS + r * K + kk, out_i, mask=kk < K)
+    tl.store(LSE + r, lse)
+
+
+@triton.jit
+def _row_stats(LROW, T2D, V, temp, TILE: tl.constexpr):
+    # log-sum-exp of the row / temp and its probability outside the draft vocab, one read
+    t = tl.arange(0, TILE)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    so = tl.zeros([], tl.float32)
+    for v0 in range(0, V, TILE):
+        v = v0 + t
+        x = tl.load(LROW + v, mask=v < V, other=float("-inf")).to(tl.float32) / temp
+        out = tl.load(T2D + v, mask=v < V, other=0) < 0
+        m_new = tl.maximum(m, tl.max(x, 0))
+        a = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
+        ex = tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new))
+        s = s * a + tl.sum(ex, 0)
+        so = so * a + tl.sum(tl.where(out, ex, 0.0), 0)
+        m = m_new
+    return m + tl.log(s), so / s
+
+
+@triton.jit
+def walk_kernel(L, s_lb, s_ln, TOK, s_tb, CH, s_cb, s_cn, DIST, s_db, Q, s_qb, s_qe,
+                QLSE, s_sb, TIDS, T2D, U, NOISE, SEED, CUR, NACC, BONUS, temp, V, Vd,
+                D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr,
+                HAS_NOISE: tl.constexpr):
+    # one program a row: walk_torch's arithmetic, one node at a time (the module doc)
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.arange(0, TILE)
+    t4 = tl.arange(0, TILE // 4)
+    kk = tl.arange(0, KP)
+    cur = tl.zeros([], tl.int64)
+    n_acc = tl.zeros([], tl.int64)
+    going = tl.full([], 1, tl.int32)
+    lam = tl.zeros([], tl.float32)
+    g = tl.full([], 1.0, tl.float32)
+    z = tl.full([], 1.0, tl.float32)
+    f = tl.zeros([], tl.float32)
+    dids = tl.full([KP], -1, tl.int64)                   # the drawn tokens (draft ids)
+    dmu = tl.zeros([KP], tl.float32)                     # and their lam
+    lse = tl.zeros([], tl.float32)
+    qlse = tl.zeros([], tl.float32)
+    e = tl.zeros([], tl.int64)
+    for depth in range(D + 1):
+        if going != 0:
+            lrow = L + b * s_lb + cur * s_ln
+            lse, out0 = _row_stats(lrow, T2D, V, temp, TILE)
+            e = tl.load(DIST + b * s_db + cur).to(tl.int64)
+            qrow = Q + b * s_qb + tl.maximum(e, 0) * s_qe
+            qlse = tl.load(QLSE + b * s_sb + tl.maximum(e, 0))
+            lam = tl.zeros([], tl.float32)
+            g = tl.full([], 1.0, tl.float32)
+            z = tl.full([], 1.0, tl.float32)
+            f = tl.zeros([], tl.float32)
+            dids = tl.full([KP], -1, tl.int64)
+            dmu = tl.zeros([KP], tl.float32)
+            found = tl.zeros([], tl.int32)
+            nxt = cur
+            if depth < D:
+                for r in range(K):
+                    c = tl.load(CH + b * s_cb + cur * s_cn + r).to(tl.int64)
+                    if (c >= 0) & (found == 0):
+                        d = tl.load(TOK + b * s_tb + c - 1).to(tl.int64)
+                        tg = tl.load(TIDS + d)
+                        pt = tl.exp(tl.load(lrow + tg).to(tl.float32) / temp - lse)
+                        qt = tl.exp(tl.load(qrow + d).to(tl.float32) / temp - qlse)
+                        uu = tl.load(U + (b * D + depth) * K + r)
+                        if uu * qt / z < tl.maximum(pt - lam * qt, 0.0) / g:
+                            found = tl.full([], 1, tl.int32)
+                            nxt = c
+                        else:
+                            lam1 = lam + g / z
+                            dids = tl.where(kk == r, d, dids)
+                            h = tl.zeros([], tl.float32)
+                            for v0 in range(0, Vd, TILE):
+                                dv = v0 + t
+                                ok = dv < Vd
+                                tv = tl.load(TIDS + dv, mask=ok, other=0)
+                                p0 = tl.exp(tl.load(lrow + tv, mask=ok, other=float("-inf"))
+                                            .to(tl.float32) / temp - lse)
+                                q0 = tl.exp(tl.load(qrow + dv, mask=ok, other=float("-inf"))
+                                            .to(tl.float32) / temp - qlse)
+                                hit = tl.max((dv[:, None] == dids[None, :]).to(tl.int32), 1)
+                                h += tl.sum(tl.where(ok & (hit == 0),
+                                                     tl.maximum(p0 - lam1 * q0, 0.0), 0.0), 0)
+                            f1 = f + tl.maximum(pt - lam1 * qt, 0.0)
+                            g1 = h + out0 + f1
+                            if g1 > 0:
+                                dmu = tl.where(kk == r, lam1, dmu)
+                                lam, g, f = lam1, g1, f1
+                            else:             # a zero residual: p stays
+                                dmu = tl.where(kk == r, lam, dmu)
+                                f = f + tl.maximum(pt - lam * qt, 0.0)
+                            z = z - qt
+            if found != 0:
+                cur = nxt
+                n_acc += 1
+            else:
+                going = tl.zeros([], tl.int32)
+    # the last token: Gumbel-max over the final weights (outside the support: p0)
+    lrow = L + b * s_lb + cur * s_ln
+    qrow = Q + b * s_qb + tl.maximum(e, 0) * s_qe
+    best = tl.full([TILE], float("-inf"), tl.float32)
+    idx = tl.zeros([TILE], tl.int64)
+    for v0 in range(0, V, TILE):
+        v = v0 + t
+        ok = v < V
+        x = tl.load(lrow + v, mask=ok, other=float("-inf")).to(tl.float32) / temp - lse
+        dv = tl.load(T2D + v, mask=ok, other=-1).to(tl.int64)
+        ins = dv >= 0
+        q0 = tl.exp(tl.load(qrow + dv, mask=ok & ins, other=float("-inf"))
+                    .to(tl.float32) / temp - qlse)
+        hit = (dv[:, None] == dids[None, :]) & (dids[None, :] >= 0)             # [TILE, KP]
+        mu = tl.where(tl.max(hit.to(tl.int32), 1) > 0,
+                      tl.sum(tl.where(hit, dmu[None, :], 0.0), 1), lam)
+        w = tl.where(ins, tl.log(tl.maximum(tl.exp(x) - mu * q0, 0.0)), x)
+        if HAS_NOISE:  # the tests' fixed uniforms
+            u = tl.load(NOISE + b * V + v, mask=ok, other=0.5)
+        else:          # row b's offsets: b * ceil(V / 4) + the column's fourth
+            u = tl.reshape(_philox(SEED, (b * ((V + 3) // 4) + v0 // 4 + t4).to(tl.int32)),
+                           [TILE])
+        y = w + _gumbel(u)
+        y = tl.where(ok, y, float("-inf"))
+        idx = tl.where(y > best, v, idx)
+        best = tl.maximum(y, best)
+    m = tl.max(best, 0)
+    tl.store(BONUS + b, tl.min(tl.where(best == m, idx, V), 0))
+    tl.store(CUR + b, cur)
+    tl.store(NACC + b, n_acc)
