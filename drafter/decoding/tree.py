@@ -182,7 +182,7 @@ def fused_children(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     to the eager kernels (torch.topk)."""
     *lead, V = logits.shape
     c = chunk_width(V, k)
-    if not c or V >= 2 ** 31:
+    if not c or V >= 2 ** 31:  # a column must fit the search key (triton_helpers.INDEX_MAX)
         raise ValueError(f"fused_children: rows of {V} are not searched by chunks for top {k}")
     from drafter.decoding import tree_kernels  # imports triton: only where Triton runs
 

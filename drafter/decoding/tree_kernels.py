@@ -11,28 +11,14 @@ module doc gives the walk's arithmetic).
                     draws (without replacement), and the log-sum-exp
     walk_kernel     one program a row: the row's node statistics, acceptance tests and residual
                     passes down the tree, then the last token's Gumbel-max
+
+The top-k searches' keys (a value and its column in one int64) and the Philox-plus-Gumbel noise
+are triton_helpers'.
 """
 import triton
 import triton.language as tl
 
-from drafter.decoding.noise import U_MAX, U_MIN
-
-GUMBEL_U_MIN = tl.constexpr(U_MIN)    # noise.gumbel's clamp of the uniforms, so that the
-GUMBEL_U_MAX = tl.constexpr(U_MAX)    # kernels and the PyTorch forms draw alike
-
-
-@triton.jit
-def _gumbel(u):
-    return -tl.log(-tl.log(tl.minimum(tl.maximum(u, GUMBEL_U_MIN), GUMBEL_U_MAX)))
-
-
-@triton.jit
-def _philox(SEED, off4):
-    # four uniforms per Philox offset (off4 [..., M] int32) for four adjacent columns: [..., 4M]
-    # in a fixed order (a draw of Philox costs ten rounds; one a column would pay four times)
-    u0, u1, u2, u3 = tl.rand4x(tl.load(SEED), off4)
-    u = tl.join(tl.join(u0, u1), tl.join(u2, u3))                             # [..., M, 2, 2]
-    return u
+from drafter.decoding import triton_helpers as th
 
 
 @triton.jit
@@ -40,10 +26,8 @@ def greedy_kernel(X, MAXES, IDS, LOGP, V, s_x, NC: tl.constexpr, TILE: tl.conste
                   C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
     # one program a row of V: each chunk of C columns' maximum and the row's log-sum-exp in
     # one read, then the K chunks with the largest maxima read again (L2), whose K·C values
-    # hold the row's K largest (tree.top_indices' argument). A value and its column share
-    # one int64 key, so each of the K picks is one max reduction: above, the float's bits
-    # as an int32 in the floats' order (negative ones' magnitude bits flipped; NaN above
-    # +inf, as torch.topk), below, the column reversed (the lower one wins a tie).
+    # hold the row's K largest (tree.top_indices' argument). Both searches pick by max
+    # reductions over triton_helpers' keys: a value and its column (or chunk) in one int64.
     r = tl.program_id(0).to(tl.int64)
     row = X + r * s_x
     tile, col = tl.arange(0, TILE), tl.arange(0, C)
@@ -59,31 +43,12 @@ def greedy_kernel(X, MAXES, IDS, LOGP, V, s_x, NC: tl.constexpr, TILE: tl.conste
         m = m_new
     lse = m + tl.log(s)
     tl.debug_barrier()  # the maxima this block stored, visible to all of its threads
-    nc = tl.arange(0, NC)
-    b = tl.load(MAXES + r * NC + nc).to(tl.int32, bitcast=True)
-    key = tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.int64) * 4294967296 + (NC - 1 - nc)
+    best = th.top_chunks(MAXES + r * NC, NC, K, KP)                    # the K chunks [KP]
     kk = tl.arange(0, KP)
-    best = tl.zeros([KP], tl.int64)                                   # the K chunks [KP]
-    for j in tl.static_range(K):
-        top = tl.max(key, 0)
-        best = tl.where(kk == j, NC - 1 - (top - (top >> 32) * 4294967296), best)
-        key = tl.where(key == top, -9223372036854775808, key)
     idx = best[:, None] * C + col[None, :]                                        # [KP, C]
     ok = (kk[:, None] < K) & (idx < V)
     x = tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32)
-    b = x.to(tl.int32, bitcast=True)
-    key = tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.int64) * 4294967296 + (2147483647 - idx)
-    key = tl.where(ok, key, -9223372036854775808)
-    ids = tl.zeros([KP], tl.int64)
-    lp = tl.zeros([KP], tl.float32)
-    for j in tl.static_range(K):
-        top = tl.max(tl.max(key, 1), 0)
-        hi = top >> 32
-        b = hi.to(tl.int32)
-        v = tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.float32, bitcast=True)
-        ids = tl.where(kk == j, 2147483647 - (top - hi * 4294967296), ids)
-        lp = tl.where(kk == j, v - lse, lp)
-        key = tl.where(key == top, -9223372036854775808, key)
+    ids, lp = th.top_k(x, idx, ok, lse, K, KP)
     tl.store(IDS + r * K + kk, ids, mask=kk < K)
     tl.store(LOGP + r * K + kk, lp, mask=kk < K)
 
@@ -106,12 +71,9 @@ def sampled_kernel(X, XMAX, YMAX, IDS, TOPV, LSE, NOISE, SEED, V, s_x, temp,
         idx = (t * TILE + tile)[:, None] * C + col[None, :]                       # [TILE, C]
         ok = idx < V
         x = tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32) / temp
-        if HAS_NOISE:
-            u = tl.load(NOISE + r * V + idx, mask=ok, other=0.5)
-        else:  # chunk j's offsets: (r V + j C) / 4 + the column's fourth (C divides V)
-            off4 = (r * V) // 4 + (t * TILE + tile)[:, None] * (C // 4) + col4[None, :]
-            u = tl.reshape(_philox(SEED, off4.to(tl.int32)), [TILE, C])
-        y = x + _gumbel(u)
+        # chunk j's offsets: (r V + j C) / 4 + the column's fourth (C divides V)
+        off4 = (r * V) // 4 + (t * TILE + tile)[:, None] * (C // 4) + col4[None, :]
+        y = x + th.gumbel_noise(NOISE + r * V, idx, ok, SEED, off4, HAS_NOISE)
         y = tl.where(ok, y, float("-inf"))
         cmax = tl.max(x, 1)
         tl.store(XMAX + r * NC + t * TILE + tile, cmax)
@@ -123,45 +85,19 @@ def sampled_kernel(X, XMAX, YMAX, IDS, TOPV, LSE, NOISE, SEED, V, s_x, temp,
         m = m_new
     lse = m + tl.log(s)
     tl.debug_barrier()  # the maxima this block stored, visible to all of its threads
-    nc = tl.arange(0, NC)
-    kk = tl.arange(0, KP)
     for which in tl.static_range(2):       # 0: the scores' search, 1: the draws'
         if which == 0:
-            cm = tl.load(XMAX + r * NC + nc)
+            best = th.top_chunks(XMAX + r * NC, NC, K, KP)                     # the K chunks
         else:
-            cm = tl.load(YMAX + r * NC + nc)
-        bits = cm.to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) * 4294967296 \
-            + (NC - 1 - nc)
-        best = tl.zeros([KP], tl.int64)
-        for j in tl.static_range(K):
-            top = tl.max(key, 0)
-            best = tl.where(kk == j, NC - 1 - (top - (top >> 32) * 4294967296), best)
-            key = tl.where(key == top, -9223372036854775808, key)
+            best = th.top_chunks(YMAX + r * NC, NC, K, KP)
+        kk = tl.arange(0, KP)
         idx = best[:, None] * C + col[None, :]                                    # [KP, C]
         ok = (kk[:, None] < K) & (idx < V)
         x = tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32) / temp
-        if which == 1:
-            if HAS_NOISE:
-                u = tl.load(NOISE + r * V + idx, mask=ok, other=0.5)
-            else:  # the first read's offsets for these chunks
-                off4 = (r * V) // 4 + best[:, None] * (C // 4) + col4[None, :]
-                u = tl.reshape(_philox(SEED, off4.to(tl.int32)), [KP, C])
-            x = x + _gumbel(u)
-        bits = x.to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) * 4294967296 \
-            + (2147483647 - idx)
-        key = tl.where(ok, key, -9223372036854775808)
-        out_i = tl.zeros([KP], tl.int64)
-        out_v = tl.zeros([KP], tl.float32)
-        for j in tl.static_range(K):
-            top = tl.max(tl.max(key, 1), 0)
-            hi = top >> 32
-            hb = hi.to(tl.int32)
-            val = tl.where(hb < 0, hb ^ 0x7FFFFFFF, hb).to(tl.float32, bitcast=True)
-            out_i = tl.where(kk == j, 2147483647 - (top - hi * 4294967296), out_i)
-            out_v = tl.where(kk == j, val - lse, out_v)
-            key = tl.where(key == top, -9223372036854775808, key)
+        if which == 1:  # the first read's offsets for these chunks
+            off4 = (r * V) // 4 + best[:, None] * (C // 4) + col4[None, :]
+            x = x + th.gumbel_noise(NOISE + r * V, idx, ok, SEED, off4, HAS_NOISE)
+        out_i, out_v = th.top_k(x, idx, ok, lse, K, KP)
         if which == 0:
             tl.store(TOPV + r * K + kk, out_v, mask=kk < K)
         else:
@@ -284,12 +220,9 @@ def walk_kernel(L, s_lb, s_ln, TOK, s_tb, CH, s_cb, s_cn, DIST, s_db, Q, s_qb, s
         mu = tl.where(tl.max(hit.to(tl.int32), 1) > 0,
                       tl.sum(tl.where(hit, dmu[None, :], 0.0), 1), lam)
         w = tl.where(ins, tl.log(tl.maximum(tl.exp(x) - mu * q0, 0.0)), x)
-        if HAS_NOISE:  # the tests' fixed uniforms
-            u = tl.load(NOISE + b * V + v, mask=ok, other=0.5)
-        else:          # row b's offsets: b * ceil(V / 4) + the column's fourth
-            u = tl.reshape(_philox(SEED, (b * ((V + 3) // 4) + v0 // 4 + t4).to(tl.int32)),
-                           [TILE])
-        y = w + _gumbel(u)
+        # row b's offsets: b * ceil(V / 4) + the column's fourth
+        y = w + th.gumbel_noise(NOISE + b * V, v, ok, SEED, b * ((V + 3) // 4) + v0 // 4 + t4,
+                                HAS_NOISE)
         y = tl.where(ok, y, float("-inf"))
         idx = tl.where(y > best, v, idx)
         best = tl.maximum(y, best)

@@ -11,7 +11,9 @@ noise in registers (Philox, four uniforms a draw, keyed by `seed` and the elemen
 keeps a running maximum per lane, reduced once at the end: the logits are read once and nothing
 [B, V] is written. `seed` is a one-element device tensor the caller advances after each draw
 (inside a CUDA graph too). Greedy rows take the first index of the maximum, as torch.argmax
-does.
+does. Its noise is not decoding.triton_helpers' gumbel_noise, whose draws would differ: a
+Philox draw's four uniforms serve four blocks of LANES columns (not four adjacent columns), and
+-log(-log(u)) is not clamped (Triton's uniforms lie in [0, 1)).
 """
 from __future__ import annotations
 
