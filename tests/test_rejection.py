@@ -190,12 +190,25 @@ def test_children_table_lists_each_nodes_valid_children_in_draw_order():
 
 # ------------------------------------------------------------------------ the Triton kernels
 def _kernel_cases():
-    """(walk_torch's arguments) for the kernel checks: trees and a chain, a subset vocab."""
+    """(walk_torch's arguments) for the kernel checks: trees and a chain, a subset vocab; and a
+    chain as verify_chain_sample lays it out (children and dist one row for every row: batch
+    stride 0), its logits and draft rows views into wider tensors (strides not their shapes')."""
     for seed, spec in ((0, TreeSpec(3, 3, 8)), (1, TreeSpec(4, 2, 10)), (2, TreeSpec.chain(3))):
         d, pf, df, anc, logits, t_ids, u, noise = sampled_tree(seed, spec, B=24,
                                                                zeros=seed == 1)
         yield (logits, d.tokens, children_table(pf, d.valid, spec.topk), d.dist, d.q, t_ids,
                0.9, u, noise)
+    g = torch.Generator().manual_seed(3)
+    B, K, V, Vd, T = 24, 4, 100, 64, 0.9
+    t_ids = torch.randperm(V, generator=g)[:Vd]
+    rows = (torch.randn(B, K + 1, Vd, generator=g) * 2)[:, :K]                    # [B, K, Vd]
+    q = DraftQ(rows, torch.logsumexp(rows / T, -1), T)
+    tokens = (q.logq() + gumbel(torch.rand(B, K, Vd, generator=g))).argmax(-1)
+    logits = (torch.randn(B, K + 2, V, generator=g) * 2)[:, :K + 1]               # [B, K+1, V]
+    logits[:, :K, t_ids] = rows + 0.5 * torch.randn(B, K, Vd, generator=g)
+    children, dist = rejection.chain_layout(K, "cpu")
+    yield (logits, tokens, children.expand(B, K + 1, 1), dist.expand(B, K + 1), q, t_ids, T,
+           torch.rand(B, K, 1, generator=g), torch.rand(B, V, generator=g))
 
 
 def check_walk_kernel(cases, exact=True):
