@@ -179,13 +179,14 @@ def walk_triton(logits, tokens, children, dist, q: DraftQ, t_ids, temperature, u
     walk_kernel = _walk_kernel()
     noise_t = noise.contiguous() if noise is not None else u
     walk_kernel[(B,)](
-        logits, logits.stride(0), logits.stride(1), tokens, tokens.stride(0),
-        children, children.stride(0), children.stride(1), dist, dist.stride(0),
-        rows, rows.stride(0), rows.stride(1), q.lse, q.lse.stride(0),
-        t_ids, target_to_draft(t_ids, V), u.contiguous(), noise_t,
-        philox_key(dev) if noise is None else u, out[0], out[1], out[2], float(temperature), V,
-        t_ids.shape[0], D=D, K=k, KP=max(2, 1 << (k - 1).bit_length()), TILE=TILE,
-        HAS_NOISE=noise is not None, num_warps=8)
+        (logits, logits.stride(0), logits.stride(1), target_to_draft(t_ids, V), V),
+        (tokens, tokens.stride(0), children, children.stride(0), children.stride(1), dist,
+         dist.stride(0)),
+        (rows, rows.stride(0), rows.stride(1), q.lse, q.lse.stride(0), t_ids, t_ids.shape[0]),
+        (u.contiguous(), noise_t, philox_key(dev) if noise is None else u),
+        (out[0], out[1], out[2]), float(temperature),
+        D=D, K=k, KP=max(2, 1 << (k - 1).bit_length()), TILE=TILE, HAS_NOISE=noise is not None,
+        num_warps=8)
     return out[0], out[1], out[2]
 
 
