@@ -166,9 +166,9 @@ def sampled_children_kernel(logits: Tensor, k: int, temperature: float, chunk: i
     topv = torch.empty(R, k, dtype=torch.float32, device=dev)
     lse = torch.empty(R, dtype=torch.float32, device=dev)
     tree_kernels.sampled_kernel[(R,)](
-        x, xmax[0], xmax[1], ids, topv, lse,
-        noise.reshape(R, V).contiguous() if noise is not None else lse,
-        philox_key(dev) if noise is None else lse, V, x.stride(0), float(temperature),
+        (x, xmax[0], xmax[1]), (ids, topv, lse),
+        (noise.reshape(R, V).contiguous() if noise is not None else lse,
+         philox_key(dev) if noise is None else lse), (V, x.stride(0)), float(temperature),
         NC=nc, TILE=min(nc, 4096 // chunk), C=chunk, K=k, KP=max(2, 1 << (k - 1).bit_length()),
         HAS_NOISE=noise is not None, num_warps=8)
     return ids.view(*lead, k), topv.view(*lead, k), lse.view(lead)

@@ -54,13 +54,20 @@ def greedy_kernel(X, MAXES, IDS, LOGP, V, s_x, NC: tl.constexpr, TILE: tl.conste
 
 
 @triton.jit
-def sampled_kernel(X, XMAX, YMAX, IDS, TOPV, LSE, NOISE, SEED, V, s_x, temp,
-                   NC: tl.constexpr, TILE: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
-                   KP: tl.constexpr, HAS_NOISE: tl.constexpr):
+def sampled_kernel(rows, out, rand, size, temp, NC: tl.constexpr, TILE: tl.constexpr,
+                   C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_NOISE: tl.constexpr):
     # greedy_kernel's two reads for two searches at once: the K largest of x / temp (their
     # values: the scores) and of x / temp + Gumbel noise (their ids: K draws without
     # replacement, in draw order), with the row's log-sum-exp. The second read recomputes the
-    # noise of the chunks it reads (Philox is a function of its offset).
+    # noise of the chunks it reads (Philox is a function of its offset). The arguments are
+    # tuples (sampled_children_kernel's): rows (X, XMAX, YMAX) the logits [R, V] and the
+    # chunks' maxima without and with the noise [R, NC], out (IDS, TOPV, LSE) [R, K], [R, K],
+    # [R], rand (NOISE, SEED) the tests' uniforms [R, V] (HAS_NOISE) or the Philox key [1],
+    # size (V, s_x) the rows' length and the logits' row stride
+    X, XMAX, YMAX = rows
+    IDS, TOPV, LSE = out
+    NOISE, SEED = rand
+    V, s_x = size
     r = tl.program_id(0).to(tl.int64)
     row = X + r * s_x
     tile, col = tl.arange(0, TILE), tl.arange(0, C)
