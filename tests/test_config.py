@@ -99,6 +99,34 @@ def test_every_field_has_help():
         assert help, f"{key} has no doc"
 
 
+def _help(capsys, *argv) -> str:
+    from drafter import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(list(argv))
+    return capsys.readouterr().out
+
+
+def test_help_lists_the_keys_users_set_and_all_lists_every_key(capsys):
+    """`drafter run --help` lists the keys users set (at most 60, each with its doc); `--help
+    all` (for each step command too) every key."""
+    user = C.keys(advanced=False)
+    assert 0 < len(user) <= 60 and len(C.keys()) > len(user)
+    short = _help(capsys, "run", "--help")
+    listed = [line.split()[0] for line in short.splitlines() if line.startswith("  ")
+              and line.split()[0] in C.keys()]
+    assert listed == user
+    assert "  train.lr " in short and "peak learning rate" in short
+    assert "train.grad_clip" not in short and "plan.gpu_tflops" not in short
+    assert f"{len(C.keys()) - len(user)} more keys" in short and "--help all" in short
+    for argv in (["run", "--help", "all"], ["train", "-h", "all"], ["run", "c.yaml", "--help",
+                                                                    "all"]):
+        full = _help(capsys, *argv)
+        assert "  train.grad_clip " in full and "  plan.gpu_tflops " in full, argv
+        assert all(f"  {k} " in full for k in C.keys()) and "more keys" not in full
+    assert "train.grad_clip" not in _help(capsys, "evaluate", "--help")
+
+
 def test_shipped_configs_load():
     from pathlib import Path
 
