@@ -69,6 +69,25 @@ def test_bad_literal(tmp_path):
         C.load(p)
 
 
+def test_a_removed_key_fails_naming_why_file_and_line(tmp_path):
+    """A key that is no longer one fails, in a file or an override, with one line: where it is
+    set and what drafter now always does; never silently ignored."""
+    p = write(tmp_path, "train:\n  lr: 0.1\n  gc_freeze: false\n")
+    with pytest.raises(C.ConfigError) as e:
+        C.load(p)
+    assert str(e.value).startswith(f"{p}:3: train.gc_freeze: no longer a key, leave it out: "
+                                   "train always freezes")
+    assert "\n" not in str(e.value)
+    with pytest.raises(C.ConfigError, match=r"^override 'train\.loader_threads=8': "
+                       r"train\.loader_threads: no longer a key.*LOADER_THREADS"):
+        C.load(None, ["train.loader_threads=8"])
+    for key, why in C.REMOVED.items():
+        with pytest.raises(C.ConfigError, match="no longer a key") as e:
+            C.load(None, [f"{key}=1"])
+        assert why in str(e.value)
+    assert not set(C.REMOVED) & set(C.keys())
+
+
 def test_bad_override_type_and_key():
     with pytest.raises(C.ConfigError, match=r"override 'train\.lr=fast'.*train\.lr"):
         C.load(None, ["train.lr=fast"])

@@ -831,7 +831,7 @@ def test_a_second_process_reads_pre_and_post_from_aotautograds_cache(tmp_path):
     cache refuses unless TTT allows it: a second process (a second `drafter train` on one
     machine) then reads both graphs' traced forward and backward from the cache instead of
     tracing them again (a warm warm-up's 13.5 s of compiling became 3.5 s). Train
-    traces them only with train.saved_graphs=false or FSDP now (drafter/train/aot.py)."""
+    traces them only under FSDP now (drafter/train/aot.py)."""
     import json
 
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))

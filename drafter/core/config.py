@@ -236,12 +236,6 @@ class TrainConfig:
     online_group: int = doc(4, "online: micro-batches whose samples one call of the target "
                             "captures (forwards grouped by length across them: fewer, fuller); "
                             "the features of about 3x this many micro-batches sit on the GPU")
-    loader_threads: int = doc(4, "offline: threads that build micro-batches from the store "
-                              "ahead of the step (handed over in order; one fell behind an "
-                              "H200's step)")
-    gc_freeze: bool = doc(True, "after the first step, freeze the objects alive then (imports, "
-                          "the model, compiled graphs) out of Python's garbage collections "
-                          "(gc.freeze); the step loop's own garbage is still collected")
     ttt_steps: int = doc(7, "training-time-test unroll length", user=True)
     ttt_decay: float = doc(0.8, "loss weight decay per TTT step (weight 0.8**i)")
     intermediate_size: int | None = doc(None, "drafter MLP size; default: the target's")
@@ -252,9 +246,6 @@ class TrainConfig:
     attention: Literal["auto", "sdpa", "flex"] = doc(
         "auto", "TTT attention: sdpa (exact, CPU/GPU) or flex (fast GPU); auto picks")
     compile: bool = doc(True, "torch.compile the fast path's layer and loss pieces (GPU only)")
-    saved_graphs: bool = doc(True, "compile: load the layer and loss pieces compiled whole where "
-                             "the precompile saved them (torch's aot_compile; no dynamo "
-                             "tracing in train's first step), else compile them as usual")
     loss_chunk: int = doc(0, "fast path: rows of each chunk that lm_head and the loss run on "
                           "at a time; 0 sizes them so that a chunk's float32 logits take 256 "
                           "MiB (2,097 rows at a 32,000-token draft vocab). Larger chunks: "
@@ -398,11 +389,42 @@ class Config:
     plan: PlanConfig = doc(PlanConfig(), "drafter plan: estimates used before any data exists")
 
 
+# ------------------------------------------------------------------------------------- retired keys
+# Keys that are no longer keys, and why (what drafter now always does): a config or an override
+# that sets one fails with this line, naming its file:line, so that it is not silently ignored.
+REMOVED: dict[str, str] = {
+    "train.gc_freeze": "train always freezes what is alive after its first step out of Python's "
+                       "garbage collections (GcClock in drafter/train/trainer.py)",
+    "train.loader_threads": "offline, LOADER_THREADS threads (drafter/train/trainer.py) always "
+                            "build the micro-batches",
+    "train.saved_graphs": "train always loads the pieces the precompile saved whole, and compiles "
+                          "those that do not load (docs/train.md, Pieces loaded whole)",
+}
+
+
+def _retired(data: dict, where: Where, strict: bool) -> dict:
+    """`data` (a config's plain values) without the REMOVED keys: an error naming the first one
+    when `strict`, else (a run dir's snapshot an older drafter wrote) dropped."""
+    for dotted, why in REMOVED.items():
+        *path, name = dotted.split(".")
+        d = data
+        for part in path:
+            d = d.get(part) if isinstance(d, dict) else None
+        if isinstance(d, dict) and name in d:
+            if strict:
+                raise ConfigError(f"{where(dotted)}: {dotted}: no longer a key, leave it out: "
+                                  f"{why}")
+            del d[name]
+    return data
+
+
 # ------------------------------------------------------------------------------------- entry points
 def load(path: str | Path | None = None, overrides: list[str] = (),
          validate: bool = True) -> Config:
     """Read a YAML config (or the defaults when path is None), apply dotted overrides, check
-    types, then (`validate`) ranges and cross-field rules."""
+    types, then (`validate`) ranges and cross-field rules. `validate=False` reads a run dir's
+    snapshot, which an older drafter may have written: retired keys are dropped there, where
+    they are errors otherwise."""
     data: dict = {}
     where = Where(None, None)
     if path is not None:
@@ -430,13 +452,14 @@ def load(path: str | Path | None = None, overrides: list[str] = (),
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         where = Where(str(path), node)
-    cfg = build(Config, data, "", where)
+    cfg = build(Config, _retired(data, where, validate), "", where)
     for text in overrides:
         keys, value = parse_override(text)
         merged = apply_override(to_dict(cfg), keys, value, text)
+        at = Where(f"override '{text}'", None)
         # Validate against the file's line table first, then name the override itself.
         try:
-            cfg = build(Config, merged, "", Where(f"override '{text}'", None))
+            cfg = build(Config, _retired(merged, at, validate), "", at)
         except ConfigError as e:
             raise ConfigError(str(e)) from None
         where.overrides[".".join(keys)] = text

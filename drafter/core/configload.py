@@ -326,8 +326,7 @@ def check_values(cfg, where: Where | None = None) -> None:
 
     tr = cfg.train
     for f in ("ttt_steps", "epochs", "grad_accum", "log_every", "save_every", "keep_checkpoints",
-              "batch_tokens", "max_steps", "eval_batches", "intermediate_size", "online_group",
-              "loader_threads"):
+              "batch_tokens", "max_steps", "eval_batches", "intermediate_size", "online_group"):
         ge(f"train.{f}", getattr(tr, f), 1)
     ge("train.max_length", tr.max_length, 4)
     gt("train.ttt_decay", tr.ttt_decay, 0)

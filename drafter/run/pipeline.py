@@ -42,6 +42,7 @@ from drafter.core import config as C
 from drafter.core.dist import agent_store, rank_world, restart_count
 from drafter.core.rundir import (
     NEUTRAL,
+    RETIRED,
     SECTIONS,
     SNAPSHOT_HEADER,
     STEPS,
@@ -101,6 +102,13 @@ def config_hash(cfg, step: str) -> str:
             d = d.get(key) if isinstance(d, dict) else None
         if isinstance(d, dict) and path and path[-1] in d and d[path[-1]] == value:
             del d[path[-1]]
+    for dotted, (now, before) in RETIRED.items():  # removed fields, renamed values: as before
+        section, *path = dotted.split(".")
+        d = parts.get(section)
+        for key in path[:-1]:
+            d = d.get(key) if isinstance(d, dict) else None
+        if isinstance(d, dict) and path and d.get(path[-1]) == now:
+            d[path[-1]] = before
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -46,7 +46,7 @@ batches take the online feeder's path: `random_samples`), then one no-grad forwa
 (validation's graphs). Nothing applies on the CPU (train compiles only on a GPU).
 The layer pieces (pre, post) and the loss chunk's statistics are compiled whole here (torch's
 aot_compile, drafter/train/aot.py) and saved beside Inductor's cache, dynamo's guards and bytecode
-included; train loads them instead of tracing them again (train.saved_graphs). FlexAttention
+included; train loads them instead of tracing them again (not under FSDP). FlexAttention
 and validation's no-grad graphs go through torch.compile and Inductor's cache as before.
 """
 from __future__ import annotations
