@@ -214,14 +214,9 @@ class ExtractConfig:
     batch_tokens: int = doc(16384, "tokens per prefill batch (sorted by length)", user=True)
     shard_tokens: int = doc(65536, "tokens per shard file (a shard is held in memory while it "
                             "is written: Ht=7168 bf16+hidden is 3.8 GB)")
-    packing: Literal["auto", "padded", "packed"] = doc(
-        "auto", "padded (right-padded, no mask), packed (one row, restarting positions), or auto "
-        "(packed only under flash attention)")
     tp: bool = doc(False, "tensor-parallel target (transformers tp_plan) under torchrun", user=True)
     preflight: Literal["refuse", "warn", "off"] = doc(
         "refuse", "when GPU memory is held by other processes: refuse, warn, or skip the check")
-    self_check: bool = doc(True, "before the run, compare the hooks with a plain forward's "
-                           "output_hidden_states and logits on one sample")
     precompile: bool = doc(True, "GPU: compile train's graphs (torch.compile) in a process of "
                            "its own while the target runs (online: from tokenize until train's "
                            "first step), when memory allows: train's warm-up then reads "
@@ -399,6 +394,10 @@ REMOVED: dict[str, str] = {
                             "build the micro-batches",
     "train.saved_graphs": "train always loads the pieces the precompile saved whole, and compiles "
                           "those that do not load (docs/train.md, Pieces loaded whole)",
+    "extract.self_check": "extract always compares its capture with a plain forward on one sample "
+                          "before the run",
+    "extract.packing": "extract packs rows into one under flash attention and right-pads them "
+                       "otherwise (what auto did)",
 }
 
 

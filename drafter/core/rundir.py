@@ -84,6 +84,8 @@ NEUTRAL: dict[str, object] = {
 # value need no entry: they were left out of the hash already.
 RETIRED: dict[str, tuple[object, object]] = {
     "train.loader_threads": (None, 4),
+    "extract.self_check": (None, True),
+    "extract.packing": (None, "auto"),
 }
 
 
