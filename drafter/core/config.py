@@ -315,11 +315,10 @@ class EvaluateConfig:
     continuous: bool = doc(True, "with more prompts than batch_size: a row whose answer has "
                            "ended takes the next prompt (continuous batching, as engines "
                            "serve); false: static batches, each until its slowest row ends")
-    cuda_graphs: bool = doc(True, "capture decode steps in CUDA graphs on GPU")
     prefill_graph_tokens: int = doc(
-        2048, "with cuda_graphs: a batch's prefill of at most this many tokens (batch x prompts "
-        "left-padded to a multiple of 64) replays a CUDA graph too, one per length (small "
-        "prefills are kernel launches, not GPU work); 0: eager prefills")
+        2048, "on a GPU: a batch's prefill of at most this many tokens (batch x prompts "
+        "left-padded to a multiple of 64) replays a CUDA graph as the decoding steps do, one per "
+        "length (small prefills are kernel launches, not GPU work); 0: eager prefills")
     tie_tolerance: float | None = doc(
         None, "lossless check: a greedy divergence to one of the plain run's 8 runners-up whose "
         "logit is at most this below the top is a numerical tie, not a failure; default 0 in "
@@ -398,6 +397,8 @@ REMOVED: dict[str, str] = {
                           "before the run",
     "extract.packing": "extract packs rows into one under flash attention and right-pads them "
                        "otherwise (what auto did)",
+    "evaluate.cuda_graphs": "evaluate always replays its decoding steps from CUDA graphs on a GPU "
+                            "(evaluate.prefill_graph_tokens=0 keeps prefills eager)",
 }
 
 

@@ -86,6 +86,7 @@ RETIRED: dict[str, tuple[object, object]] = {
     "train.loader_threads": (None, 4),
     "extract.self_check": (None, True),
     "extract.packing": (None, "auto"),
+    "evaluate.cuda_graphs": (None, True),
 }
 
 
