@@ -88,6 +88,23 @@ def test_a_removed_key_fails_naming_why_file_and_line(tmp_path):
     assert not set(C.REMOVED) & set(C.keys())
 
 
+def test_a_renamed_value_fails_naming_the_new_one(tmp_path):
+    """drafter's own code in this process is `drafter` in every engine key: the old spellings
+    (extract.engine: transformers, generate.server.engine: local) fail naming the new one and
+    where they are set; generate.server.engine: transformers is still `transformers serve`."""
+    p = write(tmp_path, "generate:\n  server:\n    engine: local\n")
+    with pytest.raises(C.ConfigError, match=rf"^{p}:3: generate\.server\.engine: local is now "
+                       r"called drafter \(drafter's own code, in this process\)$"):
+        C.load(p)
+    with pytest.raises(C.ConfigError, match=r"^override 'extract\.engine=transformers': "
+                       r"extract\.engine: transformers is now called drafter"):
+        C.load(None, ["extract.engine=transformers"])
+    cfg = C.load(None, ["generate.server.engine=transformers", "generate.server.urls=[]"])
+    assert cfg.generate.server.engine == "transformers" and cfg.extract.engine == "drafter"
+    assert (C.load(None, ["generate.server.engine=drafter"]).generate.server.engine,
+            cfg.evaluate.engine) == ("drafter", "drafter")
+
+
 def test_bad_override_type_and_key():
     with pytest.raises(C.ConfigError, match=r"override 'train\.lr=fast'.*train\.lr"):
         C.load(None, ["train.lr=fast"])

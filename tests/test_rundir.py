@@ -109,9 +109,10 @@ def test_new_fields_at_their_neutral_value_keep_fingerprints(tmp_path, monkeypat
 # rundir.RETIRED): what a run dir's snapshot from then holds for today's default config (and
 # for today's overrides below); NEUTRAL_BEFORE, the NEUTRAL entries drafter had for them then.
 BEFORE = {"train.gc_freeze": True, "train.saved_graphs": True, "train.loader_threads": 4,
-          "extract.self_check": True, "extract.packing": "auto", "evaluate.cuda_graphs": True}
+          "extract.self_check": True, "extract.packing": "auto", "evaluate.cuda_graphs": True,
+          "extract.engine": "transformers", "generate.server.engine": "local"}
 NEUTRAL_BEFORE = {"train.gc_freeze": True, "train.saved_graphs": True}
-TODAY: list[str] = []
+TODAY = ["generate.server.engine=drafter"]
 
 
 def _at(d: dict, dotted: str):

@@ -101,7 +101,7 @@ class SourceConfig:
     name: str | None = doc(None, "name in record ids and counts; default: the file stem", user=True)
     synthetic: SyntheticConfig | None = doc(
         None, "set to make this source synthetic: the target writes the user turns itself "
-        "(pre-query template; path unused; generate.server.engine local)")
+        "(pre-query template; path unused; generate.server.engine drafter)")
 
 
 @dataclass
@@ -120,9 +120,9 @@ class PrepareConfig:
 # ----------------------------------------------------------------------------------------- generate
 @dataclass
 class ServerConfig:
-    engine: Literal["transformers", "vllm", "sglang", "external", "local"] = doc(
-        "transformers", "generation server: started by drafter, an external URL, or in-process",
-        user=True)
+    engine: Literal["transformers", "vllm", "sglang", "external", "drafter"] = doc(
+        "transformers", "who answers: a server drafter starts (transformers serve, vllm, "
+        "sglang), external URLs, or drafter (its own data engine, in this process)", user=True)
     urls: list[str] = doc([], "OpenAI-compatible base URLs for engine=external (load-balanced)",
                           user=True)
     host: str = doc("127.0.0.1", "bind address of a server drafter starts")
@@ -162,7 +162,7 @@ class GenerateConfig:
     chat_template_kwargs: dict[str, Any] = doc(
         {}, "sent with each request, e.g. {enable_thinking: true}; keep it equal to what "
         "tokenize renders with", user=True)
-    batch_size: int = doc(1024, "engine=local: rows decoded together per GPU; memory is "
+    batch_size: int = doc(1024, "engine=drafter: rows decoded together per GPU; memory is "
                           "planned, so a large value waits for KV pages, never runs out", user=True)
 
 
@@ -199,10 +199,11 @@ class VocabConfig:
 # ------------------------------------------------------------------------------------------ extract
 @dataclass
 class ExtractConfig:
-    engine: Literal["transformers", "vllm"] = doc(
-        "transformers", "where the target runs: transformers (hooks; a target that fits one "
-        "GPU, or extract.tp), or vllm (its extract_hidden_states method: the engine's "
-        "tensor/expert parallelism and quantised weights, target.engine_args)", user=True)
+    engine: Literal["drafter", "vllm"] = doc(
+        "drafter", "where the target runs: drafter (its own capture in this process: the target "
+        "in transformers with hooks; a target that fits one GPU, or extract.tp), or vllm (its "
+        "extract_hidden_states method: the engine's tensor/expert parallelism and quantised "
+        "weights, target.engine_args)", user=True)
     layer_ids: list[int] | None = doc(None, "aux layer ids, HS[k] convention, ascending and "
                                       "distinct; default [2, N//2, N-3] (three distinct "
                                       "layers below 8 layers)", user=True)
@@ -384,8 +385,9 @@ class Config:
 
 
 # ------------------------------------------------------------------------------------- retired keys
-# Keys that are no longer keys, and why (what drafter now always does): a config or an override
-# that sets one fails with this line, naming its file:line, so that it is not silently ignored.
+# Keys that are no longer keys, and why (what drafter now always does), and values renamed: a
+# config or an override that sets one fails with this line, naming its file:line, so that it is
+# neither silently ignored nor read in another meaning.
 REMOVED: dict[str, str] = {
     "train.gc_freeze": "train always freezes what is alive after its first step out of Python's "
                        "garbage collections (GcClock in drafter/train/trainer.py)",
@@ -401,20 +403,39 @@ REMOVED: dict[str, str] = {
                             "(evaluate.prefill_graph_tokens=0 keeps prefills eager)",
 }
 
+# One word for drafter's own code in this process, in every engine key (generate.server.engine:
+# transformers is `transformers serve`, a server drafter starts).
+RENAMED: dict[tuple[str, str], str] = {
+    ("extract.engine", "transformers"): "drafter",
+    ("generate.server.engine", "local"): "drafter",
+}
+
 
 def _retired(data: dict, where: Where, strict: bool) -> dict:
-    """`data` (a config's plain values) without the REMOVED keys: an error naming the first one
-    when `strict`, else (a run dir's snapshot an older drafter wrote) dropped."""
-    for dotted, why in REMOVED.items():
+    """`data` (a config's plain values) without the REMOVED keys and RENAMED values: an error
+    naming the first one when `strict`, else (a run dir's snapshot an older drafter wrote)
+    dropped, or read as the new value."""
+    def section(dotted):
         *path, name = dotted.split(".")
         d = data
         for part in path:
             d = d.get(part) if isinstance(d, dict) else None
-        if isinstance(d, dict) and name in d:
+        return (d, name) if isinstance(d, dict) else (None, name)
+
+    for dotted, why in REMOVED.items():
+        d, name = section(dotted)
+        if d is not None and name in d:
             if strict:
                 raise ConfigError(f"{where(dotted)}: {dotted}: no longer a key, leave it out: "
                                   f"{why}")
             del d[name]
+    for (dotted, old), new in RENAMED.items():
+        d, name = section(dotted)
+        if d is not None and d.get(name) == old:
+            if strict:
+                raise ConfigError(f"{where(dotted)}: {dotted}: {old} is now called {new} "
+                                  f"(drafter's own code, in this process)")
+            d[name] = new
     return data
 
 

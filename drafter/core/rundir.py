@@ -87,6 +87,8 @@ RETIRED: dict[str, tuple[object, object]] = {
     "extract.self_check": (None, True),
     "extract.packing": (None, "auto"),
     "evaluate.cuda_graphs": (None, True),
+    "extract.engine": ("drafter", "transformers"),
+    "generate.server.engine": ("drafter", "local"),
 }
 
 

@@ -143,7 +143,7 @@ def main(cfg) -> dict:
     tconf = target.load_config(cfg.target)
     # a MoE under extract.tp, or weights above a GPU's memory: refused before anything loads
     # (vLLM spreads and quantises the target itself)
-    weights = C.refuse_unfit(cfg.target, tconf, ec.tp, d) if ec.engine == "transformers" \
+    weights = C.refuse_unfit(cfg.target, tconf, ec.tp, d) if ec.engine == "drafter" \
         else None
     d2t, t2d, _ = tokens.load_vocab(run.require(run.vocab(), "vocab"))
     run.require(run.tokens("train"), "tokenize")
@@ -163,7 +163,7 @@ def main(cfg) -> dict:
     # loads the target and runs (its imports and set-up overlap this process's); stopped at
     # once when there is nothing to extract
     pre = precompile.start(cfg, run, d.device, tconf, est["total"], d.rank) \
-        if ec.engine == "transformers" else None  # vLLM takes most of every GPU it runs on
+        if ec.engine == "drafter" else None  # vLLM takes most of every GPU it runs on
     written, tokens_done, seconds, check, compiled = {}, 0, 0.0, None, None
     need_model, ok = False, False
     try:

@@ -214,7 +214,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         meter, val, last_val, last_train = Meter(K, dev), None, None, None
         autocast = torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext()
         setup.tick("resume")
-        # an online run's precompile, started by the pipeline before generate (engine local),
+        # an online run's precompile, started by the pipeline before generate (engine drafter),
         # tokenize or vocab (precompile.start_ahead): the first step loads what it compiled, so
         # it is waited for here, with the model set up and the feeder capturing the first
         # batches meanwhile

@@ -20,7 +20,7 @@ extract/precompile.log and its figures are in extract's manifest ("precompile").
 Online (train.online: extract stores nothing, the target runs in train): `drafter run` starts it
 (`start_ahead`, drafter/run/pipeline.py) when the GPU has room for it and for the online train
 beside it (`ahead_bytes`: the target and two train steps): before generate when generate runs in
-this process and will run (engine local: the data engine sizes its KV pool from a share of the
+this process and will run (engine drafter: the data engine sizes its KV pool from a share of the
 free memory it finds, so the child fits beside it), else before tokenize (before vocab when
 tokenize is done), once generate has given the GPU back (why: pipeline.AHEAD_OF_TRAIN, with the
 H200's figures). The pipeline's GPU release wait counts it as its own (`ahead_pid`,
