@@ -176,7 +176,7 @@ def test_online_groups_capture_in_fewer_forwards_and_give_the_same_batches(world
 
 
 def test_prefetch_threads_hand_batches_over_in_order():
-    """train.loader_threads: several threads build the jobs, finishing out of order (the later
+    """trainer.LOADER_THREADS: several threads build the jobs, finishing out of order (the later
     ones here sooner); next() hands them over in the jobs' order, a list per job flattened; an
     error in a job surfaces at its turn, after the batches before it; close() stops early."""
     import random
