@@ -31,6 +31,7 @@ from drafter.core.configload import (
     build,
     check_values,
     parse_override,
+    retire,
 )
 
 
@@ -405,38 +406,11 @@ REMOVED: dict[str, str] = {
 
 # One word for drafter's own code in this process, in every engine key (generate.server.engine:
 # transformers is `transformers serve`, a server drafter starts).
-RENAMED: dict[tuple[str, str], str] = {
-    ("extract.engine", "transformers"): "drafter",
-    ("generate.server.engine", "local"): "drafter",
+OWN = "drafter's own code, in this process"
+RENAMED: dict[tuple[str, str], tuple[str, str]] = {
+    ("extract.engine", "transformers"): ("drafter", OWN),
+    ("generate.server.engine", "local"): ("drafter", OWN),
 }
-
-
-def _retired(data: dict, where: Where, strict: bool) -> dict:
-    """`data` (a config's plain values) without the REMOVED keys and RENAMED values: an error
-    naming the first one when `strict`, else (a run dir's snapshot an older drafter wrote)
-    dropped, or read as the new value."""
-    def section(dotted):
-        *path, name = dotted.split(".")
-        d = data
-        for part in path:
-            d = d.get(part) if isinstance(d, dict) else None
-        return (d, name) if isinstance(d, dict) else (None, name)
-
-    for dotted, why in REMOVED.items():
-        d, name = section(dotted)
-        if d is not None and name in d:
-            if strict:
-                raise ConfigError(f"{where(dotted)}: {dotted}: no longer a key, leave it out: "
-                                  f"{why}")
-            del d[name]
-    for (dotted, old), new in RENAMED.items():
-        d, name = section(dotted)
-        if d is not None and d.get(name) == old:
-            if strict:
-                raise ConfigError(f"{where(dotted)}: {dotted}: {old} is now called {new} "
-                                  f"(drafter's own code, in this process)")
-            d[name] = new
-    return data
 
 
 # ------------------------------------------------------------------------------------- entry points
@@ -473,14 +447,14 @@ def load(path: str | Path | None = None, overrides: list[str] = (),
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         where = Where(str(path), node)
-    cfg = build(Config, _retired(data, where, validate), "", where)
+    cfg = build(Config, retire(data, REMOVED, RENAMED, where, validate), "", where)
     for text in overrides:
         keys, value = parse_override(text)
         merged = apply_override(to_dict(cfg), keys, value, text)
         at = Where(f"override '{text}'", None)
         # Validate against the file's line table first, then name the override itself.
         try:
-            cfg = build(Config, _retired(merged, at, validate), "", at)
+            cfg = build(Config, retire(merged, REMOVED, RENAMED, at, validate), "", at)
         except ConfigError as e:
             raise ConfigError(str(e)) from None
         where.overrides[".".join(keys)] = text
