@@ -1,5 +1,5 @@
 """The data engine: batched generation of a target in-process, as fast as one GPU allows, for the
-generate step's `engine: local` (answers, and the user turns of synthetic prompts).
+generate step's `engine: drafter` (answers, and the user turns of synthetic prompts).
 
     eng = Generator(model, max_batch=1024)                        # any HF causal LM it supports
     res = eng.generate(prompts, max_new=512, stop_ids=[2])     # list[Result], prompt order

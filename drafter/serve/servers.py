@@ -319,8 +319,8 @@ def servers(cfg, log_path: Path):
                 listed = _wait_external(ep.url, headers, s.startup_timeout)
                 pool.endpoints.append(ep)
             pool.model = _pick_model(s, listed, None)
-        elif s.engine == "local":
-            raise ServerError("generate.server.engine=local runs in-process: there is no server "
+        elif s.engine == "drafter":
+            raise ServerError("generate.server.engine=drafter runs in-process: there is no server "
                               "to start")
         else:
             if not is_local_host(s.host):  # allowed by generate.server.allow_remote (configload.py)
@@ -367,7 +367,7 @@ def main(cfg) -> int:
     from drafter.core.rundir import Run
 
     s = cfg.generate.server
-    if s.engine in ("external", "local"):
+    if s.engine in ("external", "drafter"):
         raise ServerError(f"generate.server.engine={s.engine}: drafter starts no server for it "
                           f"(use engine transformers, vllm or sglang)")
     log_path = Run.of(cfg).server_log()

@@ -312,8 +312,9 @@ def main(cfg) -> dict:
         _check_drafter(dr, model, what, path)
     stop = stop_ids_of(tok, model)
     max_len = int(getattr(text_config(model.config), "max_position_embeddings", 0) or 1 << 20)
-    dec = Decoder(model, max_batch=ev.batch_size, cuda_graphs=ev.cuda_graphs,
-                  prefill_graph_tokens=ev.prefill_graph_tokens)
+    # decoding steps replayed from CUDA graphs on a GPU (the Decoder's default): a step of a
+    # small target is kernel launches, not GPU work (BENCHMARKS.md#decoding)
+    dec = Decoder(model, max_batch=ev.batch_size, prefill_graph_tokens=ev.prefill_graph_tokens)
     proposers = [(what, EagleDraft(dr), path) for what, dr, path in drafters]
 
     runs, plain_all, ds_info, timings = [], {}, {}, {}
@@ -418,7 +419,7 @@ def main(cfg) -> dict:
         "temperatures": [float(t) for t in ev.temperatures],
         "max_new_tokens": ev.max_new_tokens, "batch_size": ev.batch_size,
         "continuous": bool(ev.continuous and ev.batch_size > 1),
-        "cuda_graphs": bool(ev.cuda_graphs and dec.graphs.enabled),
+        "cuda_graphs": bool(dec.graphs.enabled),
         "prefill_graph_tokens": ev.prefill_graph_tokens if dec.graphs.enabled else 0,
         "tie_tolerance": tol, "seed": ev.seed, "warm_up": warm,
         "float32_recheck": dtype != torch.float32, "drift": drift,

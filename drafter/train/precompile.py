@@ -20,7 +20,7 @@ extract/precompile.log and its figures are in extract's manifest ("precompile").
 Online (train.online: extract stores nothing, the target runs in train): `drafter run` starts it
 (`start_ahead`, drafter/run/pipeline.py) when the GPU has room for it and for the online train
 beside it (`ahead_bytes`: the target and two train steps): before generate when generate runs in
-this process and will run (engine local: the data engine sizes its KV pool from a share of the
+this process and will run (engine drafter: the data engine sizes its KV pool from a share of the
 free memory it finds, so the child fits beside it), else before tokenize (before vocab when
 tokenize is done), once generate has given the GPU back (why: pipeline.AHEAD_OF_TRAIN, with the
 H200's figures). The pipeline's GPU release wait counts it as its own (`ahead_pid`,
@@ -46,7 +46,7 @@ batches take the online feeder's path: `random_samples`), then one no-grad forwa
 (validation's graphs). Nothing applies on the CPU (train compiles only on a GPU).
 The layer pieces (pre, post) and the loss chunk's statistics are compiled whole here (torch's
 aot_compile, drafter/train/aot.py) and saved beside Inductor's cache, dynamo's guards and bytecode
-included; train loads them instead of tracing them again (train.saved_graphs). FlexAttention
+included; train loads them instead of tracing them again (not under FSDP). FlexAttention
 and validation's no-grad graphs go through torch.compile and Inductor's cache as before.
 """
 from __future__ import annotations

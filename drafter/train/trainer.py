@@ -24,6 +24,9 @@ from drafter.train.ttt import TTT
 # Warm-up = the train time of a process's first 10 optimizer steps (compiles included): the aim
 # is <= 30 s, and the benchmark reports the same span.
 WARMUP_STEPS = 10
+# Offline, threads that build micro-batches from the store ahead of the step (batches.Prefetch):
+# one fell behind the step on a GPU; the real runs of BENCHMARKS.md#training ran with 4.
+LOADER_THREADS = 4
 
 
 def build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings) -> Drafter:
@@ -174,11 +177,11 @@ def setup_model(drafter: Drafter, tc, dist: Dist, attention: str, saved: str = "
     """The trainable modules on the device (the embeddings stay on the CPU), wrapped for the
     ranks (DDP, or FSDP2 with train.fsdp), and AdamW over them. -> (ttt, model, optimizer).
     saved: what the compiled pieces do with the saved whole graphs (drafter/train/aot.py): "load"
-    (train), "save" (precompile); "off" under train.saved_graphs=false or train.fsdp (sharded
-    parameters are not what a single-GPU precompile traced: precompile then fills Inductor's
-    cache for the pieces as before, as train will run them)."""
+    (train), "save" (precompile); "off" under train.fsdp (sharded parameters are not what a
+    single-GPU precompile traced: precompile then fills Inductor's cache for the pieces as
+    before, as train will run them)."""
     dev, cuda = dist.device, dist.device.type == "cuda"
-    if not tc.saved_graphs or tc.fsdp:
+    if tc.fsdp:
         saved = "off"
     ttt = TTT(drafter, attention=attention, compile=tc.compile and cuda,
               loss_chunk=tc.loss_chunk, saved=saved).to(dev)
