@@ -168,8 +168,8 @@ def build_command(cfg, port: int) -> list[str]:
         if t.revision and engine in ("vllm", "sglang"):
             argv += ["--revision", t.revision]
         if engine == "transformers" and fields["on_cpu"]:
-            # On CPU, continuous batching sizes its KV cache from free host memory (5.5 GB for
-            # SmolLM2-135M measured here). Size it for the requests in flight instead.
+            # On CPU, continuous batching sizes its KV cache from free host memory (gigabytes,
+            # even for a 135M target). Size it for the requests in flight instead.
             if not any(a.startswith("--cb-num-blocks") for a in extra):
                 per_req = -(-(cfg.generate.max_tokens + 1024) // _CB_PAGE_TOKENS)
                 argv += ["--cb-num-blocks", str(max(16, cfg.generate.concurrency * per_req))]
