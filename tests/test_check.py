@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from test_engines import make_drafter
 
 from drafter.export import engines as E
-from drafter.export.check import FAIL, PASS, WARN, format_report, run_checks
+from drafter.export.check import FAIL, PASS, SKIP, WARN, format_report, run_checks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,7 +76,7 @@ def test_good_export_passes_every_check(good, tiny_target, fmt, tmp_path):
         r = run_checks(good[fmt], target)
         assert r.format == fmt
         # engine rules skip where the engine is not installed (tests/test_vllm.py runs them)
-        assert [c for c in r.checks if c.status not in (PASS, "skip")] == [], format_report(r)
+        assert [c for c in r.checks if c.status not in (PASS, SKIP)] == [], format_report(r)
         assert r.target["num_hidden_layers"] == 8
     names = {c.name for c in r.checks}
     assert {"d2t", "t2d", "lm_head", "tie_word_embeddings", "rope", "max_position_embeddings",
@@ -89,6 +89,24 @@ def test_good_export_passes_every_check(good, tiny_target, fmt, tmp_path):
     (d / "drafter.json").unlink()
     r = run_checks(d, str(tiny_target))
     assert r.ok and r.counts[WARN] == 0, format_report(r)
+
+
+def test_skips_are_counted_apart(good, tiny_target, monkeypatch):
+    """An engine rule that cannot run here (the engine not installed, or no target known) is a
+    skip: neither a pass nor a warning, and the summary line and the JSON counts say how many."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("vllm", "sglang") else real(name, *a))
+    r = run_checks(good[N], str(tiny_target))
+    assert [c.name for c in r.checks if c.status == SKIP] == ["engine_support_vllm",
+                                                               "engine_support_sglang"]
+    assert r.ok and r.counts[SKIP] == 2 and r.counts[WARN] == 0
+    assert r.counts[PASS] == len(r.checks) - 2 and r.to_dict()["counts"]["skip"] == 2
+    last = format_report(r).splitlines()[-1]
+    assert last == f"0 fail, 0 warn, {len(r.checks) - 2} pass, 2 skipped"
+    assert "SKIP  engine_support_vllm" in format_report(r)
 
 
 def test_without_any_target_only_warns(good, tmp_path):

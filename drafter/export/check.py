@@ -35,7 +35,7 @@ import torch
 from drafter.export import engines as E
 from drafter.export.enginedir import EngineDir, read_dir
 from drafter.export.rules import CHECKS, FAIL, PASS, WARN, Check, Ctx, c_target
-from drafter.export.support import c_engine_support
+from drafter.export.support import SKIP, c_engine_support
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Report:
 
     @property
     def counts(self) -> dict[str, int]:
-        return {s: sum(c.status == s for c in self.checks) for s in (PASS, WARN, FAIL)}
+        return {s: sum(c.status == s for c in self.checks) for s in (PASS, WARN, FAIL, SKIP)}
 
     @property
     def ok(self) -> bool:
@@ -210,7 +210,7 @@ def format_report(r: Report) -> str:
     width = max(len(c.name) for c in r.checks)
     lines = [head] + [f"  {c.status.upper():<4}  {c.name:<{width}}  {c.reason}" for c in r.checks]
     n = r.counts
-    lines.append(f"{n[FAIL]} fail, {n[WARN]} warn, {n[PASS]} pass")
+    lines.append(f"{n[FAIL]} fail, {n[WARN]} warn, {n[PASS]} pass, {n[SKIP]} skipped")
     return "\n".join(lines)
 
 
