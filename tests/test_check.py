@@ -4,6 +4,7 @@ deliberately broken copy of it. The exit code is non-zero on any fail (real CLI 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -16,7 +17,16 @@ from safetensors.torch import load_file, save_file
 from test_engines import make_drafter
 
 from drafter.export import engines as E
-from drafter.export.check import FAIL, PASS, SKIP, WARN, format_report, run_checks
+from drafter.export.check import (
+    FAIL,
+    PASS,
+    SKIP,
+    SMOKE_WARN,
+    WARN,
+    format_report,
+    run_checks,
+    smoke_verdict,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -482,7 +492,8 @@ def test_acceptance_smoke_test_fails_a_drafter_that_predicts_nothing(tmp_path, s
     r = run_checks(dirs["good"], str(target), smoke=True)
     assert r.status("acceptance") == PASS, format_report(r)
     reason = next(c.reason for c in r.checks if c.name == "acceptance")
-    assert "step-0 accuracy 1.00, expected tau 4.00" in reason and "K=3" in reason
+    assert "step-0 accuracy 1.00 (192 of 192 tokens" in reason
+    assert "expected tau 4.00 (greedy chain K=3)" in reason
     r = run_checks(dirs["random"], str(target), smoke=True)
     assert r.status("acceptance") == FAIL and "predicts nothing" in format_report(r)
     assert [c.name for c in r.checks if c.status == FAIL] == ["acceptance"]  # files look fine
@@ -493,3 +504,87 @@ def test_acceptance_smoke_test_fails_a_drafter_that_predicts_nothing(tmp_path, s
     # the CLI runs it with --target and exits 1 on the random drafter
     p = _cli(str(dirs["random"]), "--target", str(target))
     assert p.returncode == 1 and "FAIL  acceptance" in p.stdout, p.stdout + p.stderr
+
+
+def test_smoke_verdict_tells_a_weak_drafter_from_one_that_predicts_nothing():
+    """On 192 tokens with 1,024 draft ids (a uniform guess hits about 0.2 of them, 1.5 at 3
+    standard deviations): 0 or 1 hits predict nothing, 15 are a weak drafter's (fewer than
+    always guessing the most frequent token's 12 would be no reason to fail it), 0.2 passes."""
+    a = {"tokens": 192, "prompts": 4, "k": 3, "tau": 1.08, "chance": 1 / 1024, "blind": 0.0625}
+    for hits, status in ((0, FAIL), (1, FAIL), (2, WARN), (15, WARN), (11, WARN),
+                         (math.ceil(SMOKE_WARN * 192), PASS)):
+        c = smoke_verdict({**a, "acc": [hits / 192]})
+        assert c.status == status, (hits, c.reason)
+        assert f"({hits} of 192 tokens the target wrote for 4 prompts" in c.reason
+    assert "predicts nothing" in smoke_verdict({**a, "acc": [0.0]}).reason
+    weak = smoke_verdict({**a, "acc": [15 / 192]}).reason
+    assert "weak but working" in weak and "most frequent one would score 0.06" in weak
+    assert "predicts nothing" not in weak and "random weights" not in weak
+
+
+def few_steps_drafter(smollm2_dir: Path, out: Path, steps: int) -> Path:
+    """A real drafter for SmolLM2, trained `steps` AdamW steps (0: its random init) on the
+    target's own predictions over 40 quickstart prompts the smoke test does not use
+    (teacher-forced, one TTT step), its draft vocab the 1,024 most frequent tokens there."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from drafter.core import target as T
+    from drafter.core.config import TargetConfig
+    from drafter.data.sources import load_prompts
+    from drafter.features.capture import Capture
+    from drafter.train.batches import Source, device_batch, host_batch, model_inputs
+    from drafter.train.model import Drafter, DrafterConfig
+    from drafter.train.ttt import TTT
+
+    tcfg = TargetConfig(model=str(smollm2_dir))
+    model, tok = T.load_model(tcfg, device="cpu"), T.load_tokenizer(tcfg)
+    samples = []
+    for rec in load_prompts("builtin:quickstart-prompts", max_n=48)[8:]:
+        text = tok.apply_chat_template(rec["messages"], tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        samples.append({"input_ids": ids, "loss_mask": [1] * len(ids)})
+    V, Vd = model.config.vocab_size, 1024
+    common = [t for t, _ in Counter(t for s in samples for t in s["input_ids"]).most_common(Vd)]
+    rest = sorted(set(range(V)) - set(common))[:Vd - len(common)]
+    targets = torch.tensor(sorted(common + rest))
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[targets] = True
+    ids = E.default_layer_ids(model.config.num_hidden_layers)
+    cfg = DrafterConfig.from_target(model.config, draft_vocab_size=Vd, aux_layer_ids=ids)
+    torch.manual_seed(0)
+    m = Drafter(cfg)
+    m.set_embeddings(model.get_input_embeddings().weight.detach().float())
+    m.set_vocab(targets - torch.arange(Vd), t2d)
+    if steps:
+        cap = Capture(model, cfg.aux_layer_ids, m.d2t, m.t2d, teacher="hidden",
+                      out_dtype=torch.float32)
+        src = Source.memory(cap(samples))
+        hb = host_batch(src, [[i] for i in range(len(src))], len(src), max(src.lengths),
+                        SimpleNamespace(ttt_steps=1, ttt_decay=1.0), m.embed_tokens.weight)
+        d = device_batch(hb, torch.device("cpu"), cap.head, fused=False)
+        ttt = TTT(m, attention="sdpa")
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=3e-3)
+        for _ in range(steps):
+            ttt(**model_inputs(d))["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+    out.mkdir()
+    E.write_dir(m.eval(), out, E.NATIVE, target=E.target_info(str(smollm2_dir)),
+                dtype=torch.float32, final_dir=out)
+    return out
+
+
+@pytest.mark.slow
+def test_acceptance_smoke_test_tells_a_weak_drafter_from_a_random_one(tmp_path, smollm2_dir):
+    """On the real SmolLM2: a drafter trained 10 steps predicts some of the target's tokens, far
+    fewer than SMOKE_WARN: a warning that calls it weak, not broken. The same drafter untrained
+    (random weights) predicts nothing: a failure. (Slow: SmolLM2 writes the smoke test's
+    answers twice and trains the drafter, CPU minutes.)"""
+    for steps, status in ((0, FAIL), (10, WARN)):
+        d = few_steps_drafter(smollm2_dir, tmp_path / f"steps{steps}", steps)
+        r = run_checks(d, str(smollm2_dir), smoke=True)
+        c = next(c for c in r.checks if c.name == "acceptance")
+        assert c.status == status, format_report(r)
+        assert ("predicts nothing" in c.reason) == (status == FAIL), c.reason
+        assert ("weak but working" in c.reason) == (status == WARN), c.reason
