@@ -436,6 +436,30 @@ def test_cli_exit_codes_and_json(good, tiny_target, tmp_path):
     assert "FAIL  d2t" in p.stdout and "vLLM maps draft id i to target id i" in p.stdout
 
 
+def test_engine_rule_says_nothing_of_triton_without_a_gpu(good, tiny_target, caplog):
+    """Without CUDA, importing vLLM's CPU build for the engine rule says nothing alarming ("Triton
+    is installed, but doesn't include CPU backend"): that is how its CPU build always runs.
+    Errors of the same logger still show."""
+    import importlib.util
+    import logging
+
+    from drafter.core.vllm import quiet_cpu_triton
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU host vLLM's Triton lines mean a broken Triton: they stay")
+    quiet_cpu_triton()
+    lg = logging.getLogger("vllm.triton_utils.importing")
+    with caplog.at_level(logging.DEBUG):
+        lg.warning("a warning that is kept out")
+        lg.error("an error that stays")
+    assert [r.getMessage() for r in caplog.records] == ["an error that stays"]
+    if importlib.util.find_spec("vllm") is None:
+        return
+    p = _cli(str(good[N]), "--target", str(tiny_target), "--no-smoke")
+    assert p.returncode == 0 and "engine_support_vllm" in p.stdout, p.stdout + p.stderr
+    assert "Triton" not in p.stderr and "Triton" not in p.stdout, p.stderr
+
+
 # ----------------------------------------------------------------- the acceptance smoke test
 TOKEN = 1000  # an ordinary SmolLM2 token (ids below ~20 are special)
 

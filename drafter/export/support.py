@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import importlib.util
 
+from drafter.core.vllm import quiet_cpu_triton
 from drafter.export.rules import FAIL, PASS, WARN, Check
 
 SKIP = "skip"   # the rule could not run here: said, not counted as a pass or a warning
 
 
 def _vllm(archs: list[str]) -> Check:
+    quiet_cpu_triton()
     import vllm
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
