@@ -55,9 +55,11 @@ def _delta(after: dict, before: dict) -> dict:
 
 def _llm(cfg, max_len: int, speculative: dict | None):
     import torch
-    from vllm import LLM
 
-    from drafter.core.vllm import llm_kwargs, vllm_dtype
+    from drafter.core.vllm import llm_kwargs, quiet_cpu_triton, vllm_dtype
+
+    quiet_cpu_triton()
+    from vllm import LLM
 
     t = cfg.target
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,11 +80,12 @@ def vllm_acceptance(cfg, drafter_dir, k: int, sets: list[tuple], stop: list[int]
     """vLLM's τ per dataset for the export at `drafter_dir` at chain K, beside plain greedy
     (module docstring). Returns {"engine", "version", "k", "datasets": {name: {...}},
     "overall": {...}, "seconds"}."""
+    from drafter import DrafterError
+    from drafter.core.vllm import quiet_cpu_triton, shutdown_llm
+
+    quiet_cpu_triton()
     import vllm
     from vllm import SamplingParams
-
-    from drafter import DrafterError
-    from drafter.core.vllm import shutdown_llm
 
     if k < 1:
         raise DrafterError(f"evaluate.engine=vllm: K must be >= 1, got {k}")

@@ -224,8 +224,8 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
 def _plain(dec, prompts: _Prompts, max_new, stop, T, desc: str, continuous: bool):
     """Plain decoding, the reference every speedup divides by: timed as a user would run it.
     At T=0 the same rounds are decoded again, untimed, recording each token's runners-up for
-    the lossless check (recording them in the timed pass made its step 4.5-8.8% slower at batch
-    64 on the H200: BENCHMARKS.md). The two passes run the same batches and give the same tokens;
+    the lossless check (recording them in the timed pass made its step slower: BENCHMARKS.md,
+    The user's path). The two passes run the same batches and give the same tokens;
     should bf16 differ, the recording pass's tokens are the ones checked (with a warning)."""
     outs, stats = _decode(dec, prompts, None, max_new, stop, T, desc=desc, continuous=continuous)
     if T != 0:
@@ -243,8 +243,8 @@ def _plain(dec, prompts: _Prompts, max_new, stop, T, desc: str, continuous: bool
 def _warm_up(dec, prompts: _Prompts, stop) -> dict:
     """A short untimed plain decoding of the first round's first batch, before any timed pass.
     The process's first decoding pays one-off start-up costs (kernels loaded on first use, the
-    library handles); without it they count against the first dataset's plain pass alone (on the
-    H200, MT-bench's plain prefills took 0.49 s against 0.06-0.07 s in each speculative pass)."""
+    library handles); without it they count against the first dataset's plain pass alone (its
+    prefills then took several times those of each speculative pass)."""
     batch = [ids for _, ids in prompts.build(0, {})[:dec.max_batch]]
     t0 = time.perf_counter()
     if batch:
