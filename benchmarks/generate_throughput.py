@@ -1,5 +1,5 @@
-"""Throughput of the data engine (drafter.generation.generator: generate.server.engine: local) per
-batch size, and of the generate step beside it (--step).
+"""Throughput of the data engine (drafter.generation.generator: generate.server.engine:
+drafter) per batch size, and of the generate step beside it (--step).
 
 Headline figure (BENCHMARKS.md, Data engine): completion tokens/s end to end over 10,000 real
 prompts, greedy, at most 512 new tokens, SmolLM2-135M-Instruct on one H200:
@@ -96,7 +96,7 @@ def read_prompts(data: Path, n: int, tok) -> list[list[int]]:
 
 
 def run_step(a, batch: int, device: str) -> dict:
-    """The generate step (drafter.steps.generate.main, engine: local) on a fresh run dir whose
+    """The generate step (drafter.steps.generate.main, engine: drafter) on a fresh run dir whose
     prepare output holds the same conversations the Generator call decodes: its own code path
     (templates, tokenize, the stream, bookkeeping, the output written). Its tokens/s count from
     its first request, as the manifest's do (the target's load is phases_s.load)."""
@@ -116,7 +116,7 @@ def run_step(a, batch: int, device: str) -> dict:
                                     "messages": msgs}) + "\n")
         atomic_json(run.manifest("prepare"), {"step": "prepare"})
         cfg = C.load(None, [f"run_dir={d}", f"target.model={a.target}", f"target.dtype={a.dtype}",
-                            f"target.device={device}", "generate.server.engine=local",
+                            f"target.device={device}", "generate.server.engine=drafter",
                             f"generate.batch_size={batch}", f"generate.max_tokens={a.max_new}"])
         m = generate.main(cfg)                           # the manifest's contents
     t = m["throughput"]
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
                     help="also every visible GPU at the first batch size (LocalGenerator: one "
                          "engine per GPU draining one queue)")
     ap.add_argument("--step", action="store_true",
-                    help="also the generate step (engine: local) on the same prompts at the "
+                    help="also the generate step (engine: drafter) on the same prompts at the "
                          "first batch size, and its tokens/s over the Generator call's")
     ap.add_argument("--writes", type=int, default=0,
                     help="also write this many synthetic user turns first (one Generator call at "

@@ -13,7 +13,7 @@ GPU (`pytest -m gpu tests/test_kimi_shape.py`; they skip themselves without CUDA
   data engine (drafter.generation.generator.Generator, paged MLA cache) give transformers' own
   `generate`, one prompt at a time, token for token (float32);
 - the data engine's greedy answers are the same at two batch sizes (bfloat16, as generate's
-  `engine: local` runs: other rows, other refills, other prefill chunks in every step).
+  `engine: drafter` runs: other rows, other refills, other prefill chunks in every step).
 """
 from __future__ import annotations
 

@@ -176,7 +176,7 @@ def test_online_groups_capture_in_fewer_forwards_and_give_the_same_batches(world
 
 
 def test_prefetch_threads_hand_batches_over_in_order():
-    """train.loader_threads: several threads build the jobs, finishing out of order (the later
+    """trainer.LOADER_THREADS: several threads build the jobs, finishing out of order (the later
     ones here sooner); next() hands them over in the jobs' order, a list per job flattened; an
     error in a job surfaces at its turn, after the batches before it; close() stops early."""
     import random
@@ -831,7 +831,7 @@ def test_a_second_process_reads_pre_and_post_from_aotautograds_cache(tmp_path):
     cache refuses unless TTT allows it: a second process (a second `drafter train` on one
     machine) then reads both graphs' traced forward and backward from the cache instead of
     tracing them again (a warm warm-up's 13.5 s of compiling became 3.5 s). Train
-    traces them only with train.saved_graphs=false or FSDP now (drafter/train/aot.py)."""
+    traces them only under FSDP now (drafter/train/aot.py)."""
     import json
 
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))

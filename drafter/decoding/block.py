@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from drafter.decoding.rejection import DraftQ, gumbel
+from drafter.decoding.noise import gumbel
+from drafter.decoding.rejection import DraftQ
 
 
 def block_terms(tokens: Tensor, logits: Tensor, q: DraftQ, t_ids: Tensor, temperature: float

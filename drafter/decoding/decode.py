@@ -146,7 +146,7 @@ class Decoder:
     `prefill_graph_tokens` (B x its prompts left-padded to a multiple of PREFILL_BUCKET) replays
     a CUDA graph as the steps do (0: eager prefills only; so for a target whose MoE experts sync
     with the host: static's `capturable_experts`): a small prefill is all kernel launches
-    (batch 1, 128 tokens on the H200: 47 ms eager, 5.4 ms graphed). `last` holds
+    (BENCHMARKS.md, Decoding: prefills graphed and eager). `last` holds
     the timing of the latest generate call: seconds (without graph capture), capture_seconds,
     prefill_seconds, iterations (decode steps) and row_steps (their rows summed)."""
 

@@ -31,7 +31,7 @@ On CUDA with Triton, `walk` is one kernel (one program a row: the row's node sta
 tests and residual passes, then the last token's Gumbel-max with in-kernel Philox noise);
 elsewhere `walk_torch`, the same arithmetic in PyTorch, which also checks the kernel (the same
 uniforms in, the same decisions out). The drafting side of sampling, the expansion's Gumbel top-k
-(tree.sampled_children, its kernel in rejection_kernels beside the walk's), is tree.py's.
+(tree.sampled_children, its kernel in tree_kernels beside the walk's), is tree.py's.
 """
 from __future__ import annotations
 
@@ -42,13 +42,9 @@ import torch
 from torch import Tensor
 
 from drafter.core.gpu import triton_available
+from drafter.decoding.noise import OFFSETS, gumbel, philox_key
 
 TILE = 2048          # the walk kernel's columns a load (eight a thread of its eight warps)
-
-
-def gumbel(u: Tensor) -> Tensor:
-    """Gumbel noise from uniforms in [0, 1)."""
-    return -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
 
 
 @dataclass
@@ -162,15 +158,9 @@ def walk_torch(logits: Tensor, tokens: Tensor, children: Tensor, dist: Tensor, q
 
 # ---------------------------------------------------------------------------- the Triton kernels
 def _walk_kernel():
-    from drafter.decoding import rejection_kernels  # imports triton: only where Triton runs
+    from drafter.decoding import tree_kernels  # imports triton: only where Triton runs
 
-    return rejection_kernels.walk_kernel
-
-
-def philox_key(dev) -> Tensor:
-    """A fresh Philox key [1] on the device, from torch's generator (captured graphs draw a new
-    one every replay)."""
-    return torch.randint(0, 2 ** 31 - 1, (1,), device=dev)
+    return tree_kernels.walk_kernel
 
 
 def walk_triton(logits, tokens, children, dist, q: DraftQ, t_ids, temperature, u,
@@ -179,7 +169,7 @@ def walk_triton(logits, tokens, children, dist, q: DraftQ, t_ids, temperature, u
     else Philox noise from a fresh key."""
     B, n1, V = logits.shape
     D, k = u.shape[1], u.shape[2]
-    if B * V >= 2 ** 31:
+    if B * V >= OFFSETS:
         raise ValueError(f"walk: {B} x {V} logits overflow the noise offsets")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -189,13 +179,14 @@ def walk_triton(logits, tokens, children, dist, q: DraftQ, t_ids, temperature, u
     walk_kernel = _walk_kernel()
     noise_t = noise.contiguous() if noise is not None else u
     walk_kernel[(B,)](
-        logits, logits.stride(0), logits.stride(1), tokens, tokens.stride(0),
-        children, children.stride(0), children.stride(1), dist, dist.stride(0),
-        rows, rows.stride(0), rows.stride(1), q.lse, q.lse.stride(0),
-        t_ids, target_to_draft(t_ids, V), u.contiguous(), noise_t,
-        philox_key(dev) if noise is None else u, out[0], out[1], out[2], float(temperature), V,
-        t_ids.shape[0], D=D, K=k, KP=max(2, 1 << (k - 1).bit_length()), TILE=TILE,
-        HAS_NOISE=noise is not None, num_warps=8)
+        (logits, logits.stride(0), logits.stride(1), target_to_draft(t_ids, V), V),
+        (tokens, tokens.stride(0), children, children.stride(0), children.stride(1), dist,
+         dist.stride(0)),
+        (rows, rows.stride(0), rows.stride(1), q.lse, q.lse.stride(0), t_ids, t_ids.shape[0]),
+        (u.contiguous(), noise_t, philox_key(dev) if noise is None else u),
+        (out[0], out[1], out[2]), float(temperature),
+        D=D, K=k, KP=max(2, 1 << (k - 1).bit_length()), TILE=TILE, HAS_NOISE=noise is not None,
+        num_warps=8)
     return out[0], out[1], out[2]
 
 
@@ -215,7 +206,7 @@ def walk(logits: Tensor, tokens: Tensor, children: Tensor, dist: Tensor, q: Draf
     if u is None:
         u = torch.rand(B, depth, k, device=logits.device)
     if fused is None:  # (the kernel's Philox offsets are int32)
-        fused = triton_available(logits.device) and B * V < 2 ** 31
+        fused = triton_available(logits.device) and B * V < OFFSETS
     if fused:
         return walk_triton(logits, tokens, children, dist, q, t_ids, temperature, u, noise)
     if noise is None:

@@ -213,7 +213,7 @@ class Capture:
         if teacher not in ("hidden", "topk"):
             raise CaptureError(f"extract.teacher: must be hidden or topk, got {teacher!r}")
         if packing not in ("auto", "padded", "packed"):
-            raise CaptureError(f"extract.packing: must be auto, padded or packed, got {packing!r}")
+            raise CaptureError(f"Capture: packing must be auto, padded or packed, got {packing!r}")
         self.model = model
         self.layers = decoder_layers(model)
         self.num_layers = len(self.layers)
@@ -466,8 +466,7 @@ def load_capture(cfg, model: nn.Module | None = None, device: str | None = None,
         model = target.load_model(cfg.target, device=device, **load_kw)
     ec = cfg.extract
     return Capture(model, ec.layer_ids, d2t, t2d, teacher=ec.teacher, topk=ec.topk,
-                   out_dtype=out_dtype, packing=getattr(ec, "packing", "auto"),
-                   batch_tokens=ec.batch_tokens)
+                   out_dtype=out_dtype, batch_tokens=ec.batch_tokens)
 
 
 # ---------------------------------------------------------------------------- memory estimate

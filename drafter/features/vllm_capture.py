@@ -40,7 +40,13 @@ import torch
 from torch import nn
 
 from drafter.core import target
-from drafter.core.vllm import llm_kwargs, shutdown_llm, vllm_dtype, vllm_missing
+from drafter.core.vllm import (
+    llm_kwargs,
+    quiet_cpu_triton,
+    shutdown_llm,
+    vllm_dtype,
+    vllm_missing,
+)
 from drafter.core.weights import read_weight, weight_files
 from drafter.features.capture import (
     Capture,
@@ -159,6 +165,7 @@ class VllmCapture(Capture):
         self.llm = self._start(cfg, max_len)
 
     def _start(self, cfg, max_len: int):
+        quiet_cpu_triton()
         from vllm import LLM, SamplingParams
         from vllm.platforms import current_platform
 

@@ -1,5 +1,5 @@
 """The data engine: batched generation of a target in-process, as fast as one GPU allows, for the
-generate step's `engine: local` (answers, and the user turns of synthetic prompts).
+generate step's `engine: drafter` (answers, and the user turns of synthetic prompts).
 
     eng = Generator(model, max_batch=1024)                        # any HF causal LM it supports
     res = eng.generate(prompts, max_new=512, stop_ids=[2])     # list[Result], prompt order
@@ -76,11 +76,10 @@ log = logging.getLogger("drafter")
 
 MIN_BUCKET = 8
 # An open stream's pool takes this share of memory_fraction of the free memory (a closed call's
-# is sized by its requests: 33 GiB for SmolLM2 at batch 2048 on the H200). At the whole share the
-# first prefills ran out of memory (asking 9.25 and 12.3 GiB) when a prefill group was padded to
-# its longest prompt, which an open stream's mixed admissions made large. A packed chunk holds at
-# most prefill_tokens tokens, the size the activation reserve measures; the share stays until a
-# run at 0.9 shows that it fits.
+# is sized by its requests). At the whole share the first prefills ran out of memory when a
+# prefill group was padded to its longest prompt, which an open stream's mixed admissions made
+# large. A packed chunk holds at most prefill_tokens tokens, the size the activation reserve
+# measures; the share stays until a run at 0.9 shows that it fits.
 OPEN_POOL_SHARE = 0.4
 # A graphed prefill chunk of N tokens runs the smallest bucket that holds it (padding: sink
 # writes, attending to nothing); steps of about 1.5x keep a third of it at most.
@@ -200,8 +199,8 @@ class Generator:
         """The head over the prompts' last hidden states [R, H] -> [R, V], fed at least
         MIN_BUCKET rows (zeros after the R), as every decode step is: with one row cuBLAS may
         take a matrix-vector kernel whose sums round otherwise, and a prompt's first token would
-        then depend on how many prompts shared its admission (the H200 gave a row the same bits
-        at 4 to 8,192 rows; fewer were not measured)."""
+        then depend on how many prompts shared its admission (BENCHMARKS.md, Data engine: the
+        note on greedy answers at small batches)."""
         n = last.shape[0]
         if n >= MIN_BUCKET:
             return self.head(last)

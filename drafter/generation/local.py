@@ -1,6 +1,6 @@
-"""Generation for the generate step's `engine: local`: one Generator (drafter.generation.generator)
-per visible GPU, all draining one request stream, each in its own thread; the static decoder for
-models the paged generator does not support.
+"""Generation for the generate step's `engine: drafter`: one Generator
+(drafter.generation.generator) per visible GPU, all draining one request stream, each in its own
+thread; the static decoder for models the paged generator does not support.
 
     gen = LocalGenerator(cfg.target, batch_size=1024)
     gen.generate(prompts, 512, temperature=0.0, top_p=1.0, seed=0)   # [(token_ids, finish)]
@@ -24,7 +24,7 @@ log = logging.getLogger("drafter")
 
 
 class LocalGenerator:
-    """In-process generation for `generate.server.engine: local`: one Generator per visible GPU
+    """In-process generation for `generate.server.engine: drafter`: one Generator per visible GPU
     (`target.device: auto`), all draining one queue, each in its own thread (a graph replay leaves
     the GIL free); the static decoder for models the paged generator does not support.
 

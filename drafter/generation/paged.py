@@ -32,7 +32,8 @@ Two modes, set per forward:
 
 The cost of decode attention is then the row's own length, not the longest row's: the static cache
 (drafter.decoding.static) reads every row's slots up to the batch's longest, and its buffer
-[rows, slots] is sized by the longest prompt, which is what ran an H200 out of memory at batch 1024.
+[rows, slots] is sized by the longest prompt, so one long prompt can take a large batch out of
+memory (BENCHMARKS.md, Data engine).
 """
 from __future__ import annotations
 
@@ -168,10 +169,9 @@ def paged_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: 
 # Decode attention splits the longest rows (at most SPLIT_ROWS of a step, each over SPLIT_TOKENS
 # tokens) into parts of SPLIT_TOKENS that run as programs of their own, merged after. One program
 # per (row, kv head) reads its row's pages in turn, so a step's few rows of thousands of tokens
-# (a long prompt) set the time of every layer's attention: on the H200, at SmolLM2's heads and
-# 2,048 rows of ~350 tokens, 30 layers took 7.52 ms with 6 rows of 3,000-6,000 tokens among
-# them, 5.17 ms split (4.63 and 4.82 ms without long rows: `generate_throughput.py --attention
-# 6`). A row not split runs the same parts in turn and the same merge, so its output does not
+# (a long prompt) would set the time of every layer's attention; split, they cost little more
+# than a step without them (BENCHMARKS.md, Data engine: `generate_throughput.py --attention`).
+# A row not split runs the same parts in turn and the same merge, so its output does not
 # depend on the split: greedy answers do not depend on which rows share a step.
 SPLIT_ROWS = 16
 SPLIT_TOKENS = 1024

@@ -167,8 +167,9 @@ def recommend_setting(runs: list[dict], plain: dict, batch: int, drafter_dir: st
     at that temperature: its conditional acceptance, the step costs measured per batch size,
     calibrated on this run's step times (decode steps, prefills left out: the per-step figures
     an engine with continuous batching gets) against the costs timed at `batch`, the rows those
-    steps ran at (a batch_size 64 run of 21 and 22-row batches, calibrated against costs timed
-    at 64 rows, had come out x0.876); from each tree run at that temperature, its own tau, and
+    steps ran at (costs timed at more rows than the steps ran at, e.g. a batch_size 64 run
+    whose batches held 21 rows, would calibrate its steps too fast; BENCHMARKS.md, The user's
+    path: "x parts"); from each tree run at that temperature, its own tau, and
     from a greedy one those of its smaller shapes (counted at temperature 0 only). At `batch`
     each setting also gets the speedups evaluate would measure for it (tuning.as_evaluated:
     evaluate's batches and prefills in). None without a chain run at that temperature."""

@@ -73,9 +73,11 @@ def _delta(after: dict, before: dict) -> dict:
 
 def _llm(cfg, max_len: int, speculative: dict | None):
     import torch
-    from vllm import LLM
 
-    from drafter.core.vllm import llm_kwargs, vllm_dtype
+    from drafter.core.vllm import llm_kwargs, quiet_cpu_triton, vllm_dtype
+
+    quiet_cpu_triton()
+    from vllm import LLM
 
     t = cfg.target
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,10 +112,11 @@ def vllm_acceptance(cfg, drafter_dir, k: int, sets, stop: list[int], max_new: in
     every temperature). Returns {"engine", "version", "k", "rows": [{"temperature",
     "draft_sample_method", "datasets": {name: {...}}, "overall": {...}}], "datasets" and
     "overall" (the temperature-0 row's), "seconds"}."""
-    import vllm
-
     from drafter import DrafterError
-    from drafter.core.vllm import shutdown_llm
+    from drafter.core.vllm import quiet_cpu_triton, shutdown_llm
+
+    quiet_cpu_triton()
+    import vllm
 
     if k < 1:
         raise DrafterError(f"evaluate.engine=vllm: K must be >= 1, got {k}")

@@ -22,7 +22,7 @@ signal. Around that:
   error names the PIDs holding it (drafter/run/gpu_release.py). drafter never kills a process
   it did not start. Online, train's graphs compile in a process of their own until train's
   first step (drafter/train/precompile.py, start_ahead), started before generate when generate
-  runs in this process (engine local), else before tokenize (or vocab, when tokenize is done; the
+  runs in this process (engine drafter), else before tokenize (or vocab, when tokenize is done; the
   GPU back from generate first); it is stopped when the run ends without a train that took it.
 """
 from __future__ import annotations
@@ -42,6 +42,7 @@ from drafter.core import config as C
 from drafter.core.dist import agent_store, rank_world, restart_count
 from drafter.core.rundir import (
     NEUTRAL,
+    RETIRED,
     SECTIONS,
     SNAPSHOT_HEADER,
     STEPS,
@@ -101,6 +102,13 @@ def config_hash(cfg, step: str) -> str:
             d = d.get(key) if isinstance(d, dict) else None
         if isinstance(d, dict) and path and path[-1] in d and d[path[-1]] == value:
             del d[path[-1]]
+    for dotted, (now, before) in RETIRED.items():  # removed fields, renamed values: as before
+        section, *path = dotted.split(".")
+        d = parts.get(section)
+        for key in path[:-1]:
+            d = d.get(key) if isinstance(d, dict) else None
+        if isinstance(d, dict) and path and d.get(path[-1]) == now:
+            d[path[-1]] = before
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -429,7 +437,7 @@ def starts_server(cfg) -> bool:
 # (imports, two compiled train steps, saving the graphs; SmolLM2 from scratch), but tokenize,
 # vocab and train's set-up took ~9 s: started before tokenize, train's set-up waited 27 s for it,
 # nothing saved against compiling in its first step (~22 s). So when generate runs in this
-# process (engine local: the data engine sizes its KV pool from a share of the free memory it
+# process (engine drafter: the data engine sizes its KV pool from a share of the free memory it
 # finds, leaving room for the child beside it) and will run, the child starts before generate
 # and compiles while generate answers (135 s there). Else (an HTTP server, vLLM, SGLang or
 # transformers serve, takes most of the GPU; engine external; generate off or done) before
@@ -440,9 +448,9 @@ AHEAD_OF_TRAIN = ("tokenize", "vocab")
 
 
 def generates_locally(cfg) -> bool:
-    """generate runs the target in this process (engine local, the data engine), which leaves
+    """generate runs the target in this process (engine drafter, the data engine), which leaves
     room on the GPU for train's precompile beside it."""
-    return starts_server(cfg) and cfg.generate.server.engine == "local"
+    return starts_server(cfg) and cfg.generate.server.engine == "drafter"
 
 
 def starts_precompile(cfg, step: str) -> bool:
@@ -482,7 +490,7 @@ def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[di
                 will_run = force or _will_run(cfg, run, step)
                 starts_ahead = ahead and will_run and starts_precompile(cfg, step)
                 if step == "generate" and will_run and starts_server(cfg):
-                    # before the child starts (local engine): the level generate must give back
+                    # before the child starts (engine drafter): the level generate must give back
                     baseline = gpu_release.gpu_snapshot() or None  # None on a machine without GPU
                 elif baseline is not None and will_run and (loads_target(cfg, step) or
                                                             starts_ahead):

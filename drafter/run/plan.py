@@ -184,10 +184,12 @@ def where_steps_run(cfg) -> dict:
     """Where each step runs, for the plan's reader."""
     s = cfg.generate.server
     eng = vllm_gpus(cfg)
-    return {"generate": f"{s.engine} server" if cfg.generate.enabled else "skipped",
+    return {"generate": "skipped" if not cfg.generate.enabled else "drafter's data engine"
+            if s.engine == "drafter" else f"{s.engine} server",
             "extract": "online (inside train)" if cfg.train.online else
             f"vLLM over {eng} GPU(s)" if cfg.extract.engine == "vllm" else
-            "transformers" + (" (tp under torchrun)" if cfg.extract.tp else ""),
+            "drafter's capture (transformers)" + (" (tp under torchrun)" if cfg.extract.tp
+                                                  else ""),
             "train": "drafter" + (" beside the target in transformers" if cfg.train.online
                                   else ", from the stored shards"),
             "evaluate": {"vllm": f"vLLM over {eng} GPU(s)", "both": "drafter's evaluator and "
@@ -232,7 +234,7 @@ def gpu_memory(cfg, f: dict, warnings: list[str], refused: list[str]) -> dict:
         mem["evaluate"] = {"total": weights // eng + f["drafter"]["total"], "tp": eng,
                            "note": f"inside vLLM over {eng} GPU(s), the drafter beside it"}
     have = f["gpu_memory"]
-    loads = (cfg.extract.engine == "transformers" and not online) or online \
+    loads = (cfg.extract.engine == "drafter" and not online) or online \
         or cfg.evaluate.engine != "vllm"  # a step that loads the target in transformers
     why = capture.transformers_refusal(f["config"], w, cfg.extract.tp, tp, have) \
         if loads else None
@@ -332,8 +334,8 @@ def make_plan(cfg) -> dict:
          "data": data_counts(cfg, run), "drafter": drafter_shape(cfg, config),
          "gpus": gpus, "gpu_memory": gpu_mem, "measured": measured_throughputs(run),
          # vLLM / SGLang shard the target over the GPUs (--tensor-parallel-size in extra_args);
-         # transformers serve and local decoding use one device; an external server none here
-         "gen_tp": {"vllm": gpus, "sglang": gpus, "transformers": 1, "local": 1}.get(engine, 0)}
+         # transformers serve and the data engine use one device; an external server none here
+         "gen_tp": {"vllm": gpus, "sglang": gpus, "transformers": 1, "drafter": 1}.get(engine, 0)}
     warnings: list[str] = []
     refused: list[str] = []
     st = storage(cfg, f)

@@ -230,8 +230,8 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
 def _plain(dec, prompts: _Prompts, max_new, stop, T, desc: str, continuous: bool):
     """Plain decoding, the reference every speedup divides by: timed as a user would run it.
     At T=0 the same rounds are decoded again, untimed, recording each token's runners-up for
-    the lossless check (recording them in the timed pass made its step 4.5-8.8% slower at batch
-    64 on the H200: BENCHMARKS.md). The two passes run the same batches and give the same tokens;
+    the lossless check (recording them in the timed pass made its step slower: BENCHMARKS.md,
+    The user's path). The two passes run the same batches and give the same tokens;
     should bf16 differ, the recording pass's tokens are the ones checked (with a warning)."""
     outs, stats = _decode(dec, prompts, None, max_new, stop, T, desc=desc, continuous=continuous)
     if T != 0:
@@ -249,8 +249,8 @@ def _plain(dec, prompts: _Prompts, max_new, stop, T, desc: str, continuous: bool
 def _warm_up(dec, prompts: _Prompts, stop) -> dict:
     """A short untimed plain decoding of the first round's first batch, before any timed pass.
     The process's first decoding pays one-off start-up costs (kernels loaded on first use, the
-    library handles); without it they count against the first dataset's plain pass alone (on the
-    H200, MT-bench's plain prefills took 0.49 s against 0.06-0.07 s in each speculative pass)."""
+    library handles); without it they count against the first dataset's plain pass alone (its
+    prefills then took several times those of each speculative pass)."""
     batch = [ids for _, ids in prompts.build(0, {})[:dec.max_batch]]
     t0 = time.perf_counter()
     if batch:
@@ -319,8 +319,9 @@ def main(cfg) -> dict:
         _check_drafter(dr, model, what, path)
     stop = stop_ids_of(tok, model)
     max_len = int(getattr(text_config(model.config), "max_position_embeddings", 0) or 1 << 20)
-    dec = Decoder(model, max_batch=ev.batch_size, cuda_graphs=ev.cuda_graphs,
-                  prefill_graph_tokens=ev.prefill_graph_tokens)
+    # decoding steps replayed from CUDA graphs on a GPU (the Decoder's default): a step of a
+    # small target is kernel launches, not GPU work (BENCHMARKS.md#decoding)
+    dec = Decoder(model, max_batch=ev.batch_size, prefill_graph_tokens=ev.prefill_graph_tokens)
     proposers = [(what, EagleDraft(dr), path) for what, dr, path in drafters]
 
     runs, plain_all, ds_info, timings, checks = [], {}, {}, {}, {}
@@ -450,7 +451,7 @@ def main(cfg) -> dict:
         "temperatures": [float(t) for t in ev.temperatures],
         "max_new_tokens": ev.max_new_tokens, "batch_size": ev.batch_size,
         "continuous": bool(ev.continuous and ev.batch_size > 1),
-        "cuda_graphs": bool(ev.cuda_graphs and dec.graphs.enabled),
+        "cuda_graphs": bool(dec.graphs.enabled),
         "prefill_graph_tokens": ev.prefill_graph_tokens if dec.graphs.enabled else 0,
         "tie_tolerance": tol, "seed": ev.seed, "warm_up": warm,
         "float32_recheck": dtype != torch.float32, "drift": drift,

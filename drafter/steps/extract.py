@@ -143,7 +143,7 @@ def main(cfg) -> dict:
     tconf = target.load_config(cfg.target)
     # a MoE under extract.tp, or weights above a GPU's memory: refused before anything loads
     # (vLLM spreads and quantises the target itself)
-    weights = C.refuse_unfit(cfg.target, tconf, ec.tp, d) if ec.engine == "transformers" \
+    weights = C.refuse_unfit(cfg.target, tconf, ec.tp, d) if ec.engine == "drafter" \
         else None
     d2t, t2d, _ = tokens.load_vocab(run.require(run.vocab(), "vocab"))
     run.require(run.tokens("train"), "tokenize")
@@ -163,13 +163,12 @@ def main(cfg) -> dict:
     # loads the target and runs (its imports and set-up overlap this process's); stopped at
     # once when there is nothing to extract
     pre = precompile.start(cfg, run, d.device, tconf, est["total"], d.rank) \
-        if ec.engine == "transformers" else None  # vLLM takes most of every GPU it runs on
+        if ec.engine == "drafter" else None  # vLLM takes most of every GPU it runs on
     written, tokens_done, seconds, check, compiled = {}, 0, 0.0, None, None
     need_model, ok = False, False
     try:
         attn = str(getattr(tconf, "_attn_implementation", "") or "")
-        packed = ec.engine == "vllm" or ec.packing == "packed" or (
-            ec.packing == "auto" and "flash" in attn)  # vLLM pads nothing
+        packed = ec.engine == "vllm" or "flash" in attn  # vLLM pads nothing
         tables, plans = {}, {}
         for split in SPLITS:
             path = run.tokens(split)
@@ -279,8 +278,7 @@ def _extract(cfg, run: Run, d: Dist, info: dict, d2t, t2d, tables, every: list[S
         model = target.load_model(cfg.target, device=str(d.device),
                                   **({"tp_plan": "auto"} if ec.tp else {}))
         cap = C.Capture(model, info["layer_ids"], d2t, t2d, teacher=ec.teacher, topk=ec.topk,
-                        out_dtype=torch.bfloat16, packing=ec.packing,
-                        batch_tokens=ec.batch_tokens)
+                        out_dtype=torch.bfloat16, batch_tokens=ec.batch_tokens)
     try:
         return _capture_all(cfg, run, d, info, cap, tables, every, todo, writes, n_kept, t_load)
     finally:
@@ -296,7 +294,7 @@ def _capture_all(cfg, run: Run, d: Dist, info: dict, cap, tables, every: list[Sh
         raise C.CaptureError(f"extract: the loaded target differs from its config: {got} "
                              f"vs {info}")
     check = None
-    if ec.self_check and every:  # the longest sample's first 64 tokens
+    if every:  # the longest sample's first 64 tokens
         first = every[0]
         check = cap.self_check(tables[first.split].column("input_ids")[first.rows[0]].as_py())
     head = cap.head  # a collective under tp: every rank

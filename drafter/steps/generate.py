@@ -20,7 +20,7 @@ meta.generate_temperature; the same split). Greedy answers alone give a drafter 
 only; sampled copies beside them raised its T=1 acceptance (BENCHMARKS.md, "Quality").
 
 Engines: a server drafter starts (transformers, vllm, sglang: drafter/serve/servers.py),
-external URLs (load-balanced), or `local` (in-process: drafter.generation.local.LocalGenerator,
+external URLs (load-balanced), or `drafter` (in-process: drafter.generation.local.LocalGenerator,
 paged KV cache and continuous batching, fed one open request stream; the manifest's phases_s
 splits its seconds by phase, docs/generate.md). The conversation being answered turn by turn is
 drafter.data.conversations.Conversation.
@@ -116,7 +116,7 @@ class _Sink:
         self.completion_tokens = 0
 
     def restart(self) -> None:
-        """Start the clock again (engine=local: after the target has loaded)."""
+        """Start the clock again (engine=drafter: after the target has loaded)."""
         self.t0 = self.last_sync = time.time()
 
     def add_ok(self, conv: Conversation) -> None:
@@ -309,7 +309,7 @@ class _Phases:
 
 
 class _Local:
-    """engine=local: the conversations' side (templates, tokens, bookkeeping) of both paths."""
+    """engine=drafter: the conversations' side (templates, tokens, bookkeeping) of both paths."""
 
     def __init__(self, cfg, sink: _Sink, run: Run, ph: _Phases):
         from drafter.core.target import load_tokenizer
@@ -422,7 +422,7 @@ PUT_CHUNK = 256          # conversations rendered per put: the first rows start 
 
 
 def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> tuple[dict, dict]:
-    """engine=local: one open request stream (drafter.generation.local.LocalGenerator.start)
+    """engine=drafter: one open request stream (drafter.generation.local.LocalGenerator.start)
     decoded while this thread feeds it. Conversations are admitted while fewer than
     QUEUED_PER_ROW x batch_size x GPUs requests are queued; as each row ends (the generator's
     thread hands it over) its conversation's bookkeeping runs here, and its next request (the
@@ -721,10 +721,10 @@ def main(cfg) -> dict:
              f" ({retried} retried after transient errors)" if retried else "")
 
     synthetic = [i for i, s in enumerate(cfg.prepare.sources) if s.synthetic is not None]
-    if synthetic and pending and g.server.engine != "local":
+    if synthetic and pending and g.server.engine != "drafter":
         raise GenerateError(
             f"prepare.sources[{synthetic[0]}] is synthetic: the target writes its user turns "
-            f"in-process, which needs generate.server.engine=local (now "
+            f"in-process, which needs generate.server.engine=drafter (now "
             f"{g.server.engine!r})")
     server: dict = {"engine": g.server.engine}
     phases: dict = {}
@@ -733,7 +733,7 @@ def main(cfg) -> dict:
     completion_tokens = 0
     if pending:
         records = _iter_records(src, pending, versions)
-        if g.server.engine == "local":
+        if g.server.engine == "drafter":
             sink = _Sink(run, len(pending), model=cfg.target.model)
             try:
                 phases, engine_counts = _run_local(cfg, records, sink, run)
