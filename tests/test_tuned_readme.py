@@ -12,7 +12,7 @@ from test_export import make_run
 
 from drafter.core import config as C
 from drafter.core.rundir import Run, atomic_json, sealed
-from drafter.measure.serving import vllm_config, vllm_flag
+from drafter.measure.serving import fallback_config, vllm_config, vllm_flag
 from drafter.measure.tuning import flags, recommend
 from drafter.export.check import run_checks
 from drafter.export.engines import README_FILE
@@ -130,7 +130,12 @@ def test_readmes_carry_each_dirs_flags_and_export_stays_done(tiny_target, tmp_pa
         assert t1["1"]["expected_speedup"] < 1 and t1["64"]["expected_speedup"] < 1
         assert "| 1 | chain K=2 | " in sampled and "| 64 | chain K=1 | " in sampled
         assert "No setting is expected to beat plain decoding at any batch size" in sampled
-        assert "vllm serve" not in sampled and sampled.count("no setting beats plain") == 2
+        assert sampled.count("no setting beats plain") == 2
+        # ... and the command that serves its best chain anyway, its drafts sampled
+        fb, row = fallback_config(str(d), t1, 1.0)
+        assert fb["draft_sample_method"] == "probabilistic" and row["speedup"] < 1
+        assert "Should you serve it anyway" in sampled
+        assert sampled.count("vllm serve ") == 1 and vllm_flag(fb) in sampled
         assert "No setting is expected" not in greedy
         assert "Temperature 1: step model calibrated on the decode steps at batch 64: " \
                "speculative x1.5" in body

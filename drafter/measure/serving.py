@@ -3,6 +3,7 @@
 equivalent (said plainly where it has not).
 
     cfg = vllm_config(drafter_dir, rec, temperature)   # rec: tuning.recommend's {batch: ...}
+    cfg, row = fallback_config(drafter_dir, rec, temperature)  # where no batch size speculates
     sch = schedule(rec)                                 # [[start, end, K]], K = 0: plain decoding
     notes = sglang_notes(temperature, rec)
 
@@ -92,6 +93,22 @@ def vllm_config(drafter_dir: str, rec: dict, temperature: float) -> dict | None:
         if uses_block(rec):
             cfg["rejection_sample_method"] = "block"
     return cfg
+
+
+def fallback_config(drafter_dir: str, rec: dict, temperature: float) -> tuple[dict, dict] | None:
+    """Where no batch size speculates (vllm_config is None): the config of the best chain vLLM
+    can serve at any batch size measured, and that row, for a user who serves the drafter
+    anyway (sampled as evaluate sampled it); None without a chain."""
+    rows = [x for r in rec.values() for x in _vllm_rows(r)]
+    if not rows:
+        return None
+    best = max(rows, key=lambda x: x["speedup"])
+    cfg = {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": best["k"]}
+    if temperature > 0:
+        cfg["draft_sample_method"] = "probabilistic"
+        if best.get("block"):
+            cfg["rejection_sample_method"] = "block"
+    return cfg, best
 
 
 def vllm_flag(cfg: dict) -> str:

@@ -32,6 +32,7 @@ from pathlib import Path
 from drafter.core.rundir import Run, atomic_json, atomic_write, read_json
 from drafter.export.engines import FORMATS, META_FILE, NATIVE, README_FILE, WEIGHTS_FILE
 from drafter.measure.serving import (
+    fallback_config,
     schedule,
     sglang_flags,
     sglang_notes,
@@ -202,6 +203,12 @@ def _temperature(rec: dict, T: float, tgt: str, tmpl: str, d: str, native: str,
     if cfg is None:
         L += ["No setting is expected to beat plain decoding at any batch size measured at "
               "this temperature: serve without the drafter.", ""]
+        fb = fallback_config(d, rec["by_batch"], T)
+        if fb is not None:
+            L += [f"Should you serve it anyway, vLLM with its best chain here, "
+                  f"{fb[1]['setting']} (expected speedup {_f(fb[1]['speedup'])}x)"
+                  + (", the drafts sampled as evaluate sampled them" if T > 0 else "") + ":",
+                  "", "```bash", f"vllm serve {tgt}{tmpl} {vllm_flag(fb[0])}", "```", ""]
     else:
         what = ["vLLM, one config for every batch size"]
         if "num_speculative_tokens_per_batch_size" in cfg:
