@@ -142,24 +142,25 @@ def test_extract_in_vllm_writes_the_same_shards_and_resumes(base):
 
 
 def test_vllm_tau_equals_drafters_count_for_count(base):
-    """At temperature 0 the counts are equal; at temperature 1 vLLM drafting as drafter's
+    """At temperature 0 the counts are equal; at temperature 1.5 vLLM drafting as drafter's
     evaluator does (`draft_sample_method: probabilistic`) agrees with it by the agreement test,
-    and vLLM's default greedy drafting, the planted difference, is told apart."""
+    and vLLM's default greedy drafting, the planted difference, is told apart (at temperature 1
+    this drafter's gap is below what 12 prompts resolve: BENCHMARKS.md, CPU, Inside vLLM)."""
     run = base["run"]
-    _drafter(base, "evaluate", "evaluate.engine=both", "evaluate.temperatures=[0.0,1.0]")
+    _drafter(base, "evaluate", "evaluate.engine=both", "evaluate.temperatures=[0.0,1.5]")
     m = read_json(run.eval_metrics())
     eng, ours = m["engine"], m["runs"][0]["datasets"]
     assert eng["k"] == 3 and eng["version"] and m["runs"][0]["temperature"] == 0
     rows = {(r["temperature"], r["draft_sample_method"]): r for r in eng["rows"]}
-    assert list(rows) == [(0.0, "argmax (T = 0)"), (1.0, "probabilistic"), (1.0, "greedy")]
+    assert list(rows) == [(0.0, "argmax (T = 0)"), (1.5, "probabilistic"), (1.5, "greedy")]
     assert rows[0.0, "argmax (T = 0)"]["same_counts"] is True
-    sampled, greedy = rows[1.0, "probabilistic"], rows[1.0, "greedy"]
+    sampled, greedy = rows[1.5, "probabilistic"], rows[1.5, "greedy"]
     assert sampled["agreement"]["agree"] is True, sampled["agreement"]
     assert greedy["agreement"]["agree"] is False, greedy["agreement"]
     assert greedy["overall"]["tau"] < sampled["overall"]["tau"]
     assert sampled["agreement"]["prompts"] == [12, 12]
     report = run.eval_report().read_text()
-    assert "Temperature 1, vLLM drafting probabilistic" in report
+    assert "Temperature 1.5, vLLM drafting probabilistic" in report
     assert "Against drafter's evaluator: agree" in report and "DIFFER" in report
     for name in ("chat", "overall"):
         e, d = eng["datasets"].get(name, eng["overall"]), ours[name]
