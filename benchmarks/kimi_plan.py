@@ -14,9 +14,9 @@ Writes  --json: the comparison below (and prints it).
 1. Plan against measured, on the slice. `drafter.run.plan.make_plan` for the slice as target
    (one GPU of the measured GPU's memory, extract's batch_tokens, the measured tokens, nothing in
    its run directory: every figure `estimated`), once per storage option measured: extract's
-   tokens/s (the forward's FLOPs, then the stored bytes at plan.store_gbps), seconds and load seconds,
-   and its GPU memory per rank, each over the measured figure (measured / plan: 1.0 is exact;
-   the memory goal is within 0.85-1.15).
+   tokens/s (the forward's FLOPs, then the stored bytes at plan.store_gbps), seconds and load
+   seconds, and its GPU memory per rank, each over the measured figure (measured / plan: 1.0 is
+   exact; the memory goal is within 0.85-1.15).
 2. The slice's rates rescaled to the whole model (plan has no path that measures one model and
    plans another; its `plan.extract_tokens_per_s` takes the result). Two rules, both printed:
    - per layer (the one used): a token's time on the slice, t = 1 / tokens/s of the option,

@@ -59,8 +59,9 @@ def _decoder_active(c: dict) -> int:
 
 def test_kimi_plan_against_hand_arithmetic(tmp_path):
     """A measured extract of the default slice (figures given, no GPU): plan's extract rate is
-    mfu x TFLOP/s / (2 x active params) with each option's stored bytes at store_gbps, the whole model's rate adds the decoder's time for the
-    layers it has more of, and the full plan takes that rate as its configured one."""
+    mfu x TFLOP/s / (2 x active params) with each option's stored bytes at store_gbps, the whole
+    model's rate adds the decoder's time for the layers it has more of, and the full plan takes
+    that rate as its configured one."""
     ks, kp = _kimi_slice(), _bench("kimi_plan")
     sl = ks.slice_config(6, 64)
     (tmp_path / "slice").mkdir()

@@ -175,8 +175,8 @@ def _batches(rec: dict, tgt: str, tmpl: str, d: str, native: str, is_native: boo
         L += [f"#### Batch {b}: {best['setting']}{est}, expected speedup "
               f"{_f(best['speedup'])}x (expected τ {_f(best['expected_tau'])})", ""]
         if best["speedup"] < 1:
-            L += [f"No setting is expected to beat plain decoding here: serve without the drafter "
-                  f"at this temperature and batch size. The best one, should you serve it:", ""]
+            L += ["No setting is expected to beat plain decoding here: serve without the drafter "
+                  "at this temperature and batch size. The best one, should you serve it:", ""]
         f = flags(d, best.get("k"), best.get("tree"))
         if f["vllm"]:
             L += ["vLLM:", "", "```bash", f"vllm serve {tgt}{tmpl} {f['vllm']}", "```", ""]

@@ -13,11 +13,12 @@ user's parallelism and quantisation (target.engine_args):
 2. greedy with `speculative_config={"method": "eagle3", "model": DIR, "num_speculative_tokens":
    K}`, on the same prompt ids, its spec-decode counters read before and after each dataset.
 
-τ per dataset = 1 + accepted / steps, steps = draft tokens / K (`vllm:spec_decode_num_accepted_tokens`
-and `vllm:spec_decode_num_draft_tokens`: drafter's own definition, the bonus token counted; vLLM's
-`num_drafts` also counts a last scheduling with nothing left to draft), and the acceptance at
-each position from `vllm:spec_decode_num_accepted_tokens_per_pos`. Greedy outputs
-with and without the drafter are compared token for token (identical, or the first difference);
+τ per dataset = 1 + accepted / steps, steps = draft tokens / K
+(`vllm:spec_decode_num_accepted_tokens` and `vllm:spec_decode_num_draft_tokens`: drafter's own
+definition, the bonus token counted; vLLM's `num_drafts` also counts a last scheduling with nothing
+left to draft), and the acceptance at each position from
+`vllm:spec_decode_num_accepted_tokens_per_pos`. Greedy outputs with and without the drafter are
+compared token for token (identical, or the first difference);
 in 16-bit a difference can be vLLM's own batch-dependent rounding, which is why it is reported
 and not judged here (drafter's own evaluator, where the target fits, gives the lossless verdict).
 """

@@ -25,12 +25,11 @@ section) or `estimated` (the formulas below, documented in docs/operations.md):
   and the batch's token embeddings (+ the target and the micro-batches' captured features in
   flight, online). The frozen embedding table stays in host memory: its bytes are printed on
   train's line, outside the GPU figure (memory.train_gpu_bytes' host_embedding).
-- time: tokens / tokens-per-second. Prefill and training: mfu * gpu_tflops over 2 (prefill) or
-  6 * ttt_steps (training) FLOPs per parameter and token. Extract adds the time of storing a
-  token, bytes_per_token / store_gbps: the store does not overlap the forward
-  (BENCHMARKS.md#kimi-k25-shape, where the FLOP term alone read 2.4x and 4.6x fast). Decoding is bandwidth bound: a step of
-  batch B reads the dense weights and the share 1-(1-k/E)^B of the experts it touches.
-  Weight loading: bytes / load_gbps.
+- time: tokens / tokens-per-second. Prefill and training: mfu * gpu_tflops over 2 (prefill) or 6 *
+  ttt_steps (training) FLOPs per parameter and token. Extract adds the time of storing a token,
+  bytes_per_token / store_gbps: the store does not overlap the forward
+  (BENCHMARKS.md#kimi-k25-shape). Decoding is bandwidth bound: a step of batch B reads the dense
+  weights and the share 1-(1-k/E)^B of the experts it touches. Weight loading: bytes / load_gbps.
 """
 from __future__ import annotations
 

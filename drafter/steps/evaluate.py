@@ -522,8 +522,8 @@ def _main_vllm(cfg) -> dict:
     with the export at chain K=evaluate.k (drafter/measure/vllm_eval.py); nothing loads the
     target in this process."""
     from drafter.core.target import load_tokenizer
-    from drafter.decoding.decode import stop_ids_of
     from drafter.core.vllm import vllm_missing
+    from drafter.decoding.decode import stop_ids_of
 
     ev, run = cfg.evaluate, Run.of(cfg)
     missing = vllm_missing()

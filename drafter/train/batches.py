@@ -97,7 +97,8 @@ def collate(rows: list[list[dict]], B: int, T: int) -> dict:
     dev = first["aux"].device
     cuda = torch.cuda.is_available()
 
-    def new(shape, dtype, fill=0, device=torch.device("cpu")):
+    def new(shape, dtype, fill=0, device=None):
+        device = device or torch.device("cpu")
         return torch.full(shape, fill, dtype=dtype, device=device,
                           pin_memory=cuda and device.type == "cpu")
 
