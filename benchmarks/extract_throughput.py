@@ -324,9 +324,8 @@ def main() -> int:
     print("| option | " + " | ".join(f"Ht={h}" for h in sizes) + " |")
     print("|---|" + "---:|" * len(sizes))
     for aux_dtype, teacher in OPTIONS:
-        cells = [f"{store.bytes_per_token(h, 3, aux_dtype, teacher, a.topk, vd):,} "
-                 f"({store.bytes_per_token(h, 3, aux_dtype, teacher, a.topk, vd) / (8 * h + 16):.3f})"
-                 for h in sizes]
+        bpt = [store.bytes_per_token(h, 3, aux_dtype, teacher, a.topk, vd) for h in sizes]
+        cells = [f"{b:,} ({b / (8 * h + 16):.3f})" for b, h in zip(bpt, sizes)]
         print(f"| {aux_dtype} + {teacher} | " + " | ".join(cells) + " |")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,10 @@ Writes  --json: the comparison below (and prints it).
 
 1. Plan against measured, on the slice. `drafter.run.plan.make_plan` for the slice as target
    (one GPU of the measured GPU's memory, extract's batch_tokens, the measured tokens, nothing in
-   its run directory: every figure `estimated`): extract's tokens/s, seconds and load seconds,
-   and its GPU memory per rank, each over the measured figure (measured / plan: 1.0 is exact;
-   the memory goal is within 0.85-1.15).
+   its run directory: every figure `estimated`), once per storage option measured: extract's
+   tokens/s (the forward's FLOPs, then the stored bytes at plan.store_gbps), seconds and load
+   seconds, and its GPU memory per rank, each over the measured figure (measured / plan: 1.0 is
+   exact; the memory goal is within 0.85-1.15).
 2. The slice's rates rescaled to the whole model (plan has no path that measures one model and
    plans another; its `plan.extract_tokens_per_s` takes the result). Two rules, both printed:
    - per layer (the one used): a token's time on the slice, t = 1 / tokens/s of the option,
@@ -66,9 +67,12 @@ def counts(model_dir: str) -> dict:
     return p
 
 
-def slice_plan(m: dict, run_dir: str, gpu_gib: float) -> dict:
-    """make_plan for the measured slice: its extract figures as plan estimates them."""
+def slice_plan(m: dict, run_dir: str, gpu_gib: float, option: str = "fp8/topk") -> dict:
+    """make_plan for the measured slice: its extract figures as plan estimates them for one
+    storage option ("fp8/topk": extract.aux_dtype / extract.teacher)."""
+    aux, teacher = option.split("/")
     cfg = C.load(None, [f"run_dir={run_dir}", f"target.model={m['model']}",
+                        f"extract.aux_dtype={aux}", f"extract.teacher={teacher}",
                         "target.dtype=bfloat16", "train.online=false",
                         f"extract.batch_tokens={m['batch_tokens']}", f"extract.topk={m['topk']}",
                         f"vocab.draft_vocab_size={m['Vd']}", "plan.gpus=1",
@@ -82,7 +86,7 @@ def slice_plan(m: dict, run_dir: str, gpu_gib: float) -> dict:
             "gpu_parts": {k: v for k, v in plan["gpu_memory"]["extract"].items()
                           if k not in ("total", "tp")},
             "mfu": cfg.plan.mfu, "gpu_tflops": cfg.plan.gpu_tflops,
-            "load_gbps": cfg.plan.load_gbps}
+            "load_gbps": cfg.plan.load_gbps, "store_gbps": cfg.plan.store_gbps}
 
 
 def full_plan(config_yaml: str, full_dir: str, tps: float | None) -> dict:
@@ -107,7 +111,8 @@ def full_plan(config_yaml: str, full_dir: str, tps: float | None) -> dict:
 def compare(m: dict, full_dir: str | None, full_yaml: str | None) -> dict:
     gpu_gib = m.get("gpu_memory_gib") or 139.8  # the H200's, where the figure has no GPU
     with tempfile.TemporaryDirectory() as d:
-        p = slice_plan(m, d, gpu_gib)
+        per_option = {name: slice_plan(m, d, gpu_gib, name) for name in m["options"]}
+    p = next(iter(per_option.values()))
     sl = counts(m["model"])
     out = {"slice": {"model": m["model"], "params": sl, "tokens": m["tokens"],
                      "batch_tokens": m["batch_tokens"], "gpu": m.get("gpu")},
@@ -122,14 +127,14 @@ def compare(m: dict, full_dir: str | None, full_yaml: str | None) -> dict:
                        "flop_params_ratio": full["flop_params"] / sl["flop_params"]}
     t_dec = 1 / m["decoder_tokens_per_s"]
     for name, o in m["options"].items():
-        tps, peak = o["tokens_per_s"], o.get("peak_gib")
-        r = {"measured_tokens_per_s": tps, "plan_tokens_per_s": p["tokens_per_s"],
-             "measured_over_plan": tps / p["tokens_per_s"],
-             "measured_seconds": m["tokens"] / tps, "plan_seconds": p["seconds"],
+        tps, peak, po = o["tokens_per_s"], o.get("peak_gib"), per_option[name]
+        r = {"measured_tokens_per_s": tps, "plan_tokens_per_s": po["tokens_per_s"],
+             "measured_over_plan": tps / po["tokens_per_s"],
+             "measured_seconds": m["tokens"] / tps, "plan_seconds": po["seconds"],
              # the MFU that plan's FLOP model would need to give the measured rate
              "extract_mfu": tps * 2 * sl["flop_params"] / (p["gpu_tflops"] * 1e12),
-             "measured_peak_gib": peak, "plan_gib": p["gpu_bytes"] / GiB,
-             "peak_over_plan": peak * GiB / p["gpu_bytes"] if peak else None}
+             "measured_peak_gib": peak, "plan_gib": po["gpu_bytes"] / GiB,
+             "peak_over_plan": peak * GiB / po["gpu_bytes"] if peak else None}
         if full:
             t_full = 1 / tps + t_dec * (out["full"]["decoder_active_ratio"] - 1)
             r["full_tokens_per_s_per_layer"] = 1 / t_full
@@ -150,8 +155,9 @@ def render(r: dict) -> str:
              f"{sl['params']['total'] / 1e9:.2f}B params, {sl['params']['flop_params'] / 1e9:.2f}B "
              f"active per token (decoder {sl['params']['decoder_active'] / 1e9:.2f}B); "
              f"{sl['tokens']:,} tokens in forwards of <= {sl['batch_tokens']:,}",
-             f"plan (mfu {p['mfu']}, {p['gpu_tflops']} TFLOP/s, load {p['load_gbps']} GB/s): "
-             f"extract {p['tokens_per_s']:,.0f} tokens/s, {p['gpu_bytes'] / GiB:.1f} GiB "
+             f"plan (mfu {p['mfu']}, {p['gpu_tflops']} TFLOP/s, load {p['load_gbps']} GB/s, "
+             f"store {p['store_gbps']} GB/s): extract of the first option "
+             f"{p['tokens_per_s']:,.0f} tokens/s, {p['gpu_bytes'] / GiB:.1f} GiB "
              f"(" + ", ".join(f"{k} {v / GiB:.1f}" for k, v in p["gpu_parts"].items()
                               if isinstance(v, (int, float))) + ")"]
     ld = r["load"]

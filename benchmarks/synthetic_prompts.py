@@ -17,8 +17,8 @@ rejections by reason, tokens written) and a diversity table. Other uses:
 
 The same pieces as the generate step's synthetic source (drafter.data.synthetic: PreQuery,
 PromptFilter; drafter.generation.local.LocalGenerator): the chat template up to the start of a user
-turn, sampled at --temperature, each sample filtered (empty, truncated, length, non-text, markup, exact
-and near duplicates), in passes until --count are kept. Reported: seconds, kept prompts per
+turn, sampled at --temperature, each sample filtered (empty, truncated, length, non-text, markup,
+exact and near duplicates), in passes until --count are kept. Reported: seconds, kept prompts per
 second, samples, rejections by reason, tokens written; then diversity (distinct 1-3-gram ratios,
 exact and near-duplicate rates, word lengths) of the kept prompts, and, with --compare, of the
 first user turns of the pools and of an equal-size sample of the synthetic ones (n-gram ratios

@@ -33,8 +33,8 @@ Shapes, TTT 7 steps, one sample per row unless --data or --real:
     tiny     H = Ht = 64, 4 / 2 heads of 16, I 128, V 1024, Vd 512, batch 2 × 128, TTT 3
 
 One timed step is exactly drafter train's (drafter/train/trainer.py; batches from
-drafter/train/batches.py): the host batch (pinned, built once: collate, align, embedding lookup on the
-CPU) goes to the device, the teacher is formed (`--teacher topk`: k=64 draft-vocab log-probs as
+drafter/train/batches.py): the host batch (pinned, built once: collate, align, embedding lookup on
+the CPU) goes to the device, the teacher is formed (`--teacher topk`: k=64 draft-vocab log-probs as
 stored, never densified; `hidden`: the final hidden state through the draft-vocab head into dense
 log-probs), then `train_step`: TTT forward + fused loss, backward, gradient scaling, clip, fused
 AdamW. Random features: aux N(0, 1), all tokens in the loss. With --data RUN_DIR the batches
@@ -52,11 +52,11 @@ and the graphs torch.compile built (after warm-up: goal 0). Per-step times are C
 the loop never waits on the GPU. As train does, both modes freeze what is alive out of Python's
 garbage collections after the warm-up (--real: after the first step; trainer.GcClock); each
 result holds `gc_s`, the collections' seconds in the timed steps.
---online trains the same way with the target in the loop
-(drafter/features/capture.py on the prefetch thread, nothing stored) after the offline run, and prints the
-ratio (goal >= 0.7x offline for SmolLM2): `--target random` (default) is a SmolLM2-135M-shaped
-Llama with random weights (its lm_head rows outside the draft vocab zeroed, so that nearly every
-position is in the vocab, as the synthetic offline rows are), or any target spec
+--online trains the same way with the target in the loop (drafter/features/capture.py on the
+prefetch thread, nothing stored) after the offline run, and prints the ratio (goal >= 0.7x offline
+for SmolLM2): `--target random` (default) is a SmolLM2-135M-shaped Llama with random weights (its
+lm_head rows outside the draft vocab zeroed, so that nearly every position is in the vocab, as the
+synthetic offline rows are), or any target spec
 (builtin:smollm2-135m-instruct, a path).
 
 FLOPs per trained token, counted (multiply-add = 2 FLOPs; backward = 2 × forward):
@@ -130,7 +130,8 @@ SHAPES = {
                  num_key_value_heads=2, head_dim=16, vocab_size=1024, draft_vocab_size=512,
                  target_hidden_size=64, batch=2, seq=128, ttt=3),
 }
-# SpecForge, the widely used open-source trainer, recorded on an H200: (shape, seq) -> tokens/s, GiB;
+# SpecForge, the widely used open-source trainer, recorded on an H200: (shape, seq) -> tokens/s,
+# GiB;
 # the ratio falls back to these when SpecForge cannot run here
 ANCHOR = {("llama8b", 2048): (23_300, 9.1), ("llama8b", 4096): (24_900, 14.7),
           ("smollm2", 2048): (78_000, 18.3)}
@@ -846,7 +847,8 @@ def main(argv=None):
                                   f"offline {r['tok_s'] / off['tok_s']:.2f} steady, "
                                   f"{r['avg_tokens_per_s'] / off['avg_tokens_per_s']:.2f} "
                                   f"average (goal >= 0.7)", flush=True)
-                    gc.collect()  # the last run's model, optimizer and batches: not in the next peak
+                    # the last run's model, optimizer and batches: not in the next peak
+                    gc.collect()
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
         del target_model

@@ -53,7 +53,8 @@ def test_a_fresh_machine_resumes_from_the_archive(tmp_path):
     log = (tmp_path / "out2" / "steps.log").read_text()
     assert "restored 1 finished step(s)" in log
     assert log.count("decode-b1: python") == 2          # the first machine's two, none anew
-    assert {"done/decode-b1", "decode-b1-t1.json"} <= _members(tmp_path / "out2" / "gpu-runs.tar.gz")
+    archive = tmp_path / "out2" / "gpu-runs.tar.gz"
+    assert {"done/decode-b1", "decode-b1-t1.json"} <= _members(archive)
 
 
 def test_a_step_longer_than_the_time_left_does_not_start(tmp_path):

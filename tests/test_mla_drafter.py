@@ -342,8 +342,13 @@ class VllmDrafter:
 
     def __init__(self, target: Path, export_dir: Path):
         from safetensors.torch import load_file
-        from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
-        from vllm.config import set_current_vllm_config
+        from vllm.config import (
+            ModelConfig,
+            ParallelConfig,
+            SpeculativeConfig,
+            VllmConfig,
+            set_current_vllm_config,
+        )
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
         from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
@@ -389,9 +394,12 @@ def vllm_world(tmp_path_factory):
     after the module."""
     pytest.importorskip("vllm")
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                  ensure_model_parallel_initialized,
-                                  init_distributed_environment)
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
 
     rdv = tmp_path_factory.mktemp("rendezvous") / "init"
     with set_current_vllm_config(VllmConfig()):

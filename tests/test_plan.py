@@ -195,8 +195,10 @@ def test_kimi_times(kimi):
     total, routed = kimi_params()
     active = total - routed + routed * K // E
     rows = {r["step"]: r for r in plan["time"]}
-    # prefill: 0.3 * 989 TFLOP/s per GPU over 2 FLOPs per active non-embedding weight, 8 GPUs
-    per_gpu = 0.3 * 989e12 / (2 * (active - V * H))
+    # prefill: 0.3 * 989 TFLOP/s per GPU over 2 FLOPs per active non-embedding weight, then
+    # the token's stored bytes at plan.store_gbps = 0.5 GB/s, one after the other; 8 GPUs
+    bpt = next(o["bytes_per_token"] for o in plan["storage"]["options"] if o["chosen"])
+    per_gpu = 1 / (2 * (active - V * H) / (0.3 * 989e12) + bpt / 0.5e9)
     ex = rows["extract"]
     assert ex["source"] == "estimated" and ex["tokens"] == 21_000_000
     assert ex["tokens_per_s"] == pytest.approx(8 * per_gpu)
@@ -207,6 +209,25 @@ def test_kimi_times(kimi):
     gen = rows["generate"]
     assert gen["tokens"] == 10_000 * 1700                         # answer_tokens_per_sample
     assert gen["seconds"] == pytest.approx(gen["tokens"] / gen["tokens_per_s"])
+
+
+def test_extract_estimate_pays_for_what_it_stores(tmp_path, monkeypatch):
+    """The smaller store is the faster extract, and a disk without cost gives back the
+    forward's FLOP rate."""
+    monkeypatch.chdir(REPO)
+    rate = []
+    for over in (["extract.aux_dtype=bf16", "extract.teacher=hidden"],
+                 ["extract.aux_dtype=fp8", "extract.teacher=topk"],
+                 ["extract.aux_dtype=fp8", "extract.teacher=topk", "plan.store_gbps=1e12"]):
+        cfg = C.load(str(KIMI_YAML), [f"run_dir={tmp_path / 'run'}", *over])
+        rows = {r["step"]: r for r in P.make_plan(cfg)["time"]}
+        rate.append(rows["extract"]["tokens_per_s"])
+    big, small, free = rate
+    assert big < small < free
+    total, routed = kimi_params()
+    flop_rate = 8 * 0.3 * 989e12 / (2 * (total - routed + routed * K // E - V * H))
+    assert free == pytest.approx(flop_rate, rel=1e-3)
+    assert big == pytest.approx(1 / (1 / flop_rate + 57_350 / (8 * 0.5e9)), rel=1e-6)
 
 
 def test_kimi_text_output(kimi):

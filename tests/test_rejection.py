@@ -21,8 +21,16 @@ import torch.nn.functional as F
 
 from drafter.decoding import rejection
 from drafter.decoding.rejection import DraftQ, gumbel
-from drafter.decoding.tree import (TreeSpec, _path, ancestors, build_tree, children_table,
-                                 sampled_children, verify_chain_sample, verify_sample)
+from drafter.decoding.tree import (
+    TreeSpec,
+    _path,
+    ancestors,
+    build_tree,
+    children_table,
+    sampled_children,
+    verify_chain_sample,
+    verify_sample,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

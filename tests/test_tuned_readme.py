@@ -12,11 +12,11 @@ from test_export import make_run
 
 from drafter.core import config as C
 from drafter.core.rundir import Run, atomic_json, sealed
-from drafter.measure.serving import fallback_config, vllm_config, vllm_flag
-from drafter.measure.tuning import flags, recommend
 from drafter.export.check import run_checks
 from drafter.export.engines import README_FILE
+from drafter.measure.serving import fallback_config, vllm_config, vllm_flag
 from drafter.measure.tuned import BEGIN, END, TITLE, add_tuned_settings, splice
+from drafter.measure.tuning import flags, recommend
 from drafter.run import pipeline
 
 ALPHA = [0.8, 0.6, 0.5]           # conditional acceptance of a greedy chain of K=3

@@ -42,7 +42,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     before = run()
-    from drafter.core import vllm_cpu   # its import repairs, as in a vLLM worker
+    from drafter.core import vllm_cpu  # its import repairs, as in a vLLM worker
 
     repaired = vllm_cpu.REPAIRED
     torch.manual_seed(0)

@@ -358,6 +358,8 @@ class PlanConfig:
     mfu: float = doc(0.3, "share of gpu_tflops reached by prefill (extract) and training")
     hbm_efficiency: float = doc(0.5, "share of gpu_hbm_tbps reached by decoding")
     load_gbps: float = doc(2.0, "GB/s at which target weights are read from disk (load time)")
+    store_gbps: float = doc(0.5, "GB/s per GPU at which extract stores its features (copy to "
+                            "the host, checksum, write), added to the forward's time")
     generate_tokens_per_s: float | None = doc(None, "generated tokens/s of the whole server; "
                                               "default: measured, else a bandwidth estimate")
     tokenize_tokens_per_s: float | None = doc(None, "tokens/s of tokenize (all workers); "

@@ -408,7 +408,7 @@ def check_values(cfg, where: Where | None = None) -> None:
     pl = cfg.plan
     for f in ("samples", "tokens_per_sample", "answer_tokens_per_sample", "gpus"):
         ge(f"plan.{f}", getattr(pl, f), 1)
-    for f in ("gpu_memory_gib", "gpu_tflops", "gpu_hbm_tbps", "load_gbps",
+    for f in ("gpu_memory_gib", "gpu_tflops", "gpu_hbm_tbps", "load_gbps", "store_gbps",
               "generate_tokens_per_s", "tokenize_tokens_per_s", "extract_tokens_per_s",
               "train_tokens_per_s", "evaluate_tokens_per_s"):
         gt(f"plan.{f}", getattr(pl, f), 0)

@@ -61,7 +61,7 @@ def _nvml():
         return None
     try:
         pynvml.nvmlInit()
-    except Exception:  # NVMLError_LibraryNotFound / DriverNotLoaded / ...: a machine without GPU
+    except Exception:  # noqa: BLE001 - NVML LibraryNotFound / DriverNotLoaded...: no GPU here
         return None
     return pynvml
 
@@ -74,7 +74,7 @@ def process_name(pid: int, nvml=None) -> str:
     if nvml is not None:
         try:
             return _str(nvml.nvmlSystemGetProcessName(pid))
-        except Exception:
+        except Exception:  # noqa: BLE001 - a process gone or not ours: its name stays unknown
             pass
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode() or \
@@ -98,7 +98,7 @@ def devices() -> list[Gpu]:
                            "nvmlDeviceGetGraphicsRunningProcesses"):
                 try:
                     found = getattr(nvml, getter)(h)
-                except Exception:
+                except Exception:  # noqa: BLE001 - a getter this driver lacks: try the next
                     continue
                 for p in found:
                     used = getattr(p, "usedGpuMemory", None)
@@ -110,7 +110,7 @@ def devices() -> list[Gpu]:
     finally:
         try:
             nvml.nvmlShutdown()
-        except Exception:
+        except Exception:  # noqa: BLE001 - shutting NVML down must not fail the caller
             pass
 
 

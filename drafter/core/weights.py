@@ -13,8 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from drafter.core.rundir import read_json
-from drafter.core.target import (is_routed_expert, load_config, load_model, meta_model, resolve,
-                                 text_config)
+from drafter.core.target import (
+    is_routed_expert,
+    load_config,
+    load_model,
+    meta_model,
+    resolve,
+    text_config,
+)
 
 if TYPE_CHECKING:
     import torch

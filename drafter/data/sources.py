@@ -279,7 +279,7 @@ def iter_raw(src) -> Iterator[tuple[str, int, Any]]:
         datasets = _need_datasets(f"the Hugging Face dataset '{path}'")
         try:
             ds = datasets.load_dataset(path, src.subset, split=src.split, streaming=True)
-        except Exception as e:  # hub errors come in many types; the message is what matters
+        except Exception as e:  # noqa: BLE001 - hub errors come in many types; the message matters
             raise SourceError(f"cannot load the dataset '{path}' (subset {src.subset}, split "
                               f"{src.split}): {type(e).__name__}: {e}") from None
         yield from _iter_dataset(ds, f"{path}[{src.split}]")

@@ -431,7 +431,7 @@ class Graphs:
             self.pool = g.pool()
             torch.cuda.synchronize()
             return g
-        except Exception as e:  # e.g. an op that syncs with the host (data-dependent MoE routing)
+        except Exception as e:  # noqa: BLE001 - e.g. an op that syncs with the host (MoE routing)
             log.warning("CUDA graph capture failed (%s: %s); %s without graphs",
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "", self.what)
             self.enabled = False

@@ -94,8 +94,9 @@ def top_indices(x: Tensor, k: int, chunks: Sequence[int] | None = None) -> Tenso
     values (among exactly equal values, perhaps other indices). A wide row is searched in two
     reads: each chunk of c columns' maximum, then the k chunks with the largest maxima, whose
     c·k values hold the row's k largest (a value outside them has k chunk maxima at least as
-    large above it). torch.topk reads a row in one thread block, a radix pass at a time: the
-    frontier's [512, 32000] bf16 took 155 us on the H200 against 113 this way."""
+    large above it). torch.topk reads a row in one thread block, a radix pass at a time, which is
+    the slower of the two on the frontier's wide rows of the draft vocab (BENCHMARKS.md, Figures
+    behind design choices)."""
     V = x.shape[-1]
     c = chunk_width(V, k, chunks)
     if not c:

@@ -241,7 +241,7 @@ def check_shard(path: Path, ids: list[str] | None = None, entry: dict | None = N
         tensors = load(blob)
         if content_sha256(tensors) != meta["content_sha256"]:
             return None
-    except Exception:  # unreadable, truncated, not safetensors, not ours
+    except Exception:  # noqa: BLE001 - unreadable, truncated, not safetensors, not ours
         return None
     offsets = tensors["offsets"].tolist()
     return {"file": path.name, "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob),
@@ -310,7 +310,7 @@ class ShardWriter:
                             event.synchronize()
                     tensors = concat([t for t, _ in parts])
                     self.entries[path] = write_shard(path, tensors, self.info, ids)
-            except BaseException as e:  # re-raised in the caller's thread
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 self.error = e
 
     def _raise(self):

@@ -17,8 +17,14 @@ from typing import Sequence
 import torch
 
 from drafter.decoding.tree import DecodeError
-from drafter.generation.generator import (Generator, GeneratorUnsupported, Request, Result, Stream,
-                                          requests)
+from drafter.generation.generator import (
+    Generator,
+    GeneratorUnsupported,
+    Request,
+    Result,
+    Stream,
+    requests,
+)
 
 log = logging.getLogger("drafter")
 

@@ -106,7 +106,8 @@ def verdict(v: dict | None) -> str:
     tests = v["positions"] + [{**v["tau"], "i": "τ"}]
     worst = max(tests, key=lambda t: abs(t["z"]))
     what = "agree" if v["agree"] else "DIFFER"
-    return (f"{what} (largest |z| {abs(worst['z']):.2f} at {'position ' if worst['i'] != 'τ' else ''}"
-            f"{worst['i']}, critical {v['z_critical']:.2f}; resolution at position 1 "
+    at = f"position {worst['i']}" if worst["i"] != "τ" else "τ"
+    return (f"{what} (largest |z| {abs(worst['z']):.2f} at {at}, critical "
+            f"{v['z_critical']:.2f}; resolution at position 1 "
             f"±{v['positions'][0]['resolution']:.3f}, τ ±{v['tau']['resolution']:.3f}; "
             f"{v['steps'][0]} and {v['steps'][1]} steps)")

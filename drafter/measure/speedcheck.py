@@ -7,11 +7,11 @@ a temperature's speedups hold up, with the reason when they do not.
 Evaluate times each method in a pass of its own over every prompt, one after the other: a load
 that comes and goes (another job on the machine, a thermal or clock change) lands on one method's
 pass and not the other's, and the ratio of the two is then that load's, not the drafter's (a
-busy machine can make a plain step many times its forward, and a speedup far beyond τ). So each temperature's settings also decode the same prompts in turns, REPEATS times, the
-order rotated each time (plain, chain, tree; then chain, tree, plain; ...; a repeat decodes the
-prompts again until its steps took MIN_SECONDS): each repeat gives every setting's decode step
-time under the same conditions, and `interleaved_speedup` = τ x
-plain's median step / the setting's median step.
+busy machine can make a plain step many times its forward, and a speedup far beyond τ). So each
+temperature's settings also decode the same prompts in turns, REPEATS times, the order rotated
+each time (plain, chain, tree; then chain, tree, plain; ...; a repeat decodes the prompts again
+until its steps took MIN_SECONDS): each repeat gives every setting's decode step time under the
+same conditions, and `interleaved_speedup` = τ x plain's median step / the setting's median step.
 
 A temperature's speed figures are unreliable, and the tuner recommends nothing from them, when:
 - a setting's step time moves across the repeats by more than SPREAD (max / min - 1): the

@@ -27,10 +27,10 @@ each setting also gets `as_evaluated`, the speedups evaluate would measure for i
   speedup = plain seconds / (the speculative run's prefill seconds + plain decode seconds /
             decode_speedup)               (prefills in: what evaluate's `speedup` counts)
 For the measured chain these equal evaluate's measured figures (up to rounding); for the other
-settings they are a prediction that assumes the chain's efficiency and prefill seconds. Chains longer than the measured K
-are not extrapolated (their acceptance is unmeasured); a measured tree competes with its own
-measured tau and modelled step: verify(tokens+1) + depth + 1 drafter forwards, calibrated on its own
-measured step when it has one.
+settings they are a prediction that assumes the chain's efficiency and prefill seconds. Chains
+longer than the measured K are not extrapolated (their acceptance is unmeasured); a measured tree
+competes with its own measured tau and modelled step: verify(tokens+1) + depth + 1 drafter
+forwards, calibrated on its own measured step when it has one.
 
 Block verification (drafter/decoding/block.py, evaluate's method `block`, temperatures above 0):
 its acceptance at a shorter K is not the chain's truncated (the last position's test differs),

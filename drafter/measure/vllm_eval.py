@@ -21,15 +21,16 @@ and quantisation (target.engine_args):
    drafter's argmax proposed and its q taken as one-hot: the second row, what serving without
    the flag gives (vllm/config/speculative.py).
 
-τ per dataset = 1 + accepted / steps, steps = draft tokens / K (`vllm:spec_decode_num_accepted_tokens`
-and `vllm:spec_decode_num_draft_tokens`: drafter's own definition, the bonus token counted; vLLM's
-`num_drafts` also counts a last scheduling with nothing left to draft), and the acceptance at
-each position from `vllm:spec_decode_num_accepted_tokens_per_pos`; each prompt's own histogram
-of accepted drafts per step comes from vLLM's per-request metrics (`per_request_spec_decode_
-metrics: summary`). At temperature 0 greedy outputs with and without the drafter are compared
-token for token (identical, or the first difference); in 16-bit a difference can be vLLM's own
-batch-dependent rounding, which is why it is reported and not judged here (drafter's own
-evaluator, where the target fits, gives the lossless verdict).
+τ per dataset = 1 + accepted / steps, steps = draft tokens / K
+(`vllm:spec_decode_num_accepted_tokens` and `vllm:spec_decode_num_draft_tokens`: drafter's own
+definition, the bonus token counted; vLLM's `num_drafts` also counts a last scheduling with
+nothing left to draft), and the acceptance at each position from
+`vllm:spec_decode_num_accepted_tokens_per_pos`; each prompt's own histogram of accepted drafts
+per step comes from vLLM's per-request metrics (`per_request_spec_decode_metrics: summary`). At
+temperature 0 greedy outputs with and without the drafter are compared token for token
+(identical, or the first difference); in 16-bit a difference can be vLLM's own batch-dependent
+rounding, which is why it is reported and not judged here (drafter's own evaluator, where the
+target fits, gives the lossless verdict).
 
 `compare` puts drafter's chain run at the same K and temperature beside each row: at temperature
 0 the counts must be equal (both decode the target's greedy text); above 0 the two sample

@@ -87,7 +87,7 @@ def gpus() -> tuple[list[Row], dict]:
 
         cuda_ok = torch.cuda.is_available()
         build = torch.version.cuda
-    except Exception as e:  # a broken torch install is reported by packages()
+    except Exception as e:  # noqa: BLE001 - a broken torch install is reported by packages()
         cuda_ok, build = False, f"torch import failed: {e}"
     if not devs:
         rows.append(Row("gpu", "devices", "info", "no NVIDIA GPU (NVML sees none): CPU only"))

@@ -25,10 +25,11 @@ section) or `estimated` (the formulas below, documented in docs/operations.md):
   and the batch's token embeddings (+ the target and the micro-batches' captured features in
   flight, online). The frozen embedding table stays in host memory: its bytes are printed on
   train's line, outside the GPU figure (memory.train_gpu_bytes' host_embedding).
-- time: tokens / tokens-per-second. Prefill and training: mfu * gpu_tflops over 2 (prefill) or
-  6 * ttt_steps (training) FLOPs per parameter and token. Decoding is bandwidth bound: a step of
-  batch B reads the dense weights and the share 1-(1-k/E)^B of the experts it touches.
-  Weight loading: bytes / load_gbps.
+- time: tokens / tokens-per-second. Prefill and training: mfu * gpu_tflops over 2 (prefill) or 6 *
+  ttt_steps (training) FLOPs per parameter and token. Extract adds the time of storing a token,
+  bytes_per_token / store_gbps: the store does not overlap the forward
+  (BENCHMARKS.md#kimi-k25-shape). Decoding is bandwidth bound: a step of batch B reads the dense
+  weights and the share 1-(1-k/E)^B of the experts it touches. Weight loading: bytes / load_gbps.
 """
 from __future__ import annotations
 
@@ -265,6 +266,11 @@ def gpu_memory(cfg, f: dict, warnings: list[str], refused: list[str]) -> dict:
     return mem
 
 
+def _stored_bytes_per_token(cfg, f: dict) -> int:
+    ec = cfg.extract
+    return store.bytes_per_token(f["ht"], f["n_aux"], ec.aux_dtype, ec.teacher, ec.topk, f["vd"])
+
+
 def times(cfg, f: dict) -> list[dict]:
     """Tokens, tokens/s (config > measured > estimated) and seconds of each long step, plus the
     target's load time where the step loads it."""
@@ -279,7 +285,8 @@ def times(cfg, f: dict) -> list[dict]:
         if gen_tp else None,
         "tokenize": TOKENIZE_TOKENS_PER_S_PER_WORKER * (cfg.tokenize.workers
                                                         or min(8, os.cpu_count() or 1)),
-        "extract": flops / (2 * params["flop_params"]),
+        "extract": 1 / (2 * params["flop_params"] / flops
+                        + _stored_bytes_per_token(cfg, f) / (p.store_gbps * 1e9)),
         "train": flops / (6 * tc.ttt_steps * f["drafter"]["trainable"]
                           + (2 * params["flop_params"] if online else 0)),
         "evaluate": decode_tokens_per_s(p, cfg.evaluate.batch_size, params, f["w"],

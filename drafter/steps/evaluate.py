@@ -38,6 +38,8 @@ from drafter import DrafterError
 from drafter.core.rundir import Run, atomic_json, atomic_write, read_json
 from drafter.measure.lossless import recheck_float32
 from drafter.measure.report import plots, render_report
+from drafter.measure.speedcheck import check as speed_check
+from drafter.measure.speedcheck import interleaved, mark
 from drafter.measure.summary import (
     best_row,
     best_tree,
@@ -49,8 +51,6 @@ from drafter.measure.summary import (
     with_parts,
     with_plain,
 )
-from drafter.measure.speedcheck import check as speed_check
-from drafter.measure.speedcheck import interleaved, mark
 from drafter.measure.tuned import add_tuned_settings
 from drafter.measure.vllm_eval import compare, render_vllm, vllm_acceptance
 
@@ -554,8 +554,8 @@ def _main_vllm(cfg) -> dict:
     with the export at chain K=evaluate.k, at each of evaluate.temperatures
     (drafter/measure/vllm_eval.py); nothing loads the target in this process."""
     from drafter.core.target import load_tokenizer
-    from drafter.decoding.decode import stop_ids_of
     from drafter.core.vllm import vllm_missing
+    from drafter.decoding.decode import stop_ids_of
 
     ev, run = cfg.evaluate, Run.of(cfg)
     missing = vllm_missing()

@@ -53,8 +53,13 @@ from typing import Iterator
 
 from drafter import DrafterError
 from drafter.core.rundir import JsonlAppender, Run, atomic_open, read_jsonl
-from drafter.data.conversations import TEMPERATURE_KEY, Conversation, Permanent, \
-    request_seed, split_reasoning
+from drafter.data.conversations import (
+    TEMPERATURE_KEY,
+    Conversation,
+    Permanent,
+    request_seed,
+    split_reasoning,
+)
 from drafter.data.synthetic import UserTurns, synthetic_stats
 
 log = logging.getLogger("drafter")
@@ -526,7 +531,8 @@ def _stream_local(loc: _Local, records: Iterator[dict]) -> None:
                         if not feed.alive():
                             feed.check()
                             raise GenerateError("generate (local): the generator stopped with "
-                                                f"{in_flight} requests in flight (a bug)")
+                                                f"{in_flight} requests in flight (a bug)"
+                                                ) from None
             while True:
                 try:
                     done.append(results.get_nowait())
@@ -683,7 +689,7 @@ def _finalise(run: Run, ids: list[str]) -> dict:
             for e in sorted(errors.values(), key=lambda e: order[e["id"]]):
                 f.write(json.dumps(e, ensure_ascii=False) + "\n")
     stats = {"prompt_tokens": 0, "completion_tokens": 0, "turns": 0, "truncated": 0}
-    for off, n, meta in first.values():
+    for _off, _n, meta in first.values():
         usage = meta.get("usage") or {}
         stats["prompt_tokens"] += int(usage.get("prompt_tokens") or 0)
         stats["completion_tokens"] += int(usage.get("completion_tokens") or 0)

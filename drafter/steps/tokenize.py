@@ -117,7 +117,7 @@ class Renderer:
         """The text a template renders after the probe answer's content, and its token ids."""
         try:
             text = self.render(messages)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a user's template raises anything: named below
             raise TemplateError(f"the chat template fails on {[m['role'] for m in messages]}: "
                                 f"{type(e).__name__}: {e}") from None
         k = text.find(PROBE_A)
@@ -186,7 +186,7 @@ class Renderer:
         """(whole render, [(start, end) character span of each assistant message's tokens])."""
         try:
             full = self.render(messages, tools)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a template error skips the row, counted by reason
             raise _Skip("template_error", f"{type(e).__name__}: {e}") from None
         out, prev = [], 0
         for i, m in enumerate(messages):
@@ -194,7 +194,7 @@ class Renderer:
                 continue
             try:
                 prompt = self.render(messages[:i], tools, generation_prompt=True)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - as above
                 raise _Skip("template_error", f"{type(e).__name__}: {e}") from None
             start = _common_prefix(prompt, full)
             if start < len(prompt):
@@ -233,7 +233,7 @@ class Renderer:
             enc = self.tok([t for t, _ in items], add_special_tokens=False,
                            return_offsets_mapping=True)
             out = []
-            for (text, spans), ids, offs in zip(items, enc["input_ids"], enc["offset_mapping"]):
+            for (_text, spans), ids, offs in zip(items, enc["input_ids"], enc["offset_mapping"]):
                 starts = [s for s, _ in spans]
                 mask = []
                 for a, _ in offs:

@@ -151,8 +151,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     fsdp = tc.fsdp and dist.world > 1
 
     # data plan, and the step a resume starts at: known before the model, so that the loader
-    # builds the first batches while the model is set up (without that, a first step waited
-    # 0.29-0.41 s for its batch on the H200)
+    # builds the first batches while the model is set up (without that, the first step waited
+    # for its batch: BENCHMARKS.md, Figures behind design choices)
     rows = pack(train_src.lengths, T, tc.seed)
     n_micro = math.ceil(len(rows) / B)
     per_step = dist.world * tc.grad_accum

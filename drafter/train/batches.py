@@ -97,7 +97,8 @@ def collate(rows: list[list[dict]], B: int, T: int) -> dict:
     dev = first["aux"].device
     cuda = torch.cuda.is_available()
 
-    def new(shape, dtype, fill=0, device=torch.device("cpu")):
+    def new(shape, dtype, fill=0, device=None):
+        device = device or torch.device("cpu")
         return torch.full(shape, fill, dtype=dtype, device=device,
                           pin_memory=cuda and device.type == "cpu")
 
@@ -265,11 +266,11 @@ class Prefetch:
     batch and marks its tensors as in use there (the allocator then keeps them until that
     stream is done). Without, `threads` threads build host batches (pinned) for the main thread,
     each a job at a time, handed over in the jobs' order (offline training: one thread fell
-    behind an H200's step), their torch ops on `intra_op` intra-op threads each (0: torch's
+    behind a fast GPU's step), their torch ops on `intra_op` intra-op threads each (0: torch's
     default, one per core): a building thread's ops otherwise start a team of threads per core,
-    which take the cores the training step's own host work needs (on an H200 host with 16
-    cores a main-thread stand-in for the step ran 1.18x slower while 4 default threads built,
-    0.92x with one intra-op thread each, which built as fast: 27.2 batches/s against 25.4)."""
+    which take the cores the training step's own host work needs; one intra-op thread each
+    builds as fast and leaves the step's host work its cores (BENCHMARKS.md, Figures behind
+    design choices)."""
 
     def __init__(self, make, jobs, depth: int = 2, device=None, threads: int = 1,
                  intra_op: int = 1):

@@ -107,7 +107,7 @@ def random_samples(B: int, T: int, n_aux: int, ht: int, vocab: int, vd: int, tea
     if device is not None:
         feats = {n: v.to(device) for n, v in feats.items()}
     out = []
-    for b in range(B):
+    for _ in range(B):
         mask = torch.ones(T, dtype=torch.long)
         mask[: int(torch.randint(1, max(2, T // 2), (), generator=g))] = 0
         in_vocab = torch.rand(T, generator=g) < 0.9
