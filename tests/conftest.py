@@ -58,3 +58,14 @@ def shared_data() -> Path:
     if not SHARED_DATA.exists():
         pytest.skip(f"{SHARED_DATA} not present")
     return SHARED_DATA
+
+
+@pytest.fixture
+def steady_speed(monkeypatch):
+    """The speed check's limits lifted (drafter/measure/speedcheck.py): for tests of what evaluate
+    does with speed figures that hold up, on a test machine whose speed may not. The check has
+    tests of its own (tests/test_serving.py, tests/test_evaluate.py)."""
+    from drafter.measure import speedcheck
+
+    for name in ("SPREAD", "PLAIN_X_MAX", "DISAGREE"):
+        monkeypatch.setattr(speedcheck, name, float("inf"))

@@ -616,3 +616,46 @@ def test_acceptance_smoke_test_tells_a_weak_drafter_from_a_random_one(tmp_path, 
         assert c.status == status, format_report(r)
         assert ("predicts nothing" in c.reason) == (status == FAIL), c.reason
         assert ("weak but working" in c.reason) == (status == WARN), c.reason
+
+
+def test_sampled_requests_served_with_greedy_drafts_warn(good, tmp_path):
+    """`sampled_drafts` (drafter/export/readme_check.py): export's README samples the drafts of
+    its commands for temperatures above 0 and passes; the same README with vLLM's
+    `draft_sample_method` dropped there, or an evaluate section whose temperature-1 commands
+    draft greedily (vLLM's default; SGLang without rejection sampling), warns naming the line;
+    a README whose every command drafts greedily warns; a dir without a README has no verdict."""
+    from drafter.export.readme_check import NAME, commands
+
+    for fmt in E.FORMATS:
+        c = next(c for c in run_checks(good[fmt]).checks if c.name == NAME)
+        assert c.status == PASS and "none for a temperature above 0 drafts greedily" in c.reason
+    d = copy(good, E.NATIVE, tmp_path)
+    text = (d / "README.md").read_text()
+    assert ',"draft_sample_method":"probabilistic"' in text
+    cmds = commands(text)
+    assert {(x["engine"], x["temperature"], x["samples"]) for x in cmds} == {
+        ("vLLM", None, False), ("vLLM", 1.0, True), ("SGLang", None, False),
+        ("SGLang", 1.0, True)}
+
+    def status(readme: str):
+        (d / "README.md").write_text(readme)
+        return next(c for c in run_checks(d).checks if c.name == NAME)
+
+    c = status(text.replace(',"draft_sample_method":"probabilistic"', ""))
+    assert c.status == WARN and "the vLLM command for temperature 1 drafts greedily" in c.reason
+    assert '"draft_sample_method": "probabilistic"' in c.reason
+    tuned = ("\n### Temperature 0 (greedy)\n\n```bash\nvllm serve T --speculative-config "
+             "'{\"method\": \"eagle3\", \"model\": \"D\", \"num_speculative_tokens\": 3}'\n```\n"
+             "\n### Temperature 0.7\n\n```bash\npython -m sglang.launch_server --model T "
+             "--speculative-algorithm EAGLE3 --speculative-draft-model-path D "
+             "--speculative-num-steps 3 --speculative-eagle-topk 1 "
+             "--speculative-num-draft-tokens 4\n```\n")
+    c = status(text + tuned)
+    assert c.status == WARN and "SGLang command for temperature 0.7" in c.reason
+    assert "Temperature 0.7" in c.reason and "--speculative-use-rejection-sampling" in c.reason
+    greedy_only = "\n".join(x for x in text.splitlines()
+                            if "probabilistic" not in x and "rejection-sampling" not in x)
+    c = status(greedy_only)
+    assert c.status == WARN and "every serving command in README.md drafts greedily" in c.reason
+    (d / "README.md").unlink()
+    assert NAME not in {c.name for c in run_checks(d).checks}

@@ -3,6 +3,7 @@ lossless verdicts, MT-bench's second turn, and the errors a user can act on. CPU
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,7 +110,7 @@ def test_plain_is_timed_without_runners_up_and_checked_with_them(smollm2_dir, sh
     assert all(o.gaps is None for _, _, o in once)
 
 
-def test_evaluate_end_to_end(smollm2_dir, shared_data, tmp_path):
+def test_evaluate_end_to_end(steady_speed, smollm2_dir, shared_data, tmp_path):
     """Two drafters (a checkpoint; an exported native dir as the baseline), chain and tree, three
     datasets: lossless, τ, per-position acceptance, speed columns, plots, `drafter report`.
     The target is a tiny random Llama with SmolLM2's tokenizer and chat template (SmolLM2 itself
@@ -314,7 +315,8 @@ def test_config_errors_name_the_key(smollm2_dir, tmp_path):
     with pytest.raises(E.EvaluateError, match="temperatures must include 0"):
         E.main(cfg("evaluate.temperatures=[0.7]"))
     # refused when the config loads; the step keeps its own check for configs built otherwise
-    with pytest.raises(C.ConfigError, match=r"evaluate\.methods\[0\]: must be chain or tree"):
+    with pytest.raises(C.ConfigError,
+                       match=r"evaluate\.methods\[0\]: must be chain, tree or block"):
         cfg("evaluate.methods=[beam]")
     with pytest.raises(E.EvaluateError, match="unknown method 'beam'"):
         E.main(C.load(None, [f"run_dir={tmp_path / 'run'}", f"target.model={smollm2_dir}",
@@ -338,8 +340,8 @@ def test_a_drafter_for_another_target_is_refused(smollm2_dir, tmp_path):
         E._check_drafter(load_drafter(d), model, "drafter", d)
 
 
-def test_a_killed_evaluate_resumes_after_its_finished_passes(smollm2_dir, shared_data, tmp_path,
-                                                             caplog):
+def test_a_killed_evaluate_resumes_after_its_finished_passes(steady_speed, smollm2_dir,
+                                                             shared_data, tmp_path, caplog):
     """kill -9 once the first decoding pass is kept; the rerun decodes only the passes left and
     ends with the metrics of an uninterrupted run (tokens, τ, verdicts: float32 on CPU)."""
     import os
@@ -391,6 +393,7 @@ def test_a_killed_evaluate_resumes_after_its_finished_passes(smollm2_dir, shared
     again = json.loads(Run.of(killed).eval_metrics().read_text())
     assert not passes.exists()                         # cleaned up once the metrics are written
     for a, b in zip(whole["runs"], again["runs"]):
+        assert a["name"] == b["name"]
         for key in ("tau", "steps", "accepted", "new_tokens", "accept_hist", "lossless"):
             assert a["datasets"]["mt_bench"].get(key) == b["datasets"]["mt_bench"].get(key), key
         assert sum(b["datasets"]["overall"]["spans"].values()) == \
@@ -505,3 +508,72 @@ def test_a_bfloat16_only_divergence_passes_as_drift(smollm2_dir, tmp_path, monke
     assert m["runs"][0]["datasets"]["overall"]["lossless"]["drift"] == ll["drift"]
     text = Run.of(cfg).eval_report().read_text()
     assert "Lossless: PASS" in text and "bf16 drift" in text
+
+
+@pytest.mark.parametrize("plant", ["every plain step", "the chain's pass"])
+def test_a_planted_slowdown_is_reported_instead_of_a_speedup(smollm2_dir, tmp_path, monkeypatch,
+                                                             plant):
+    """A load planted on one method: a sleep in every plain step (plain decoding slowed
+    throughout: its step runs many times its forward), or in the chain's steps during its pass
+    only (a load that came and went: the pass and the same chain timed in turns disagree). The
+    report says the speedups are unreliable and why instead of printing them, the tuner
+    recommends nothing, and the export README carries no expected speedup."""
+    import time
+
+    from drafter.decoding.decode import Decoder
+    from drafter.export.engines import README_FILE
+    from drafter.measure.tuned import BEGIN, END
+    from tests.tiny import make_tiny
+
+    target = make_tiny("llama", tmp_path, tokenizer_dir=smollm2_dir)
+    native = _drafter_dir(target, tmp_path / "run" / "export" / "native", 0, native=True)
+    if plant == "every plain step":
+        real = Decoder._plain_step
+
+        def slowed(self, *a, **kw):
+            time.sleep(0.1)
+            return real(self, *a, **kw)
+        monkeypatch.setattr(Decoder, "_plain_step", slowed)
+    else:
+        real_decode, real_chain = E._decode, Decoder._chain_step
+        in_pass = []
+
+        def passes(dec, prompts, rounds, max_new, stop, T, proposer=None, *a, **kw):
+            in_pass.append(proposer is not None)
+            try:
+                return real_decode(dec, prompts, rounds, max_new, stop, T, proposer, *a, **kw)
+            finally:
+                in_pass.pop()
+
+        def chain(self, *a, **kw):
+            if in_pass and in_pass[-1]:
+                time.sleep(0.1)
+            return real_chain(self, *a, **kw)
+        monkeypatch.setattr(E, "_decode", passes)
+        monkeypatch.setattr(Decoder, "_chain_step", chain)
+    cfg = C.load(None, [
+        f"run_dir={tmp_path / 'run'}", f"target.model={target}", f"evaluate.drafter={native}",
+        "evaluate.max_new_tokens=24", "evaluate.methods=[chain]", "evaluate.k=2",
+        "evaluate.batch_size=2",
+        "evaluate.datasets=[{name: humaneval, path: 'builtin:humaneval', max_prompts: 3}]"])
+    E.main(cfg)
+    run = Run.of(cfg)
+    m = json.loads(run.eval_metrics().read_text())
+    check = m["settings"]["speed_check"]["0.0"]
+    assert m["lossless"] and not check["reliable"]
+    want = "waited on something else" if plant == "every plain step" else \
+        "drafter: chain K=2, T=0: its pass ran at"
+    assert any(want in r for r in check["reasons"]), check["reasons"]
+    assert "recommended" not in m["settings"]
+    assert m["runs"][0]["datasets"]["overall"]["speed_reliable"] is False
+    report = run.eval_report().read_text()
+    assert "Temperature 0: speedups unreliable" in report and want in report
+    rows = [x for x in report.splitlines() if x.startswith("| drafter: chain K=2, T=0 | ")
+            and "unreliable" in x]
+    assert len(rows) == 2 and not any("x |" in x.split(" | ")[6] for x in rows)
+    assert "## Serving setting" not in report
+    readme = (native / README_FILE).read_text()
+    section = readme.split(BEGIN)[1].split(END)[0]
+    assert "Not tuned" in section and want in section
+    assert "unreliable | unreliable" in section
+    assert not re.search(r"speedup \d|\| \d+\.\d+x \|", section)  # no speedup figure at all

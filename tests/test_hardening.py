@@ -204,7 +204,7 @@ CASES = [
      r"export\.max_position_embeddings: must be >= 1"),
     ("eval_k_0", "evaluate", ["evaluate.k=0"], r"evaluate\.k: must be >= 1"),
     ("eval_method", "evaluate", ["evaluate.methods=[beam]"],
-     r"evaluate\.methods\[0\]: must be chain or tree"),
+     r"evaluate\.methods\[0\]: must be chain, tree or block"),
     ("eval_no_methods", "evaluate", ["evaluate.methods=[]"], r"evaluate\.methods: must list"),
     ("eval_temperature", "evaluate", ["evaluate.temperatures=[-0.5]"],
      r"evaluate\.temperatures\[0\]: must be >= 0"),

@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from drafter.decoding import decode, rejection
+from drafter.decoding import block, decode, rejection
 from drafter.decoding.decode import Decoder, TreeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,10 +80,12 @@ def pair():
     return model, TableDrafter(table), joint
 
 
-def draws(model, proposer=None, tree=None, seed=0, graphs=False) -> torch.Tensor:
-    """The first three new tokens of N_DRAWS copies of PROMPT, one batch: [N_DRAWS, 3]."""
+def draws(model, proposer=None, tree=None, seed=0, graphs=False, verify=None) -> torch.Tensor:
+    """The first three new tokens of N_DRAWS copies of PROMPT, one batch: [N_DRAWS, 3]. verify:
+    the chain's sampled verification (Decoder.chain_verify; None: the standard one)."""
     # one step between two reads of the state: the rows are done after one step or two
     dec = Decoder(model, max_batch=N_DRAWS, cuda_graphs=graphs, span_bucket=16, sync_every=1)
+    dec.chain_verify = verify
     torch.manual_seed(seed)
     outs = dec.generate([PROMPT] * N_DRAWS, 3, temperature=TEMPERATURE, proposer=proposer,
                         tree=tree)
@@ -109,14 +111,14 @@ def chi_square(tokens: torch.Tensor, joint: torch.Tensor) -> tuple[float, float]
     return stat, df * (1 - h + z.item() * math.sqrt(h)) ** 3
 
 
-def planted(fn, *edits: tuple[str, str]):
-    """`fn` (a function of drafter.decoding.rejection) with each source text `old` of `edits`
-    replaced by its `new`."""
+def planted(fn, *edits: tuple[str, str], module=rejection):
+    """`fn` (a function of drafter.decoding.rejection, or of `module`) with each source text
+    `old` of `edits` replaced by its `new`."""
     src = textwrap.dedent(inspect.getsource(fn))
     for old, new in edits:
         assert src.count(old) == 1, f"{fn.__name__} no longer reads {old!r}: update the plant"
         src = src.replace(old, new)
-    ns = dict(vars(rejection))
+    ns = dict(vars(module))
     exec(compile(src, f"<{fn.__name__}, planted>", "exec"), ns)
     return ns[fn.__name__]
 
@@ -198,6 +200,42 @@ def test_a_planted_bias_fails_the_test(pair, monkeypatch, name, spec, module, at
     model, drafter, joint = pair
     monkeypatch.setattr(module, attr, make())
     stat, limit = chi_square(draws(model, drafter, spec), joint)
+    assert stat > limit, f"{name}: chi-square {stat:.1f}, not over {limit:.1f}"
+
+
+# Block verification (drafter.decoding.block, Decoder.chain_verify): the same test at K = 2 and
+# 3 (a chain of 3's first step tests h at two inner positions), and three plants, each the real
+# block_terms with one thing wrong
+def _block(*edits):
+    return lambda: planted(block.block_terms, *edits, module=block)
+
+
+# h_i without the 1 - p_i of its denominator: any residual mass passes the position
+_block_h_loose = _block(("den = m + 1.0 - pi", "den = m"))
+# the residual max(0, P - Q) without p_i (the standard one at every position)
+_block_residual = _block(("r = (p[:, :K, None] * Pd - Q).clamp(min=0.0)",
+                          "r = (Pd - Q).clamp(min=0.0)"))
+# the last position passed with h_K = 1 instead of p_K
+_block_last = _block(("h = torch.cat([h_mid, p[:, K:]], 1)",
+                      "h = torch.cat([h_mid, torch.ones_like(p[:, K:])], 1)"))
+BLOCK_PLANTS = [("block: h without 1 - p", CHAIN, _block_h_loose),
+                ("block: residual without p", CHAIN, _block_residual),
+                ("block: last position always passes", CHAIN, _block_last)]
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_block_verification_follows_the_target(pair, k):
+    model, drafter, joint = pair
+    stat, limit = chi_square(draws(model, drafter, TreeSpec.chain(k),
+                                   verify=block.verify_chain_block), joint)
+    assert stat < limit, f"block K={k}: chi-square {stat:.1f} over {limit:.1f}"
+
+
+@pytest.mark.parametrize("name,spec,make", BLOCK_PLANTS, ids=[p[0] for p in BLOCK_PLANTS])
+def test_a_planted_bias_fails_block_verification(pair, monkeypatch, name, spec, make):
+    model, drafter, joint = pair
+    monkeypatch.setattr(block, "block_terms", make())
+    stat, limit = chi_square(draws(model, drafter, spec, verify=block.verify_chain_block), joint)
     assert stat > limit, f"{name}: chi-square {stat:.1f}, not over {limit:.1f}"
 
 

@@ -14,6 +14,7 @@ from drafter.core import config as C
 from drafter.core.rundir import Run, atomic_json, sealed
 from drafter.export.check import run_checks
 from drafter.export.engines import README_FILE
+from drafter.measure.serving import fallback_config, vllm_config, vllm_flag
 from drafter.measure.tuned import BEGIN, END, TITLE, add_tuned_settings, splice
 from drafter.measure.tuning import flags, recommend
 from drafter.run import pipeline
@@ -33,7 +34,7 @@ def metrics_for(drafter: str, lossless: bool = True) -> dict:
                          drafter)
     # at T=1: lower acceptance, a slower sampling step, the tree's sampled tau
     by_batch_t1 = recommend(ALPHA_T1, TIMINGS, 3, {"spec_ratio": 1.5, "plain_ratio": 1.1},
-                            [{**TREE, "tau": 1.7, "ratio": 1.6}], drafter)
+                            [{**TREE, "tau": 1.7, "ratio": 1.6}], drafter, temperature=1.0)
     greedy = {"temperature": 0.0,
               "calibration": {"batch": 64, "spec_ratio": 1.2, "plain_ratio": 1.05,
                               "static_batch_efficiency": 0.89},
@@ -112,20 +113,29 @@ def test_readmes_carry_each_dirs_flags_and_export_stays_done(tiny_target, tmp_pa
         body = text.split(BEGIN)[1].split(END)[0]
         greedy, sampled = body.split("### Temperature 0 (greedy)")[1].split("### Temperature 1")
         sampled = sampled.split("### Measured")[0]
-        # greedy, batch 1: the tree (SGLang only, always the native dir); vLLM its best chain
-        assert "#### Batch 1: tree depth=4 topk=4 tokens=16, expected speedup" in greedy
+        # greedy: the best setting per batch size; one vLLM command whose K follows the batch
+        # size (batch 1's best chain, K=2 at 64); SGLang per batch size, the tree at batch 1
+        rec0 = metrics["settings"]["recommended"]["by_temperature"]["0.0"]["by_batch"]
+        d = run.export(fmt).resolve()
+        assert "| 1 | tree depth=4 topk=4 tokens=16 | " in greedy
+        assert "| 64 | chain K=2 | " in greedy
+        vc = vllm_config(str(d), rec0, 0.0)
+        assert vc["num_speculative_tokens_per_batch_size"][-1] == [9, 64, 2]
+        assert greedy.count("vllm serve ") == 1 and vllm_flag(vc) in greedy
+        assert "draft_sample_method" not in greedy
         assert flags(str(native), tree={"depth": 4, "topk": 4, "tokens": 16})["sglang"] in greedy
-        assert "vLLM cannot serve this tree" in greedy
-        assert "#### Batch 64: chain K=2, expected speedup" in greedy
         assert flags(str(native), 2)["sglang"] in greedy
-        # sampling at T=1: chains, their own flags
-        assert "#### Batch 1: chain K=2, expected speedup" in sampled
-        assert "#### Batch 64: chain K=1, expected speedup" in sampled
-        assert flags(str(native), 1)["sglang"] in sampled and "cannot serve" not in sampled
-        # T=1: slower than plain decoding at both batch sizes, said so; greedy is faster
+        # sampling at T=1: slower than plain decoding at both batch sizes: said so, no command
         t1 = metrics["settings"]["recommended"]["by_temperature"]["1.0"]["by_batch"]
         assert t1["1"]["expected_speedup"] < 1 and t1["64"]["expected_speedup"] < 1
-        assert sampled.count("No setting is expected to beat plain decoding here") == 2
+        assert "| 1 | chain K=2 | " in sampled and "| 64 | chain K=1 | " in sampled
+        assert "No setting is expected to beat plain decoding at any batch size" in sampled
+        assert sampled.count("no setting beats plain") == 2
+        # ... and the command that serves its best chain anyway, its drafts sampled
+        fb, row = fallback_config(str(d), t1, 1.0)
+        assert fb["draft_sample_method"] == "probabilistic" and row["speedup"] < 1
+        assert "Should you serve it anyway" in sampled
+        assert sampled.count("vllm serve ") == 1 and vllm_flag(fb) in sampled
         assert "No setting is expected" not in greedy
         assert "Temperature 1: step model calibrated on the decode steps at batch 64: " \
                "speculative x1.5" in body
@@ -136,10 +146,12 @@ def test_readmes_carry_each_dirs_flags_and_export_stays_done(tiny_target, tmp_pa
         assert "| drafter: chain K=3, T=0 | 2.52 | 1.31x | 1.41x |" in text
         assert "baseline" not in text.split(TITLE)[1].split(END)[0]
     # vLLM's flags name the dir the README sits in
-    assert f"vllm serve {tiny_target} " + flags(str(native), 2)["vllm"] in after["native"]
-    assert flags(str(spec), 2)["vllm"] in after["speculators"]
+    rec0 = metrics["settings"]["recommended"]["by_temperature"]["0.0"]["by_batch"]
+    assert f"vllm serve {tiny_target} " + vllm_flag(vllm_config(str(native), rec0, 0.0)) \
+        in after["native"]
+    assert vllm_flag(vllm_config(str(spec), rec0, 0.0)) in after["speculators"]
     assert str(spec) not in after["native"] and "reads the native layout" in after["speculators"]
-    assert flags(str(native), 2)["vllm"] not in after["speculators"]
+    assert vllm_flag(vllm_config(str(native), rec0, 0.0)) not in after["speculators"]
     side = json.loads(run.eval_tuned().read_text())
     assert sorted(side["weights"]) == ["native", "speculators"]
 

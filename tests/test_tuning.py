@@ -153,8 +153,8 @@ def test_as_evaluated_is_the_per_step_speedup_through_the_batches_and_prefills()
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_evaluate_recommends_and_measures_a_setting_per_temperature(smollm2_dir, shared_data,
-                                                                     tmp_path):
+def test_evaluate_recommends_and_measures_a_setting_per_temperature(steady_speed, smollm2_dir,
+                                                                   shared_data, tmp_path):
     """A real evaluate at temperatures 0 and 1 (a tiny Llama target, a random drafter, CPU):
     a serving setting per temperature, each decoded and measured at its own temperature, and
     for the chain the model is calibrated on, the expected speedups as evaluated are the ones
@@ -170,7 +170,7 @@ def test_evaluate_recommends_and_measures_a_setting_per_temperature(smollm2_dir,
     dr = _drafter_dir(target, tmp_path / "native", 0, native=True)
     cfg = C.load(None, [
         f"run_dir={tmp_path / 'run'}", f"target.model={target}", f"evaluate.drafter={dr}",
-        "evaluate.max_new_tokens=8", "evaluate.methods=[chain, tree]", "evaluate.k=2",
+        "evaluate.max_new_tokens=8", "evaluate.methods=[chain, tree, block]", "evaluate.k=2",
         "evaluate.tree_depth=2", "evaluate.tree_topk=2", "evaluate.tree_tokens=3",
         "evaluate.temperatures=[0, 1]", "evaluate.batch_size=2",
         "evaluate.datasets=[{name: gsm8k, path: %s, max_prompts: 3}]"
@@ -178,6 +178,17 @@ def test_evaluate_recommends_and_measures_a_setting_per_temperature(smollm2_dir,
     E.main(cfg)
     run = Run.of(cfg)
     m = read_json(run.eval_metrics())
+    # block verification: a sampled run only (greedy, it is the chain), competing at its own K
+    blocks = [x for x in m["runs"] if x["method"] == "block"]
+    assert [x["name"] for x in blocks] == ["drafter: chain K=2 block, T=1"]
+    row = next(x for x in m["settings"]["recommended"]["by_temperature"]["1.0"]["by_batch"]["1"]
+               ["settings"] if x.get("block"))
+    assert row["k"] == 2 and row["expected_tau"] == pytest.approx(
+        blocks[0]["datasets"]["overall"]["tau"], abs=1e-3)
+    assert m["settings"]["speed_check"]["1.0"]["reliable"]
+    assert set(m["settings"]["speed_check"]["1.0"]["interleaved"]) == {
+        "plain", "drafter: chain K=2, T=1", "drafter: tree depth=2 topk=2 tokens=3, T=1",
+        "drafter: chain K=2 block, T=1"}
     rec = m["settings"]["recommended"]
     by_t = rec["by_temperature"]
     assert set(by_t) == {"0.0", "1.0"} and rec["by_batch"] == by_t["0.0"]["by_batch"]

@@ -2,5 +2,6 @@
 overrides and cross-field rules (configload), the only code that knows run-directory paths and
 writes atomically (rundir), the torchrun environment (dist), the GPUs and who holds them (gpu),
 the target model loaded the one way (target), a GGUF target materialised into an HF folder
-(gguf), the target's weights read and sized as stored (weights), and vLLM started for the target
-(vllm). Imports nothing of drafter but drafter.DrafterError."""
+(gguf), the target's weights read and sized as stored (weights), vLLM started for the target
+(vllm) and a repair of its CPU build that its workers load (vllm_cpu). Imports nothing of
+drafter but drafter.DrafterError."""

@@ -305,7 +305,8 @@ class EvaluateConfig:
                        user=True)
     baseline: str | None = doc(None, "another drafter dir shown side by side")
     max_new_tokens: int = doc(128, "new tokens per prompt", user=True)
-    methods: list[str] = doc(["chain"], "chain and/or tree", user=True)
+    methods: list[str] = doc(["chain"], "chain, tree and/or block (the chain verified as a "
+                             "block at temperatures above 0)", user=True)
     k: int = doc(5, "chain: tokens drafted per step", user=True)
     tree_depth: int = doc(6, "tree: drafting depth", user=True)
     tree_topk: int = doc(8, "tree: children per node", user=True)

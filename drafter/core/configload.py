@@ -390,9 +390,10 @@ def check_values(cfg, where: Where | None = None) -> None:
             bad(f"evaluate.datasets[{i}].path", d.path, "must name a JSONL file or builtin:NAME")
         ge(f"evaluate.datasets[{i}].max_prompts", d.max_prompts, 1)
     if not v.methods:
-        bad("evaluate.methods", v.methods, "must list chain and/or tree")
+        bad("evaluate.methods", v.methods, "must list chain, tree and/or block")
     for i, m in enumerate(v.methods):
-        check(f"evaluate.methods[{i}]", m, m in ("chain", "tree"), "must be chain or tree")
+        check(f"evaluate.methods[{i}]", m, m in ("chain", "tree", "block"),
+              "must be chain, tree or block")
     for f in ("max_new_tokens", "k", "tree_depth", "tree_topk", "tree_tokens", "batch_size"):
         ge(f"evaluate.{f}", getattr(v, f), 1)
     if not v.temperatures:

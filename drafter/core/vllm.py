@@ -9,7 +9,8 @@ model, dtype, parallelism and memory settings.
     shutdown_llm(llm)                              # its processes stopped now, not at GC
 
 The user's `target.engine_args` go over drafter's own arguments; vLLM is imported by the callers
-only, never here.
+only, never here. On CPU the workers load drafter.core.vllm_cpu (a repair of the CPU build's
+sampled speculative decoding) as their worker extension.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from drafter.core import target
 
 if TYPE_CHECKING:
     import torch
+
+# imported by vLLM's CPU workers (a name here: the module imports vLLM)
+CPU_EXTENSION = "drafter.core.vllm_cpu.Repairs"
 
 
 def vllm_missing() -> str | None:
@@ -76,7 +80,15 @@ def llm_kwargs(tcfg, dtype: torch.dtype, **fixed) -> dict:
           "dtype": str(dtype).replace("torch.", "")}
     if tcfg.revision:
         kw["revision"] = tcfg.revision
+    if not kw.get("worker_extension_cls") and not _cuda():
+        kw["worker_extension_cls"] = CPU_EXTENSION
     return kw
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def shutdown_llm(llm) -> None:

@@ -159,6 +159,9 @@ class Decoder:
         # leaves the GPU idle while Python decides; finished rows idle through the extra steps
         self.sync_every = max(1, sync_every)
         self.fast_chain = True  # chains take _chain_step (False: the general tree step)
+        # a sampled chain's verification (None: tree.verify_chain_sample's rejection sampling;
+        # block.verify_chain_block: block verification), same arguments and returns
+        self.chain_verify = None
         self.max_batch = max_batch
         # MoE experts whose kernels sync with the host are captured as batched_mm
         # (capturable_experts), whose memory grows with the tokens: such prefills stay eager
@@ -321,7 +324,7 @@ class Decoder:
         if stop_ids:
             st.stop.copy_(torch.tensor(stop_ids, device=self.device))
         key = ("spec" if spec else "plain", id(st), temperature, top_p, tree, id(proposer),
-               self.target.aux_ids, record_gaps)
+               self.target.aux_ids, record_gaps, self.chain_verify)
         state = self._graph_state(st, proposer)
         if spec:
             def fn(span):
@@ -663,7 +666,8 @@ class Decoder:
         spends hundreds of small kernels a step on ancestor matrices, candidate top-k, sort and
         path gathers that a chain does not need. Greedy: the same drafts, cache
         writes and accepted tokens as the general step (tests/test_decode.py compares them);
-        sampling: the same distribution (verify_chain_sample), another draw of it."""
+        sampling: the same distribution (verify_chain_sample, or `chain_verify`: block
+        verification), another draw of it."""
         dev, tgt, B = self.device, self.target, st.B
         L, start = st.L, st.start
         s = torch.arange(span, device=dev)
@@ -701,7 +705,7 @@ class Decoder:
             bonus = y.gather(1, n_acc[:, None]).squeeze(1)
         else:
             q = DraftQ(torch.cat(rows, 1), torch.stack(lses, 1), temperature)  # [B, K, Vd]
-            n_acc, bonus = verify_chain_sample(
+            n_acc, bonus = (self.chain_verify or verify_chain_sample)(
                 d_ids, logits, q, P.to_target(torch.arange(q.rows.shape[-1], device=dev)),
                 temperature)
         emitted = torch.cat([toks, bonus[:, None]], 1).scatter(1, n_acc[:, None], bonus[:, None])

@@ -389,6 +389,12 @@ def readme(fmt: str, out_dir: Path, c: DrafterConfig, target: TargetInfo, k: int
     tmpl_l = f" --jinja --chat-template-file {chat_template}" if chat_template else ""
     spec = json.dumps({"method": "eagle3", "model": d, "num_speculative_tokens": k},
                       separators=(",", ":"))
+    # sampled requests: drafts sampled too (vLLM's default drafts the argmax, q one-hot)
+    sampled = json.dumps({"method": "eagle3", "model": d, "num_speculative_tokens": k,
+                          "draft_sample_method": "probabilistic"}, separators=(",", ":"))
+    sampling = ("For requests sampled at a temperature > 0, sample the drafts too (vLLM's "
+                "default proposes the drafter's argmax and takes its q as one-hot, accepting "
+                "less than `drafter evaluate` measures at that temperature):")
     hs = from_hs(c.aux_layer_ids, "hs")
     out = from_hs(c.aux_layer_ids, "layer_output")
     N = target.num_hidden_layers
@@ -406,17 +412,27 @@ def readme(fmt: str, out_dir: Path, c: DrafterConfig, target: TargetInfo, k: int
                   f"vllm serve {d}{tmpl_v}", "```", "",
                   "or with the target named explicitly:", "", "```bash",
                   f"vllm serve {tgt}{tmpl_v} --speculative-config '{spec}'", "```", "",
+                  sampling, "", "```bash",
+                  f"vllm serve {tgt}{tmpl_v} --speculative-config '{sampled}'", "```", "",
                   f"SGLang and llama.cpp: use the native layout in {native_dir} (see its README).",
                   ""]
     else:
         lines += [
             "vLLM:", "", "```bash", f"vllm serve {tgt}{tmpl_v} --speculative-config '{spec}'",
-            "```", "",
+            "```", "", sampling, "", "```bash",
+            f"vllm serve {tgt}{tmpl_v} --speculative-config '{sampled}'", "```", "",
             f"SGLang (the algorithm must be EAGLE3: EAGLE silently gives tau = 1.0; draft tokens "
             f"D = K + 1 = {k + 1}):", "", "```bash",
             f"python -m sglang.launch_server --model {tgt}{tmpl_v} --speculative-algorithm EAGLE3 "
             f"--speculative-draft-model-path {d} --speculative-num-steps {k} "
             f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}", "```", "",
+            "SGLang for requests sampled at a temperature > 0 (its 2026 versions; without the "
+            "flag it proposes the argmax and verifies against the target alone):", "",
+            "```bash",
+            f"python -m sglang.launch_server --model {tgt}{tmpl_v} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {d} --speculative-num-steps {k} "
+            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1} "
+            "--speculative-use-rejection-sampling", "```", "",
             "llama.cpp (convert the drafter against the target's HF folder, then serve):", "",
             "```bash",
             *([f"huggingface-cli download {tgt} --local-dir {hf_dir}"] if not target.local_dir

@@ -70,11 +70,13 @@ def render_report(m: dict) -> str:
           "step ms | plain step ms | decode ms | plain decode ms |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
+        ok = r["datasets"]["overall"].get("speed_reliable", True)
         for n in names:
             d = r["datasets"][n]
             L.append(f"| {r['name']} | {n} | {d['prompts']} | {_fmt(d.get('tau'))} | "
                      f"{_fmt(d.get('tokens_per_s'), 1)} | {_fmt(d.get('plain_tokens_per_s'), 1)} | "
-                     f"{_fmt(d.get('speedup'))}x | {_fmt(d.get('decode_speedup'))}x | "
+                     + (f"{_fmt(d.get('speedup'))}x | {_fmt(d.get('decode_speedup'))}x | " if ok
+                        else "unreliable | unreliable | ") +
                      f"{_fmt(d.get('step_ms'))} | "
                      f"{_fmt(d.get('plain_step_ms'))} | {_fmt(d.get('decode_step_ms'))} | "
                      f"{_fmt(d.get('plain_decode_step_ms'))} |")
@@ -99,6 +101,7 @@ def render_report(m: dict) -> str:
                 L.append(f"| {name} | {_fmt(d.get('decode_step_ms'))} | "
                          f"{_fmt(d.get('step_gpu_ms'))} | {_fmt(d['parts_ms'])} | "
                          f"{_fmt(d.get('x_parts'))}x | {_fmt(d.get('gpu_x_parts'))}x |")
+    L += _speed_check(s.get("speed_check") or {}, runs)
     rec = s.get("recommended")
     if rec:
         L += _serving(rec)
@@ -128,6 +131,36 @@ def render_report(m: dict) -> str:
                      f"{_fmt(d['accept_rate'], 3)} | {d['new_tokens']} | {ll} |")
     L += ["", "![per-position acceptance](acceptance.png)", "", "![tau per dataset](tau.png)", ""]
     return "\n".join(L)
+
+
+def _speed_check(checks: dict, runs: list[dict]) -> list[str]:
+    """Per temperature: every setting's decode step timed in turns, the speedups it gives, and
+    whether the temperature's speed figures hold up (drafter/measure/speedcheck.py)."""
+    if not checks:
+        return []
+    L = ["", "## Speed check", "",
+         "Every setting of a temperature decoded the same prompts again in turns "
+         "(drafter/measure/speedcheck.py: the order rotated each repeat), so that a load on the "
+         "machine falls on all of them alike. Interleaved speedup = τ × plain's median step / "
+         "the setting's. The speedups above are unreliable when a setting's repeats spread too "
+         "far, when a plain step runs further beyond its target forward than a speculative step "
+         "beyond its parts, or when the passes and the turns disagree; the serving setting is "
+         "then not recommended at that temperature.", "",
+         "| temperature | setting | step ms per repeat | median | spread | interleaved speedup |",
+         "|---|---|---|---|---|---|"]
+    speedups = {r["name"]: r["datasets"]["overall"].get("interleaved_speedup") for r in runs}
+    for t, c in checks.items():
+        for name, x in c["interleaved"].items():
+            L.append(f"| {_t(t)} | {name} | {', '.join(_fmt(v) for v in x['step_ms'])} | "
+                     f"{_fmt(x['median'])} | {_fmt(x['spread'])} | "
+                     f"{_fmt(speedups.get(name)) + 'x' if speedups.get(name) else '-'} |")
+    for t, c in checks.items():
+        if c["reliable"]:
+            L += ["", f"Temperature {_t(t)}: the speed figures hold up."]
+        else:
+            L += ["", f"**Temperature {_t(t)}: speedups unreliable**, not printed and not used "
+                  "for the serving setting:", ""] + [f"- {x}" for x in c["reasons"]]
+    return L
 
 
 def _serving(rec: dict) -> list[str]:

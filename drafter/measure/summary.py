@@ -72,6 +72,7 @@ def summarize(outs, stats: dict, tree=None, plain_outs=None, tol=0.0, records=No
     if tree is not None:
         m.update(acceptance([sum(o.hist[a] for _, _, o in outs) for a in range(tree.depth + 1)],
                             tree))
+        m["prompt_hists"] = [list(o.hist) for _, _, o in outs]  # (vllm_eval's agreement test)
         shapes = [o.shapes for _, _, o in outs if o.shapes is not None]
         if shapes and len(shapes) == len(outs):
             m["tree_shapes"] = sum_shapes([{"accepted": x[0], "valid": x[1]} for x in shapes])
@@ -197,6 +198,13 @@ def recommend_setting(runs: list[dict], plain: dict, batch: int, drafter_dir: st
                       "depth": D, "topk": r["topk"], "tokens": N, "timings": tt,
                       "ratio": step / tree_step_ms(tt[batch], D, N, N) if step else None,
                       "shapes": ov.get("tree_shapes")})
+    blocks = [{"label": r["name"].split(",")[0].split(": ", 1)[-1], "k": r["k"],
+               "tau": r["datasets"]["overall"]["tau"], "timings": r["timing"]["by_batch"],
+               "ratio": (r["datasets"]["overall"].get("decode_step_ms")
+                         or r["datasets"]["overall"]["step_ms"])
+               / chain_step_ms(r["timing"]["by_batch"][batch], r["k"], r["k"])}
+              for r in runs if r["drafter"] == "drafter" and r["method"] == "block"
+              and r["temperature"] == T and r["datasets"]["overall"].get("tau")]
     # a batch waits for its slowest row (static batches; continuous ones at their last prompts):
     # the steps the batches took, against tau's promise
     p_it = po.get("iterations")
@@ -207,7 +215,7 @@ def recommend_setting(runs: list[dict], plain: dict, batch: int, drafter_dir: st
         calib["evaluated"] = {"batch": batch, "efficiency": eff, "plain_seconds": po["seconds"],
                               "plain_prefill_seconds": po["prefill_seconds"],
                               "prefill_seconds": o["prefill_seconds"]}
-    rec = recommend(o["acceptance_conditional"], t, k, calib, trees, drafter_dir)
+    rec = recommend(o["acceptance_conditional"], t, k, calib, trees, drafter_dir, blocks, T)
     return {"temperature": T,
             "calibration": {"batch": batch, "spec_ratio": round(spec_ratio, 3),
                             "plain_ratio": round(plain_ratio, 3),
@@ -227,12 +235,18 @@ def measured(rec: dict, run: dict) -> dict:
             "expected_as_evaluated": rec["by_batch"][b].get("expected_as_evaluated")}
 
 
+def best_row(rec: dict, batch: int) -> dict | None:
+    """The row of the setting `rec` (recommend_setting's) finds best at `batch`, or None."""
+    r = rec["by_batch"].get(str(batch))
+    return next((x for x in r["settings"] if x["setting"] == r["best"]), None) if r else None
+
+
 def best_tree(rec: dict, batch: int):
-    """The TreeSpec of the setting `rec` (recommend_setting's) finds best at `batch`, or None."""
+    """The TreeSpec of the setting `rec` (recommend_setting's) finds best at `batch`, or None
+    (a block-verified chain: its chain; best_row tells)."""
     from drafter.decoding.decode import TreeSpec
 
-    r = rec["by_batch"].get(str(batch))
-    row = next((x for x in r["settings"] if x["setting"] == r["best"]), None) if r else None
+    row = best_row(rec, batch)
     if row is None:
         return None
     if row.get("k"):

@@ -1,7 +1,10 @@
 """The tuned serving settings in the export READMEs: per temperature evaluated and batch size,
-the chain K or tree that `drafter evaluate` measured to serve this drafter best, its expected
-speedup, and the exact vLLM and SGLang flags, so that a user finds the drafter and how to serve
-it in one folder.
+the chain K or tree that `drafter evaluate` measured to serve this drafter best and its expected
+speedup, and per temperature one vLLM command that serves it (K by batch range, the drafts
+sampled as evaluate sampled them: drafter/measure/serving.py) and SGLang's lines, so that a user
+finds the drafter and how to serve it in one folder. A temperature whose speed figures did not
+hold up (drafter/measure/speedcheck.py) gets no setting and no speedup, only the reason and the
+command that serves what was measured.
 
     add_tuned_settings(run, metrics)      # evaluate, at its end: every export README
     carry_over(run, fmt, built, final)    # export, on a re-run: the section again, if it applies
@@ -10,8 +13,8 @@ The section sits between two HTML comments (BEGIN, END) in each export dir's REA
 "## Aux layer ids"; writing it again replaces it (idempotent), and a README whose drafter evaluate
 did not measure loses it. Only README.md changes: export's manifest, whose hash is evaluate's
 input fingerprint, seals no file of the dirs (its `*_bytes` counts are as exported), `drafter
-check` does not read the README, and the weights and configs are never rewritten. Rewriting the
-manifest would make evaluate stale the moment it finished.
+check` only reads the README's serving commands (a warning rule), and the weights and configs
+are never rewritten. Rewriting the manifest would make evaluate stale the moment it finished.
 
 What the section was written from is recorded in evaluate/tuned.json (the digest of the metrics
 and, per engine dir, the sha256 of model.safetensors). A re-run of export (`drafter export
@@ -28,7 +31,14 @@ from pathlib import Path
 
 from drafter.core.rundir import Run, atomic_json, atomic_write, read_json
 from drafter.export.engines import FORMATS, META_FILE, NATIVE, README_FILE, WEIGHTS_FILE
-from drafter.measure.tuning import flags
+from drafter.measure.serving import (
+    fallback_config,
+    schedule,
+    sglang_flags,
+    sglang_notes,
+    vllm_config,
+    vllm_flag,
+)
 
 log = logging.getLogger("drafter")
 
@@ -105,7 +115,8 @@ def section(metrics: dict, out_dir: Path, run: Run, meta_dir: Path | None = None
     """The README section for the engine dir `out_dir` (its flags name that dir's resolved path;
     SGLang's the native dir, the layout it reads). `meta_dir`: where drafter.json is read (the
     temp dir export builds in), default `out_dir`."""
-    s, rec = metrics["settings"], metrics["settings"]["recommended"]
+    s = metrics["settings"]
+    rec = s.get("recommended") or {}
     meta = _meta(meta_dir or out_dir)
     d = str(Path(out_dir).resolve())
     native = str(Path(out_dir).resolve().parent / NATIVE)
@@ -113,22 +124,28 @@ def section(metrics: dict, out_dir: Path, run: Run, meta_dir: Path | None = None
     tgt = (meta.get("target") or {}).get("name_or_path") or s.get("target") or "TARGET"
     tmpl = f" --chat-template {meta['chat_template']}" if meta.get("chat_template") else ""
     nbr = bool((meta.get("drafter_config") or {}).get("norm_before_residual"))
-    by_t = rec.get("by_temperature") or {"0.0": rec}   # metrics written before: greedy only
+    by_t = rec.get("by_temperature") or ({"0.0": rec} if rec.get("by_batch") else {})
+    checks = s.get("speed_check") or {}
     report = run.eval_report().resolve()
     L = [TITLE, "",
          f"Measured by `drafter evaluate` with drafter's own decoder on {s.get('device', '?')} "
          f"({s.get('dtype', '?')}): for each temperature evaluated and each batch size, the "
          "setting with the highest expected speedup (drafter/measure/tuning.py: the chain's "
          "per-position acceptance at that temperature, each measured tree's τ, and the step "
-         "costs timed on that machine) and the flags that select it, in place of the default K "
-         "under \"Serve it\". Serve with the flags of the temperature your requests use (the "
-         "acceptance of sampled requests differs from greedy ones'). The expected speedup is "
-         "per decode step (prefills left out, every row live: what an engine with continuous "
-         "batching gets). Step costs differ on another GPU or engine: run `drafter evaluate` "
-         f"there to tune for it. All tables: the \"Serving setting\" section of {report}.", ""]
-    for t, rt in by_t.items():
+         "costs timed on that machine), and one serving command per temperature that reproduces "
+         "it, in place of the default K under \"Serve it\". Serve with the command of the "
+         "temperature your requests use: a sampled request accepts other drafts than a greedy "
+         "one, and above temperature 0 the drafts must be sampled as evaluate sampled them "
+         "(vLLM's `draft_sample_method: probabilistic`; its default drafts the argmax). The "
+         "expected speedup is per decode step (prefills left out, every row live: what an "
+         "engine with continuous batching gets). Step costs differ on another GPU or engine: "
+         f"run `drafter evaluate` there to tune for it. All tables: {report}.", ""]
+    for t in sorted(set(by_t) | set(checks), key=float):
         L += [f"### Temperature {float(t):g}" + (" (greedy)" if float(t) == 0 else ""), ""]
-        L += _batches(rt, tgt, tmpl, d, native, is_native, nbr)
+        if t in by_t:
+            L += _temperature(by_t[t], float(t), tgt, tmpl, d, native, is_native, nbr)
+        else:
+            L += _unreliable(checks[t], float(t), s, tgt, tmpl, d, native, nbr)
     L += ["### Measured", "",
           f"Batch {s.get('batch_size', '?')}, {s.get('max_new_tokens', '?')} new tokens per "
           "prompt, " + ", ".join(f"{n}: {x.get('prompts')} prompts"
@@ -140,8 +157,9 @@ def section(metrics: dict, out_dir: Path, run: Run, meta_dir: Path | None = None
         if x.get("drafter") != "drafter":
             continue
         o = (x.get("datasets") or {}).get("overall") or {}
-        L.append(f"| {x.get('name')} | {_f(o.get('tau'))} | {_f(o.get('speedup'))}x | "
-                 f"{_f(o.get('decode_speedup'))}x |")
+        L.append(f"| {x.get('name')} | {_f(o.get('tau'))} | "
+                 + (f"{_f(o.get('speedup'))}x | {_f(o.get('decode_speedup'))}x |"
+                    if o.get("speed_reliable", True) else "unreliable | unreliable |"))
     for t, rt in by_t.items():
         cal = rt.get("calibration") or {}
         if not cal:
@@ -163,38 +181,91 @@ def section(metrics: dict, out_dir: Path, run: Run, meta_dir: Path | None = None
     return "\n".join(L) + "\n"
 
 
-def _batches(rec: dict, tgt: str, tmpl: str, d: str, native: str, is_native: bool,
-             nbr: bool) -> list[str]:
-    """The section's part for one temperature: per batch size the best setting and its flags."""
-    L = []
-    for b, r in sorted(rec["by_batch"].items(), key=lambda kv: int(kv[0])):
+def _temperature(rec: dict, T: float, tgt: str, tmpl: str, d: str, native: str,
+                 is_native: bool, nbr: bool) -> list[str]:
+    """One temperature's part: the best setting per batch size, then one vLLM command (K by
+    batch range) and SGLang's lines (measure.serving)."""
+    by = sorted(rec["by_batch"].items(), key=lambda kv: int(kv[0]))
+    sch = schedule(rec["by_batch"])
+    k_at = {b: next(k for a, e, k in sch if a <= int(b) <= e) for b, _ in by}
+    L = ["| batch | best setting | expected speedup | expected τ | vLLM's K there |",
+         "|---|---|---|---|---|"]
+    for b, r in by:
         best = next((x for x in r["settings"] if x["setting"] == r["best"]), None)
         if best is None:
             continue
         est = " (estimated from a larger tree's counts)" if best.get("estimated") else ""
-        L += [f"#### Batch {b}: {best['setting']}{est}, expected speedup "
-              f"{_f(best['speedup'])}x (expected τ {_f(best['expected_tau'])})", ""]
-        if best["speedup"] < 1:
-            L += ["No setting is expected to beat plain decoding here: serve without the drafter "
-                  "at this temperature and batch size. The best one, should you serve it:", ""]
-        f = flags(d, best.get("k"), best.get("tree"))
-        if f["vllm"]:
-            L += ["vLLM:", "", "```bash", f"vllm serve {tgt}{tmpl} {f['vllm']}", "```", ""]
-        else:
-            chains = [x for x in r["settings"] if x.get("k")]
-            alt = max(chains, key=lambda x: x["speedup"]) if chains else None
-            L += ["vLLM cannot serve this tree (vLLM's EAGLE-3 drafts chains only)"
-                  + (f"; its best chain here is {alt['setting']}, expected speedup "
-                     f"{_f(alt['speedup'])}x (expected τ {_f(alt['expected_tau'])}):"
-                     if alt else "."), ""]
-            if alt:
-                L += ["```bash", f"vllm serve {tgt}{tmpl} {flags(d, alt['k'])['vllm']}",
-                      "```", ""]
-        g = flags(native, best.get("k"), best.get("tree"))["sglang"]
-        L += ["SGLang" + ("" if is_native else f" (it reads the native layout, {native})")
-              + (" (norm_before_residual is true: SGLang implements only false and will accept "
-                 "less; serve with vLLM)" if nbr else "") + ":", "", "```bash",
-              f"python -m sglang.launch_server --model {tgt}{tmpl} {g}", "```", ""]
+        L.append(f"| {b} | {best['setting']}{est} | {_f(best['speedup'])}x | "
+                 f"{_f(best['expected_tau'])} | "
+                 + (f"{k_at[b]}" if k_at[b] else "0: plain decoding is faster") + " |")
+    L.append("")
+    cfg = vllm_config(d, rec["by_batch"], T)
+    if cfg is None:
+        L += ["No setting is expected to beat plain decoding at any batch size measured at "
+              "this temperature: serve without the drafter.", ""]
+        fb = fallback_config(d, rec["by_batch"], T)
+        if fb is not None:
+            L += [f"Should you serve it anyway, vLLM with its best chain here, "
+                  f"{fb[1]['setting']} (expected speedup {_f(fb[1]['speedup'])}x)"
+                  + (", the drafts sampled as evaluate sampled them" if T > 0 else "") + ":",
+                  "", "```bash", f"vllm serve {tgt}{tmpl} {vllm_flag(fb[0])}", "```", ""]
+    else:
+        what = ["vLLM, one config for every batch size"]
+        if "num_speculative_tokens_per_batch_size" in cfg:
+            what.append("K by batch range (`num_speculative_tokens_per_batch_size`: "
+                        "[first, last, K]; 0 where plain decoding is faster; past the last "
+                        "range its K holds)")
+        if T > 0:
+            what.append("drafts sampled as evaluate sampled them (`draft_sample_method: "
+                        "probabilistic`; vLLM's default, greedy, accepts what the report's "
+                        "`greedy` row shows)")
+        if cfg.get("rejection_sample_method") == "block":
+            what.append("block verification (`rejection_sample_method: block`: vLLM's V2 model "
+                        "runner only, the default on CUDA with Triton; the V1 runner, as in "
+                        "vLLM's CPU build, ignores it and drafts greedily)")
+        L += ["; ".join(what) + ":", "", "```bash", f"vllm serve {tgt}{tmpl} {vllm_flag(cfg)}",
+              "```", ""]
+    L += ["SGLang" + ("" if is_native else f" (it reads the native layout, {native})")
+          + (" (norm_before_residual is true: SGLang implements only false and will accept "
+             "less; serve with vLLM)" if nbr else "") + ", per batch size:", ""]
+    for b, r in by:
+        best = next((x for x in r["settings"] if x["setting"] == r["best"]), None)
+        if best is None:
+            continue
+        if r["expected_speedup"] < 1:
+            L += [f"- batch {b}: no setting beats plain decoding: serve without the drafter", ""]
+            continue
+        row = best
+        if T > 0 and not best.get("k"):        # SGLang samples the drafts of chains only
+            row = max((x for x in r["settings"] if x.get("k") and not x.get("block")),
+                      key=lambda x: x["speedup"], default=best)
+        elif best.get("block"):                # no block verification in SGLang
+            row = max((x for x in r["settings"] if x.get("k") and not x.get("block")),
+                      key=lambda x: x["speedup"], default=best)
+        g = sglang_flags(native, row.get("k"), row.get("tree"), T)
+        L += [f"- batch {b} ({row['setting']}):", "", "  ```bash",
+              f"  python -m sglang.launch_server --model {tgt}{tmpl} {g}", "  ```", ""]
+    L += [f"- {x}" for x in sglang_notes(T, rec["by_batch"])] + [""]
+    return L
+
+
+def _unreliable(check: dict, T: float, s: dict, tgt: str, tmpl: str, d: str, native: str,
+                nbr: bool) -> list[str]:
+    """A temperature whose speed figures did not hold up: no setting recommended and no speedup,
+    only the command that serves what evaluate measured (its acceptance stands)."""
+    k = (s.get("primary") or {}).get("k")          # the chain evaluate ran first
+    L = ["Not tuned: evaluate's step times at this temperature were unreliable "
+         "(drafter/measure/speedcheck.py), so no setting is recommended and no speedup is "
+         "given:", ""] + [f"- {x}" for x in check.get("reasons") or []] + [""]
+    if k:
+        cfg = {"method": "eagle3", "model": d, "num_speculative_tokens": k}
+        if T > 0:
+            cfg["draft_sample_method"] = "probabilistic"
+        L += [f"The command that serves what evaluate measured (chain K={k}, its acceptance in "
+              "the report) until `drafter evaluate` runs again on a quiet machine:", "",
+              "```bash", f"vllm serve {tgt}{tmpl} {vllm_flag(cfg)}", "```", "",
+              "```bash", f"python -m sglang.launch_server --model {tgt}{tmpl} "
+              f"{sglang_flags(native, k, temperature=T)}", "```", ""]
     return L
 
 
@@ -238,10 +309,14 @@ def weights_digest(d: Path) -> str | None:
 
 
 def _recommended(metrics: dict) -> bool:
+    """Whether the section has something to say: a lossless run with a tuned temperature, or
+    one whose speed check says why it has none."""
     s = metrics.get("settings")
-    rec = s.get("recommended") if isinstance(s, dict) else None
-    return bool(metrics.get("lossless")) and isinstance(rec, dict) \
-        and bool(rec.get("by_batch"))
+    if not isinstance(s, dict) or not metrics.get("lossless"):
+        return False
+    rec = s.get("recommended")
+    return (isinstance(rec, dict) and bool(rec.get("by_batch") or rec.get("by_temperature"))) \
+        or bool(s.get("speed_check"))
 
 
 def _measured_dir(metrics: dict, dirs: list[Path]) -> Path | None:

@@ -32,6 +32,11 @@ longer than the measured K are not extrapolated (their acceptance is unmeasured)
 competes with its own measured tau and modelled step: verify(tokens+1) + depth + 1 drafter
 forwards, calibrated on its own measured step when it has one.
 
+Block verification (drafter/decoding/block.py, evaluate's method `block`, temperatures above 0):
+its acceptance at a shorter K is not the chain's truncated (the last position's test differs),
+so a block run competes at its measured K only, with its measured tau and the chain's step
+model calibrated on its own measured step.
+
 Tree shapes: a greedy tree run with tree_stats (decode.Decoder.generate) also counts what every
 smaller tree of its topk (depth D' <= D, N' <= N nodes) would have accepted on the same steps
 (tree.shape_acceptance: exact on the steps whose selection holds the smaller tree's nodes). Each
@@ -39,6 +44,8 @@ smaller tree of its topk (depth D' <= D, N' <= N nodes) would have accepted on t
 and the tree's step model at N' tokens and D' levels; per depth the best N' is listed.
 """
 from __future__ import annotations
+
+from drafter.measure.serving import sglang_flags, vllm_flag
 
 
 def expected_tau(alpha_cond: list, k: int) -> float:
@@ -61,21 +68,23 @@ def chain_step_ms(t: dict, k: int, k_measured: int) -> float:
     return verify_ms(t, k, k_measured) + (k + 1) * t["draft_ms"]
 
 
-def flags(drafter_dir: str, k: int | None = None, tree: dict | None = None) -> dict:
-    """Engine flags for a chain of k (vLLM, SGLang) or an EAGLE-2 tree (SGLang only). SGLang's
-    draft tokens count the root (the last verified token): a chain of K is K + 1 of them, a tree
-    of N drafted nodes N + 1 (its build_tree selects num_draft_tokens - 1 nodes)."""
+def flags(drafter_dir: str, k: int | None = None, tree: dict | None = None,
+          temperature: float = 0.0, block: bool = False) -> dict:
+    """Engine flags for one setting: a chain of k (vLLM, SGLang), with block verification
+    (vLLM only), or an EAGLE-2 tree (SGLang only); at a temperature above 0 the drafts sampled
+    as evaluate's were (measure.serving: vLLM's `draft_sample_method`, SGLang's rejection
+    sampling). SGLang's draft tokens count the root (the last verified token): a chain of K is
+    K + 1 of them, a tree of N drafted nodes N + 1 (its build_tree selects num_draft_tokens - 1
+    nodes)."""
     if tree is not None:
-        return {"sglang": f"--speculative-algorithm EAGLE3 --speculative-draft-model-path "
-                          f"{drafter_dir} --speculative-num-steps {tree['depth']} "
-                          f"--speculative-eagle-topk {tree['topk']} "
-                          f"--speculative-num-draft-tokens {tree['tokens'] + 1}",
-                "vllm": None}
-    return {"vllm": '--speculative-config \'{"method": "eagle3", "model": "%s", '
-                    '"num_speculative_tokens": %d}\'' % (drafter_dir, k),
-            "sglang": f"--speculative-algorithm EAGLE3 --speculative-draft-model-path "
-                      f"{drafter_dir} --speculative-num-steps {k} --speculative-eagle-topk 1 "
-                      f"--speculative-num-draft-tokens {k + 1}"}
+        return {"sglang": sglang_flags(drafter_dir, tree=tree), "vllm": None}
+    cfg = {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": k}
+    if temperature > 0:
+        cfg["draft_sample_method"] = "probabilistic"
+    if block:
+        cfg["rejection_sample_method"] = "block"
+    return {"vllm": vllm_flag(cfg),
+            "sglang": None if block else sglang_flags(drafter_dir, k, temperature=temperature)}
 
 
 def tree_step_ms(t: dict, depth: int, tokens: int, tokens_measured: int) -> float:
@@ -107,13 +116,16 @@ def as_evaluated(speedup: float, evaluated: dict) -> dict:
 
 
 def recommend(alpha_cond: list, timings: dict, k_measured: int, calib: dict,
-              trees: list | None = None, drafter_dir: str = "DRAFTER") -> dict:
+              trees: list | None = None, drafter_dir: str = "DRAFTER",
+              blocks: list | None = None, temperature: float = 0.0) -> dict:
     """Per batch size (the keys of `timings`: {batch: {target_ms, verify_ms, draft_ms}}), every
     chain K <= k_measured, each measured tree and, for a tree with `shapes`, the best number of
-    nodes at each smaller depth, with expected tau, step ms and speedup; the best one and its
-    flags. A tree's `ratio` (measured step / modelled) calibrates its shapes; else spec_ratio.
-    With calib["evaluated"] (as_evaluated's figures and the `batch` they were measured at), the
-    settings at that batch also get `as_evaluated` (evaluate's speedup and decode speedup)."""
+    nodes at each smaller depth, each measured block-verified chain (`blocks`: {label, k, tau,
+    timings, ratio}: its own τ at its own K, as a tree's), with expected tau, step ms and
+    speedup; the best one and its flags at `temperature`. A tree's `ratio` (measured step /
+    modelled) calibrates its shapes; else spec_ratio. With calib["evaluated"] (as_evaluated's
+    figures and the `batch` they were measured at), the settings at that batch also get
+    `as_evaluated` (evaluate's speedup and decode speedup)."""
     out = {}
     ev = calib.get("evaluated")
     for batch, t in sorted(timings.items(), key=lambda kv: int(kv[0])):
@@ -144,10 +156,17 @@ def recommend(alpha_cond: list, timings: dict, k_measured: int, calib: dict,
                 if d not in best_at or row["speedup"] > best_at[d]["speedup"]:
                     best_at[d] = row
             rows += [best_at[d] for d in sorted(best_at)]
+        for bl in blocks or []:  # block verification: its own tau, the chain's step model
+            tt = bl.get("timings", {}).get(batch, t)
+            step = (bl.get("ratio") or calib["spec_ratio"]) * chain_step_ms(tt, bl["k"], bl["k"])
+            rows.append({"setting": bl["label"], "k": bl["k"], "block": True,
+                         "expected_tau": round(bl["tau"], 3), "step_ms": round(step, 3),
+                         "speedup": round(bl["tau"] * plain / step, 3)})
         best = max(rows, key=lambda r: r["speedup"])
         out[str(batch)] = {"plain_step_ms": round(plain, 3), "settings": rows,
                            "best": best["setting"], "expected_speedup": best["speedup"],
-                           "flags": flags(drafter_dir, best.get("k"), best.get("tree"))}
+                           "flags": flags(drafter_dir, best.get("k"), best.get("tree"),
+                                          temperature, bool(best.get("block")))}
         if ev and str(ev["batch"]) == str(batch):
             for r in rows:
                 r["as_evaluated"] = as_evaluated(r["speedup"], ev)

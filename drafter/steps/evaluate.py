@@ -38,7 +38,10 @@ from drafter import DrafterError
 from drafter.core.rundir import Run, atomic_json, atomic_write, read_json
 from drafter.measure.lossless import recheck_float32
 from drafter.measure.report import plots, render_report
+from drafter.measure.speedcheck import check as speed_check
+from drafter.measure.speedcheck import interleaved, mark
 from drafter.measure.summary import (
+    best_row,
     best_tree,
     lossless_sum,
     measured,
@@ -49,7 +52,7 @@ from drafter.measure.summary import (
     with_plain,
 )
 from drafter.measure.tuned import add_tuned_settings
-from drafter.measure.vllm_eval import render_vllm, vllm_acceptance
+from drafter.measure.vllm_eval import compare, render_vllm, vllm_acceptance
 
 log = logging.getLogger("drafter")
 
@@ -131,10 +134,13 @@ def _methods(ev):
             out.append(("chain", TreeSpec.chain(ev.k)))
         elif m == "tree":
             out.append(("tree", TreeSpec(ev.tree_depth, ev.tree_topk, ev.tree_tokens)))
+        elif m == "block":  # the chain of K verified as a block (temperatures above 0)
+            out.append(("block", TreeSpec.chain(ev.k)))
         else:
-            raise EvaluateError(f"evaluate.methods: unknown method '{m}' (chain or tree)")
+            raise EvaluateError(f"evaluate.methods: unknown method '{m}' (chain, tree or "
+                                f"block)")
     if not out:
-        raise EvaluateError("evaluate.methods is empty (chain and/or tree)")
+        raise EvaluateError("evaluate.methods is empty (chain, tree and/or block)")
     return out
 
 
@@ -285,6 +291,7 @@ def main(cfg) -> dict:
     import torch
 
     from drafter.core.target import load_model, load_tokenizer, pick_device, pick_dtype, text_config
+    from drafter.decoding.block import verify_chain_block
     from drafter.decoding.decode import Decoder, EagleDraft, stop_ids_of
 
     ev, run = cfg.evaluate, Run.of(cfg)
@@ -317,7 +324,7 @@ def main(cfg) -> dict:
     dec = Decoder(model, max_batch=ev.batch_size, prefill_graph_tokens=ev.prefill_graph_tokens)
     proposers = [(what, EagleDraft(dr), path) for what, dr, path in drafters]
 
-    runs, plain_all, ds_info, timings = [], {}, {}, {}
+    runs, plain_all, ds_info, timings, checks = [], {}, {}, {}, {}
     warm = _warm_up(dec, _Prompts(tok, datasets[0][2], max_len, ev.max_new_tokens), stop) \
         if datasets else None
     log.info("evaluate: warm-up: %s", warm)
@@ -331,6 +338,8 @@ def main(cfg) -> dict:
     def method_run(what, prop, dr, path, method, tree, T, plain, ps, prompts) -> dict:
         """One drafter x method x temperature over every dataset (its passes resumable)."""
         key = (what, tree)
+        label = tree.label() + (" block" if method == "block" else "")
+        verify = verify_chain_block if method == "block" else None
         if key not in timings:
             # c at batch min(B, 8); the costs at batch 1 and at the batch evaluated for the
             # serving setting (each batch size timed once)
@@ -343,22 +352,28 @@ def main(cfg) -> dict:
         per = {}
         for name, _, _ in datasets:
             torch.manual_seed(ev.seed)
-            desc = f"{what} {tree.label()} T={T:g} {name}"
+            desc = f"{what} {label} T={T:g} {name}"
             pr = prompts[name]
-            outs, stats = _pass(run, desc, pr, lambda: _decode(
-                dec, pr, pr.rounds, ev.max_new_tokens, stop, T, prop, tree, desc=desc,
-                continuous=ev.continuous))
+            dec.chain_verify = verify
+            try:
+                outs, stats = _pass(run, desc, pr, lambda: _decode(
+                    dec, pr, pr.rounds, ev.max_new_tokens, stop, T, prop, tree, desc=desc,
+                    continuous=ev.continuous))
+            finally:
+                dec.chain_verify = None
             m = summarize(outs, stats, tree, plain[name][0] if T == 0 else None, tol,
                           pr.records)
             per[name] = with_plain(m, ps[name])
             log.info("evaluate: %s %s T=%g %s: tau %.3f, %.1f tokens/s (plain %.1f)", what,
-                     tree.label(), T, name, m["tau"] or 0, m["tokens_per_s"] or 0,
+                     label, T, name, m["tau"] or 0, m["tokens_per_s"] or 0,
                      ps[name]["tokens_per_s"] or 0)
         per["overall"] = parts(with_plain(overall(per, tree), ps["overall"]), prop, tree)
         run_parts.append((dr, tree))
-        return {"name": f"{what}: {tree.label()}, T={T:g}", "drafter": what, "path": str(path),
-                "method": method, "temperature": T, **_tree_settings(tree),
-                "timing": timings[key], "datasets": per}
+        name = f"{what}: {label}, T={T:g}"
+        turns.append((name, prop, tree, verify))
+        return {"name": name, "drafter": what, "path": str(path), "method": method,
+                "temperature": T, **_tree_settings(tree), "timing": timings[key],
+                "datasets": per}
 
     for T in [float(t) for t in ev.temperatures]:
         plain, prompts = {}, {}
@@ -383,25 +398,42 @@ def main(cfg) -> dict:
             # batch): the costs are timed there too, and the serving setting calibrated there
             rows = ps["overall"].get("rows_per_step")
             cal = max(1, round(rows)) if rows else ev.batch_size
+        turns = []  # (run name, proposer, tree, chain_verify) of this temperature's runs
         for (what, prop, path), (_, dr, _) in zip(proposers, drafters):
             for method, tree in methods:
+                if method == "block" and T == 0:  # greedy: block verification is the chain's
+                    continue
                 runs.append(method_run(what, prop, dr, path, method, tree, T, plain, ps,
                                        prompts))
+        # the same prompts decoded by every setting in turns: whether the speedups hold up
+        first = [ids for name, _, _ in datasets for _, ids in prompts[name].rounds[0]][:cal]
+        timed = interleaved(dec, first, [("plain", None, None, None)] + turns, T, stop,
+                            min(ev.max_new_tokens, 24), seed=ev.seed)
+        checks[str(T)] = speed_check([r for r in runs if r["temperature"] == T], ps["overall"],
+                                     timed)
+        mark([r for r in runs if r["temperature"] == T], checks[str(T)])
+        for reason in checks[str(T)]["reasons"]:
+            log.warning("evaluate: T=%g: speed figures unreliable: %s", T, reason)
 
     # per temperature, the tuner's setting for the batch evaluated, run too when no run above
     # was it: the speedup it promises, measured
     recs = {}
     for T in decoded:
+        if not checks[str(T)]["reliable"]:  # no recommendation from unreliable step times
+            continue
         rec = recommend_setting(runs, plain_all, cal, str(drafters[0][2]), T)
         best = best_tree(rec, cal) if rec else None
         if best is not None and ev.run_recommended:
+            method = "block" if best_row(rec, cal).get("block") else \
+                "chain" if best.is_chain else "tree"
             same = next((r for r, (_, tree) in zip(runs, run_parts) if r["drafter"] == "drafter"
-                         and r["temperature"] == T and tree == best), None)
+                         and r["temperature"] == T and tree == best
+                         and (r["method"] == "block") == (method == "block")), None)
             if same is None:
                 log.info("evaluate: the recommended setting at batch %d, T=%g: %s", cal, T,
                          best.label())
                 same = method_run("drafter", proposers[0][1], drafters[0][1], drafters[0][2],
-                                  "chain" if best.is_chain else "tree", best, T, *decoded[T])
+                                  method, best, T, *decoded[T])
                 runs.append(same)
             same["recommended"] = True
             rec["measured"] = measured(rec, same)
@@ -428,21 +460,21 @@ def main(cfg) -> dict:
                     if k in primary},
         "datasets": ds_info,
     }
+    settings["speed_check"] = checks
     if recs:  # the greedy one's keys at the top, as the export READMEs and older readers read
         settings["recommended"] = {**recs.get("0.0", {}), "by_temperature": recs}
     in_vllm = None
-    if ev.engine == "both":
+    if ev.engine == "both":  # at every temperature, on the prompt ids decoded here
         rec0 = recs.get("0.0")
         best0 = best_tree(rec0, cal) if rec0 else None
+        chains = {T: {r.get("k") for r in runs if r["drafter"] == "drafter"
+                      and r["method"] == "chain" and r["temperature"] == T} for T in decoded}
         k = best0.depth if best0 is not None and best0.is_chain and ev.run_recommended \
-            else ev.k
-        in_vllm = vllm_acceptance(cfg, drafters[0][2], k,
-                                  [(n, greedy[2][n].rounds) for n, _, _ in datasets], stop,
-                                  ev.max_new_tokens)
-        ours = next((r for r in runs if r["drafter"] == "drafter" and r["temperature"] == 0
-                     and r.get("k") == k), None)
-        in_vllm["drafter_tau"] = {n: _r(d.get("tau"), 5) for n, d in ours["datasets"].items()} \
-            if ours else None
+            and all(best0.depth in ks for ks in chains.values()) else ev.k
+        in_vllm = compare(vllm_acceptance(
+            cfg, drafters[0][2], k,
+            {T: [(n, decoded[T][2][n].rounds) for n, _, _ in datasets] for T in decoded}, stop,
+            ev.max_new_tokens, temperatures=list(decoded)), runs)
     try:
         metrics = finish(run, settings, runs, plain_all, in_vllm)
     finally:
@@ -505,7 +537,7 @@ def finish(run: Run, settings: dict, runs: list[dict], plain: dict,
     atomic_json(run.eval_metrics(), metrics)
     plots(run, runs)
     atomic_write(run.eval_report(), render_report(metrics) + (
-        render_vllm(in_vllm, in_vllm.get("drafter_tau")) if in_vllm else ""))
+        render_vllm(in_vllm) if in_vllm else ""))
     log.info("evaluate: wrote %s", run.eval_report())
     add_tuned_settings(run, metrics)  # the export READMEs: the serving flags measured here
     if mismatches:
@@ -519,8 +551,8 @@ def finish(run: Run, settings: dict, runs: list[dict], plain: dict,
 
 def _main_vllm(cfg) -> dict:
     """evaluate.engine=vllm: the target only vLLM runs. vLLM decodes the prompts plainly and
-    with the export at chain K=evaluate.k (drafter/measure/vllm_eval.py); nothing loads the
-    target in this process."""
+    with the export at chain K=evaluate.k, at each of evaluate.temperatures
+    (drafter/measure/vllm_eval.py); nothing loads the target in this process."""
     from drafter.core.target import load_tokenizer
     from drafter.core.vllm import vllm_missing
     from drafter.decoding.decode import stop_ids_of
@@ -543,15 +575,18 @@ def _main_vllm(cfg) -> dict:
     for name, _, recs in _datasets(ev):
         pr = _Prompts(tok, recs, 1 << 30, ev.max_new_tokens)
         sets.append((name, pr.build))
-    in_vllm = vllm_acceptance(cfg, path, ev.k, sets, stop, ev.max_new_tokens, tokenizer=tok)
+    temps = sorted({float(t) for t in ev.temperatures})
+    in_vllm = vllm_acceptance(cfg, path, ev.k, sets, stop, ev.max_new_tokens, tokenizer=tok,
+                              temperatures=temps)
     metrics = {"engine": in_vllm, "settings": {
         "target": cfg.target.model, "drafter": str(path), "engine_args": cfg.target.engine_args,
-        "max_new_tokens": ev.max_new_tokens, "temperatures": [0.0]}}
+        "max_new_tokens": ev.max_new_tokens, "temperatures": temps}}
     atomic_json(run.eval_metrics(), metrics)
     atomic_write(run.eval_report(), f"# Evaluation of {path}\n" + render_vllm(in_vllm))
     log.info("evaluate: wrote %s", run.eval_report())
     ov = in_vllm["overall"]
-    return {"counts": {"prompts": ov["prompts"], "same_as_plain": ov["same_as_plain"]},
+    return {"counts": {"prompts": ov.get("prompts", 0),
+                       "same_as_plain": ov.get("same_as_plain", 0)},
             "tau": {n: d["tau"] for n, d in {**in_vllm["datasets"], "overall": ov}.items()},
             "engine": "vllm"}
 
