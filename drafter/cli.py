@@ -66,7 +66,7 @@ def cmd_step(args) -> int:
         steps = STEPS[: STEPS.index(args.until) + 1] if args.until else None
         pipeline.run_all(cfg, force=args.force, steps=steps)
     else:
-        pipeline.run_step(cfg, args.command, force=args.force)
+        pipeline.run_command(cfg, args.command, force=args.force)
     return 0
 
 
@@ -98,6 +98,15 @@ def cmd_status(args) -> int:
         if s.get("error"):
             print(f"            error: {s['error']}")
     print(f"  {'total':<9} {'':<22} {_dur(st['seconds']):>8} {_mib(st['bytes']):>12}")
+    ch = st.get("chunks")
+    if ch:
+        done = f"{ch['next']} of {ch['chunks']} trained, " if "chunks" in ch else "no plan yet, "
+        whole = f" ({len(ch['complete'])} whole)" if "complete" in ch else ""
+        budget = f" of {_mib(ch['budget'])}" if ch.get("budget") else ""
+        print(f"  chunks    {done}in the spool {ch['present'] or 'none'}{whole}; "
+              f"{_mib(ch['bytes'] + ch['stored_bytes']) or '0'}{budget} used (spool "
+              f"{ch['spool']} {_mib(ch['bytes']) or '0'} + val and head "
+              f"{_mib(ch['stored_bytes']) or '0'})")
     return 0
 
 

@@ -43,6 +43,7 @@ from drafter.core.dist import agent_store, rank_world, restart_count
 from drafter.core.rundir import (
     NEUTRAL,
     SECTIONS,
+    UNHASHED,
     SNAPSHOT_HEADER,
     STEPS,
     Damaged,
@@ -58,7 +59,7 @@ from drafter.core.rundir import (
     sealed,
     step_inputs,
 )
-from drafter.run import gpu_release
+from drafter.run import chunked, gpu_release
 from drafter.run.lifecycle import install_signal_handlers, lock_holder, run_lock, signalled
 from drafter.run.preflight import preflight
 from drafter.train import precompile  # light: torch is imported where a child starts
@@ -94,6 +95,12 @@ def _section_value(cfg, dotted: str):
 
 def config_hash(cfg, step: str) -> str:
     parts = {s: C.to_dict(_section_value(cfg, s)) for s in SECTIONS[step]}
+    for dotted in UNHASHED:
+        section, key = dotted.split(".")
+        parts.get(section, {}).pop(key, None)
+    ex = parts.get("extract")
+    if ex is not None and ex.get("max_disk_gib") is not None:  # chunks of any size store the
+        ex["max_disk_gib"] = True  # same features: whether there are chunks is what counts
     for dotted, value in NEUTRAL.items():  # new fields at their neutral value: as if absent
         section, *path = dotted.split(".")
         d = parts.get(section)
@@ -133,7 +140,9 @@ def damage(run: Run, step: str, full: bool = False) -> str | None:
     if step == "extract" and m.get("mode") != "online":  # online: nothing stored
         from drafter.features import store
 
-        bad = store.verify_extract(run, full=full)
+        # chunked: the train split passes through the spool, a chunk at a time
+        bad = store.verify_extract(run, full=full, splits=("val",) if m.get("mode") ==
+                                   "chunked" else ("train", "val"))
         return "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "") \
             if bad else None
     if step == "train":
@@ -237,8 +246,9 @@ def up_to_date(run: Run, step: str, fp: dict, full: bool = False) -> dict | None
     return None
 
 
-def run_step(cfg, step: str, force: bool = False) -> dict:
-    """Run one step unless its manifest is up to date. Returns the manifest.
+def run_step(cfg, step: str, force: bool = False, **kw) -> dict:
+    """Run one step unless its manifest is up to date. Returns the manifest. `kw` goes to the
+    step's main (train's `produce`: drafter/run/chunked.py).
 
     Under torchrun every rank calls this: rank 0 alone decides, clears or keeps the folder and
     writes started.json, manifest.json and failed.json; the other ranks wait for its decision
@@ -247,13 +257,26 @@ def run_step(cfg, step: str, force: bool = False) -> dict:
     run = Run.of(cfg)
     rank, world = rank_world()
     if rank != 0:
-        return _follow(cfg, run, step, force)
+        return _follow(cfg, run, step, force, **kw)
     preflight(cfg, run, step)  # nothing in the run dir is touched before this passes
     with run_lock(run):
-        return _lead(cfg, run, step, force, world)
+        return _lead(cfg, run, step, force, world, **kw)
 
 
-def _lead(cfg, run: Run, step: str, force: bool, world: int) -> dict:
+def run_command(cfg, step: str, force: bool = False) -> dict:
+    """`drafter STEP CONFIG`: the step; with features in chunks (drafter/run/chunked.py), train
+    makes its chunks itself unless extract.spool names a spool another process fills, and
+    extract with a spool goes on filling it once its step is done."""
+    if step == "train" and chunked.chunked(cfg) and cfg.extract.spool is None:
+        with chunked.in_process(cfg) as produce:
+            return run_step(cfg, step, force, produce=produce)
+    m = run_step(cfg, step, force)
+    if chunked.produces_after(cfg, [step]):
+        chunked.produce(cfg)
+    return m
+
+
+def _lead(cfg, run: Run, step: str, force: bool, world: int, **kw) -> dict:
     d = run.step_dir(step)
     fp = fingerprint(cfg, run, step)
     store = agent_store(RANK_WAIT_S) if world > 1 else None
@@ -292,7 +315,7 @@ def _lead(cfg, run: Run, step: str, force: bool, world: int) -> dict:
     log.info("%s: running", step)
     t0 = time.time()
     try:
-        result = _step_fn(step)(cfg) or {}
+        result = _step_fn(step)(cfg, **kw) or {}
     except BaseException as e:
         if isinstance(e, Damaged) and e.step in STEPS and e.step != step:
             _mark_damaged(run, e)
@@ -355,13 +378,15 @@ def _verify_inputs(cfg, run: Run, step: str) -> None:
     that a corrupt shard is redone by extract, never trained on."""
     if step != "train" or cfg.train.online:
         return
+    m = None
     with contextlib.suppress(Damaged):
         m = run.read_manifest("extract")
         if m is None or m.get("mode") == "online":  # nothing stored: train says what to run
             return
     from drafter.features import store
 
-    bad = store.verify_extract(run, full=True)
+    bad = store.verify_extract(run, full=True, splits=("val",) if (m or {}).get("mode") ==
+                               "chunked" else ("train", "val"))
     if bad:
         e = Damaged(f"{'; '.join(bad[:3])}", "extract", run.step_dir("extract"))
         _mark_damaged(run, e)
@@ -370,7 +395,7 @@ def _verify_inputs(cfg, run: Run, step: str) -> None:
                            f"`drafter run CONFIG`")
 
 
-def _follow(cfg, run: Run, step: str, force: bool) -> dict:
+def _follow(cfg, run: Run, step: str, force: bool, **kw) -> dict:
     """A torchrun rank > 0: wait for rank 0's decision on the folder, then do the same."""
     store = agent_store(RANK_WAIT_S)
     if store is not None:
@@ -382,7 +407,7 @@ def _follow(cfg, run: Run, step: str, force: bool) -> dict:
         return run.read_manifest(step)
     install_signal_handlers()
     try:
-        result = _step_fn(step)(cfg) or {}
+        result = _step_fn(step)(cfg, **kw) or {}
     except BaseException as e:
         if isinstance(e, Damaged) and e.step in STEPS and e.step != step:
             _mark_damaged(run, e)
@@ -414,8 +439,9 @@ def _write_failed(run: Run, step: str, e: BaseException) -> None:
 # Steps that load the target on a GPU (train only in online mode): before they start, the memory
 # that generate's server held must be back.
 def loads_target(cfg, step: str) -> bool:
+    """(train loads it online, and in `drafter run` with chunks: it makes them)"""
     return step in ("extract", "evaluate") and not (step == "extract" and cfg.train.online) or \
-        (step == "train" and cfg.train.online)
+        (step == "train" and (cfg.train.online or chunked.chunked(cfg)))
 
 
 def starts_server(cfg) -> bool:
@@ -491,9 +517,15 @@ def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[di
                 if starts_ahead:
                     precompile.start_ahead(cfg, before=step)
                     ahead = False
-                out.append(run_step(cfg, step, force=force))
+                if step == "train" and chunked.chunked(cfg):  # extract a chunk, train it, ...
+                    with chunked.in_process(cfg) as produce:
+                        out.append(run_step(cfg, step, force=force, produce=produce))
+                else:
+                    out.append(run_step(cfg, step, force=force))
         finally:  # one that no train took: the run failed, or stopped before train
             precompile.stop_ahead()
+    if chunked.produces_after(cfg, steps):  # a train elsewhere takes the chunks
+        chunked.produce(cfg)
     return out
 
 
@@ -521,12 +553,12 @@ def status(run_dir) -> dict:
     "dir", "counts", "seconds", "bytes", "started", "tokens_per_s"?, "error"?}]} for
     `drafter status`; state is done / stale / pending / failed.
     A running step's seconds are the time since it started (this invocation)."""
-    run = Run(run_dir)
-    snap = run.config_snapshot()
+    snap = Run(run_dir).config_snapshot()
     if not snap.is_file():
-        raise FileNotFoundError(f"{run.root} is not a drafter run directory (no config.yaml)")
+        raise FileNotFoundError(f"{run_dir} is not a drafter run directory (no config.yaml)")
     # the ranges are not checked again: a snapshot written by an older drafter still reads
     cfg = C.load(snap, validate=False)
+    run = Run(run_dir, cfg.extract.spool)
     pid = lock_holder(run)
     memo: dict = {}
     rows = []
@@ -561,6 +593,11 @@ def status(run_dir) -> dict:
         elif activity == "damaged":
             row["error"] = damage(run, step)
         rows.append(row)
-    return {"run_dir": str(run.root), "running_pid": pid,
-            "bytes": sum(r["bytes"] for r in rows),
-            "seconds": round(sum(r["seconds"] or 0 for r in rows), 3), "steps": rows}
+    out = {"run_dir": str(run.root), "running_pid": pid,
+           "bytes": sum(r["bytes"] for r in rows),
+           "seconds": round(sum(r["seconds"] or 0 for r in rows), 3), "steps": rows}
+    if chunked.chunked(cfg):  # the chunks made, trained and in the spool; its fill
+        from drafter.features import spool
+
+        out["chunks"] = spool.status(run, cfg.extract.max_disk_gib)
+    return out

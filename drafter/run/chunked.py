@@ -1,0 +1,59 @@
+"""Features stored in chunks (extract.max_disk_gib), as each command runs them
+(docs/extract.md, "Bounded disk: chunks and the spool"):
+
+- `drafter run CONFIG` with train among its steps: one process. Extract's step stores val and
+  the head; train's step then makes each chunk itself before training it (`in_process`: the
+  spool's producer lock, and steps/extract.py's ChunkProducer with `release`, so that the target
+  lets the GPUs go while the drafter trains), deletes it once a checkpoint covers it, and goes on.
+- `drafter train CONFIG`: the same in one process when extract.spool is null; with a spool,
+  train consumes the chunks another process makes (drafter/train/chunks.py waits for each).
+- `drafter extract CONFIG` (or `drafter run CONFIG --until extract`) with extract.spool: after
+  the step, this process fills the spool for that train (`produce`), outside the run dir's lock
+  (train holds it: both share the run dir) and under the spool's own.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from drafter.core.dist import rank_world
+from drafter.core.rundir import Run
+from drafter.features import spool
+
+
+def chunked(cfg) -> bool:
+    return cfg.extract.max_disk_gib is not None and not cfg.train.online
+
+
+@contextlib.contextmanager
+def in_process(cfg):
+    """`produce(chunk, plan_id)` for train's step: makes a chunk in this process; the target
+    is loaded at the first chunk and closed at the end."""
+    from drafter.steps import extract
+
+    prod = None
+
+    def produce(chunk: dict, plan_id: str) -> None:
+        nonlocal prod
+        if prod is None:
+            prod = extract.ChunkProducer(cfg, release=True)
+        prod.make(chunk, plan_id)
+
+    lock = spool.producer_lock(Run.of(cfg)) if rank_world()[0] == 0 \
+        else contextlib.nullcontext()
+    with lock:
+        try:
+            yield produce
+        finally:
+            if prod is not None:
+                prod.close()
+
+
+def produces_after(cfg, steps: list[str]) -> bool:
+    """Whether a command whose last step is extract goes on filling the spool."""
+    return chunked(cfg) and cfg.extract.spool is not None and steps[-1] == "extract"
+
+
+def produce(cfg) -> dict:
+    from drafter.steps import extract
+
+    return extract.produce(cfg)
