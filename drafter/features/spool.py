@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import time
@@ -32,6 +33,7 @@ from drafter import DrafterError
 from drafter.core.dist import Dist, all_gather
 from drafter.core.rundir import (
     atomic_json,
+    atomic_write,
     dir_bytes,
     read_json,
     remove_dir,
@@ -68,6 +70,13 @@ def chunk_bytes(tokens: int, samples: int, id_chars: int, bytes_per_token: int,
             + 2 * id_chars + CHUNK_OVERHEAD)
 
 
+def plan_bytes(ids: list[str], steps: int, passes: int) -> int:
+    """At most the bytes of the spool's own files: plan.json (compact JSON: every sample id
+    once per pass over the data it makes, and a few numbers per chunk, at most one chunk a
+    step), progress.json and the lock."""
+    return passes * sum(len(i) + 3 for i in ids) + 160 * steps + 8192
+
+
 def stored_bytes(run) -> int:
     """What extract keeps outside the spool for the whole run: the val shards, their index and
     the head (counted in the budget)."""
@@ -96,7 +105,7 @@ def read_plan(run) -> dict | None:
 
 def write_plan(run, plan: dict) -> None:
     run.spool().mkdir(parents=True, exist_ok=True)
-    atomic_json(run.chunk_plan(), sealed(plan))
+    atomic_write(run.chunk_plan(), json.dumps(sealed(plan), separators=(",", ":")) + "\n")
 
 
 def read_progress(run, plan_id: str) -> int:

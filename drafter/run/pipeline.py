@@ -264,9 +264,7 @@ def run_step(cfg, step: str, force: bool = False, **kw) -> dict:
 
 
 def run_command(cfg, step: str, force: bool = False) -> dict:
-    """`drafter STEP CONFIG`: the step; with features in chunks (drafter/run/chunked.py), train
-    makes its chunks itself unless extract.spool names a spool another process fills, and
-    extract with a spool goes on filling it once its step is done."""
+    """`drafter STEP CONFIG`: run_step, and around it what chunks need (run/chunked.py)."""
     if step == "train" and chunked.chunked(cfg) and cfg.extract.spool is None:
         with chunked.in_process(cfg) as produce:
             return run_step(cfg, step, force, produce=produce)
@@ -385,8 +383,8 @@ def _verify_inputs(cfg, run: Run, step: str) -> None:
             return
     from drafter.features import store
 
-    bad = store.verify_extract(run, full=True, splits=("val",) if (m or {}).get("mode") ==
-                               "chunked" else ("train", "val"))
+    chunks = (m or {}).get("mode") == "chunked"  # the train split: checked chunk by chunk
+    bad = store.verify_extract(run, full=True, splits=("val",) if chunks else ("train", "val"))
     if bad:
         e = Damaged(f"{'; '.join(bad[:3])}", "extract", run.step_dir("extract"))
         _mark_damaged(run, e)
@@ -438,8 +436,7 @@ def _write_failed(run: Run, step: str, e: BaseException) -> None:
 # ------------------------------------------------------------------------- the whole pipeline
 # Steps that load the target on a GPU (train only in online mode): before they start, the memory
 # that generate's server held must be back.
-def loads_target(cfg, step: str) -> bool:
-    """(train loads it online, and in `drafter run` with chunks: it makes them)"""
+def loads_target(cfg, step: str) -> bool:  # train: online, or making its chunks
     return step in ("extract", "evaluate") and not (step == "extract" and cfg.train.online) or \
         (step == "train" and (cfg.train.online or chunked.chunked(cfg)))
 
@@ -517,7 +514,7 @@ def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[di
                 if starts_ahead:
                     precompile.start_ahead(cfg, before=step)
                     ahead = False
-                if step == "train" and chunked.chunked(cfg):  # extract a chunk, train it, ...
+                if step == "train" and will_run and chunked.chunked(cfg):  # chunk by chunk
                     with chunked.in_process(cfg) as produce:
                         out.append(run_step(cfg, step, force=force, produce=produce))
                 else:

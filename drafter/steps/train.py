@@ -66,7 +66,7 @@ from drafter.train.batches import (
     model_inputs,
     pack,
 )
-from drafter.train.chunks import Chunks, make_plan
+from drafter.train.chunks import Chunks, conduct, plan_run, trains_apart
 from drafter.train.checkpoint import (
     best_checkpoint,
     checkpoint_step,
@@ -159,12 +159,14 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     per_step = dist.world * tc.grad_accum
     ckpt = resume_from(run, tc)
     step = checkpoint_step(ckpt) if ckpt is not None else 0
+    stop = total
     if chunks is not None:  # the chunk of the first step: made here (one process) or awaited
         chunks.begin(step, total)
+        stop = chunks.stop  # a child of chunks.conduct trains one chunk
     setup.tick("plan")
 
     def jobs(from_step):  # this rank's micro-batches from a step on (the data position)
-        for s in range(from_step, total):
+        for s in range(from_step, stop):
             for a in range(tc.grad_accum):
                 mb = dp.micro_batch(s, a, dist.rank)
                 yield mb if chunks is None else chunks.tag(s, mb)
@@ -244,7 +246,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
             waited[1] += dt
             return hb
 
-        while step < total:
+        while step < stop:
             t_step = time.perf_counter()
             micro = (device_batch(take(), dev, head, fused) for _ in range(tc.grad_accum))
             gnorm = train_step(model, params, opt, micro, tc, dist, autocast, meter,
@@ -409,39 +411,36 @@ def evaluate(model, src: Source, dist: Dist, drafter, head, tc, B, T, fused, aut
 
 
 # -------------------------------------------------------------------------------------- main
-def main(cfg, produce=None) -> dict:
-    """produce (features in chunks, extract.max_disk_gib): make a chunk in this process
-    (drafter/run/chunked.py hands it over); without, a producer elsewhere fills the spool."""
+def main(cfg, produce=None, chunk: int | None = None) -> dict:
+    """Features in chunks (extract.max_disk_gib; drafter/train/chunks.py): `produce` makes a
+    chunk in this process (drafter/run/chunked.py hands it over), and with the target in vLLM
+    here each chunk trains in a child process on every GPU (chunks.conduct); without, a
+    producer elsewhere fills the spool. `chunk`: such a child, which trains up to the end of
+    that chunk."""
+    if produce is not None and trains_apart(cfg):
+        return conduct(cfg, produce)
     dist = dist_env()
     try:
-        return _main(cfg, dist, produce)
+        return _main(cfg, dist, produce, chunk)
     finally:
         close_dist()
 
 
-def _chunked(cfg, run: Run, dist: Dist, produce):
+def _chunked(cfg, run: Run, dist: Dist, produce, chunk: int | None):
     """Features stored a chunk at a time (drafter/train/chunks.py): val and the head from
-    extract/, the train samples from the token file, the chunk plan written to the spool.
-    -> (layer ids, head, train source, val source, Chunks)."""
+    extract/, the chunk plan written to the spool. -> (layer ids, head, train source, val
+    source, Chunks)."""
     vr = store.Reader(run, "val")
-    info = vr.info
-    ids, lengths = tokens.ids_and_lengths(run.require(run.tokens("train"), "tokenize"))
-    # train takes samples in id order; extract skips empty ones
-    pairs = sorted((i, n) for i, n in zip(ids, lengths) if n > 0)
-    ids, lengths = [i for i, _ in pairs], [n for _, n in pairs]
-    bpt = store.bytes_per_token(info["hidden_size"], len(info["layer_ids"]), info["aux_dtype"],
-                                info["teacher"], info["topk"] or 0, info["draft_vocab_size"])
-    plan = make_plan(ids, lengths, data_plan(lengths, cfg.train, dist.world),
-                     int(cfg.extract.max_disk_gib * spool.GiB), spool.stored_bytes(run), bpt,
-                     cfg.extract.shard_tokens, window=1 if produce is not None else 2)
+    window = 1 if produce is not None or chunk is not None else 2  # one process at a time
+    plan, ids, lengths = plan_run(cfg, run, vr.info, dist.world, window)
     if dist.main:
         spool.write_plan(run, plan)
-    feed = Chunks(run, plan, ids, lengths, dist, info, produce)
-    return info["layer_ids"], vr.head(), feed.source, Source.offline(vr) if len(vr) else None, \
-        feed
+    feed = Chunks(run, plan, ids, lengths, dist, vr.info, produce, only=chunk)
+    return vr.info["layer_ids"], vr.head(), feed.source, \
+        Source.offline(vr) if len(vr) else None, feed
 
 
-def _main(cfg, dist: Dist, produce=None) -> dict:
+def _main(cfg, dist: Dist, produce=None, chunk: int | None = None) -> dict:
     t0 = time.perf_counter()
     setup = Phases({}, dist.device)  # where the setup goes: setup_parts_s
     run, tc = Run.of(cfg), cfg.train
@@ -460,7 +459,7 @@ def _main(cfg, dist: Dist, produce=None) -> dict:
         val_src = Source.online(val_path, cap) if val_path.exists() and \
             tokens.num_rows(val_path) else None
     elif cfg.extract.max_disk_gib is not None:
-        layer_ids, head, train_src, val_src, chunks = _chunked(cfg, run, dist, produce)
+        layer_ids, head, train_src, val_src, chunks = _chunked(cfg, run, dist, produce, chunk)
     else:
         reader = store.Reader(run, "train")
         layer_ids, head = reader.info["layer_ids"], reader.head()

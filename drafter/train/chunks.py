@@ -43,10 +43,12 @@ log = logging.getLogger("drafter")
 def make_plan(ids: list[str], lengths: list[int], dp: DataPlan, budget: int, stored: int,
               bytes_per_token: int, shard_tokens: int, window: int) -> dict:
     """The chunks of the run (`ids`, `lengths`: the train samples in id order, as train's
-    Source has them): {"id", "budget", "stored", "window", "limit", "bytes_per_token",
-    "total", "world", "grad_accum", "chunks": [{"index", "start", "end", "ids" (first use
-    first), "tokens", "bytes" (spool.chunk_bytes, a bound)}]}."""
-    limit = (budget - stored) // window
+    Source has them): {"id", "budget", "stored", "reserve" (the spool's own files), "window",
+    "limit" (bytes a chunk may take), "bytes_per_token", "total", "world", "grad_accum",
+    "chunks": [{"index", "start", "end", "ids" (first use first), "tokens", "bytes"
+    (spool.chunk_bytes, a bound)}]}."""
+    reserve = spool.plan_bytes(ids, dp.total, -(-dp.total // dp.steps_per_epoch))
+    limit = (budget - stored - reserve) // window
     chunks: list[dict] = []
     cur: dict[int, None] = {}
     tok = chars = 0
@@ -74,18 +76,38 @@ def make_plan(ids: list[str], lengths: list[int], dp: DataPlan, budget: int, sto
             half = " halved (a chunk trains while the next is made)" if window > 1 else ""
             raise DrafterError(
                 f"extract.max_disk_gib: {spool.size(budget)} less extract's val shards and "
-                f"head ({spool.size(stored)}){half} leaves {spool.size(max(limit, 0))} for a "
+                f"head ({spool.size(stored)}) and the spool's own files "
+                f"({spool.size(reserve)}){half} leaves {spool.size(max(limit, 0))} for a "
                 f"chunk; optimizer step {s} alone needs {spool.size(bound(t, len(new), ch))}: "
                 f"raise the budget, or lower train.batch_tokens or prepare.val_fraction")
         cur.update(dict.fromkeys(new))
         tok, chars = t, ch
     if dp.total:
         close(dp.total)
-    plan = {"budget": budget, "stored": stored, "window": window, "limit": limit,
+    plan = {"budget": budget, "stored": stored, "reserve": reserve, "window": window,
+            "limit": limit,
             "bytes_per_token": bytes_per_token, "total": dp.total, "world": dp.world,
             "grad_accum": dp.grad_accum, "chunks": chunks}
     plan["id"] = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
     return plan
+
+
+def plan_run(cfg, run, info: dict, world: int, window: int) -> tuple[dict, list, list]:
+    """(the plan, sample ids, lengths) of this run: the train samples in id order as train's
+    Source takes them (extract skips empty ones), its DataPlan for `world` ranks, the budget
+    less what extract stores up front, and bytes per token from extract's own info."""
+    from drafter.data import tokens
+    from drafter.train.batches import data_plan
+
+    ids, lengths = tokens.ids_and_lengths(run.require(run.tokens("train"), "tokenize"))
+    pairs = sorted((i, n) for i, n in zip(ids, lengths) if n > 0)
+    ids, lengths = [i for i, _ in pairs], [n for _, n in pairs]
+    bpt = store.bytes_per_token(info["hidden_size"], len(info["layer_ids"]), info["aux_dtype"],
+                                info["teacher"], info["topk"] or 0, info["draft_vocab_size"])
+    plan = make_plan(ids, lengths, data_plan(lengths, cfg.train, world),
+                     int(cfg.extract.max_disk_gib * spool.GiB), spool.stored_bytes(run), bpt,
+                     cfg.extract.shard_tokens, window)
+    return plan, ids, lengths
 
 
 class ChunkSource:
@@ -115,18 +137,23 @@ class ChunkSource:
 
 class Chunks:
     """The chunks of one train (module docstring): `source` for fit, `tag` for its jobs, `ends`
-    (the chunks' last steps), `begin` before the loop, `finished` after a chunk's checkpoint.
-    produce: make chunk c in this process (`produce(chunk, plan_id)` on every rank), else a
-    producer elsewhere fills the spool and the loader waits for it."""
+    (the chunks' last steps), `stop` (the step fit stops at), `begin` before the loop,
+    `finished` after a chunk's checkpoint. produce: make chunk c in this process
+    (`produce(chunk, plan_id)` on every rank), else a producer elsewhere fills the spool and the
+    loader waits for it. only: train that one chunk (a child of `conduct`, whose parent made
+    it)."""
 
     def __init__(self, run, plan: dict, ids: list[str], lengths: list[int], d: Dist,
-                 info: dict, produce=None):
+                 info: dict, produce=None, only: int | None = None):
         self.run, self.plan, self.d, self.info, self.produce = run, plan, d, info, produce
         self.n = len(plan["chunks"])
         self.starts = [c["start"] for c in plan["chunks"]]
         self.ends = {c["end"]: c["index"] for c in plan["chunks"]}
+        self.only = only
+        self.stop = plan["chunks"][only]["end"] if only is not None else plan["total"]
         self.source = ChunkSource(self, ids, lengths)
-        self.made: set[int] = set()       # chunks this process wrote (hashed as written)
+        # chunks written by this process or its parent: hashed as they were written
+        self.made: set[int] = {only} if only is not None else set()
         self.closed = False
         self._open: dict[int, Future] = {}
         self._lock = threading.Lock()
@@ -151,6 +178,9 @@ class Chunks:
         if total != self.plan["total"]:
             raise DrafterError(f"train: {total} steps, the chunk plan has {self.plan['total']}")
         c = self.chunk_of(step) if step < total else self.n
+        if self.only is not None and c != self.only:
+            raise DrafterError(f"train: asked to train chunk {self.only}, but it resumes at "
+                               f"step {step}, in chunk {c}")
         if self.d.main:
             spool.write_progress(self.run, self.pid, c, step)
             for x in spool.present(self.run):
@@ -201,8 +231,10 @@ class Chunks:
             fut = self._open.get(c)
             if fut is None:
                 fut = self._open[c] = self._pool.submit(self._ready, c)
-            if c + 1 < self.n and c + 1 not in self._open:
-                self._open[c + 1] = self._pool.submit(self._ready, c + 1)
+            nxt = c + 1
+            if nxt < self.n and nxt not in self._open and self.only is None and \
+                    spool.complete(self.run, nxt, self.pid) is not None:  # hashed meanwhile
+                self._open[nxt] = self._pool.submit(self._ready, nxt)
         return fut.result()
 
     def _ready(self, c: int):
@@ -235,7 +267,7 @@ class Chunks:
             if not bad else []
         if not bad and self.d.main and c not in self.made:
             bad = store.failing_sha256(todo)
-            log.info("train: chunk %d verified (%d shards, %s) in %.1f s", c, len(todo),
+            log.info("train: chunk %d verified (%d shard(s), %s) in %.1f s", c, len(todo),
                      spool.size(sum(st.st_size for _, st, _ in todo)), time.monotonic() - t)
         if bad:
             for p in bad:
@@ -246,3 +278,97 @@ class Chunks:
                 f"{', '.join(map(str, bad))}: missing, or not the size or sha256 that "
                 f"{self.run.chunk_index(c)} records: removed, with the chunk's COMPLETE, for the "
                 f"producer to make again; rerun train to resume")
+
+
+# ------------------------------------------------- one process with vLLM: a trainer per chunk
+def trains_apart(cfg) -> bool:
+    """With the target in vLLM in this process, each chunk trains in a child process of its
+    own (`conduct`), on every GPU of the machine, while vLLM sleeps (or is closed); with the
+    transformers target, the chunks train in this process (under torchrun, on every rank)."""
+    return cfg.extract.engine == "vllm"
+
+
+def conduct(cfg, produce) -> dict:
+    """One process for the whole run, the target in vLLM here: for each chunk from the one the
+    last checkpoint is in, make it (`produce`: vLLM wakes or loads, extracts, sleeps or closes),
+    then train it in a child, `drafter train RUN_DIR/config.yaml --chunk C` (under torchrun
+    over every visible GPU when there are several), which resumes from the checkpoint at the
+    previous chunk's end and stops at this chunk's, then deletes the chunk. Returns the last
+    child's train figures, with the chunks'."""
+    import torch
+
+    from drafter.core.rundir import Run
+    from drafter.train.checkpoint import checkpoint_step, resume_from
+
+    run = Run.of(cfg)
+    world = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    plan, _, _ = plan_run(cfg, run, store.Reader(run, "val").info, world, window=1)
+    spool.write_plan(run, plan)
+    ckpt = resume_from(run, cfg.train)
+    step = checkpoint_step(ckpt) if ckpt is not None else 0
+    first = bisect.bisect_right([c["start"] for c in plan["chunks"]], step) - 1 \
+        if step < plan["total"] else len(plan["chunks"])
+    spool.write_progress(run, plan["id"], first, step)
+    for x in spool.present(run):
+        if x != first:
+            spool.remove_chunk(run, x)
+    out, made = {}, []
+    for c in range(first, len(plan["chunks"])):
+        chunk = plan["chunks"][c]
+        if spool.complete(run, c, plan["id"]) is None:
+            produce(chunk, plan["id"])
+            made.append(c)
+        # the checkpoint at the last chunk's end, named: train.resume may be off for the first
+        over = [] if c == first else [f"train.resume={run.checkpoint(chunk['start'])}"]
+        out = _child(run, c, world, over)
+    out["chunks"] = {"count": len(plan["chunks"]), "plan": plan["id"], "window": 1,
+                     "chunk_limit_bytes": plan["limit"], "spool": str(run.spool()),
+                     "made_here": made, "trained_in_children": world}
+    return out
+
+
+def _child(run, c: int, world: int, over: list[str]) -> dict:
+    """`drafter train --chunk c` of the run dir's resolved config, its output the parent's,
+    SIGTERM'd by the kernel if the parent dies; -> its figures."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from drafter.serve.supervisor import _die_with
+
+    with tempfile.TemporaryDirectory(prefix="drafter-chunk-") as tmp:
+        result = Path(tmp) / "result.json"
+        args = ["-m", "drafter.cli", "train", str(run.config_snapshot()), *over, "--chunk",
+                str(c), "--result", str(result)]
+        if world > 1:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            args = ["-m", "torch.distributed.run", f"--nproc-per-node={world}",
+                    "--master-addr=127.0.0.1", f"--master-port={port}", *args]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")
+               and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                             "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
+        log.info("train: chunk %d trains in a child process on %d %s", c, world,
+                 "GPU(s)" if torch_cuda() else "process(es)")
+        proc = subprocess.Popen([sys.executable, *args], env=env, stdin=subprocess.DEVNULL,
+                                preexec_fn=_die_with(os.getpid()))
+        try:
+            rc = proc.wait()
+        except BaseException:  # interrupted: nothing outlives this process
+            proc.terminate()
+            proc.wait()
+            raise
+        if rc != 0:
+            raise DrafterError(f"train: the child that trains chunk {c} failed (exit {rc}; its "
+                               f"output is above): rerun the same command to resume")
+        return json.loads(result.read_text())
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
