@@ -253,8 +253,10 @@ def _next_job(run, budget: int, out: dict) -> tuple:
             out["removed"].append(c)
     todo = next((c for c in window if complete(run, c, pid) is None), None)
     if todo is None:
-        return ("wait", f"chunks {window.start}-{window.stop - 1} of {len(chunks)} are made; "
-                        f"train is at chunk {nxt} (step {_step_of(run)})")
+        made = f"chunks {window.start}-{window.stop - 1}" if len(window) > 1 \
+            else f"chunk {window.start}"
+        return ("wait", f"{made} of {len(chunks)} made; train is at chunk {nxt} (step "
+                        f"{_step_of(run)})")
     chunk = chunks[todo]
     used, stored = used_bytes(run), stored_bytes(run)
     need = max(0, chunk["bytes"] - dir_bytes(run.chunk(todo)))  # a partial one is kept

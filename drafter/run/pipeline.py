@@ -140,9 +140,8 @@ def damage(run: Run, step: str, full: bool = False) -> str | None:
     if step == "extract" and m.get("mode") != "online":  # online: nothing stored
         from drafter.features import store
 
-        # chunked: the train split passes through the spool, a chunk at a time
         bad = store.verify_extract(run, full=full, splits=("val",) if m.get("mode") ==
-                                   "chunked" else ("train", "val"))
+                                   "chunked" else ("train", "val"))  # chunks: val only
         return "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "") \
             if bad else None
     if step == "train":
@@ -268,9 +267,12 @@ def run_command(cfg, step: str, force: bool = False) -> dict:
     if step == "train" and chunked.chunked(cfg) and cfg.extract.spool is None:
         with chunked.in_process(cfg) as produce:
             return run_step(cfg, step, force, produce=produce)
-    m = run_step(cfg, step, force)
-    if chunked.produces_after(cfg, [step]):
-        chunked.produce(cfg)
+    if not chunked.produces_after(cfg, [step]):
+        return run_step(cfg, step, force)
+    # a restarted producer: its step is done and train holds the run dir's lock meanwhile
+    m = None if force or _will_run(cfg, Run.of(cfg), step) else Run.of(cfg).read_manifest(step)
+    m = m or run_step(cfg, step, force)
+    chunked.produce(cfg)
     return m
 
 
@@ -594,7 +596,5 @@ def status(run_dir) -> dict:
            "bytes": sum(r["bytes"] for r in rows),
            "seconds": round(sum(r["seconds"] or 0 for r in rows), 3), "steps": rows}
     if chunked.chunked(cfg):  # the chunks made, trained and in the spool; its fill
-        from drafter.features import spool
-
-        out["chunks"] = spool.status(run, cfg.extract.max_disk_gib)
+        out["chunks"] = chunked.spool.status(run, cfg.extract.max_disk_gib)
     return out

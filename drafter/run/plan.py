@@ -217,12 +217,6 @@ def chunk_mode(cfg) -> str | None:
     return "spool" if cfg.extract.spool else "one process"
 
 
-def train_gpus(cfg, gpus: int) -> int:
-    """GPUs train runs on: in one process with vLLM, the process that runs vLLM (one GPU);
-    else plan.gpus (torchrun)."""
-    return 1 if chunk_mode(cfg) == "one process" and cfg.extract.engine == "vllm" else gpus
-
-
 def where_steps_run(cfg) -> dict:
     """Where each step runs, for the plan's reader."""
     s = cfg.generate.server
@@ -311,7 +305,6 @@ def times(cfg, f: dict) -> list[dict]:
     """Tokens, tokens/s (config > measured > estimated) and seconds of each long step, plus the
     target's load time where the step loads it."""
     p, tc, data, gpus = cfg.plan, cfg.train, f["data"], f["gpus"]
-    tgpus = train_gpus(cfg, gpus)
     params, online, gen_tp = f["params"], cfg.train.online, f["gen_tp"]
     configured = {"generate": p.generate_tokens_per_s, "tokenize": p.tokenize_tokens_per_s,
                   "extract": p.extract_tokens_per_s, "train": p.train_tokens_per_s,
@@ -331,7 +324,7 @@ def times(cfg, f: dict) -> list[dict]:
     per_gpu = {"extract", "train"}  # the others: one server / one process
     # train.max_steps wins over epochs (train then runs as many epochs as it takes)
     n_train = data["train"]["tokens"] * tc.epochs if tc.max_steps is None else \
-        tc.max_steps * tc.batch_tokens * tc.grad_accum * tgpus
+        tc.max_steps * tc.batch_tokens * tc.grad_accum * gpus
     # in chunks, a sample is extracted again in every pass over the data (drafter/train/chunks.py)
     n_extract = data["val"]["tokens"] + n_train if chunk_mode(cfg) else data["tokens"]
     prompts = sum(d.max_prompts or 80 for d in cfg.evaluate.datasets)
@@ -349,7 +342,7 @@ def times(cfg, f: dict) -> list[dict]:
     out = []
     for step in configured:
         tps, src = _pick(configured[step], f["measured"].get(step), estimate[step],
-                         step in per_gpu, tgpus if step == "train" else gpus)
+                         step in per_gpu, gpus)
         n = work[step]
         secs = 0.0 if not n else (n / tps if tps else None)
         load = load_s if loads.get(step) and n else 0.0
@@ -395,12 +388,13 @@ def chunks(cfg, f: dict, st: dict, tm: list[dict], warnings: list[str]) -> dict 
            "load_seconds": load_s, "reloads": reloads, "reload_seconds": reload_s,
            "reload_share": reload_s / run_s if run_s else None,
            "with_sleep_mode_seconds": sleep_s, "wake_seconds": wake_s if sleep_s else None,
-           "spool": ec.spool, "train_gpus": train_gpus(cfg, f["gpus"])}
+           "spool": ec.spool, "train_gpus": f["gpus"]}
     where = "vLLM over %d GPU(s)" % eng if vllm else "transformers"
     if mode == "one process":
+        how = (f"train it in a child on {f['gpus']} GPU(s) (torchrun)" if vllm else
+               "train it in the same process(es)")
         out["processes"] = (f"one process (`drafter run CONFIG`): extract a chunk ({where}), "
-                            f"let the GPUs go, train it on {out['train_gpus']} GPU(s), delete "
-                            f"it, next; chunks in RUN_DIR/chunks")
+                            f"let the GPUs go, {how}, delete it, next; chunks in RUN_DIR/chunks")
     else:
         out["processes"] = (f"producer `drafter run CONFIG --until extract` where the target "
                             f"runs ({where}) fills {ec.spool}; consumer `torchrun "
@@ -451,6 +445,10 @@ def make_plan(cfg) -> dict:
     mem = gpu_memory(cfg, f, warnings, refused)
     tm = times(cfg, f)
     ch = chunks(cfg, f, st, tm, warnings)
+    for r in tm if ch else ():  # extract loads the target again between chunks
+        if r["step"] == "extract" and r["total_seconds"] is not None:
+            r["load_seconds"] += ch["reload_seconds"]
+            r["total_seconds"] += ch["reload_seconds"]
     return {
         "run_dir": str(run.root),
         "target": {**info, "source": where, "params": params["total"],

@@ -352,8 +352,8 @@ def _child(run, c: int, world: int, over: list[str]) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")
                and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                              "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
-        log.info("train: chunk %d trains in a child process on %d %s", c, world,
-                 "GPU(s)" if torch_cuda() else "process(es)")
+        log.info("train: chunk %d trains in a child: %s", c, f"torchrun over {world} GPUs"
+                 if world > 1 else "one process")
         proc = subprocess.Popen([sys.executable, *args], env=env, stdin=subprocess.DEVNULL,
                                 preexec_fn=_die_with(os.getpid()))
         try:
@@ -366,9 +366,3 @@ def _child(run, c: int, world: int, over: list[str]) -> dict:
             raise DrafterError(f"train: the child that trains chunk {c} failed (exit {rc}; its "
                                f"output is above): rerun the same command to resume")
         return json.loads(result.read_text())
-
-
-def torch_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
