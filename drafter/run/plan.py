@@ -530,9 +530,9 @@ def render(plan: dict) -> str:
             f"{c['bytes_per_token']:,} B/token)" + (", two at a time (one trains while the "
                                                     "next is written)" if c["window"] > 1
                                                     else ""),
-            f"         {c['passes']:g} pass(es) over {_size(c['extracted_bytes'] / max(c['passes'], 1e-9))} "
-            f"of train features: {_size(c['extracted_bytes'])} extracted in {n} chunk(s), each "
-            f"sample once per pass",
+            f"         {c['passes']:g} pass(es) over "
+            f"{_size(c['extracted_bytes'] / max(c['passes'], 1e-9))} of train features: "
+            f"{_size(c['extracted_bytes'])} extracted in {n} chunk(s), each sample once per pass",
             f"         engine: {_dur(c['load_seconds'])} a load; {c['reloads']} reload(s) = "
             f"{_dur(c['reload_seconds'])}, {100 * (c['reload_share'] or 0):.1f}% of extract + "
             f"train" + (f"; with vLLM's sleep mode 1 load + {max((c['chunks'] or 1) - 1, 0)} "

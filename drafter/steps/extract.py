@@ -29,6 +29,12 @@ Resume: a shard that exists and verifies (its sha256 in the index, else its own 
 and the planned sample ids and options) is kept; a missing or corrupt one is (re)done; temp files
 of a killed write are removed. The index is written last. train.online=true: nothing is stored.
 
+extract.max_disk_gib (docs/extract.md, "Bounded disk"): the step stores val and the head only;
+the train split goes a chunk of train's own steps at a time (drafter/train/chunks.py plans them,
+drafter/features/spool.py is where they pass): ChunkProducer makes a chunk, in train's process
+(`drafter run`) or, with extract.spool, after the step, for a train elsewhere
+(drafter/run/chunked.py).
+
 On a GPU, train's graphs compile in a process of their own, started just after the preflight, while
 extract plans, loads the target and runs, when memory allows (drafter/train/precompile.py;
 extract.precompile=false: off): extract waits for it before it returns (and stops it when every
@@ -37,7 +43,6 @@ shard was kept), and its figures are the manifest's "precompile". Online, extrac
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -571,25 +576,3 @@ class ChunkProducer:
 
     def close(self) -> None:
         self._close()
-
-
-def produce(cfg) -> dict:
-    """The spool's producer (extract.spool, after extract's step: `drafter extract CONFIG`, or
-    `drafter run CONFIG --until extract`): every chunk a `drafter train` with the same config
-    needs, in its order, while the spool has room (spool.serve), until train has them all.
-    Returns the figures: chunks made, loads, seconds waited."""
-    t0 = time.time()
-    prod = ChunkProducer(cfg, release=False)
-    run = Run.of(cfg)
-    try:
-        with spool.producer_lock(run) if prod.d.main else contextlib.nullcontext():
-            log.info("extract: filling %s for train (budget %s)", run.spool(),
-                     spool.size(cfg.extract.max_disk_gib * spool.GiB))
-            out = spool.serve(run, prod.make, int(cfg.extract.max_disk_gib * spool.GiB), prod.d)
-    finally:
-        prod.close()
-    out.update(prod.stats, seconds_total=round(time.time() - t0, 1))
-    log.info("extract: the spool's producer is done: %d chunks made, %d removed, %d loads, "
-             "waited %.0f s", len(out["made"]), len(out["removed"]), out["loads"],
-             out["waited_s"])
-    return out

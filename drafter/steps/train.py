@@ -2,7 +2,9 @@
 
 Reads   vocab/vocab.safetensors (d2t, t2d), the target's config and input embeddings, and
         offline: extract/{train,val}/ shards and extract/head.safetensors (store.Reader);
-        online (train.online): tokenize/{train,val}.parquet and the target itself (capture).
+        online (train.online): tokenize/{train,val}.parquet and the target itself (capture);
+        in chunks (extract.max_disk_gib): SPOOL/chunk_NNNNN/, a chunk of its steps at a time,
+        with extract/val/ and the head (drafter/train/chunks.py; docs/extract.md)
 Writes  train/step_NNNNNN/  model.safetensors + drafter_config.json (model.save_drafter),
                             optimizer.pt, rng.safetensors, state.json, COMPLETE (written last)
         train/metrics.jsonl one record per log interval ("train") and validation ("val")
@@ -47,7 +49,6 @@ import time
 
 import torch
 
-from drafter import DrafterError
 from drafter.core import target
 from drafter.core.config import ConfigError
 from drafter.core.dist import Dist, all_sum, close_dist, dist_env
