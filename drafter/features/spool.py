@@ -26,6 +26,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -143,10 +144,16 @@ def present(run) -> list[int]:
 def remove_chunk(run, c: int) -> None:
     """Renamed away, then deleted: a kill mid-delete leaves no half chunk under its name."""
     p = run.chunk(c)
-    if p.exists():
+    with contextlib.suppress(FileNotFoundError):  # the other side removed it first
         remove_dir(p)
     for old in run.spool().glob(f".old-{p.name}.*"):  # an earlier kill's
-        remove_dir(old, old)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def clean_trash(run) -> None:
+    """Chunks a kill left renamed away, half deleted (remove_chunk): no one reads them."""
+    for old in run.spool().glob(".old-chunk_*"):
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

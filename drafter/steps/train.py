@@ -49,6 +49,7 @@ import time
 
 import torch
 
+from drafter import DrafterError  # noqa: F401 - the step's errors (tests name it here)
 from drafter.core import target
 from drafter.core.config import ConfigError
 from drafter.core.dist import Dist, all_sum, close_dist, dist_env

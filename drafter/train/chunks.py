@@ -178,11 +178,12 @@ class Chunks:
         if total != self.plan["total"]:
             raise DrafterError(f"train: {total} steps, the chunk plan has {self.plan['total']}")
         c = self.chunk_of(step) if step < total else self.n
-        if self.only is not None and c != self.only:
+        if self.only is not None and c != self.only and step < total:
             raise DrafterError(f"train: asked to train chunk {self.only}, but it resumes at "
                                f"step {step}, in chunk {c}")
         if self.d.main:
             spool.write_progress(self.run, self.pid, c, step)
+            spool.clean_trash(self.run)  # chunks an earlier kill left half deleted
             for x in spool.present(self.run):
                 # one process: a chunk left by an earlier run beyond this one is remade later
                 if x < c or (self.produce is not None and x != c):
@@ -309,17 +310,19 @@ def conduct(cfg, produce) -> dict:
     first = bisect.bisect_right([c["start"] for c in plan["chunks"]], step) - 1 \
         if step < plan["total"] else len(plan["chunks"])
     spool.write_progress(run, plan["id"], first, step)
+    spool.clean_trash(run)
     for x in spool.present(run):
         if x != first:
             spool.remove_chunk(run, x)
-    out, made = {}, []
-    for c in range(first, len(plan["chunks"])):
+    out, made, last = {}, [], len(plan["chunks"]) - 1
+    # every chunk trained already (killed before the manifest): the last child only reports
+    for c in range(min(first, last), last + 1):
         chunk = plan["chunks"][c]
-        if spool.complete(run, c, plan["id"]) is None:
+        if c >= first and spool.complete(run, c, plan["id"]) is None:
             produce(chunk, plan["id"])
             made.append(c)
         # the checkpoint at the last chunk's end, named: train.resume may be off for the first
-        over = [] if c == first else [f"train.resume={run.checkpoint(chunk['start'])}"]
+        over = [] if c <= first else [f"train.resume={run.checkpoint(chunk['start'])}"]
         out = _child(run, c, world, over)
     out["chunks"] = {"count": len(plan["chunks"]), "plan": plan["id"], "window": 1,
                      "chunk_limit_bytes": plan["limit"], "spool": str(run.spool()),
