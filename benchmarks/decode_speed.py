@@ -1,4 +1,4 @@
-"""Decode speed of drafter.engine.decode: plain step and speculative step (evaluate's decoding).
+"""Decode speed of drafter.decoding.decode: plain step and speculative step (evaluate's decoding).
 
 Headline figure (BENCHMARKS.md, Decoding): the graph-captured steps on one H200 at SmolLM2-135M's
 shape (random weights: the step time does not depend on them), each against its parts:
@@ -59,7 +59,7 @@ from op_count import OpCount  # noqa: E402
 
 from drafter.core.config import EvaluateConfig, TargetConfig  # noqa: E402
 from drafter.core.target import load_model  # noqa: E402
-from drafter.engine.decode import Decoder, EagleDraft, TreeSpec, acceptance_stats  # noqa: E402
+from drafter.decoding.decode import Decoder, EagleDraft, TreeSpec, acceptance_stats  # noqa: E402
 
 
 def tiny_target(out: Path) -> str:
@@ -107,7 +107,7 @@ def step_parts(dec, P) -> list[tuple]:
     construction, its drafter forwards nested in it), the drafter forwards, the verification
     forward, the ancestor matrix, the acceptance, the drafter's re-read of the committed tokens,
     the commit; what none of them runs is the step's setup and bookkeeping."""
-    from drafter.engine import decode
+    from drafter.decoding import decode
 
     return [(decode, "build_tree", "tree construction (build_tree)"),
             (P, "score", "drafter forwards"), (dec.target, "forward", "verify forward"),
@@ -269,7 +269,7 @@ def eval_rows(model, P, a, row, graphs: bool, fold) -> None:
     drafter."""
     from drafter.core.target import load_tokenizer
     from drafter.data.sources import load_prompts
-    from drafter.engine.decode import stop_ids_of
+    from drafter.decoding.decode import stop_ids_of
     from drafter.measure.summary import overall, summarize, with_parts
     from drafter.steps.evaluate import _decode, _Prompts
 
@@ -353,12 +353,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--top-chunks", type=int,
                     help="the tree's top-k searches in chunks of this many columns "
-                         "(drafter.engine.tree.TOP_CHUNKS; default: its own)")
+                         "(drafter.decoding.tree.TOP_CHUNKS; default: its own)")
     ap.add_argument("--no-fused-search", action="store_true",
                     help="a greedy tree's expansion by eager kernels (top_indices, log_softmax), "
-                         "not tree.fused_children's one Triton kernel (drafter.engine.tree.FUSED_SEARCH)")
+                         "not tree.fused_children's one Triton kernel "
+                         "(drafter.decoding.tree.FUSED_SEARCH)")
     a = ap.parse_args(argv)
-    from drafter.engine import tree as tree_mod  # build_tree reads these settings every expansion
+    from drafter.decoding import tree as tree_mod  # build_tree reads these settings every expansion
     if a.top_chunks:
         tree_mod.TOP_CHUNKS = (a.top_chunks,)
     tree_mod.FUSED_SEARCH = not a.no_fused_search

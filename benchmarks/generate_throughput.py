@@ -1,5 +1,5 @@
-"""Throughput of the data engine (drafter.engine.generator: generate.server.engine: local) per
-batch size, and of the generate step beside it (--step).
+"""Throughput of the data engine (drafter.generation.generator: generate.server.engine:
+drafter) per batch size, and of the generate step beside it (--step).
 
 Headline figure (BENCHMARKS.md, Data engine): completion tokens/s end to end over 10,000 real
 prompts, greedy, at most 512 new tokens, SmolLM2-135M-Instruct on one H200:
@@ -7,7 +7,7 @@ prompts, greedy, at most 512 new tokens, SmolLM2-135M-Instruct on one H200:
     python benchmarks/generate_throughput.py --data ../shared/data/train --prompts 10000 \
         --batches 1024,2048,512,256 --max-new 512 --profile
 
-The generate step against one Engine call on the same prompts and batch (the step's own code
+The generate step against one Generator call on the same prompts and batch (the step's own code
 path: templates, tokenize, the request stream, bookkeeping, output; their ratio printed, and the
 step's seconds by phase in its JSON line):
 
@@ -16,7 +16,7 @@ step's seconds by phase in its JSON line):
 
 With --writes N the first batch size also writes N synthetic user turns first, as the generate
 step does for a synthetic source (the target's pre-query prefix, the source's default sampling:
-T=1, at most 256 tokens, its end-of-turn stop), in one Engine call before the answers: the same
+T=1, at most 256 tokens, its end-of-turn stop), in one Generator call before the answers: the same
 work as a step that wrote N user turns and answered the --data prompts, in two closed calls.
 Its rows: the writes, and "writes + answers" (the answers' tokens over both calls' seconds):
 
@@ -24,7 +24,7 @@ Its rows: the writes, and "writes + answers" (the answers' tokens over both call
         --prompts 40000 --batches 2048 --max-new 512 --writes 11869
 
 With --attention N it times the decode attention kernel alone at the first batch size, N rows of
-3,000-6,000 tokens among them, its longest rows split and not (drafter.engine.paged.SPLIT_ROWS):
+3,000-6,000 tokens among them, its longest rows split and not (drafter.generation.paged.SPLIT_ROWS):
 
     python benchmarks/generate_throughput.py --batches 2048 --attention 6
 
@@ -38,13 +38,13 @@ columns below) and, with --profile, the top CUDA kernels of 16 decode steps. Oth
 
 Real prompts (the first user turn of each record of --data: a file or a folder of files in any
 format drafter reads), the target's chat template, greedy, its stop tokens: answers end at their
-natural lengths or at --max-new, as in the generate step. For each batch size one Engine decodes
+natural lengths or at --max-new, as in the generate step. For each batch size one Generator decodes
 every prompt; reported: completion tokens/s end to end (prefill, refills, the tail and the one
 graph capture included, as the generate step counts them), the same without capture, seconds of
 prefill, decode steps, row utilisation (tokens / (steps x batch)), peak GPU memory and the KV
 pool, and how many answers equal the first batch size's (bf16 greedy: near-ties may flip with
-the batch shape). --static adds drafter.engine.decode's static batches at the first batch size (the
-decoder the engine replaced). --profile prints the top CUDA kernels of 16 decode steps.
+the batch shape). --static adds drafter.decoding.decode's static batches at the first batch size
+(the decoder the engine replaced). --profile prints the top CUDA kernels of 16 decode steps.
 """
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from drafter.core.config import TargetConfig  # noqa: E402
 from drafter.core.target import load_model, load_tokenizer  # noqa: E402
 from drafter.data.sources import load_prompts  # noqa: E402
-from drafter.engine.decode import Decoder, stop_ids_of  # noqa: E402
-from drafter.engine.generator import Engine  # noqa: E402
+from drafter.decoding.decode import Decoder, stop_ids_of  # noqa: E402
+from drafter.generation.generator import Generator  # noqa: E402
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "drafter" / "data" / "quickstart_prompts.jsonl"
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".gz")
@@ -96,8 +96,8 @@ def read_prompts(data: Path, n: int, tok) -> list[list[int]]:
 
 
 def run_step(a, batch: int, device: str) -> dict:
-    """The generate step (drafter.steps.generate.main, engine: local) on a fresh run dir whose
-    prepare output holds the same conversations the Engine call decodes: its own code path
+    """The generate step (drafter.steps.generate.main, engine: drafter) on a fresh run dir whose
+    prepare output holds the same conversations the Generator call decodes: its own code path
     (templates, tokenize, the stream, bookkeeping, the output written). Its tokens/s count from
     its first request, as the manifest's do (the target's load is phases_s.load)."""
     import tempfile
@@ -116,7 +116,7 @@ def run_step(a, batch: int, device: str) -> dict:
                                     "messages": msgs}) + "\n")
         atomic_json(run.manifest("prepare"), {"step": "prepare"})
         cfg = C.load(None, [f"run_dir={d}", f"target.model={a.target}", f"target.dtype={a.dtype}",
-                            f"target.device={device}", "generate.server.engine=local",
+                            f"target.device={device}", "generate.server.engine=drafter",
                             f"generate.batch_size={batch}", f"generate.max_tokens={a.max_new}"])
         m = generate.main(cfg)                           # the manifest's contents
     t = m["throughput"]
@@ -127,12 +127,12 @@ def run_step(a, batch: int, device: str) -> dict:
 
 def write_user_turns(model, tok, stop, batch: int, n: int) -> dict:
     """n user turns written from the target's pre-query prefix at a synthetic source's default
-    settings (drafter.data.synthetic), in one Engine call: the generate step's writes."""
+    settings (drafter.data.synthetic), in one Generator call: the generate step's writes."""
     from drafter.core.config import SyntheticConfig
     from drafter.data.synthetic import PreQuery
 
     sc, pq = SyntheticConfig(), PreQuery(tok)
-    eng = Engine(model, max_batch=batch)
+    eng = Generator(model, max_batch=batch)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     res = eng.generate([pq.ids([])] * n, sc.max_tokens, stop_ids=sorted(set(stop)
@@ -148,13 +148,13 @@ def write_user_turns(model, tok, stop, batch: int, n: int) -> dict:
 
 
 def seconds_of(last: dict) -> dict:
-    """An Engine call's seconds by part (Engine.last), the GPU timeline's spans among them."""
+    """An Generator call's seconds by part (Generator.last), the GPU timeline's spans among them."""
     return {k: round(last.get(k, 0.0), 2) for k in (
         "prefill_seconds", "decode_seconds", "prefill_gpu_seconds", "decode_gpu_seconds",
         "capture_seconds")}
 
 
-def profile_steps(eng: Engine, prompts, max_new, stop) -> str:
+def profile_steps(eng: Generator, prompts, max_new, stop) -> str:
     """Top CUDA kernels over the decode steps of a short run (graphs replayed)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -166,13 +166,13 @@ def profile_steps(eng: Engine, prompts, max_new, stop) -> str:
 
 
 def attention_kernel(batch: int, long_rows: int, reps: int = 50) -> list[dict]:
-    """The decode attention kernel alone (drafter.engine.paged) at SmolLM2's heads (9 query, 3
+    """The decode attention kernel alone (drafter.generation.paged) at SmolLM2's heads (9 query, 3
     key/value, 64 dims), pages of 64, the open stream's table width (128 pages): rows of a
     pool-like prompt plus 0-512 answer tokens, and `long_rows` of them 3,000-6,000 tokens (what
-    a long prompt brings into a step), with its long rows split (drafter.engine.paged's setting
+    a long prompt brings into a step), with its long rows split (drafter.generation.paged's setting
     first, then others) and without. Times 30 calls (a step's layers) in a CUDA graph, and checks
     each against the gather reference on the first 64 rows."""
-    from drafter.engine import paged
+    from drafter.generation import paged
 
     torch.manual_seed(0)
     dev = "cuda"
@@ -244,10 +244,10 @@ def main(argv=None) -> int:
                     help="also every visible GPU at the first batch size (LocalGenerator: one "
                          "engine per GPU draining one queue)")
     ap.add_argument("--step", action="store_true",
-                    help="also the generate step (engine: local) on the same prompts at the "
-                         "first batch size, and its tokens/s over the Engine call's")
+                    help="also the generate step (engine: drafter) on the same prompts at the "
+                         "first batch size, and its tokens/s over the Generator call's")
     ap.add_argument("--writes", type=int, default=0,
-                    help="also write this many synthetic user turns first (one Engine call at "
+                    help="also write this many synthetic user turns first (one Generator call at "
                          "the first batch size), and a row of writes + answers")
     ap.add_argument("--attention", type=int, metavar="LONG_ROWS",
                     help="only the decode attention kernel at the first batch size, with this "
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
         rows.append(write_user_turns(model, tok, stop, batches[0], a.writes))
         print(json.dumps(rows[-1]), flush=True)
     for b in batches:
-        eng = Engine(model, max_batch=b)
+        eng = Generator(model, max_batch=b)
         t0 = time.perf_counter()
         res = eng.generate(prompts, a.max_new, stop_ids=stop)
         if dev.type == "cuda":
@@ -314,7 +314,7 @@ def main(argv=None) -> int:
                      "steps": w["steps"] + ans["steps"]})
         print(json.dumps(rows[-1]), flush=True)
     if a.all_gpus and torch.cuda.device_count() > 1:
-        from drafter.engine.local import LocalGenerator
+        from drafter.generation.local import LocalGenerator
 
         gen = LocalGenerator(TargetConfig(model=a.target, dtype=a.dtype, device="auto"),
                              batch_size=batches[0])
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
         n = sum(len(t) for t, _ in res)
         rows.append({"batch": f"{batches[0]} x {gen.replicas} GPUs", "tokens": n,
                      "seconds": round(wall, 2), "tokens_per_s": round(n / wall, 1),
-                     "steps": sum(e.last.get("steps", 0) for e in gen.engines)})
+                     "steps": sum(e.last.get("steps", 0) for e in gen.workers)})
         print(json.dumps(rows[-1]), flush=True)
         del gen
     if a.static:
@@ -349,7 +349,7 @@ def main(argv=None) -> int:
         ratio = rows[-1]["tokens_per_s"] / call["tokens_per_s"]
         rows[-1]["ratio_to_engine_call"] = round(ratio, 3)
         print(json.dumps(rows[-1]), flush=True)
-        print(f"generate step / Engine call at batch {batches[0]}: {ratio:.3f} "
+        print(f"generate step / Generator call at batch {batches[0]}: {ratio:.3f} "
               f"({rows[-1]['tokens_per_s']:,.0f} / {call['tokens_per_s']:,.0f} tok/s)",
               flush=True)
     lengths = sorted(len(o) for o in first)

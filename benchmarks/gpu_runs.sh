@@ -32,7 +32,7 @@
 #   quality-b1    model,data ~5 min  the same at batch 1, 10 records a set
 #   tests-decode  model      ~5 min  pytest -m gpu: decode, rejection, sampling exactness,
 #                                    Kimi shape, gpu
-#   tests-rest    model      ~5 min  pytest -m gpu: engine, extract, model, store, train, doctor,
+#   tests-rest    model      ~5 min  pytest -m gpu: generator, extract, model, store, train, doctor,
 #                                    precompile
 #   decode-b1     -          ~2 min  decode_speed.py --random-target at batch 1, T=0 and T=1
 #                                    (the steps against their parts)
@@ -266,7 +266,7 @@ do_step() {  # do_step NAME: the step's work; 0 when it finished
     quality-b1) quality_eval "$1" 1 ;;
     tests-decode) gpu_tests "$1" tests/test_decode.py tests/test_rejection.py \
       tests/test_sampling_exact.py tests/test_kimi_shape.py tests/test_gpu.py ;;
-    tests-rest) gpu_tests "$1" tests/test_engine.py tests/test_extract.py tests/test_model.py \
+    tests-rest) gpu_tests "$1" tests/test_generator.py tests/test_extract.py tests/test_model.py \
       tests/test_store.py tests/test_train.py tests/test_doctor.py tests/test_precompile.py ;;
     decode-b1) decode_b1 ;;
   esac

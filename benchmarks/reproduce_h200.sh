@@ -7,7 +7,7 @@
 #
 # Parts, in order (times from the steps as they ran on an H200; the sums are estimates):
 #   userpath ~12 min  benchmarks/user-path-smollm2.yaml from scratch (pools + 10,000 synthetic
-#                     prompts, online, evaluate at batch 64 with the tuner's setting), Engine
+#                     prompts, online, evaluate at batch 64 with the tuner's setting), Generator
 #                     calls on its prompts (writes, answers), the pools' step against a call, a batch-1
 #                     evaluate, the bf16 lossless check at tie_tolerance=0, decode_speed.py on
 #                     evaluate's own decoding

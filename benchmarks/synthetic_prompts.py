@@ -16,7 +16,7 @@ rejections by reason, tokens written) and a diversity table. Other uses:
     python benchmarks/synthetic_prompts.py --count 40 --batch 8 --max-tokens 48      # CPU smoke
 
 The same pieces as the generate step's synthetic source (drafter.data.synthetic: PreQuery,
-PromptFilter; drafter.engine.local.LocalGenerator): the chat template up to the start of a user
+PromptFilter; drafter.generation.local.LocalGenerator): the chat template up to the start of a user
 turn, sampled at --temperature, each sample filtered (empty, truncated, length, non-text, markup, exact
 and near duplicates), in passes until --count are kept. Reported: seconds, kept prompts per
 second, samples, rejections by reason, tokens written; then diversity (distinct 1-3-gram ratios,
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter.core.config import TargetConfig  # noqa: E402
 from drafter.data.synthetic import PreQuery, PromptFilter, diversity  # noqa: E402
-from drafter.engine.local import LocalGenerator  # noqa: E402
+from drafter.generation.local import LocalGenerator  # noqa: E402
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".gz")
 

@@ -50,8 +50,8 @@ that of the pool). It trains --steps (default 200) steps from a cold start and r
 steady tokens/s (median of the per-step rates of the last half), their ratio (goal >= 0.85),
 and the graphs torch.compile built (after warm-up: goal 0). Per-step times are CUDA events, so
 the loop never waits on the GPU. As train does, both modes freeze what is alive out of Python's
-garbage collections after the warm-up (--real: after the first step; train.gc_freeze,
-trainer.GcClock); each result holds `gc_s`, the collections' seconds in the timed steps.
+garbage collections after the warm-up (--real: after the first step; trainer.GcClock); each
+result holds `gc_s`, the collections' seconds in the timed steps.
 --online trains the same way with the target in the loop
 (drafter/features/capture.py on the prefetch thread, nothing stored) after the offline run, and prints the
 ratio (goal >= 0.7x offline for SmolLM2): `--target random` (default) is a SmolLM2-135M-shaped
@@ -290,7 +290,7 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
     warm_s = time.perf_counter() - t0
     if cuda:
         torch.cuda.reset_peak_memory_stats(dist.device)
-    clock = trainer.GcClock(freeze=S["tc"].gc_freeze)  # as train: frozen after the warm-up
+    clock = trainer.GcClock()  # as train: frozen after the warm-up
     clock.freeze()
     t0 = time.perf_counter()
     tokens = sum(step() for _ in range(args.steps))
@@ -529,7 +529,7 @@ def bench_real(name: str, args, dist, attention: str, teacher: str,
         marks[0].record()
     t0, wall, stats, graphs_warm, waited = time.perf_counter(), [], [], None, 0.0
     waited_warm = None
-    clock = trainer.GcClock(freeze=tc.gc_freeze)  # as train: frozen after the first step
+    clock = trainer.GcClock()  # as train: frozen after the first step
     prof = Profile(args.profile, f"{name}-{teacher}-{'online' if online else 'offline'}",
                    start=min(30, args.steps // 2), steps=5, device=dist.device)
     with hold:
@@ -742,8 +742,9 @@ def main(argv=None):
     p.add_argument("--teacher", default="topk", help="topk, hidden, or both: topk,hidden")
     p.add_argument("--topk", type=int, default=64)
     p.add_argument("--data", help="a run dir with extract shards: real packed rows (smollm2)")
-    p.add_argument("--loader-threads", type=int, default=C.TrainConfig().loader_threads,
-                   help="--data: threads building batches from the store (train.loader_threads)")
+    p.add_argument("--loader-threads", type=int, default=trainer.LOADER_THREADS,
+                   help="--data: threads building batches from the store (train's: "
+                   "trainer.LOADER_THREADS)")
     p.add_argument("--real", action="store_true",
                    help="chat-like packed rows from a cold start: warm-up, average vs steady")
     p.add_argument("--online", action="store_true",

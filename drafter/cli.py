@@ -1,6 +1,7 @@
 """The `drafter` command: parse arguments, dispatch through a plain dict, print errors plainly.
 
     drafter run CONFIG [key=value ...] [--force] [--until STEP]   every step in order
+    drafter run --help [all]                        the config keys users set [every key]
     drafter STEP CONFIG [key=value ...] [--force]   one step (prepare ... evaluate)
     drafter status RUN_DIR [--json]                 each step's state
     drafter config CONFIG [key=value ...]           the resolved config
@@ -44,13 +45,19 @@ STEP_HELP = {
 }
 
 
-def _config_epilog() -> str:
-    rows = C.help_lines()
+def _config_epilog(command: str, advanced: bool = False) -> str:
+    """The config keys for `drafter COMMAND --help`: those users set, or (`--help all`) all."""
+    rows = C.help_lines(advanced=advanced)
     width = max(len(k) for k, _, _ in rows)
-    lines = ["config keys (YAML sections or key=value overrides):"]
+    head = "every config key" if advanced else "the config keys users set"
+    lines = [f"{head} (YAML sections or key=value overrides):"]
     for key, default, help in rows:
         d = f" [{default}]" if default not in ("", "[...]") else ""
         lines.append(f"  {key.ljust(width)}  {help}{d}")
+    if not advanced:
+        more = len(C.keys()) - len(C.keys(advanced=False))
+        lines.append(f"{more} more keys (tuning, housekeeping, plan figures): "
+                     f"`drafter {command} --help all`")
     return "\n".join(lines)
 
 
@@ -170,12 +177,14 @@ def cmd_report(args) -> int:
     return _dispatch("drafter.measure.report", "report", args.run_dir)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(advanced: bool = False) -> argparse.ArgumentParser:
+    """`advanced`: the config commands' help lists every key (`--help all`)."""
     p = argparse.ArgumentParser(
         prog="drafter",
         description="Train EAGLE-3 drafters for any LLM, end to end, from one config file.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="`drafter run --help` lists every config key with its default and doc.")
+        epilog="`drafter run --help` lists the config keys users set, with their defaults and "
+        "docs; `drafter run --help all` every key.")
     p.add_argument("--debug", action="store_true", help="show the traceback of an internal "
                    "error (also accepted after the command)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -186,14 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     fmt = argparse.RawDescriptionHelpFormatter
     sp = sub.add_parser("run", help="run every step in order (skipping finished ones)",
-                        epilog=_config_epilog(), formatter_class=fmt)
+                        epilog=_config_epilog("run", advanced), formatter_class=fmt)
     with_config(sp)
     sp.add_argument("--force", action="store_true", help="redo every step")
     sp.add_argument("--until", choices=STEPS, metavar="STEP",
                     help="stop after this step (e.g. --until train)")
     sp.set_defaults(fn=cmd_step)
     for step in STEPS:
-        sp = sub.add_parser(step, help=STEP_HELP[step], epilog=_config_epilog(),
+        sp = sub.add_parser(step, help=STEP_HELP[step], epilog=_config_epilog(step, advanced),
                             formatter_class=fmt)
         with_config(sp)
         sp.add_argument("--force", action="store_true", help="redo the step even if up to date")
@@ -207,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(fn=cmd_status)
 
-    sp = sub.add_parser("config", help="print the resolved config", epilog=_config_epilog(),
-                        formatter_class=fmt)
+    sp = sub.add_parser("config", help="print the resolved config",
+                        epilog=_config_epilog("config", advanced), formatter_class=fmt)
     with_config(sp)
     sp.set_defaults(fn=cmd_config)
 
@@ -217,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_serve)
 
     sp = sub.add_parser("plan", help="estimate tokens, disk, memory and time before any load",
-                        epilog=_config_epilog(), formatter_class=fmt)
+                        epilog=_config_epilog("plan", advanced), formatter_class=fmt)
     with_config(sp)
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(fn=cmd_plan)
@@ -225,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("precompile", help="compile train's graphs into Inductor's cache on "
                         "random batches (GPU; extract does it by itself beside the target, and "
                         "`drafter run` ahead of an online train)",
-                        epilog=_config_epilog(), formatter_class=fmt)
+                        epilog=_config_epilog("precompile", advanced), formatter_class=fmt)
     with_config(sp)
     sp.add_argument("--device", help="default: the configured one (cuda:0 for a GPU)")
     sp.add_argument("--result", help=argparse.SUPPRESS)  # extract's child writes its figures
@@ -306,7 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("DRAFTER_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
-    parser = build_parser()
+    # `drafter run --help all`: every config key, where `--help` lists those users set
+    at = next((i for i, a in enumerate(argv[:-1]) if a in ("-h", "--help") and
+               argv[i + 1] == "all"), None)
+    if at is not None:
+        del argv[at + 1]
+    parser = build_parser(advanced=at is not None)
     args, extra = parser.parse_known_args(argv)
     # overrides after an option (`drafter run CFG --until train a.b=1`): argparse stops the
     # positional list at the option, so the rest comes back here

@@ -69,6 +69,42 @@ def test_bad_literal(tmp_path):
         C.load(p)
 
 
+def test_a_removed_key_fails_naming_why_file_and_line(tmp_path):
+    """A key that is no longer one fails, in a file or an override, with one line: where it is
+    set and what drafter now always does; never silently ignored."""
+    p = write(tmp_path, "train:\n  lr: 0.1\n  gc_freeze: false\n")
+    with pytest.raises(C.ConfigError) as e:
+        C.load(p)
+    assert str(e.value).startswith(f"{p}:3: train.gc_freeze: no longer a key, leave it out: "
+                                   "train always freezes")
+    assert "\n" not in str(e.value)
+    with pytest.raises(C.ConfigError, match=r"^override 'train\.loader_threads=8': "
+                       r"train\.loader_threads: no longer a key.*LOADER_THREADS"):
+        C.load(None, ["train.loader_threads=8"])
+    for key, why in C.REMOVED.items():
+        with pytest.raises(C.ConfigError, match="no longer a key") as e:
+            C.load(None, [f"{key}=1"])
+        assert why in str(e.value)
+    assert not set(C.REMOVED) & set(C.keys())
+
+
+def test_a_renamed_value_fails_naming_the_new_one(tmp_path):
+    """drafter's own code in this process is `drafter` in every engine key: the old spellings
+    (extract.engine: transformers, generate.server.engine: local) fail naming the new one and
+    where they are set; generate.server.engine: transformers is still `transformers serve`."""
+    p = write(tmp_path, "generate:\n  server:\n    engine: local\n")
+    with pytest.raises(C.ConfigError, match=rf"^{p}:3: generate\.server\.engine: local is now "
+                       r"called drafter \(drafter's own code, in this process\)$"):
+        C.load(p)
+    with pytest.raises(C.ConfigError, match=r"^override 'extract\.engine=transformers': "
+                       r"extract\.engine: transformers is now called drafter"):
+        C.load(None, ["extract.engine=transformers"])
+    cfg = C.load(None, ["generate.server.engine=transformers", "generate.server.urls=[]"])
+    assert cfg.generate.server.engine == "transformers" and cfg.extract.engine == "drafter"
+    assert (C.load(None, ["generate.server.engine=drafter"]).generate.server.engine,
+            cfg.evaluate.engine) == ("drafter", "drafter")
+
+
 def test_bad_override_type_and_key():
     with pytest.raises(C.ConfigError, match=r"override 'train\.lr=fast'.*train\.lr"):
         C.load(None, ["train.lr=fast"])
@@ -97,6 +133,34 @@ def test_dump_roundtrip(tmp_path):
 def test_every_field_has_help():
     for key, _, help in C.help_lines():
         assert help, f"{key} has no doc"
+
+
+def _help(capsys, *argv) -> str:
+    from drafter import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(list(argv))
+    return capsys.readouterr().out
+
+
+def test_help_lists_the_keys_users_set_and_all_lists_every_key(capsys):
+    """`drafter run --help` lists the keys users set (at most 60, each with its doc); `--help
+    all` (for each step command too) every key."""
+    user = C.keys(advanced=False)
+    assert 0 < len(user) <= 60 and len(C.keys()) > len(user)
+    short = _help(capsys, "run", "--help")
+    listed = [line.split()[0] for line in short.splitlines() if line.startswith("  ")
+              and line.split()[0] in C.keys()]
+    assert listed == user
+    assert "  train.lr " in short and "peak learning rate" in short
+    assert "train.grad_clip" not in short and "plan.gpu_tflops" not in short
+    assert f"{len(C.keys()) - len(user)} more keys" in short and "--help all" in short
+    for argv in (["run", "--help", "all"], ["train", "-h", "all"], ["run", "c.yaml", "--help",
+                                                                    "all"]):
+        full = _help(capsys, *argv)
+        assert "  train.grad_clip " in full and "  plan.gpu_tflops " in full, argv
+        assert all(f"  {k} " in full for k in C.keys()) and "more keys" not in full
+    assert "train.grad_clip" not in _help(capsys, "evaluate", "--help")
 
 
 def test_shipped_configs_load():

@@ -1,4 +1,4 @@
-"""drafter.engine.decode: static-cache plain decoding against HF, speculative decoding (lossless,
+"""drafter.decoding.decode: static-cache plain decoding against HF, speculative decoding (lossless,
 oracle and always-wrong drafters), the EAGLE drafter's static path against Drafter.forward, and
 rejection sampling preserving the target distribution. CPU, float32."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter.engine import tree as tree_mod
-from drafter.engine.decode import (
+from drafter.decoding import tree as tree_mod
+from drafter.decoding.decode import (
     Decoder,
     DraftQ,
     EagleDraft,
@@ -226,7 +226,7 @@ def test_fused_children_in_the_interpreter():
     tree built with it is the eager kernels' tree."""
     pytest.importorskip("triton")
     code = textwrap.dedent("""
-        from drafter.engine import tree as tree_mod
+        from drafter.decoding import tree as tree_mod
         from tests.test_decode import (_assert_same_tree, _check_children, _children_cases,
                                        _wide_vocab_tree)
         for x, k in _children_cases():
@@ -386,7 +386,7 @@ def test_runners_up_leave_out_the_picked_token_among_ties():
     """bf16 logits tie exactly; argmax's choice need not come first in topk's order. The
     runner-up tied with the picked token stays listed at gap 0 (the lossless check then calls a
     flip between them a tie), and the picked token is never its own runner-up."""
-    from drafter.engine.decode import NEAR, runners_up
+    from drafter.decoding.decode import NEAR, runners_up
 
     lg = torch.tensor([[1.0, 5.0, 5.0, 2.0] + [0.0] * 12,
                        [3.0, 1.0, 0.5, 9.0] + [-1.0] * 12])
@@ -402,7 +402,7 @@ def test_runners_up_leave_out_the_picked_token_among_ties():
 def test_runners_up_over_a_real_vocab_match_torch_topk():
     """At SmolLM2's vocabulary (49,152: the two-read search applies) the runners-up are
     torch.topk's: the same margins, best first, in bf16-valued logits with exact ties."""
-    from drafter.engine.decode import NEAR, runners_up
+    from drafter.decoding.decode import NEAR, runners_up
 
     g = torch.Generator().manual_seed(0)
     lg = (torch.randn(6, 49152, generator=g) * 4).to(torch.bfloat16).float()
@@ -434,8 +434,8 @@ def test_prompts_padded_to_a_graphed_prefills_length_give_the_same_tokens(smol, 
     multiple of PREFILL_BUCKET: more pad slots before each prompt, its positions unchanged. On
     the CPU, with that padding forced: the plain and speculative tokens and acceptance are the
     unpadded run's, static and continuous (whose first fill is padded, its refills not)."""
-    from drafter.engine.decode import PREFILL_BUCKET
-    from drafter.engine.static import round_up
+    from drafter.decoding.decode import PREFILL_BUCKET
+    from drafter.decoding.static import round_up
 
     model, plain, V = smol["model"], smol["plain"], smol["model"].config.vocab_size
     prompts = smol["prompts"] + smol["prompts"][::-1]
@@ -672,7 +672,7 @@ def test_moe_experts_switch_to_batched_mm_for_a_capture_and_back(tmp_path, tiny_
     that sync with the host (grouped_mm off its bf16 fast path, eager) as batched_mm and puts
     their implementation back after, also after an error; the three give the same logits in
     float32. A dense model is left alone."""
-    from drafter.engine.static import capturable_experts, syncing_experts
+    from drafter.decoding.static import capturable_experts, syncing_experts
 
     model = _tiny_moe(tmp_path)
     experts = model.model.layers[1].mlp.experts
@@ -746,7 +746,7 @@ def test_graphed_prefills_give_the_eager_prefills_tokens(smollm2_dir):
     so the margins may differ in the last bits, not the tokens."""
     from transformers import AutoModelForCausalLM
 
-    from drafter.engine.decode import PREFILL_BUCKET
+    from drafter.decoding.decode import PREFILL_BUCKET
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).cuda().eval()
     g = torch.Generator().manual_seed(2)
@@ -830,7 +830,7 @@ def test_moe_steps_capture_in_float32(tmp_path, caplog):
     grouped_mm outside captures. On SM90/SM100 bf16 captures grouped_mm itself."""
     import logging
 
-    from drafter.engine.static import syncing_experts
+    from drafter.decoding.static import syncing_experts
 
     model = _tiny_moe(tmp_path).cuda()
     assert syncing_experts(model) == [model.config]
@@ -870,7 +870,7 @@ def test_gqa_sdpa_equals_transformers_sdpa():
     never repeated) gives transformers' SDPA result under a per-row mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from drafter.engine.static import _gqa_sdpa
+    from drafter.decoding.static import _gqa_sdpa
 
     torch.manual_seed(0)
     B, nh, nkv, T, S, hd = 3, 6, 2, 4, 11, 8
@@ -913,7 +913,7 @@ def test_slot_cache_moves_every_pooled_layer_in_one_gather_and_scatter():
     latent, say), whatever the number of layers."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from drafter.engine.static import _slot_cache_class
+    from drafter.decoding.static import _slot_cache_class
 
     g = torch.Generator().manual_seed(0)
     SlotCache = _slot_cache_class()
@@ -983,7 +983,7 @@ def test_a_forward_folds_its_mask_for_the_grouped_heads_once(tiny_llama):
     of a SmolLM2 verification); the next forward, with a new mask, makes its own."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from drafter.engine.static import StaticTarget
+    from drafter.decoding.static import StaticTarget
 
     model = tiny_llama["model"]
     c = model.config
@@ -1022,7 +1022,7 @@ def test_shape_acceptance_on_a_hand_made_step():
     """Six nodes of a (3, 2, 6) tree, ranked by score, the path 1 -> 5 -> 6 accepted; a depth-3
     node of the other branch (4) outranks path node 5, which counts at depth 3 but not at depth
     2; a second row accepted nothing."""
-    from drafter.engine.tree import shape_acceptance
+    from drafter.decoding.tree import shape_acceptance
 
     #                  node  1  2  3  4  5  6     (2 -> 3 -> 4 and 1 -> 5 -> 6)
     depth = torch.tensor([[1, 1, 2, 3, 2, 3]] * 2)
@@ -1079,7 +1079,7 @@ def test_folded_verification_gives_the_same_tokens_and_logits(arch, tmp_path):
     are never folded)."""
     from transformers import AutoModelForCausalLM
 
-    from drafter.engine.static import StaticTarget
+    from drafter.decoding.static import StaticTarget
 
     model = AutoModelForCausalLM.from_pretrained(make_tiny(arch, tmp_path),
                                                  dtype=torch.float32).eval()

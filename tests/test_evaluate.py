@@ -12,7 +12,7 @@ import torch
 
 from drafter.core import config as C
 from drafter.core.rundir import Run
-from drafter.engine.decode import Output
+from drafter.decoding.decode import Output
 from drafter.measure.lossless import compare
 from drafter.measure.report import render_report, report
 from drafter.steps import evaluate as E
@@ -90,7 +90,7 @@ def test_plain_is_timed_without_runners_up_and_checked_with_them(smollm2_dir, sh
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from drafter.data.sources import load_prompts
-    from drafter.engine.decode import NEAR, Decoder, stop_ids_of
+    from drafter.decoding.decode import NEAR, Decoder, stop_ids_of
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
@@ -243,7 +243,7 @@ def test_continuous_and_static_batches_give_the_same_decodings(smollm2_dir, shar
     from tests.tiny import make_tiny
 
     target = make_tiny("llama", tmp_path, tokenizer_dir=smollm2_dir)
-    from drafter.engine.decode import Decoder
+    from drafter.decoding.decode import Decoder
 
     dr = _drafter_dir(target, tmp_path / "native", 0, native=True)
     got, calls, real = {}, [], Decoder._continuous
@@ -448,7 +448,7 @@ def test_a_planted_acceptance_bug_fails_in_both_precisions(smollm2_dir, tmp_path
     """A speculative step that accepts one draft token more than verification allowed: in
     bfloat16 the float32 recheck finds the same divergence (not drift), in float32 it fails at
     once; either way the step fails naming the prompt."""
-    from drafter.engine.decode import Decoder
+    from drafter.decoding.decode import Decoder
 
     real = Decoder._commit
 
@@ -477,7 +477,7 @@ def test_a_bfloat16_only_divergence_passes_as_drift(smollm2_dir, tmp_path, monke
     """A divergence that only bfloat16 decoding makes (planted: the first speculative answer's
     second token changed while the target runs in bfloat16) is decoded again in float32, found
     identical there, and counted as drift: the step passes and the report says so."""
-    from drafter.engine.decode import Decoder
+    from drafter.decoding.decode import Decoder
 
     real = Decoder.generate
     planted = []

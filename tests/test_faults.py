@@ -46,7 +46,7 @@ N_SAMPLES, MAX_STEPS = 10, 12
 
 
 # ---------------------------------------------------------------------------------- the setup
-def write_cfg(path: Path, run_dir: Path, model: Path, engine: str = "local") -> Path:
+def write_cfg(path: Path, run_dir: Path, model: Path, engine: str = "drafter") -> Path:
     """A deterministic tiny run: greedy answers one request at a time (no batch-dependent
     floats), small shards, a float32 train of 12 steps with checkpoints every 3."""
     path.write_text(yaml.safe_dump({
@@ -134,7 +134,7 @@ def assert_same(got: dict, ref: dict) -> None:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, smollm2_dir):
-    """The tiny target and an uninterrupted reference run (local engine)."""
+    """The tiny target and an uninterrupted reference run (engine drafter)."""
     from tests.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("faults")
@@ -685,11 +685,11 @@ def test_fault_matrix(world, server_ref, tmp_path):
     K = signal.SIGKILL
     cases = [("transformers", Point("generate", rng.randrange(0, N_SAMPLES), rng.uniform(0, 1), K))
              for _ in range(2)]
-    cases += [("local", Point("generate", rng.randrange(0, N_SAMPLES - 2), rng.uniform(0, .5), K))
+    cases += [("drafter", Point("generate", rng.randrange(0, N_SAMPLES - 2), rng.uniform(0, .5), K))
               for _ in range(2)]
-    cases += [("local", Point("extract", rng.randrange(0, n_shards - 2), rng.uniform(0, .2), K))
+    cases += [("drafter", Point("extract", rng.randrange(0, n_shards - 2), rng.uniform(0, .2), K))
               for _ in range(3)]
-    cases += [("local", Point("train", rng.randrange(0, MAX_STEPS - 3), rng.uniform(0, .2), K))
+    cases += [("drafter", Point("train", rng.randrange(0, MAX_STEPS - 3), rng.uniform(0, .2), K))
               for _ in range(3)]
     cases.append(("transformers", Point("generate", rng.randrange(1, N_SAMPLES - 2),
                                         rng.uniform(0, .5), signal.SIGTERM)))

@@ -564,14 +564,14 @@ def test_split_reasoning():
 
 
 def test_local_engine(tmp_path, smollm2_dir):
-    """engine=local through drafter.engine.local.LocalGenerator: multi-turn, turn by turn; a
+    """engine=drafter through drafter.generation.local.LocalGenerator: multi-turn, turn by turn; a
     prompt over the target's context (SmolLM2: 8192) is its conversation's error, with its
     reason, and the others are answered."""
     from transformers import AutoTokenizer
 
     records = [conv(0, "Say hi."), conv(1, "Name a color.", "Another one?"),
                conv(2, "word " * 9000)]
-    cfg = make_run(tmp_path, records, **{"generate.server.engine": "local",
+    cfg = make_run(tmp_path, records, **{"generate.server.engine": "drafter",
                                          "generate.max_tokens": 4, "generate.batch_size": 2,
                                          "target.device": "cpu"})
     pipeline.run_step(cfg, "generate")
@@ -609,13 +609,13 @@ def test_local_engine(tmp_path, smollm2_dir):
 
 
 def test_local_stream_equals_pools(tmp_path, smollm2_dir, monkeypatch):
-    """engine=local, greedy: the streaming path (next turns put back while the engine decodes)
+    """engine=drafter, greedy: the streaming path (next turns put back while the engine decodes)
     writes the same records as decoding the pool turn by turn in calls (the static decoder's
     path), multi-turn conversations and a copy at another temperature included."""
     records = [conv(0, "Say hi."), conv(1, "Name a color.", "Another one?"),
                conv(2, "What is 2+2?", "And 3+3?", "And 4+4?", system="Be brief."),
                conv(3, "Name a fruit.")]
-    kw = {"generate.server.engine": "local", "generate.max_tokens": 6,
+    kw = {"generate.server.engine": "drafter", "generate.max_tokens": 6,
           "generate.batch_size": 2, "target.device": "cpu"}
     cfg = make_run(tmp_path / "stream", records, **kw)
     pipeline.run_step(cfg, "generate")
@@ -635,7 +635,7 @@ def test_extra_temperatures_answer_every_conversation_again(tmp_path, smollm2_di
     in input order; a rerun with the copies done generates nothing; the greedy answers are the
     ones a run without copies writes."""
     records = [conv(0, "Say hi."), {**conv(1, "Name a color."), "split": "val"}]
-    kw = {"generate.server.engine": "local", "generate.max_tokens": 6,
+    kw = {"generate.server.engine": "drafter", "generate.max_tokens": 6,
           "generate.batch_size": 4, "target.device": "cpu"}
     cfg = make_run(tmp_path / "a", records, **kw, **{"generate.extra_temperatures": [1.5]})
     m = pipeline.run_step(cfg, "generate")
@@ -697,7 +697,7 @@ def test_the_quality_recipe_is_one_config(shared_data):
     assert len(syn) == 1 and syn[0].synthetic.count == 40_000
     g = cfg.generate
     assert (g.server.engine, g.temperature, g.extra_temperatures, g.batch_size) == \
-        ("local", 0.0, [0.8], 2048)
+        ("drafter", 0.0, [0.8], 2048)
     assert [v for _, v in generate.copies(g)] == [None, 0.8]
     t = cfg.train
     assert (t.online, t.epochs, t.lr, t.max_steps) == (True, 1, 1.2e-3, None)

@@ -9,11 +9,11 @@ CPU:
 - benchmarks/kimi-slice.yaml loads as the evaluate run it says it is; the driver refuses what it
   does not know (a real bash subprocess).
 GPU (`pytest -m gpu tests/test_kimi_shape.py`; they skip themselves without CUDA):
-- plain greedy decoding (drafter.engine.decode.Decoder, CUDA graphs, left-padded batch) and the
-  data engine (drafter.engine.generator.Engine, paged MLA cache) give transformers' own
+- plain greedy decoding (drafter.decoding.decode.Decoder, CUDA graphs, left-padded batch) and the
+  data engine (drafter.generation.generator.Generator, paged MLA cache) give transformers' own
   `generate`, one prompt at a time, token for token (float32);
 - the data engine's greedy answers are the same at two batch sizes (bfloat16, as generate's
-  `engine: local` runs: other rows, other refills, other prefill chunks in every step).
+  `engine: drafter` runs: other rows, other refills, other prefill chunks in every step).
 """
 from __future__ import annotations
 
@@ -161,12 +161,12 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_plain_decoding_and_the_engine_equal_transformers_generate(tiny_kimi):
+def test_plain_decoding_and_the_generator_equal_transformers_generate(tiny_kimi):
     """float32: the static decoder (4 prompts left-padded into one batch, CUDA graphs where
-    the MoE routing lets them capture) and the paged engine (3 rows: refills) give what
+    the MoE routing lets them capture) and the paged generator (3 rows: refills) give what
     transformers' generate gives each prompt alone."""
-    from drafter.engine.decode import Decoder
-    from drafter.engine.generator import Engine
+    from drafter.decoding.decode import Decoder
+    from drafter.generation.generator import Generator
 
     model = _load(tiny_kimi, "float32")
     assert type(model).__name__ == "DeepseekV3ForCausalLM" and model.config.kv_lora_rank == 512
@@ -181,7 +181,7 @@ def test_plain_decoding_and_the_engine_equal_transformers_generate(tiny_kimi):
     dec = Decoder(model, max_batch=4)
     got = dec.generate(prompts, max_new, stop_ids=[STOP])
     assert [o.tokens for o in got] == want    # graphed, or eager where a capture fell back
-    eng = Engine(model, max_batch=3, cuda_graphs=True, sync_every=2)
+    eng = Generator(model, max_batch=3, cuda_graphs=True, sync_every=2)
     res = eng.generate(prompts, max_new, stop_ids=[STOP])
     assert [r.tokens for r in res] == want
     assert eng.cache.gather                               # MLA: the gathered latent cache
@@ -189,18 +189,18 @@ def test_plain_decoding_and_the_engine_equal_transformers_generate(tiny_kimi):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_engine_answers_are_the_same_at_two_batch_sizes(tiny_kimi):
-    """bfloat16, as the generate step runs the engine: 24 prompts at batch 32 (one admission,
+def test_generator_answers_are_the_same_at_two_batch_sizes(tiny_kimi):
+    """bfloat16, as the generate step runs the generator: 24 prompts at batch 32 (one admission,
     one prefill) and at batch 8 (refills as rows end, other prompts sharing every step and
     prefill chunk) give the same greedy answers token for token."""
-    from drafter.engine.generator import Engine
+    from drafter.generation.generator import Generator
 
     model = _load(tiny_kimi, "bfloat16")
     prompts = _prompts(24, seed=1)
     max_new = [16 + 7 * (i % 5) for i in range(len(prompts))]  # rows end at different steps
     runs = {}
     for batch in (32, 8):
-        eng = Engine(model, max_batch=batch, cuda_graphs=True)
+        eng = Generator(model, max_batch=batch, cuda_graphs=True)
         runs[batch] = eng.generate(prompts, max_new, stop_ids=[STOP])
         assert eng.last["requests"] == len(prompts)
     assert [r.tokens for r in runs[32]] == [r.tokens for r in runs[8]]

@@ -1,7 +1,7 @@
 """The package's shape: imports flow one way through the layers docs/internals.md draws, no
-module imports itself back through others, and no module outgrows 600 lines unless
-docs/internals.md says why. Read from the source (every import statement, function-level ones
-included), nothing imported."""
+module imports itself back through others, every package's docstring names each of its modules,
+and no module outgrows 600 lines unless docs/internals.md says why. Read from the source (every
+import statement, function-level ones included), nothing imported."""
 from __future__ import annotations
 
 import ast
@@ -11,8 +11,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "drafter"
 # Bottom to top: a package imports only from itself and the packages before it.
-LAYERS = ["core", "data", "features", "serve", "engine", "train", "export", "measure", "steps",
-          "run", "cli"]
+LAYERS = ["core", "data", "features", "serve", "decoding", "generation", "train", "export",
+          "measure", "steps", "run", "cli"]
 MAX_LINES = 600
 
 
@@ -112,6 +112,28 @@ def test_every_package_is_a_layer_with_a_docstring():
     for name in pkgs:
         doc = ast.get_docstring(ast.parse((PKG / name / "__init__.py").read_text()))
         assert doc and len(doc) > 40, f"drafter/{name}/__init__.py: a docstring naming its job"
+
+
+def named_in(doc: str) -> set[str]:
+    """The words a package docstring names its modules by: those inside parentheses, the
+    convention "the run-dir paths (rundir)", "(plan, counts)"."""
+    return {w for group in re.findall(r"\(([^()]*)\)", doc) for w in re.findall(r"\w+", group)}
+
+
+def test_every_module_is_named_in_its_package_docstring():
+    """A reader finds every file of a package from its docstring: each module's name stands in
+    parentheses after what it does."""
+    missing = []
+    for init in sorted(PKG.glob("*/__init__.py")):
+        names = named_in(ast.get_docstring(ast.parse(init.read_text())) or "")
+        missing += [str(p.relative_to(REPO)) for p in sorted(init.parent.glob("*.py"))
+                    if p.name != "__init__.py" and p.stem not in names]
+    assert missing == []
+
+
+def test_named_in_reads_the_parentheses():
+    doc = "Paths (rundir), the plan before weights load (plan, counts); the store, no module."
+    assert {"rundir", "plan", "counts"} <= named_in(doc) and "store" not in named_in(doc)
 
 
 def test_modules_stay_under_600_lines_or_internals_says_why():

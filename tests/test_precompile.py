@@ -3,7 +3,7 @@ configs apply on a GPU), the child's micro-batches against what the online feede
 tiny random target (names, dtypes, devices, shapes: what Inductor's and aot's keys hold), its
 set-up before the vocab step has run (the vocab's shape only), train waiting for the child the
 pipeline started and keeping its log and figures, and the pipeline starting it before generate
-(engine local) or before the first of tokenize, vocab that runs, the release wait counting it as
+(engine drafter) or before the first of tokenize, vocab that runs, the release wait counting it as
 the pipeline's own, and stopping it when no train takes it. A CPU
 cannot compile: these test the decision and the plumbing; the GPU test runs the real thing."""
 from __future__ import annotations
@@ -266,10 +266,10 @@ def test_pipeline_starts_the_online_precompile_before_tokenize_and_train_waits(
 
 
 def test_pipeline_starts_the_child_before_a_local_generate(ahead, tiny, tmp_path):
-    """With generate in this process (engine local: the data engine leaves room beside it) the
+    """With generate in this process (engine drafter: the data engine leaves room beside it) the
     child starts before generate, so its compile overlaps the answers; with a server engine
     (transformers serve, vLLM) or generate off, before tokenize as before."""
-    cfg = cfg_for(tiny, "generate.server.engine=local", run_dir=tmp_path / "local")
+    cfg = cfg_for(tiny, "generate.server.engine=drafter", run_dir=tmp_path / "local")
     pipeline.run_all(cfg, steps=pipeline.STEPS[:6])
     assert ahead.calls == ["prepare", "child", "generate", "tokenize", "vocab", "extract",
                            "train"]
@@ -283,7 +283,7 @@ def test_pipeline_starts_the_child_before_a_local_generate(ahead, tiny, tmp_path
                                "train"], engine
         assert read_json(Run(tmp_path / name).manifest("train"))["before"] == "tokenize"
     ahead.calls.clear()
-    pipeline.run_all(cfg_for(tiny, "generate.server.engine=local", "generate.enabled=false",
+    pipeline.run_all(cfg_for(tiny, "generate.server.engine=drafter", "generate.enabled=false",
                              run_dir=tmp_path / "off"), steps=pipeline.STEPS[:6])
     assert ahead.calls == ["prepare", "generate", "child", "tokenize", "vocab", "extract",
                            "train"]
@@ -314,7 +314,7 @@ def test_the_release_wait_counts_the_child_started_before_generate_as_ours(
     monkeypatch.setattr(gpu_release, "gpu_snapshot", snapshot)
     monkeypatch.setattr(gpu_release, "wait_gpu_released", wait)
     monkeypatch.setenv("_TEST_NAP", "5")  # still running when the pipeline reaches train
-    cfg = cfg_for(tiny, "generate.server.engine=local", run_dir=tmp_path / "run")
+    cfg = cfg_for(tiny, "generate.server.engine=drafter", run_dir=tmp_path / "run")
     pipeline.run_all(cfg, steps=pipeline.STEPS[:6])
     assert ahead.calls == ["prepare", "child", "generate", "tokenize", "vocab", "extract",
                            "train"]

@@ -1,11 +1,12 @@
-"""drafter.engine.rejection: the walk over the draft vocab's support makes the direct form's
+"""drafter.decoding.rejection: the walk over the draft vocab's support makes the direct form's
 decisions (the recursive rejection sampling that rewrote [B, V] rows per sibling, kept here as
 the reference) under the same uniforms: the same accepted nodes and counts and the same last
 token, over trees, chains, a draft vocab smaller than the target's and a draft distribution with
 zeros. The Triton kernels (the walk, the sampled expansion) make the PyTorch forms' decisions
 under the same uniforms, in Triton's interpreter on the CPU and compiled on a GPU (`-m gpu`),
-and their own Philox draws follow the distribution. tests/test_sampling_exact.py holds the
-whole decoder to the target's distribution."""
+and their own Philox draws follow the distribution; triton_helpers' search keys give back what
+they pack, in the floats' order. tests/test_sampling_exact.py holds the whole decoder to the
+target's distribution."""
 from __future__ import annotations
 
 import os
@@ -18,12 +19,29 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafter.engine import rejection
-from drafter.engine.rejection import DraftQ, gumbel
-from drafter.engine.tree import (TreeSpec, _path, ancestors, build_tree, children_table,
+from drafter.decoding import rejection
+from drafter.decoding.rejection import DraftQ, gumbel
+from drafter.decoding.tree import (TreeSpec, _path, ancestors, build_tree, children_table,
                                  sampled_children, verify_chain_sample, verify_sample)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+try:  # triton_helpers' keys and Gumbel noise alone, for check_keys (no Triton: never called)
+    import triton
+    import triton.language as tl
+
+    from drafter.decoding import triton_helpers as th
+
+    @triton.jit
+    def keys_kernel(X, IDX, U, KEYS, BACK_X, BACK_I, G, N: tl.constexpr, LAST: tl.constexpr):
+        n = tl.arange(0, N)
+        key = th.pack_key(tl.load(X + n), tl.load(IDX + n), LAST)
+        tl.store(KEYS + n, key)
+        tl.store(BACK_X + n, th.key_float(key))
+        tl.store(BACK_I + n, th.key_index(key, LAST))
+        tl.store(G + n, th.gumbel(tl.load(U + n)))
+except ImportError:
+    th = keys_kernel = None
 
 
 # ------------------------------------------------------------- the direct forms (the reference)
@@ -172,12 +190,25 @@ def test_children_table_lists_each_nodes_valid_children_in_draw_order():
 
 # ------------------------------------------------------------------------ the Triton kernels
 def _kernel_cases():
-    """(walk_torch's arguments) for the kernel checks: trees and a chain, a subset vocab."""
+    """(walk_torch's arguments) for the kernel checks: trees and a chain, a subset vocab; and a
+    chain as verify_chain_sample lays it out (children and dist one row for every row: batch
+    stride 0), its logits and draft rows views into wider tensors (strides not their shapes')."""
     for seed, spec in ((0, TreeSpec(3, 3, 8)), (1, TreeSpec(4, 2, 10)), (2, TreeSpec.chain(3))):
         d, pf, df, anc, logits, t_ids, u, noise = sampled_tree(seed, spec, B=24,
                                                                zeros=seed == 1)
         yield (logits, d.tokens, children_table(pf, d.valid, spec.topk), d.dist, d.q, t_ids,
                0.9, u, noise)
+    g = torch.Generator().manual_seed(3)
+    B, K, V, Vd, T = 24, 4, 100, 64, 0.9
+    t_ids = torch.randperm(V, generator=g)[:Vd]
+    rows = (torch.randn(B, K + 1, Vd, generator=g) * 2)[:, :K]                    # [B, K, Vd]
+    q = DraftQ(rows, torch.logsumexp(rows / T, -1), T)
+    tokens = (q.logq() + gumbel(torch.rand(B, K, Vd, generator=g))).argmax(-1)
+    logits = (torch.randn(B, K + 2, V, generator=g) * 2)[:, :K + 1]               # [B, K+1, V]
+    logits[:, :K, t_ids] = rows + 0.5 * torch.randn(B, K, Vd, generator=g)
+    children, dist = rejection.chain_layout(K, "cpu")
+    yield (logits, tokens, children.expand(B, K + 1, 1), dist.expand(B, K + 1), q, t_ids, T,
+           torch.rand(B, K, 1, generator=g), torch.rand(B, V, generator=g))
 
 
 def check_walk_kernel(cases, exact=True):
@@ -216,6 +247,35 @@ def _children_cases(dev="cpu"):
     yield x, 1
 
 
+def check_keys(dev="cpu"):
+    """triton_helpers: pack_key's keys, sorted, give the floats largest first (a NaN above +inf)
+    and equal floats by index, the lowest first; key_float and key_index give back the float's
+    bits and the index; TAKEN lies below every key; its gumbel is noise.gumbel. Indices as the
+    two searches pack them: int32 chunks (last NC - 1) and int64 columns (last INDEX_MAX)."""
+    g = torch.Generator().manual_seed(0)
+    special = [float("-inf"), float("inf"), float("nan"), -0.0, 0.0, 1e-45, -1e-45, 3.4e38,
+               -3.4e38, 1.0, -1.0]
+    x = torch.cat([torch.tensor(special), (torch.randn(117, generator=g) * 2).round()])  # ties
+    x = x[torch.randperm(128, generator=g)].to(dev)
+    u = torch.cat([torch.tensor([0.0, 1e-30, 1e-20, 0.5, 1 - 2 ** -24, 1 - 1e-7]),
+                   torch.rand(122, generator=g)]).to(dev)
+    for last, idx in ((127, torch.randperm(128, generator=g).int()),
+                      (th.INDEX_MAX.value, torch.randint(0, 2 ** 31, (128,), generator=g))):
+        idx = idx.to(dev)
+        keys = torch.empty(128, dtype=torch.long, device=dev)
+        back_x, back_i, noise = torch.empty_like(x), torch.empty_like(idx), torch.empty_like(u)
+        keys_kernel[(1,)](x, idx, u, keys, back_x, back_i, noise, N=128, LAST=last)
+        assert torch.equal(back_x.view(torch.int32), x.view(torch.int32))
+        assert torch.equal(back_i, idx)
+        assert (keys > th.TAKEN.value).all()
+        order = keys.argsort(descending=True)
+        xs, bits, ids = x[order], x[order].view(torch.int32), idx[order]
+        assert xs[0].isnan() and (xs[1:-1] >= xs[2:]).all(), xs.tolist()
+        tie = bits[:-1] == bits[1:]
+        assert tie.any() and (ids[:-1] < ids[1:])[tie].all()
+        assert noise.isfinite().all() and torch.allclose(noise, gumbel(u), rtol=1e-5, atol=1e-5)
+
+
 def check_philox_draws(dev="cpu", rows=400):
     """The kernels' own noise: first draws follow softmax(x / T), second draws the rest
     (without replacement), within sampling error."""
@@ -242,11 +302,13 @@ def check_philox_draws(dev="cpu", rows=400):
 def test_kernels_in_the_interpreter():
     """The walk and sampled-expansion kernels run by Triton's interpreter on the CPU (skipped
     without Triton; the GPU test runs them compiled): the PyTorch forms' decisions from the
-    same uniforms, and their own Philox draws follow the distribution."""
+    same uniforms, and their own Philox draws follow the distribution; the search keys'
+    round trip (check_keys)."""
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         from tests.test_rejection import (_children_cases, _kernel_cases, check_children_kernel,
-                                          check_philox_draws, check_walk_kernel)
+                                          check_keys, check_philox_draws, check_walk_kernel)
+        check_keys()
         check_walk_kernel(_kernel_cases())
         check_children_kernel(_children_cases())
         check_philox_draws()
@@ -276,6 +338,7 @@ def test_kernels_on_the_gpu():
                           + [((torch.randn(64, 8, 32000, device="cuda") * 3).bfloat16(), 8)],
                           exact=False)
     check_philox_draws("cuda", rows=20000)
+    check_keys("cuda")
 
 
 def _to(args, dev):

@@ -18,6 +18,7 @@ import yaml
 
 from drafter.core import config as C
 from drafter.core import target as T
+from drafter.core import weights as W
 from drafter.core.rundir import Run, read_json
 from drafter.export.check import FAIL, PASS, format_report, run_checks
 from drafter.run import plan as P
@@ -123,5 +124,5 @@ def test_plan_extract_train_export_check_on_a_remote_code_wrapper(kimi, tmp_path
     assert meta["speculators_config"]["verifier"]["architectures"] == [
         "KimiK25ForConditionalGeneration"]
     # the drafter's embeddings came from the wrapper's safetensors (language_model.model.*)
-    emb = T.target_embeddings(cfg.target)
+    emb = W.target_embeddings(cfg.target)
     assert torch.equal(emb, model.get_input_embeddings().weight)

@@ -76,13 +76,14 @@ def test_skip_force_and_stale(tmp_path, monkeypatch):
     assert Run.of(cfg2).conversations("generate").read_text() == "seed=7\n"
 
 
-def test_new_fields_at_their_neutral_value_keep_fingerprints(tmp_path):
+def test_new_fields_at_their_neutral_value_keep_fingerprints(tmp_path, monkeypatch):
     """A field added by a later release, at the value that behaves as before, leaves the hash
     of a step finished before it existed unchanged (no 4-minute generate redone)."""
     import hashlib
 
     from drafter.core.rundir import NEUTRAL, SECTIONS, UNHASHED
 
+    monkeypatch.setattr(pipeline, "RETIRED", {})  # retired fields: the test after this one
     for dotted in NEUTRAL:
         step = next(s for s, secs in SECTIONS.items() if dotted.split(".")[0] in secs)
         cfg = cfg_for(tmp_path)
@@ -104,6 +105,63 @@ def test_new_fields_at_their_neutral_value_keep_fingerprints(tmp_path):
         other = "[0.5]" if isinstance(value, list) else "true" if value is False else \
             "false" if value is True else "1"
         assert pipeline.config_hash(cfg_for(tmp_path, f"{dotted}={other}"), step) != before
+
+
+# Keys a config held before they were removed, and values spelled otherwise then (config.REMOVED,
+# rundir.RETIRED): what a run dir's snapshot from then holds for today's default config (and
+# for today's overrides below); NEUTRAL_BEFORE, the NEUTRAL entries drafter had for them then.
+BEFORE = {"train.gc_freeze": True, "train.saved_graphs": True, "train.loader_threads": 4,
+          "extract.self_check": True, "extract.packing": "auto", "evaluate.cuda_graphs": True,
+          "extract.engine": "transformers", "generate.server.engine": "local"}
+NEUTRAL_BEFORE = {"train.gc_freeze": True, "train.saved_graphs": True}
+TODAY = ["generate.server.engine=drafter"]
+
+
+def _at(d: dict, dotted: str):
+    *path, last = dotted.split(".")
+    for key in path:
+        d = d.setdefault(key, {})
+    return d, last
+
+
+def test_a_snapshot_from_before_keys_were_retired_keeps_its_fingerprints(tmp_path):
+    """A run dir's snapshot written before keys were removed and values renamed still reads
+    (`drafter status`: validate=False), and each step's fingerprint is the one drafter gave it
+    then: no finished step is redone for the change. Loaded as a config, it fails."""
+    import hashlib
+
+    import yaml
+
+    from drafter.core.rundir import NEUTRAL, SECTIONS, UNHASHED
+
+    old = C.to_dict(cfg_for(tmp_path, *TODAY))
+    for dotted, value in BEFORE.items():
+        d, key = _at(old, dotted)
+        d[key] = value
+    snap = tmp_path / "config.yaml"
+    snap.write_text(yaml.safe_dump(old))
+    with pytest.raises(C.ConfigError, match=r"config\.yaml:\d+: .*no longer|is now"):
+        C.load(snap)
+    cfg = C.load(snap, validate=False)
+    assert cfg == cfg_for(tmp_path, *TODAY)
+    for step, sections in SECTIONS.items():
+        parts = {}
+        for name in sections:  # as drafter hashed it then
+            d, key = _at(json.loads(json.dumps(old)), name)
+            parts[name] = d[key]
+        for dotted in UNHASHED:  # keys no fingerprint ever held
+            section, key = dotted.split(".")
+            parts.get(section, {}).pop(key, None)
+        for dotted, value in {**NEUTRAL, **NEUTRAL_BEFORE}.items():
+            section, *path = dotted.split(".")
+            if section in parts and path:
+                d = parts[section]
+                for key in path[:-1]:
+                    d = d[key]
+                if d.get(path[-1], not value) == value:
+                    del d[path[-1]]
+        then = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+        assert pipeline.config_hash(cfg, step) == then, step
 
 
 def test_missing_input_names_the_producer(tmp_path, monkeypatch):

@@ -20,8 +20,8 @@ import textwrap
 import pytest
 import torch
 
-from drafter.engine import decode, rejection
-from drafter.engine.decode import Decoder, TreeSpec
+from drafter.decoding import decode, rejection
+from drafter.decoding.decode import Decoder, TreeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,7 +110,7 @@ def chi_square(tokens: torch.Tensor, joint: torch.Tensor) -> tuple[float, float]
 
 
 def planted(fn, *edits: tuple[str, str]):
-    """`fn` (a function of drafter.engine.rejection) with each source text `old` of `edits`
+    """`fn` (a function of drafter.decoding.rejection) with each source text `old` of `edits`
     replaced by its `new`."""
     src = textwrap.dedent(inspect.getsource(fn))
     for old, new in edits:

@@ -205,6 +205,28 @@ def test_real_transformers_serve_not_healthy_in_time(tmp_path, smollm2_dir):
     assert f"transformers.cli.transformers serve {smollm2_dir}" in log.read_text()
 
 
+def test_real_transformers_serve_healthy_says_nothing_alarming(tmp_path, smollm2_dir, caplog):
+    """A healthy `transformers serve`: requests name the model drafter started it with, and its
+    /v1/models (which lists the HF hub cache, a 500 with a traceback where there is none) is
+    not asked: neither drafter's log nor the server's holds an error."""
+    import logging
+
+    cfg = C.load(None, [f"run_dir={tmp_path}", "target.device=cpu",
+                        "generate.server.stop_timeout=10"])
+    log = tmp_path / "server.log"
+    with caplog.at_level(logging.INFO, logger="drafter"):
+        with serve.servers(cfg, log) as pool:
+            assert pool.model == str(smollm2_dir)
+            r = httpx.post(pool.urls[0] + "/v1/chat/completions", timeout=120,
+                           json={"model": pool.model, "max_tokens": 2,
+                                 "messages": [{"role": "user", "content": "Hi"}]})
+            assert r.status_code == 200, r.text
+    assert [x.getMessage() for x in caplog.records if x.levelno >= logging.WARNING] == []
+    text = log.read_text()
+    assert "GET /health HTTP/1.1\" 200" in text and "/v1/models" not in text
+    assert "500 Internal Server Error" not in text and "Traceback" not in text
+
+
 def test_drafter_serve_cli(tmp_path):
     """`drafter serve CONFIG` starts the server, prints its URL, serves, stops on Ctrl-C. (The
     real `transformers serve` start and stop are covered in test_generate.py.)"""

@@ -75,7 +75,7 @@ def _config(root: Path, **over) -> C.Config:
         "prepare": {"sources": [{"name": "syn", "synthetic": {
             "count": 6, "turns": 2, "topics": ["cooking", "algebra"], "max_tokens": 40,
             "min_chars": 8, "max_attempts": 6}}], "val_fraction": 0.0},
-        "generate": {"server": {"engine": "local"}, "max_tokens": 12, "batch_size": 4},
+        "generate": {"server": {"engine": "drafter"}, "max_tokens": 12, "batch_size": 4},
     }
     for k, v in over.items():
         apply_override(data, k.split("."), v, k)  # the dotted overrides of C.load, values as given

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from drafter.core import config as C
+from drafter.core import gguf as G
 from drafter.core import target as T
+from drafter.core import weights as W
 
 
 def test_builtin_materialises_loadable_folder(smollm2_dir):
@@ -48,7 +50,7 @@ def test_logits_match_gguf(smollm2_dir):
 def test_concurrent_materialisation(tmp_path):
     gguf = T.builtin_file("smollm2-135m-instruct")
     code = ("import sys; from pathlib import Path; "
-            "from drafter.core.target import materialise_gguf; "
+            "from drafter.core.gguf import materialise_gguf; "
             f"print(materialise_gguf(Path({str(gguf)!r}), Path(sys.argv[1])))")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env,
@@ -156,7 +158,7 @@ def test_tokenizer_matches_llama_cpp_on_the_gguf_vocabulary(smollm2_dir):
         assert tok.decode(ref.encode(text)) == text
     assert json.loads((smollm2_dir / "tokenizer.json").read_text())["pre_tokenizer"][
         "pretokenizers"][0] == {"type": "Digits", "individual_digits": True}
-    assert T.MATERIALISE_VERSION >= 2  # caches of the old tokenizer are materialised again
+    assert G.MATERIALISE_VERSION >= 2  # caches of the old tokenizer are materialised again
 
 
 # ------------------------------------------------------------------ weights as stored
@@ -202,7 +204,7 @@ HEAD, EMBED, NORMS = V * H, V * H, LAYERS * 2 * H + H
 def test_weight_bytes_follow_the_quantization_config(tmp_path, quant, expect):
     """(quantised weights, bits per weight) by hand from the shapes; the rest at 2 bytes."""
     config = _llama_config(tmp_path, quant)
-    w = T.weight_bytes(config, 2)
+    w = W.weight_bytes(config, 2)
     params = LINEAR + HEAD + EMBED + NORMS
     if expect is None:
         assert w == {"bytes": params * 2, "routed_bytes": 0, "quantised_params": 0,
@@ -216,7 +218,7 @@ def test_weight_bytes_follow_the_quantization_config(tmp_path, quant, expect):
 
 
 def test_unknown_quantisation_is_sized_at_the_config_dtype_and_says_so(tmp_path):
-    w = T.weight_bytes(_llama_config(tmp_path, {"quant_method": "hqq", "nbits": 4}), 2)
+    w = W.weight_bytes(_llama_config(tmp_path, {"quant_method": "hqq", "nbits": 4}), 2)
     assert w["bytes"] == (LINEAR + HEAD + EMBED + NORMS) * 2 and w["quantised_params"] == 0
     assert w["source"] == "quant_method hqq unknown to drafter: every weight at 16 bits"
 
@@ -230,13 +232,13 @@ def test_kimi_like_wrapper_int4_experts_and_nothing_else(tmp_path):
     from tests.remote_code import write_folder
 
     config = AutoConfig.from_pretrained(write_folder(tmp_path / "kimi"), trust_remote_code=True)
-    assert T.from_remote_code(config) and T.quantization_config(config)["format"] \
+    assert T.from_remote_code(config) and W.quantization_config(config)["format"] \
         == "pack-quantized"
     meta = T.meta_model(config)                     # built with the wrapper's own code
     assert type(meta).__name__ == "KimiK25ForConditionalGeneration"
     total = sum(p.numel() for p in meta.parameters())
     routed = 5 * 4 * 3 * 64 * 32                    # 5 MoE layers x 4 experts x gate, up, down
-    w = T.weight_bytes(config, 2, meta)
+    w = W.weight_bytes(config, 2, meta)
     assert w["quantised_params"] == routed
     assert w["bytes"] == (total - routed) * 2 + routed * 9 // 16      # 4.5 bits
     assert w["routed_bytes"] == routed * 9 // 16

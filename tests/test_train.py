@@ -24,6 +24,7 @@ from drafter.core import config as C
 from drafter.core import target
 from drafter.core.dist import Dist
 from drafter.core.rundir import Run, read_json, read_jsonl
+from drafter.core.weights import target_embeddings
 from drafter.features.capture import Capture
 from drafter.steps import train
 from drafter.train import batches
@@ -175,7 +176,7 @@ def test_online_groups_capture_in_fewer_forwards_and_give_the_same_batches(world
 
 
 def test_prefetch_threads_hand_batches_over_in_order():
-    """train.loader_threads: several threads build the jobs, finishing out of order (the later
+    """trainer.LOADER_THREADS: several threads build the jobs, finishing out of order (the later
     ones here sooner); next() hands them over in the jobs' order, a list per job flattened; an
     error in a job surfaces at its turn, after the batches before it; close() stops early."""
     import random
@@ -584,7 +585,7 @@ def test_precompile_batches_look_like_trains_batches(pipe):
     m = train.build_drafter(cfg, target.load_config(cfg.target),
                             store.Reader(Run(pipe.run), "train").info["layer_ids"],
                             *_vocab(pipe.run),
-                            target.target_embeddings(cfg.target))
+                            target_embeddings(cfg.target))
     assert {k: v.shape for k, v in m.state_dict().items()} == \
         {k: v.shape for k, v in S["drafter"].state_dict().items()}
 
@@ -830,7 +831,7 @@ def test_a_second_process_reads_pre_and_post_from_aotautograds_cache(tmp_path):
     cache refuses unless TTT allows it: a second process (a second `drafter train` on one
     machine) then reads both graphs' traced forward and backward from the cache instead of
     tracing them again (a warm warm-up's 13.5 s of compiling became 3.5 s). Train
-    traces them only with train.saved_graphs=false or FSDP now (drafter/train/aot.py)."""
+    traces them only under FSDP now (drafter/train/aot.py)."""
     import json
 
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))

@@ -1,5 +1,5 @@
-"""The tuned serving settings in the export READMEs (drafter/export/tuned.py): a real export of a
-tiny random drafter, evaluate's metrics built with drafter.engine.tuning.recommend from made-up
+"""The tuned serving settings in the export READMEs (drafter/measure/tuned.py): a real export of a
+tiny random drafter, evaluate's metrics built with drafter.measure.tuning.recommend from made-up
 acceptance and step costs; the section per temperature and batch size with each dir's own path
 in the flags, the
 same README when written twice, export's manifest and lint untouched (export stays done, evaluate
@@ -12,10 +12,10 @@ from test_export import make_run
 
 from drafter.core import config as C
 from drafter.core.rundir import Run, atomic_json, sealed
-from drafter.engine.tuning import flags, recommend
+from drafter.measure.tuning import flags, recommend
 from drafter.export.check import run_checks
 from drafter.export.engines import README_FILE
-from drafter.export.tuned import BEGIN, END, TITLE, add_tuned_settings, splice
+from drafter.measure.tuned import BEGIN, END, TITLE, add_tuned_settings, splice
 from drafter.run import pipeline
 
 ALPHA = [0.8, 0.6, 0.5]           # conditional acceptance of a greedy chain of K=3

@@ -1,11 +1,11 @@
-"""drafter.engine.tuning and measure.summary.recommend_setting: the serving setting per
+"""drafter.measure.tuning and measure.summary.recommend_setting: the serving setting per
 temperature from acceptance and step costs, and its expected speedup in evaluate's own
 quantities (pure arithmetic)."""
 from __future__ import annotations
 
 import pytest
 
-from drafter.engine.tuning import as_evaluated, chain_step_ms, expected_tau, recommend, shape_taus
+from drafter.measure.tuning import as_evaluated, chain_step_ms, expected_tau, recommend, shape_taus
 
 
 def test_expected_tau_is_the_chain_formula():

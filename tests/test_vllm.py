@@ -89,7 +89,7 @@ def test_capture_inside_vllm_equals_drafters_in_float32(base):
                        env=base["env"], capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stderr[-6000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["layer_ids"] == [2, 15, 27] and r["engine_ids"] == [2, 15, 27, 30]
+    assert r["layer_ids"] == [2, 15, 27] and r["vllm_ids"] == [2, 15, 27, 30]
     assert r["tokens"] > 1000
     assert max(r["aux_rel_l2"]) < 1e-5, r
     # the top-k ids as a set on >= 99.9% of tokens; their order differs only where two log-probs
@@ -109,7 +109,7 @@ def test_extract_in_vllm_writes_the_same_shards_and_resumes(base):
     assert m["engine"] == "vllm"
     chk = m["self_check"]["engine_check"]
     assert chk["samples"] > 24 and chk["same_next_token"] == chk["samples"]
-    assert not run.engine_states().exists()
+    assert not run.vllm_states().exists()
     want = read_json(ours.manifest("extract"))["counts"]
     assert m["counts"]["tokens"] == want["tokens"] and m["counts"]["shards"] == want["shards"]
 
@@ -131,13 +131,13 @@ def test_extract_in_vllm_writes_the_same_shards_and_resumes(base):
     lost = run.shard("train", 1)
     before = load_file(lost)
     lost.unlink()
-    run.engine_states().mkdir()
-    (run.engine_states() / "0-dead.safetensors").write_bytes(b"partial")
+    run.vllm_states().mkdir()
+    (run.vllm_states() / "0-dead.safetensors").write_bytes(b"partial")
     _drafter(base, "extract", "extract.engine=vllm", run_dir=run_dir)
     m = read_json(run.manifest("extract"))["counts"]
     assert m["shards_written"] == 1 and m["shards_kept"] == want["shards"] - 1
     assert load_file(lost)["teacher_topk_ids"].equal(before["teacher_topk_ids"])
-    assert not run.engine_states().exists()
+    assert not run.vllm_states().exists()
 
 
 def test_vllm_tau_equals_drafters_count_for_count(base):

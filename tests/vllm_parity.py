@@ -19,7 +19,7 @@ def main(path: str) -> None:
     from drafter.core.rundir import Run
     from drafter.data import tokens
     from drafter.features.capture import Capture
-    from drafter.features.engine_capture import EngineCapture
+    from drafter.features.vllm_capture import VllmCapture
     from drafter.steps.extract import _read_table
 
     cfg = C.load(path)
@@ -31,8 +31,8 @@ def main(path: str) -> None:
     ref = Capture(target.load_model(cfg.target, "cpu", torch.float32), ec.layer_ids, d2t, t2d,
                   teacher="topk", topk=ec.topk, out_dtype=torch.float32)
     want = ref.run(samples)
-    cap = EngineCapture(cfg, d2t, t2d, max(map(len, samples)), run.engine_states(),
-                        out_dtype=torch.float32)
+    cap = VllmCapture(cfg, d2t, t2d, max(map(len, samples)), run.vllm_states(),
+                      out_dtype=torch.float32)
     try:
         got = cap.run(samples)
     finally:
@@ -40,7 +40,7 @@ def main(path: str) -> None:
     a, b = got["aux"].float(), want["aux"].float()                              # [N, L, Ht]
     rel = [((a[:, j] - b[:, j]).norm() / b[:, j].norm()).item() for j in range(a.shape[1])]
     print(json.dumps({
-        "tokens": int(a.shape[0]), "layer_ids": cap.layer_ids, "engine_ids": cap.engine_ids,
+        "tokens": int(a.shape[0]), "layer_ids": cap.layer_ids, "vllm_ids": cap.vllm_ids,
         "aux_rel_l2": rel,
         "aux_max_rel": ((a - b).abs().max() / b.abs().max()).item(),
         "topk_ids_same": (got["teacher_topk_ids"] == want["teacher_topk_ids"]).all(-1)

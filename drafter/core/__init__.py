@@ -1,4 +1,6 @@
-"""Foundations every other package stands on: the typed config (config), the only code that
-knows run-directory paths and writes atomically (rundir), the torchrun environment (dist), the GPUs
-and who holds them (gpu), and the target model loaded the one way (target). Imports nothing of
-drafter but drafter.DrafterError."""
+"""Foundations every other package stands on: the typed config (config) with its YAML loading,
+overrides and cross-field rules (configload), the only code that knows run-directory paths and
+writes atomically (rundir), the torchrun environment (dist), the GPUs and who holds them (gpu),
+the target model loaded the one way (target), a GGUF target materialised into an HF folder
+(gguf), the target's weights read and sized as stored (weights), and vLLM started for the target
+(vllm). Imports nothing of drafter but drafter.DrafterError."""

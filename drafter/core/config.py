@@ -3,8 +3,9 @@
     cfg = load("configs/quickstart.yaml", ["train.lr=3e-4", "run_dir=/tmp/x"])
 
 This module is the schema (the dataclasses below) and the entry points callers use: `load`,
-`where`, `dump`, `fingerprint`, `to_dict`, `help_lines`. Every field has a default and a one-line
-doc (`doc(...)` below) that `drafter <cmd> --help` prints. Unknown keys, wrong types and values
+`where`, `dump`, `fingerprint`, `to_dict`, `help_lines`, `keys`. Every field has a default and a
+one-line doc (`doc(...)` below) that `drafter <cmd> --help` prints: the keys users set
+(`doc(..., user=True)`), or every key with `--help all`. Unknown keys, wrong types and values
 out of range raise `ConfigError` naming the dotted key, the file and the line; the machinery
 that finds them (YAML line table, type coercion, dotted overrides, ranges and cross-field rules)
 is drafter/core/configload.py. Derived values (layer ids, drafter shape) are computed once by
@@ -30,16 +31,20 @@ from drafter.core.configload import (
     build,
     check_values,
     parse_override,
+    retire,
 )
 
 
-def doc(default: Any, help: str, **kw) -> Any:
-    """A dataclass field with a default and the one-line doc shown by --help."""
+def doc(default: Any, help: str, user: bool = False, **kw) -> Any:
+    """A dataclass field with a default and the one-line doc shown by --help. `user`: a key
+    users set (the shipped configs, the docs' examples), listed by the default `--help`; the
+    others only by `--help all`."""
+    meta = {"help": help, "user": user}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
-        return field(default_factory=lambda d=default: _copy(d), metadata={"help": help}, **kw)
+        return field(default_factory=lambda d=default: _copy(d), metadata=meta, **kw)
     if callable(default) and isinstance(default, type):
-        return field(default_factory=default, metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=default, metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
 
 
 def _copy(x):
@@ -51,24 +56,26 @@ def _copy(x):
 @dataclass
 class TargetConfig:
     model: str = doc("builtin:smollm2-135m-instruct",
-                     "HF model id, local HF folder, .gguf file, or builtin:smollm2-135m-instruct")
+                     "HF model id, local HF folder, .gguf file, or builtin:smollm2-135m-instruct",
+                     user=True)
     revision: str | None = doc(None, "HF hub revision (branch, tag or commit) for a model id")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = doc(
-        "auto", "target weights dtype; auto = bfloat16 on GPU, float32 on CPU")
+        "auto", "target weights dtype; auto = bfloat16 on GPU, float32 on CPU", user=True)
     device: str = doc("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    trust_remote_code: bool = doc(False, "allow the model repo's own Python code (off: security)")
+    trust_remote_code: bool = doc(False, "allow the model repo's own Python code (off: security)",
+                                  user=True)
     chat_template: str | None = doc(None, "path to a Jinja chat template overriding the "
                                     "tokenizer's")
     engine_args: dict[str, Any] = doc(
         {}, "vLLM's own LLM(...) arguments where a step runs the target inside vLLM "
         "(extract.engine / evaluate.engine): tensor_parallel_size, enable_expert_parallel, "
-        "quantization, gpu_memory_utilization, max_model_len... (docs/extract.md)")
+        "quantization, gpu_memory_utilization, max_model_len... (docs/extract.md)", user=True)
 
 
 # ------------------------------------------------------------------------------------------ prepare
 @dataclass
 class SyntheticConfig:
-    count: int = doc(1000, "conversations to make")
+    count: int = doc(1000, "conversations to make", user=True)
     turns: int = doc(1, "user turns per conversation; later ones are written after the answers")
     system_prompts: list[str] = doc([], "steering: one drawn per conversation (seeded)")
     topics: list[str] = doc([], "steering: one drawn per conversation into the system prompt "
@@ -84,16 +91,18 @@ class SyntheticConfig:
 
 @dataclass
 class SourceConfig:
-    path: str = doc("", "JSON/JSONL(.gz)/Parquet file, HF dataset name or folder, or builtin:NAME")
+    path: str = doc("", "JSON/JSONL(.gz)/Parquet file, HF dataset name or folder, or builtin:NAME",
+                    user=True)
     format: Literal["auto", "sharegpt", "openai", "alpaca", "prompt"] = doc(
         "auto", "record format; auto detects it from the fields of the first records")
-    split: str = doc("train", "split of a HF dataset")
+    split: str = doc("train", "split of a HF dataset", user=True)
     subset: str | None = doc(None, "config name of a HF dataset")
-    max_samples: int | None = doc(None, "keep at most this many records from this source")
-    name: str | None = doc(None, "name in record ids and counts; default: the file stem")
+    max_samples: int | None = doc(None, "keep at most this many records from this source",
+                                  user=True)
+    name: str | None = doc(None, "name in record ids and counts; default: the file stem", user=True)
     synthetic: SyntheticConfig | None = doc(
         None, "set to make this source synthetic: the target writes the user turns itself "
-        "(pre-query template; path unused; generate.server.engine local)")
+        "(pre-query template; path unused; generate.server.engine drafter)")
 
 
 @dataclass
@@ -103,7 +112,7 @@ class PrepareConfig:
     shuffle: bool = doc(True, "shuffle records (seeded) before max_samples, dedup and the split")
     seed: int = doc(0, "seed of the shuffle and of the train/validation split")
     dedup: bool = doc(True, "drop exact duplicates of the normalised first user turn")
-    val_fraction: float = doc(0.05, "share of conversations held out for validation")
+    val_fraction: float = doc(0.05, "share of conversations held out for validation", user=True)
     max_bad_fraction: float = doc(0.01, "fail when more than this share of records is malformed")
     require_assistant: bool = doc(False, "reject conversations without an assistant turn "
                                   "(needed when generate.enabled is false)")
@@ -112,16 +121,18 @@ class PrepareConfig:
 # ----------------------------------------------------------------------------------------- generate
 @dataclass
 class ServerConfig:
-    engine: Literal["transformers", "vllm", "sglang", "external", "local"] = doc(
-        "transformers", "generation server: started by drafter, an external URL, or in-process")
-    urls: list[str] = doc([], "OpenAI-compatible base URLs for engine=external (load-balanced)")
+    engine: Literal["transformers", "vllm", "sglang", "external", "drafter"] = doc(
+        "transformers", "who answers: a server drafter starts (transformers serve, vllm, "
+        "sglang), external URLs, or drafter (its own data engine, in this process)", user=True)
+    urls: list[str] = doc([], "OpenAI-compatible base URLs for engine=external (load-balanced)",
+                          user=True)
     host: str = doc("127.0.0.1", "bind address of a server drafter starts")
     allow_remote: bool = doc(False, "let a server drafter starts listen on a host other than "
                              "localhost (anyone who reaches it can use the model)")
     port: int = doc(0, "port of a server drafter starts; 0 picks a free one")
     command: str | None = doc(None, "command template overriding the engine's default "
                               "({model}, {host}, {port} are filled in)")
-    extra_args: list[str] = doc([], "extra arguments appended to the server command")
+    extra_args: list[str] = doc([], "extra arguments appended to the server command", user=True)
     startup_timeout: float = doc(900.0, "seconds to wait for the server to become healthy")
     api_key_env: str = doc("OPENAI_API_KEY", "environment variable holding the API key, if any")
     model_name: str | None = doc(None, "model name sent in requests; default: the started "
@@ -134,15 +145,16 @@ class ServerConfig:
 
 @dataclass
 class GenerateConfig:
-    enabled: bool = doc(True, "regenerate answers with the target; false trains on the data's own")
+    enabled: bool = doc(True, "regenerate answers with the target; false trains on the data's own",
+                        user=True)
     server: ServerConfig = doc(ServerConfig(), "the generation server")
-    concurrency: int = doc(16, "requests in flight per server")
-    temperature: float = doc(0.0, "sampling temperature")
+    concurrency: int = doc(16, "requests in flight per server", user=True)
+    temperature: float = doc(0.0, "sampling temperature", user=True)
     extra_temperatures: list[float] = doc(
         [], "answer every conversation again at each of these temperatures (id ID@tT): [0.8] "
-        "beside greedy answers trains on sampled contexts too (docs/generate.md)")
+        "beside greedy answers trains on sampled contexts too (docs/generate.md)", user=True)
     top_p: float = doc(1.0, "nucleus sampling threshold")
-    max_tokens: int = doc(512, "max new tokens per answer")
+    max_tokens: int = doc(512, "max new tokens per answer", user=True)
     seed: int = doc(0, "sampling seed sent with each request")
     max_retries: int = doc(5, "retries with exponential backoff before a request is an error")
     retry_backoff: float = doc(1.0, "first retry delay in seconds; doubles each retry (max 60)")
@@ -150,27 +162,30 @@ class GenerateConfig:
     drop_truncated: bool = doc(False, "drop answers cut by max_tokens (finish_reason=length)")
     chat_template_kwargs: dict[str, Any] = doc(
         {}, "sent with each request, e.g. {enable_thinking: true}; keep it equal to what "
-        "tokenize renders with")
-    batch_size: int = doc(1024, "engine=local: rows decoded together per GPU; memory is "
-                          "planned, so a large value waits for KV pages, never runs out")
+        "tokenize renders with", user=True)
+    batch_size: int = doc(1024, "engine=drafter: rows decoded together per GPU; memory is "
+                          "planned, so a large value waits for KV pages, never runs out", user=True)
 
 
 # ----------------------------------------------------------------------------------------- tokenize
 @dataclass
 class TokenizeConfig:
-    max_length: int = doc(2048, "max tokens per conversation")
+    max_length: int = doc(2048, "max tokens per conversation", user=True)
     overflow: Literal["truncate", "drop"] = doc("truncate", "what to do past max_length")
     drop_truncated: bool = doc(False, "skip conversations with an answer cut at "
                                "generate.max_tokens (they are kept on disk: no regeneration)")
     max_loop_tokens: int | None = doc(64, "cut a conversation inside an answer after this "
                                       "many tokens of a repetition loop (a 16-token window "
                                       "seen earlier in the answer); None keeps loops whole. "
-                                      "64: tau +4% at equal steps on SmolLM2 (BENCHMARKS.md)")
+                                      "64: tau +4% at equal steps on SmolLM2 (BENCHMARKS.md)",
+                                      user=True)
     loop_copies: int = doc(3, "a passage's copy from which its tokens count as a loop (3: said "
                            "twice is not a loop, e.g. code restated after a fix)")
-    enable_thinking: bool | None = doc(None, "passed to chat templates that take it (Qwen3)")
+    enable_thinking: bool | None = doc(None, "passed to chat templates that take it (Qwen3)",
+                                       user=True)
     template_kwargs: dict[str, Any] = doc(
-        {}, "more variables for the chat template, e.g. {thinking: true} (DeepSeek-V3.1)")
+        {}, "more variables for the chat template, e.g. {thinking: true} (DeepSeek-V3.1)",
+        user=True)
     batch_size: int = doc(256, "conversations rendered and tokenized per batch")
     workers: int = doc(0, "processes rendering and tokenizing; 0 = auto (up to 32), 1 = in-process")
 
@@ -178,35 +193,32 @@ class TokenizeConfig:
 # -------------------------------------------------------------------------------------------- vocab
 @dataclass
 class VocabConfig:
-    draft_vocab_size: int = doc(32000, "draft vocab size (capped at the target vocab size)")
+    draft_vocab_size: int = doc(32000, "draft vocab size (capped at the target vocab size)",
+                                user=True)
 
 
 # ------------------------------------------------------------------------------------------ extract
 @dataclass
 class ExtractConfig:
-    engine: Literal["transformers", "vllm"] = doc(
-        "transformers", "where the target runs: transformers (hooks; a target that fits one "
-        "GPU, or extract.tp), or vllm (its extract_hidden_states method: the engine's "
-        "tensor/expert parallelism and quantised weights, target.engine_args)")
+    engine: Literal["drafter", "vllm"] = doc(
+        "drafter", "where the target runs: drafter (its own capture in this process: the target "
+        "in transformers with hooks; a target that fits one GPU, or extract.tp), or vllm (its "
+        "extract_hidden_states method: the engine's tensor/expert parallelism and quantised "
+        "weights, target.engine_args)", user=True)
     layer_ids: list[int] | None = doc(None, "aux layer ids, HS[k] convention, ascending and "
                                       "distinct; default [2, N//2, N-3] (three distinct "
-                                      "layers below 8 layers)")
+                                      "layers below 8 layers)", user=True)
     aux_dtype: Literal["bf16", "fp8"] = doc("bf16", "storage of aux states: bf16, or fp8-e4m3 "
-                                            "with a per-token scale")
+                                            "with a per-token scale", user=True)
     teacher: Literal["hidden", "topk"] = doc("hidden", "teacher signal: final hidden state, or "
-                                             "top-k log-probs within the draft vocab")
-    topk: int = doc(64, "k for teacher=topk")
-    batch_tokens: int = doc(16384, "tokens per prefill batch (sorted by length)")
+                                             "top-k log-probs within the draft vocab", user=True)
+    topk: int = doc(64, "k for teacher=topk", user=True)
+    batch_tokens: int = doc(16384, "tokens per prefill batch (sorted by length)", user=True)
     shard_tokens: int = doc(65536, "tokens per shard file (a shard is held in memory while it "
                             "is written: Ht=7168 bf16+hidden is 3.8 GB)")
-    packing: Literal["auto", "padded", "packed"] = doc(
-        "auto", "padded (right-padded, no mask), packed (one row, restarting positions), or auto "
-        "(packed only under flash attention)")
-    tp: bool = doc(False, "tensor-parallel target (transformers tp_plan) under torchrun")
+    tp: bool = doc(False, "tensor-parallel target (transformers tp_plan) under torchrun", user=True)
     preflight: Literal["refuse", "warn", "off"] = doc(
         "refuse", "when GPU memory is held by other processes: refuse, warn, or skip the check")
-    self_check: bool = doc(True, "before the run, compare the hooks with a plain forward's "
-                           "output_hidden_states and logits on one sample")
     max_disk_gib: float | None = doc(
         None, "disk budget for stored features (GiB): the train split is then extracted in "
         "chunks of train's own steps, each trained and deleted before the next (val and the "
@@ -224,17 +236,12 @@ class ExtractConfig:
 # -------------------------------------------------------------------------------------------- train
 @dataclass
 class TrainConfig:
-    online: bool = doc(False, "run the target beside the drafter; store no hidden states")
+    online: bool = doc(False, "run the target beside the drafter; store no hidden states",
+                       user=True)
     online_group: int = doc(4, "online: micro-batches whose samples one call of the target "
                             "captures (forwards grouped by length across them: fewer, fuller); "
                             "the features of about 3x this many micro-batches sit on the GPU")
-    loader_threads: int = doc(4, "offline: threads that build micro-batches from the store "
-                              "ahead of the step (handed over in order; one fell behind an "
-                              "H200's step)")
-    gc_freeze: bool = doc(True, "after the first step, freeze the objects alive then (imports, "
-                          "the model, compiled graphs) out of Python's garbage collections "
-                          "(gc.freeze); the step loop's own garbage is still collected")
-    ttt_steps: int = doc(7, "training-time-test unroll length")
+    ttt_steps: int = doc(7, "training-time-test unroll length", user=True)
     ttt_decay: float = doc(0.8, "loss weight decay per TTT step (weight 0.8**i)")
     intermediate_size: int | None = doc(None, "drafter MLP size; default: the target's")
     norm_before_residual: bool = doc(False, "norm h before the residual (SGLang supports only "
@@ -244,46 +251,45 @@ class TrainConfig:
     attention: Literal["auto", "sdpa", "flex"] = doc(
         "auto", "TTT attention: sdpa (exact, CPU/GPU) or flex (fast GPU); auto picks")
     compile: bool = doc(True, "torch.compile the fast path's layer and loss pieces (GPU only)")
-    saved_graphs: bool = doc(True, "compile: load the layer and loss pieces compiled whole where "
-                             "the precompile saved them (torch's aot_compile; no dynamo "
-                             "tracing in train's first step), else compile them as usual")
     loss_chunk: int = doc(0, "fast path: rows of each chunk that lm_head and the loss run on "
                           "at a time; 0 sizes them so that a chunk's float32 logits take 256 "
                           "MiB (2,097 rows at a 32,000-token draft vocab). Larger chunks: "
                           "fewer compiled calls a step, more memory")
     lr: float = doc(1.2e-3, "peak learning rate (AdamW); 1.2e-3: tau +5% over 6e-4 at 250 "
-                    "steps on SmolLM2 (BENCHMARKS.md)")
+                    "steps on SmolLM2 (BENCHMARKS.md)", user=True)
     min_lr_ratio: float = doc(0.0, "final lr as a share of the peak (cosine)")
-    warmup_ratio: float = doc(0.02, "share of steps spent in linear warmup")
+    warmup_ratio: float = doc(0.02, "share of steps spent in linear warmup", user=True)
     weight_decay: float = doc(0.0, "AdamW weight decay")
     grad_clip: float = doc(0.5, "max grad norm")
-    epochs: int = doc(2, "passes over the training data (2: the best measured SmolLM2 drafter)")
-    max_steps: int | None = doc(None, "stop after this many optimizer steps")
-    batch_tokens: int = doc(16384, "tokens per micro-batch per rank (packed)")
-    max_length: int = doc(2048, "max tokens per packed sequence")
+    epochs: int = doc(2, "passes over the training data (2: the best measured SmolLM2 drafter)",
+                      user=True)
+    max_steps: int | None = doc(None, "stop after this many optimizer steps", user=True)
+    batch_tokens: int = doc(16384, "tokens per micro-batch per rank (packed)", user=True)
+    max_length: int = doc(2048, "max tokens per packed sequence", user=True)
     grad_accum: int = doc(1, "micro-batches per optimizer step")
     dtype: Literal["auto", "bfloat16", "float32"] = doc(
         "auto", "autocast dtype; auto = bfloat16 on GPU, float32 on CPU")
-    fsdp: bool = doc(False, "shard the drafter with FSDP2 under torchrun instead of DDP")
+    fsdp: bool = doc(False, "shard the drafter with FSDP2 under torchrun instead of DDP", user=True)
     seed: int = doc(0, "seed of init, data order and dropout")
     log_every: int = doc(10, "optimizer steps between log lines")
     eval_every: int = doc(200, "optimizer steps between validation passes (0: only at "
-                          "checkpoints and the end)")
+                          "checkpoints and the end)", user=True)
     eval_batches: int | None = doc(None, "cap on validation micro-batches per pass "
                                    "(None: the whole split)")
-    save_every: int = doc(500, "optimizer steps between checkpoints")
+    save_every: int = doc(500, "optimizer steps between checkpoints", user=True)
     keep_checkpoints: int = doc(2, "checkpoints kept (the best one is always kept)")
     resume: str | bool = doc("auto", "auto (latest checkpoint), a checkpoint path, or off "
-                             "(YAML reads a bare off as false: both mean off)")
+                             "(YAML reads a bare off as false: both mean off)", user=True)
     tensorboard: bool = doc(False, "also write TensorBoard events")
 
 
 # ------------------------------------------------------------------------------------------- export
 @dataclass
 class ExportConfig:
-    checkpoint: str = doc("last", "last, best (validation simulated tau), or a checkpoint path")
+    checkpoint: str = doc("last", "last, best (validation simulated tau), or a checkpoint path",
+                          user=True)
     max_position_embeddings: int | None = doc(None, "serving context; default: the target's")
-    speculative_tokens: int = doc(3, "K written into the speculators config")
+    speculative_tokens: int = doc(3, "K written into the speculators config", user=True)
     dtype: Literal["bfloat16", "float16", "float32"] = doc(
         "bfloat16", "dtype of the exported weights (d2t stays int64, t2d bool)")
     embed_tokens: bool = doc(True, "ship embed_tokens [V, H] (required when H != Ht); false "
@@ -293,9 +299,9 @@ class ExportConfig:
 # ----------------------------------------------------------------------------------------- evaluate
 @dataclass
 class EvalDatasetConfig:
-    name: str = doc("", "name used in the report")
-    path: str = doc("", "JSONL(.gz) file or builtin:humaneval")
-    max_prompts: int | None = doc(None, "use the first N prompts")
+    name: str = doc("", "name used in the report", user=True)
+    path: str = doc("", "JSONL(.gz) file or builtin:humaneval", user=True)
+    max_prompts: int | None = doc(None, "use the first N prompts", user=True)
 
 
 @dataclass
@@ -303,25 +309,26 @@ class EvaluateConfig:
     datasets: list[EvalDatasetConfig] = doc(
         [EvalDatasetConfig(name="humaneval", path="builtin:humaneval", max_prompts=10)],
         "evaluation prompt sets")
-    drafter: str = doc("export", "export (this run's native/), a checkpoint dir, or a native dir")
+    drafter: str = doc("export", "export (this run's native/), a checkpoint dir, or a native dir",
+                       user=True)
     baseline: str | None = doc(None, "another drafter dir shown side by side")
-    max_new_tokens: int = doc(128, "new tokens per prompt")
-    methods: list[str] = doc(["chain"], "chain and/or tree")
-    k: int = doc(5, "chain: tokens drafted per step")
-    tree_depth: int = doc(6, "tree: drafting depth")
-    tree_topk: int = doc(8, "tree: children per node")
-    tree_tokens: int = doc(48, "tree: total draft tokens verified per step")
-    temperatures: list[float] = doc([0.0], "sampling temperatures (0 = greedy, lossless-checked)")
+    max_new_tokens: int = doc(128, "new tokens per prompt", user=True)
+    methods: list[str] = doc(["chain"], "chain and/or tree", user=True)
+    k: int = doc(5, "chain: tokens drafted per step", user=True)
+    tree_depth: int = doc(6, "tree: drafting depth", user=True)
+    tree_topk: int = doc(8, "tree: children per node", user=True)
+    tree_tokens: int = doc(48, "tree: total draft tokens verified per step", user=True)
+    temperatures: list[float] = doc([0.0], "sampling temperatures (0 = greedy, lossless-checked)",
+                                    user=True)
     seed: int = doc(0, "sampling seed")
-    batch_size: int = doc(1, "prompts decoded together")
+    batch_size: int = doc(1, "prompts decoded together", user=True)
     continuous: bool = doc(True, "with more prompts than batch_size: a row whose answer has "
                            "ended takes the next prompt (continuous batching, as engines "
                            "serve); false: static batches, each until its slowest row ends")
-    cuda_graphs: bool = doc(True, "capture decode steps in CUDA graphs on GPU")
     prefill_graph_tokens: int = doc(
-        2048, "with cuda_graphs: a batch's prefill of at most this many tokens (batch x prompts "
-        "left-padded to a multiple of 64) replays a CUDA graph too, one per length (small "
-        "prefills are kernel launches, not GPU work); 0: eager prefills")
+        2048, "on a GPU: a batch's prefill of at most this many tokens (batch x prompts "
+        "left-padded to a multiple of 64) replays a CUDA graph as the decoding steps do, one per "
+        "length (small prefills are kernel launches, not GPU work); 0: eager prefills")
     tie_tolerance: float | None = doc(
         None, "lossless check: a greedy divergence to one of the plain run's 8 runners-up whose "
         "logit is at most this below the top is a numerical tie, not a failure; default 0 in "
@@ -329,7 +336,7 @@ class EvaluateConfig:
     engine: Literal["drafter", "vllm", "both"] = doc(
         "drafter", "who decodes: drafter's own evaluator (the target in transformers), vllm "
         "(the export served beside the target inside vLLM, tau from vLLM's own counters: "
-        "targets beyond one GPU), or both side by side")
+        "targets beyond one GPU), or both side by side", user=True)
     run_recommended: bool = doc(
         True, "after the methods, also decode the setting the tuner recommends for batch_size "
         "at each evaluated temperature when none of them was it: its speedup measured, not only "
@@ -373,7 +380,7 @@ class PlanConfig:
 # ---------------------------------------------------------------------------------------- top level
 @dataclass
 class Config:
-    run_dir: str = doc("runs/quickstart", "the run directory: one folder per step")
+    run_dir: str = doc("runs/quickstart", "the run directory: one folder per step", user=True)
     target: TargetConfig = doc(TargetConfig(), "the target model")
     prepare: PrepareConfig = doc(PrepareConfig(), "prepare step")
     generate: GenerateConfig = doc(GenerateConfig(), "generate step")
@@ -386,11 +393,41 @@ class Config:
     plan: PlanConfig = doc(PlanConfig(), "drafter plan: estimates used before any data exists")
 
 
+# ------------------------------------------------------------------------------------- retired keys
+# Keys that are no longer keys, and why (what drafter now always does), and values renamed: a
+# config or an override that sets one fails with this line, naming its file:line, so that it is
+# neither silently ignored nor read in another meaning.
+REMOVED: dict[str, str] = {
+    "train.gc_freeze": "train always freezes what is alive after its first step out of Python's "
+                       "garbage collections (GcClock in drafter/train/trainer.py)",
+    "train.loader_threads": "offline, LOADER_THREADS threads (drafter/train/trainer.py) always "
+                            "build the micro-batches",
+    "train.saved_graphs": "train always loads the pieces the precompile saved whole, and compiles "
+                          "those that do not load (docs/train.md, Pieces loaded whole)",
+    "extract.self_check": "extract always compares its capture with a plain forward on one sample "
+                          "before the run",
+    "extract.packing": "extract packs rows into one under flash attention and right-pads them "
+                       "otherwise (what auto did)",
+    "evaluate.cuda_graphs": "evaluate always replays its decoding steps from CUDA graphs on a GPU "
+                            "(evaluate.prefill_graph_tokens=0 keeps prefills eager)",
+}
+
+# One word for drafter's own code in this process, in every engine key (generate.server.engine:
+# transformers is `transformers serve`, a server drafter starts).
+OWN = "drafter's own code, in this process"
+RENAMED: dict[tuple[str, str], tuple[str, str]] = {
+    ("extract.engine", "transformers"): ("drafter", OWN),
+    ("generate.server.engine", "local"): ("drafter", OWN),
+}
+
+
 # ------------------------------------------------------------------------------------- entry points
 def load(path: str | Path | None = None, overrides: list[str] = (),
          validate: bool = True) -> Config:
     """Read a YAML config (or the defaults when path is None), apply dotted overrides, check
-    types, then (`validate`) ranges and cross-field rules."""
+    types, then (`validate`) ranges and cross-field rules. `validate=False` reads a run dir's
+    snapshot, which an older drafter may have written: retired keys are dropped there, where
+    they are errors otherwise."""
     data: dict = {}
     where = Where(None, None)
     if path is not None:
@@ -418,13 +455,14 @@ def load(path: str | Path | None = None, overrides: list[str] = (),
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         where = Where(str(path), node)
-    cfg = build(Config, data, "", where)
+    cfg = build(Config, retire(data, REMOVED, RENAMED, where, validate), "", where)
     for text in overrides:
         keys, value = parse_override(text)
         merged = apply_override(to_dict(cfg), keys, value, text)
+        at = Where(f"override '{text}'", None)
         # Validate against the file's line table first, then name the override itself.
         try:
-            cfg = build(Config, merged, "", Where(f"override '{text}'", None))
+            cfg = build(Config, retire(merged, REMOVED, RENAMED, at, validate), "", at)
         except ConfigError as e:
             raise ConfigError(str(e)) from None
         where.overrides[".".join(keys)] = text
@@ -465,28 +503,47 @@ def fingerprint(obj) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def help_lines(cls=Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, doc) for every field: the body of `--help`."""
+def help_lines(cls=Config, prefix: str = "",
+               advanced: bool = True) -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) for every field: the body of `--help`. `advanced=False`: only
+    the keys users set (`doc(..., user=True)`) and the sections that hold them."""
+    rows = _help_rows(cls, prefix)
+    if advanced:
+        return [(k, d, h) for k, d, h, _, _ in rows]
+    shown = [k for k, _, _, user, header in rows if user and not header]
+    return [(k, d, h) for k, d, h, user, header in rows
+            if (user and not header) or (header and any(
+                x.startswith((k + ".", k + "[")) for x in shown))]
+
+
+def keys(advanced: bool = True) -> list[str]:
+    """Every dotted config key (no sections); `advanced=False`: those users set."""
+    return [k for k, _, _, user, header in _help_rows(Config, "")
+            if not header and (advanced or user)]
+
+
+def _help_rows(cls, prefix: str) -> list[tuple[str, str, str, bool, bool]]:
+    """(dotted key, default, doc, user, is a section) for every field and section."""
     rows = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
+        key, help, user = f"{prefix}{f.name}", f.metadata.get("help", ""), f.metadata["user"]
         tp = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         opt = [a for a in typing.get_args(tp) if a is not type(None)] \
             if typing.get_origin(tp) in (typing.Union, types.UnionType) else []
         if len(opt) == 1 and dataclasses.is_dataclass(opt[0]):   # an optional section
-            rows.append((key, "null", f.metadata.get("help", "")))
-            rows.extend(help_lines(opt[0], key + "."))
+            rows.append((key, "null", help, user, True))
+            rows.extend(_help_rows(opt[0], key + "."))
             continue
         if dataclasses.is_dataclass(tp):
-            rows.append((key, "", f.metadata.get("help", "")))
-            rows.extend(help_lines(tp, key + "."))
+            rows.append((key, "", help, user, True))
+            rows.extend(_help_rows(tp, key + "."))
             continue
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
         if item is not None and dataclasses.is_dataclass(item):
-            rows.append((key, "[...]", f.metadata.get("help", "")))
-            rows.extend(help_lines(item, key + "[]."))
+            rows.append((key, "[...]", help, user, True))
+            rows.extend(_help_rows(item, key + "[]."))
             continue
-        rows.append((key, json.dumps(to_dict(default)), f.metadata.get("help", "")))
+        rows.append((key, json.dumps(to_dict(default)), help, user, False))
     return rows

@@ -3,6 +3,7 @@
 - `Where`: the YAML line table, so an error names the file:line (or the override) of a key.
 - `build`: plain values into the annotated dataclass fields, refusing unknown keys and wrong
   types (`_coerce` follows the annotations: unions, Literal, list, dict, nested sections).
+- `retire`: keys removed and values renamed, each an error naming what drafter does now.
 - `parse_override`, `apply_override`: dotted overrides (`train.lr=3e-4`, `prepare.sources[0].x=1`).
 - `check_values`: every value's range and the rules between fields.
 
@@ -147,6 +148,36 @@ def build(cls, data: dict, prefix: str, where: Where):
             raise ConfigError(f"{where(key)}: unknown key '{key}' in {section}{hint}")
         kwargs[k] = _coerce(v, hints[k], key, where)
     return cls(**kwargs)
+
+
+def retire(data: dict, removed: dict[str, str], renamed: dict[tuple[str, str], tuple[str, str]],
+           where: Where, strict: bool) -> dict:
+    """`data` (a config's plain values) without the `removed` keys ({dotted key: why}) and the
+    `renamed` values ({(dotted key, old value): (new value, what it names)}): an error naming
+    the first one and where it is set when `strict`, else (a run dir's snapshot an older
+    drafter wrote) the key dropped, the value read as the new one."""
+    def section(dotted):
+        *path, name = dotted.split(".")
+        d = data
+        for part in path:
+            d = d.get(part) if isinstance(d, dict) else None
+        return (d, name) if isinstance(d, dict) else (None, name)
+
+    for dotted, why in removed.items():
+        d, name = section(dotted)
+        if d is not None and name in d:
+            if strict:
+                raise ConfigError(f"{where(dotted)}: {dotted}: no longer a key, leave it out: "
+                                  f"{why}")
+            del d[name]
+    for (dotted, old), (new, what) in renamed.items():
+        d, name = section(dotted)
+        if d is not None and d.get(name) == old:
+            if strict:
+                raise ConfigError(f"{where(dotted)}: {dotted}: {old} is now called {new} "
+                                  f"({what})")
+            d[name] = new
+    return data
 
 
 def apply_override(data: dict, keys: list[str], value: Any, text: str) -> dict:
@@ -336,8 +367,7 @@ def check_values(cfg, where: Where | None = None) -> None:
 
     tr = cfg.train
     for f in ("ttt_steps", "epochs", "grad_accum", "log_every", "save_every", "keep_checkpoints",
-              "batch_tokens", "max_steps", "eval_batches", "intermediate_size", "online_group",
-              "loader_threads"):
+              "batch_tokens", "max_steps", "eval_batches", "intermediate_size", "online_group"):
         ge(f"train.{f}", getattr(tr, f), 1)
     ge("train.max_length", tr.max_length, 4)
     gt("train.ttt_decay", tr.ttt_decay, 0)

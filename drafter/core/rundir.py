@@ -81,10 +81,22 @@ NEUTRAL: dict[str, object] = {
     "generate.extra_temperatures": [],
     "train.loss_chunk": 0,
     "extract.precompile": True,
-    "train.gc_freeze": True,
-    "train.saved_graphs": True,
     "extract.max_disk_gib": None,
 }
+
+# Fields removed after runs existed (config.REMOVED), with the value they held (what drafter now
+# always does), and values renamed, as (new spelling, old): hashed as before, so that a step
+# finished before the change is not redone for it. Removed fields that were NEUTRAL at that
+# value need no entry: they were left out of the hash already.
+RETIRED: dict[str, tuple[object, object]] = {
+    "train.loader_threads": (None, 4),
+    "extract.self_check": (None, True),
+    "extract.packing": (None, "auto"),
+    "evaluate.cuda_graphs": (None, True),
+    "extract.engine": ("drafter", "transformers"),
+    "generate.server.engine": ("drafter", "local"),
+}
+
 # Fields no step's output depends on, left out of every hash: where the chunks of a run pass
 # (drafter/features/spool.py) changes nothing they hold.
 UNHASHED = ("extract.spool",)
@@ -265,7 +277,7 @@ class Run:
     def shard_index(self, split: str) -> Path:
         return self.shards(split) / "index.json"
 
-    def engine_states(self) -> Path:
+    def vllm_states(self) -> Path:
         """Where vLLM writes per-request hidden states for extract.engine=vllm (read, deleted)."""
         return self.step_dir("extract") / ".engine-states"
 
@@ -333,7 +345,7 @@ class Run:
         return self.step_dir("evaluate") / f"{name}.png"
 
     def eval_tuned(self) -> Path:
-        """What the tuned section of the export READMEs was written from (drafter.export.tuned)."""
+        """What the tuned section of the export READMEs was written from (drafter.measure.tuned)."""
         return self.step_dir("evaluate") / "tuned.json"
 
 

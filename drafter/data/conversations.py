@@ -1,7 +1,7 @@
 """A conversation re-answered by the target turn by turn: the canonical record in (its system
 and user turns kept, its assistant turns dropped), the messages to send for the next turn, the
 answers appended, and the record written back with per-turn meta. The generate step drives it
-through a server or the local engine.
+through a server or drafter's data engine.
     conv = Conversation(record)              # Permanent if the record cannot be answered
     while not conv.done:
         content, reasoning = split_reasoning(answer_text, answer_reasoning_field)

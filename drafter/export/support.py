@@ -3,22 +3,26 @@
 An engine hands a drafter its aux hidden states only through target classes that capture them
 (vLLM: the `SupportsEagle3` interface, `set_aux_hidden_state_layers`; SGLang:
 `set_eagle3_layers_to_capture`). For any other class the engine still runs the drafter, on no
-features, and acceptance collapses without an error: a Kimi-K2.5 drafter accepted 15% of its
-tokens in a vLLM whose class for the wrapper lacked the interface. The rule resolves the
-target's architecture (the wrapper's own, from its config.json) in each installed engine's model
-registry and fails when the class lacks the interface, naming the engine's version and what to
-do. An engine that is not installed is said to be unchecked (a warning), never assumed.
+features, and acceptance collapses without an error (a Kimi-K2.5 drafter in a vLLM whose class
+for the wrapper lacked the interface accepted a fraction of what it does offline). The rule
+resolves the target's architecture (the wrapper's own, from its config.json) in each installed
+engine's model registry and fails when the class lacks the interface, naming the engine's
+version and what to do. An engine that is not installed, or a target whose architecture is not
+known, is a skip: said in the report and counted apart (neither a pass nor a warning), never
+assumed. A registry that cannot be read is a warning.
 """
 from __future__ import annotations
 
 import importlib.util
 
+from drafter.core.vllm import quiet_cpu_triton
 from drafter.export.rules import FAIL, PASS, WARN, Check
 
 SKIP = "skip"   # the rule could not run here: said, not counted as a pass or a warning
 
 
 def _vllm(archs: list[str]) -> Check:
+    quiet_cpu_triton()
     import vllm
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3

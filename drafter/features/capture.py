@@ -213,7 +213,7 @@ class Capture:
         if teacher not in ("hidden", "topk"):
             raise CaptureError(f"extract.teacher: must be hidden or topk, got {teacher!r}")
         if packing not in ("auto", "padded", "packed"):
-            raise CaptureError(f"extract.packing: must be auto, padded or packed, got {packing!r}")
+            raise CaptureError(f"Capture: packing must be auto, padded or packed, got {packing!r}")
         self.model = model
         self.layers = decoder_layers(model)
         self.num_layers = len(self.layers)
@@ -235,7 +235,7 @@ class Capture:
         self._vocab(d2t, t2d, topk, batch_tokens)
 
     def _vocab(self, d2t: torch.Tensor, t2d: torch.Tensor, topk: int, batch_tokens: int):
-        """The draft vocab, top-k and the state every capture shares (EngineCapture too), once
+        """The draft vocab, top-k and the state every capture shares (VllmCapture too), once
         vocab_size and device are known."""
         d2t = d2t.long()
         if t2d.numel() != self.vocab_size:
@@ -466,8 +466,7 @@ def load_capture(cfg, model: nn.Module | None = None, device: str | None = None,
         model = target.load_model(cfg.target, device=device, **load_kw)
     ec = cfg.extract
     return Capture(model, ec.layer_ids, d2t, t2d, teacher=ec.teacher, topk=ec.topk,
-                   out_dtype=out_dtype, packing=getattr(ec, "packing", "auto"),
-                   batch_tokens=ec.batch_tokens)
+                   out_dtype=out_dtype, batch_tokens=ec.batch_tokens)
 
 
 # ---------------------------------------------------------------------------- memory estimate
@@ -487,7 +486,7 @@ def param_count(config, trust_remote_code: bool | None = None) -> int:
 
 
 def weights_per_gpu(weights: dict, tp: int) -> int:
-    """Weight bytes one rank holds (`weights` from target.weight_bytes): 1/tp of them under
+    """Weight bytes one rank holds (`weights` from core.weights.weight_bytes): 1/tp of them under
     transformers' tensor parallelism, but the routed experts whole, which its tp plans do not
     shard (each rank of a 2-rank tiny DeepSeek-V3 held every expert)."""
     if tp <= 1:
@@ -525,10 +524,11 @@ def transformers_refusal(config, weights: dict, sharded: bool, ranks: int,
 def refuse_unfit(tcfg, config, sharded: bool, d) -> dict | None:
     """extract's check before any weight loads (drafter plan tells the same): raises UnfitTarget
     with transformers_refusal's line. `d`: the process's Dist (device, world, local rank); GPU
-    memory from NVML. Returns the weights (target.weight_bytes) where it sized them, for the
+    memory from NVML. Returns the weights (core.weights.weight_bytes) where it sized them, for the
     memory estimate that follows, else None (a CPU run that shards nothing)."""
     from drafter.core import gpu
-    from drafter.core.target import meta_model, moe_shape, pick_dtype, weight_bytes
+    from drafter.core.target import meta_model, moe_shape, pick_dtype
+    from drafter.core.weights import weight_bytes
 
     on_gpu = d.device.type == "cuda"
     if not on_gpu and not (sharded and moe_shape(config)[0] > 1):
@@ -553,9 +553,10 @@ def estimate_gpu_bytes(config, dtype_bytes: int, batch_tokens: int, n_aux: int =
     a prefill of `batch_tokens` + the capture buffers + a logits chunk. Activations: residual,
     norm output, attention q/k/v/o and the MLP's three intermediate tensors are alive at once in
     a no-grad forward (~4 Ht + 3 I per token), plus 25% for allocator fragmentation. `weights`:
-    target.weight_bytes of the target (sized here when not given: quantised modules at their
+    core.weights.weight_bytes of the target (sized here when not given: quantised modules at their
     stored bits)."""
-    from drafter.core.target import hidden_size, text_config, vocab_size, weight_bytes
+    from drafter.core.target import hidden_size, text_config, vocab_size
+    from drafter.core.weights import weight_bytes
 
     tc = text_config(config)
     weights = weight_bytes(config, dtype_bytes) if weights is None else weights

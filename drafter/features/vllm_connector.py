@@ -9,7 +9,7 @@ the file, the lock protocol (`load_hidden_states` waits on it) and the finished-
 bookkeeping are the stock connector's.
 
 vLLM imports this module by path inside its engine process
-(`kv_connector_module_path: drafter.features.vllm_connector`); drafter/features/engine_capture.py
+(`kv_connector_module_path: drafter.features.vllm_connector`); drafter/features/vllm_capture.py
 picks it on CPU and the stock connector elsewhere. Only that module imports this one.
 """
 from __future__ import annotations

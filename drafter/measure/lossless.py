@@ -11,8 +11,8 @@ differs the rest of the answer does too. Two rules keep such drift from failing 
   logit is within `evaluate.tie_tolerance` of the top one: counted and reported, not failed.
 - drift: any other 16-bit mismatch is decoded again, plainly and speculatively with the same
   drafter and method, in float32 (the target and drafter converted in place; bf16 to float32 is
-  exact), the mismatched prompts alone, batched with CUDA graphs (on the H200, 59 prompts one
-  by one in eager float32 took 370 s). Identical there (or an exact float32 tie): numerical
+  exact), the mismatched prompts alone, batched with CUDA graphs (one by one in eager float32
+  they took minutes: BENCHMARKS.md, Decoding). Identical there (or an exact float32 tie): numerical
   drift, counted and reported, not failed. Different there too: a real divergence, and the run
   fails naming it.
 A planted acceptance bug (a step that accepts one token too many) differs in both precisions and
@@ -56,8 +56,8 @@ def recheck_float32(model, checks: list[dict], max_new: int, stop_ids, max_batch
     Returns the number of drifts."""
     import torch
 
-    from drafter.engine.decode import Decoder
-    from drafter.engine.tree import EagleDraft
+    from drafter.decoding.decode import Decoder
+    from drafter.decoding.tree import EagleDraft
 
     if not checks:
         return 0

@@ -135,7 +135,7 @@ def _serving(rec: dict) -> list[str]:
     by_t = rec.get("by_temperature") or {"0.0": rec}   # metrics written before: greedy only
     L = ["", "## Serving setting (expected speedup per temperature and batch size)", "",
          "For each temperature evaluated, from the chain run's conditional acceptance at that "
-         "temperature and the step costs measured at each batch size (drafter/engine/tuning.py; "
+         "temperature and the step costs measured at each batch size (drafter/measure/tuning.py; "
          "the model calibrated on that temperature's decode step times against the costs at "
          "the batch its steps ran at); each tree run's own τ and step, and for a greedy tree, "
          "for each smaller depth the best number of nodes of its top-k, with the τ its steps "

@@ -7,7 +7,7 @@ over datasets, and the serving setting the tuner picks from them.
     rec = recommend_setting(runs, plain_all, batch, drafter_dir, temperature=0.0)
     rec["measured"] = measured(rec, run)     # the run decoded at rec's best setting
 
-`stats` is one pass's timing (drafter.engine.decode.Decoder.last summed over its calls):
+`stats` is one pass's timing (drafter.decoding.decode.Decoder.last summed over its calls):
 seconds (prefills included: what a user waits for), prefill_seconds, iterations (decode steps),
 row_steps, spans ({"BxS": steps}: the steps by rows and attention span) and step_gpu_seconds (the
 GPU's time in the steps' replays; None off the GPU).
@@ -54,7 +54,7 @@ def speed(new: int, stats: dict) -> dict:
 
 
 def acceptance(hist: list[int], tree) -> dict:
-    from drafter.engine.decode import acceptance_stats
+    from drafter.decoding.decode import acceptance_stats
 
     st = acceptance_stats(hist)
     drafted = st["steps"] * tree.nodes
@@ -162,16 +162,17 @@ def overall(per: dict, tree) -> dict:
 
 def recommend_setting(runs: list[dict], plain: dict, batch: int, drafter_dir: str,
                       temperature: float = 0.0) -> dict | None:
-    """The serving setting at `temperature` (drafter.engine.tuning) from the drafter's chain run
+    """The serving setting at `temperature` (drafter.measure.tuning) from the drafter's chain run
     at that temperature: its conditional acceptance, the step costs measured per batch size,
     calibrated on this run's step times (decode steps, prefills left out: the per-step figures
     an engine with continuous batching gets) against the costs timed at `batch`, the rows those
-    steps ran at (a batch_size 64 run of 21 and 22-row batches, calibrated against costs timed
-    at 64 rows, had come out x0.876); from each tree run at that temperature, its own tau, and
+    steps ran at (costs timed at more rows than the steps ran at, e.g. a batch_size 64 run
+    whose batches held 21 rows, would calibrate its steps too fast; BENCHMARKS.md, The user's
+    path: "x parts"); from each tree run at that temperature, its own tau, and
     from a greedy one those of its smaller shapes (counted at temperature 0 only). At `batch`
     each setting also gets the speedups evaluate would measure for it (tuning.as_evaluated:
     evaluate's batches and prefills in). None without a chain run at that temperature."""
-    from drafter.engine.tuning import chain_step_ms, recommend, tree_step_ms
+    from drafter.measure.tuning import chain_step_ms, recommend, tree_step_ms
 
     T = float(temperature)
     chain = next((r for r in runs if r["drafter"] == "drafter" and r["method"] == "chain"
@@ -228,7 +229,7 @@ def measured(rec: dict, run: dict) -> dict:
 
 def best_tree(rec: dict, batch: int):
     """The TreeSpec of the setting `rec` (recommend_setting's) finds best at `batch`, or None."""
-    from drafter.engine.decode import TreeSpec
+    from drafter.decoding.decode import TreeSpec
 
     r = rec["by_batch"].get(str(batch))
     row = next((x for x in r["settings"] if x["setting"] == r["best"]), None) if r else None

@@ -52,6 +52,17 @@ def in_process(cfg):
                 prod.close()
 
 
+@contextlib.contextmanager
+def train_here(cfg, step: str, here: bool):
+    """run_step's keyword arguments for `step`: train's `produce` (in_process) where this
+    process makes train's chunks (`here`), none otherwise."""
+    if step != "train" or not here or not chunked(cfg):
+        yield {}
+        return
+    with in_process(cfg) as produce:
+        yield {"produce": produce}
+
+
 def produces_after(cfg, steps: list[str]) -> bool:
     """Whether a command whose last step is extract goes on filling the spool."""
     return chunked(cfg) and cfg.extract.spool is not None and steps[-1] == "extract"

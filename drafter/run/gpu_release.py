@@ -3,7 +3,7 @@ from before generate (NVML), or fail naming the PIDs that still hold it. A new h
 sessions drafter started is another job's, named in a warning and left alone; drafter never kills
 a process it did not start. drafter/run/pipeline.py's run_all takes the baseline before generate
 and waits before the next step that loads the target on a GPU; an online run's precompile child,
-started before generate when its engine is local, is one of its own (`own`, `own_running`).
+started before generate when its engine is drafter, is one of its own (`own`, `own_running`).
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def wait_gpu_released(baseline: list, timeout: float, what: str = "the next step
     own = gpu.related_pids() if own is None else own
     session = session or _session
     # this process's own session counts as started: children it spawned without one of their
-    # own (a local engine's workers) are ours too
+    # own (the data engine's workers) are ours too
     started = (STARTED_SESSIONS | {session(os.getpid())}) if started is None else started
     base = {g.index: g for g in baseline}
     base_pids = {p.pid for g in baseline for p in g.processes}

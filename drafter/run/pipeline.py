@@ -22,7 +22,7 @@ signal. Around that:
   error names the PIDs holding it (drafter/run/gpu_release.py). drafter never kills a process
   it did not start. Online, train's graphs compile in a process of their own until train's
   first step (drafter/train/precompile.py, start_ahead), started before generate when generate
-  runs in this process (engine local), else before tokenize (or vocab, when tokenize is done; the
+  runs in this process (engine drafter), else before tokenize (or vocab, when tokenize is done; the
   GPU back from generate first); it is stopped when the run ends without a train that took it.
 """
 from __future__ import annotations
@@ -42,10 +42,11 @@ from drafter.core import config as C
 from drafter.core.dist import agent_store, rank_world, restart_count
 from drafter.core.rundir import (
     NEUTRAL,
+    RETIRED,
     SECTIONS,
-    UNHASHED,
     SNAPSHOT_HEADER,
     STEPS,
+    UNHASHED,
     Damaged,
     DamagedInput,
     ForeignFolder,
@@ -98,9 +99,8 @@ def config_hash(cfg, step: str) -> str:
     for dotted in UNHASHED:
         section, key = dotted.split(".")
         parts.get(section, {}).pop(key, None)
-    ex = parts.get("extract")
-    if ex is not None and ex.get("max_disk_gib") is not None:  # chunks of any size store the
-        ex["max_disk_gib"] = True  # same features: whether there are chunks is what counts
+    if parts.get("extract", {}).get("max_disk_gib") is not None:  # chunks of any size store
+        parts["extract"]["max_disk_gib"] = True  # the same features: whether there are chunks
     for dotted, value in NEUTRAL.items():  # new fields at their neutral value: as if absent
         section, *path = dotted.split(".")
         d = parts.get(section)
@@ -108,6 +108,13 @@ def config_hash(cfg, step: str) -> str:
             d = d.get(key) if isinstance(d, dict) else None
         if isinstance(d, dict) and path and path[-1] in d and d[path[-1]] == value:
             del d[path[-1]]
+    for dotted, (now, before) in RETIRED.items():  # removed fields, renamed values: as before
+        section, *path = dotted.split(".")
+        d = parts.get(section)
+        for key in path[:-1]:
+            d = d.get(key) if isinstance(d, dict) else None
+        if isinstance(d, dict) and path and d.get(path[-1]) == now:
+            d[path[-1]] = before
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -263,13 +270,11 @@ def run_step(cfg, step: str, force: bool = False, **kw) -> dict:
 
 
 def run_command(cfg, step: str, force: bool = False) -> dict:
-    """`drafter STEP CONFIG`: run_step, and around it what chunks need (run/chunked.py)."""
-    if step == "train" and chunked.chunked(cfg) and cfg.extract.spool is None:
-        with chunked.in_process(cfg) as produce:
-            return run_step(cfg, step, force, produce=produce)
+    """`drafter STEP CONFIG`: run_step, and around it what chunks need (run/chunked.py). A
+    restarted producer: its step is done, and train holds the run dir's lock meanwhile."""
     if not chunked.produces_after(cfg, [step]):
-        return run_step(cfg, step, force)
-    # a restarted producer: its step is done and train holds the run dir's lock meanwhile
+        with chunked.train_here(cfg, step, cfg.extract.spool is None) as kw:
+            return run_step(cfg, step, force, **kw)
     m = None if force or _will_run(cfg, Run.of(cfg), step) else Run.of(cfg).read_manifest(step)
     m = m or run_step(cfg, step, force)
     chunked.produce(cfg)
@@ -378,15 +383,15 @@ def _verify_inputs(cfg, run: Run, step: str) -> None:
     that a corrupt shard is redone by extract, never trained on."""
     if step != "train" or cfg.train.online:
         return
-    m = None
+    m = None  # chunks: the train split is checked a chunk at a time
     with contextlib.suppress(Damaged):
         m = run.read_manifest("extract")
         if m is None or m.get("mode") == "online":  # nothing stored: train says what to run
             return
     from drafter.features import store
 
-    chunks = (m or {}).get("mode") == "chunked"  # the train split: checked chunk by chunk
-    bad = store.verify_extract(run, full=True, splits=("val",) if chunks else ("train", "val"))
+    bad = store.verify_extract(run, full=True, splits=("val",) if (m or {}).get("mode") ==
+                               "chunked" else ("train", "val"))
     if bad:
         e = Damaged(f"{'; '.join(bad[:3])}", "extract", run.step_dir("extract"))
         _mark_damaged(run, e)
@@ -436,9 +441,9 @@ def _write_failed(run: Run, step: str, e: BaseException) -> None:
 
 
 # ------------------------------------------------------------------------- the whole pipeline
-# Steps that load the target on a GPU (train only in online mode): before they start, the memory
-# that generate's server held must be back.
-def loads_target(cfg, step: str) -> bool:  # train: online, or making its chunks
+# Steps that load the target on a GPU (train online, or making its chunks): before they start,
+# the memory that generate's server held must be back.
+def loads_target(cfg, step: str) -> bool:
     return step in ("extract", "evaluate") and not (step == "extract" and cfg.train.online) or \
         (step == "train" and (cfg.train.online or chunked.chunked(cfg)))
 
@@ -454,7 +459,7 @@ def starts_server(cfg) -> bool:
 # (imports, two compiled train steps, saving the graphs; SmolLM2 from scratch), but tokenize,
 # vocab and train's set-up took ~9 s: started before tokenize, train's set-up waited 27 s for it,
 # nothing saved against compiling in its first step (~22 s). So when generate runs in this
-# process (engine local: the data engine sizes its KV pool from a share of the free memory it
+# process (engine drafter: the data engine sizes its KV pool from a share of the free memory it
 # finds, leaving room for the child beside it) and will run, the child starts before generate
 # and compiles while generate answers (135 s there). Else (an HTTP server, vLLM, SGLang or
 # transformers serve, takes most of the GPU; engine external; generate off or done) before
@@ -465,9 +470,9 @@ AHEAD_OF_TRAIN = ("tokenize", "vocab")
 
 
 def generates_locally(cfg) -> bool:
-    """generate runs the target in this process (engine local, the data engine), which leaves
+    """generate runs the target in this process (engine drafter, the data engine), which leaves
     room on the GPU for train's precompile beside it."""
-    return starts_server(cfg) and cfg.generate.server.engine == "local"
+    return starts_server(cfg) and cfg.generate.server.engine == "drafter"
 
 
 def starts_precompile(cfg, step: str) -> bool:
@@ -507,7 +512,7 @@ def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[di
                 will_run = force or _will_run(cfg, run, step)
                 starts_ahead = ahead and will_run and starts_precompile(cfg, step)
                 if step == "generate" and will_run and starts_server(cfg):
-                    # before the child starts (local engine): the level generate must give back
+                    # before the child starts (engine drafter): the level generate must give back
                     baseline = gpu_release.gpu_snapshot() or None  # None on a machine without GPU
                 elif baseline is not None and will_run and (loads_target(cfg, step) or
                                                             starts_ahead):
@@ -516,11 +521,8 @@ def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[di
                 if starts_ahead:
                     precompile.start_ahead(cfg, before=step)
                     ahead = False
-                if step == "train" and will_run and chunked.chunked(cfg):  # chunk by chunk
-                    with chunked.in_process(cfg) as produce:
-                        out.append(run_step(cfg, step, force=force, produce=produce))
-                else:
-                    out.append(run_step(cfg, step, force=force))
+                with chunked.train_here(cfg, step, will_run) as kw:  # chunk by chunk
+                    out.append(run_step(cfg, step, force=force, **kw))
         finally:  # one that no train took: the run failed, or stopped before train
             precompile.stop_ahead()
     if chunked.produces_after(cfg, steps):  # a train elsewhere takes the chunks
@@ -592,9 +594,7 @@ def status(run_dir) -> dict:
         elif activity == "damaged":
             row["error"] = damage(run, step)
         rows.append(row)
-    out = {"run_dir": str(run.root), "running_pid": pid,
-           "bytes": sum(r["bytes"] for r in rows),
-           "seconds": round(sum(r["seconds"] or 0 for r in rows), 3), "steps": rows}
-    if chunked.chunked(cfg):  # the chunks made, trained and in the spool; its fill
-        out["chunks"] = chunked.spool.status(run, cfg.extract.max_disk_gib)
-    return out
+    return {"run_dir": str(run.root), "running_pid": pid, "bytes": sum(r["bytes"] for r in rows),
+            "seconds": round(sum(r["seconds"] or 0 for r in rows), 3), "steps": rows,
+            **({"chunks": chunked.spool.status(run, cfg.extract.max_disk_gib)}
+               if chunked.chunked(cfg) else {})}

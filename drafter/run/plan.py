@@ -12,7 +12,7 @@ section) or `estimated` (the formulas below, documented in docs/operations.md):
 - parameters (drafter.run.counts): the model built once on the meta device (target.meta_model,
   with target.trust_remote_code for a model that ships its own code); MoE active parameters =
   total - routed experts * (1 - k/E).
-- weights: target.weight_bytes: the Linear weights config.json's quantization_config covers at
+- weights: core.weights.weight_bytes: the Linear weights config.json's quantization_config covers at
   its stored bits (compressed-tensors groups with their scales, GPTQ, AWQ, FP8 blocks), the rest
   at the dtype the target loads at; the plan names the source of the figure.
 - refused: what extract's check before loading refuses too (capture.transformers_refusal): a
@@ -41,6 +41,7 @@ from pathlib import Path
 
 from drafter.core import target
 from drafter.core.rundir import Run, cache_dir
+from drafter.core.weights import weight_bytes
 from drafter.features import capture, store
 from drafter.run.counts import (
     CHARS_PER_TOKEN,
@@ -74,7 +75,7 @@ RELOAD_SHARE = 0.05
 def decode_tokens_per_s(p, batch: int, params: dict, weights: dict, gpus: int) -> float:
     """Bandwidth-bound decoding: one step of `batch` sequences reads the dense weights and the
     experts that its tokens route to (share 1-(1-k/E)^batch), spread over `gpus`; `weights`:
-    target.weight_bytes (bytes as stored)."""
+    core.weights.weight_bytes (bytes as stored)."""
     routed = weights["routed_bytes"]
     dense = weights["bytes"] - routed
     e, k = params["experts"], params["experts_per_token"]
@@ -161,7 +162,7 @@ def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
         hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
         cache_path = Path(os.environ.get("HF_HUB_CACHE") or f"{hf_home}/hub").expanduser()
         stored = str(getattr(f["config"], "torch_dtype", None) or "bfloat16")
-        cache_need = target.weight_bytes(f["config"], 4 if "32" in stored else 2,
+        cache_need = weight_bytes(f["config"], 4 if "32" in stored else 2,
                                          f["meta"])["bytes"]
     cache_fs, cache_free = _free_bytes(cache_path) if cache_path else (None, None)
     same_fs = cache_fs is not None and os.stat(cache_fs).st_dev == os.stat(run_fs).st_dev
@@ -192,7 +193,7 @@ def storage_hint(cfg, room: float) -> str:
     if ec.max_disk_gib is None and room > 0:
         ways.append(f"chunks within the room left, extract.max_disk_gib={room / GiB:,.0f} "
                     f"(docs/extract.md)")
-    if ec.engine == "transformers" and ec.max_disk_gib is None:
+    if ec.engine == "drafter" and ec.max_disk_gib is None:
         ways.append("none at all with train.online=true")
     if not ways:
         return " Free space, or move run_dir (or extract.spool) to a larger file system."
@@ -200,7 +201,7 @@ def storage_hint(cfg, room: float) -> str:
         f"{ways[-1]}."
 
 
-def engine_gpus(cfg) -> int:
+def vllm_gpus(cfg) -> int:
     """GPUs vLLM spreads the target over where a step runs it (extract.engine /
     evaluate.engine: vllm): tensor x pipeline parallel sizes of target.engine_args."""
     a = cfg.target.engine_args
@@ -220,11 +221,13 @@ def chunk_mode(cfg) -> str | None:
 def where_steps_run(cfg) -> dict:
     """Where each step runs, for the plan's reader."""
     s = cfg.generate.server
-    eng = engine_gpus(cfg)
-    return {"generate": f"{s.engine} server" if cfg.generate.enabled else "skipped",
+    eng = vllm_gpus(cfg)
+    return {"generate": "skipped" if not cfg.generate.enabled else "drafter's data engine"
+            if s.engine == "drafter" else f"{s.engine} server",
             "extract": "online (inside train)" if cfg.train.online else
             f"vLLM over {eng} GPU(s)" if cfg.extract.engine == "vllm" else
-            "transformers" + (" (tp under torchrun)" if cfg.extract.tp else ""),
+            "drafter's capture (transformers)" + (" (tp under torchrun)" if cfg.extract.tp
+                                                  else ""),
             "train": "drafter" + (" beside the target in transformers" if cfg.train.online
                                   else ", a chunk at a time" if chunk_mode(cfg)
                                   else ", from the stored shards"),
@@ -256,7 +259,7 @@ def gpu_memory(cfg, f: dict, warnings: list[str], refused: list[str]) -> dict:
                           f"table (not on the GPU)"},
         "evaluate": {**ev, "tp": tp, "total": ev["total"] + f["drafter"]["total"] * 2},
     }
-    eng = engine_gpus(cfg)
+    eng = vllm_gpus(cfg)
     if cfg.extract.engine == "vllm" and not online:
         # inside vLLM: tensor/expert/pipeline parallelism spreads every weight, experts
         # included, and vLLM fills what is left with its KV cache (as generate's server);
@@ -270,7 +273,7 @@ def gpu_memory(cfg, f: dict, warnings: list[str], refused: list[str]) -> dict:
         mem["evaluate"] = {"total": weights // eng + f["drafter"]["total"], "tp": eng,
                            "note": f"inside vLLM over {eng} GPU(s), the drafter beside it"}
     have = f["gpu_memory"]
-    loads = (cfg.extract.engine == "transformers" and not online) or online \
+    loads = (cfg.extract.engine == "drafter" and not online) or online \
         or cfg.evaluate.engine != "vllm"  # a step that loads the target in transformers
     why = capture.transformers_refusal(f["config"], w, cfg.extract.tp, tp, have) \
         if loads else None
@@ -370,7 +373,7 @@ def chunks(cfg, f: dict, st: dict, tm: list[dict], warnings: list[str]) -> dict 
     extracted = (t["extract"]["tokens"] - data["val"]["tokens"]) * bpt
     n = math.ceil(extracted / chunk) if chunk else None
     vllm = ec.engine == "vllm"
-    eng = engine_gpus(cfg) if vllm else 1
+    eng = vllm_gpus(cfg) if vllm else 1
     load_s = f["weights"] / (p.load_gbps * 1e9)
     wake_s = f["weights"] / eng / (WAKE_GBPS * 1e9)
     # extract's step loads the target for val and the head; then in one process every chunk
@@ -389,7 +392,7 @@ def chunks(cfg, f: dict, st: dict, tm: list[dict], warnings: list[str]) -> dict 
            "reload_share": reload_s / run_s if run_s else None,
            "with_sleep_mode_seconds": sleep_s, "wake_seconds": wake_s if sleep_s else None,
            "spool": ec.spool, "train_gpus": f["gpus"]}
-    where = "vLLM over %d GPU(s)" % eng if vllm else "transformers"
+    where = "vLLM over %d GPU(s)" % eng if vllm else "drafter's capture (transformers)"
     if mode == "one process":
         how = (f"train it in a child on {f['gpus']} GPU(s) (torchrun)" if vllm else
                "train it in the same process(es)")
@@ -427,7 +430,7 @@ def make_plan(cfg) -> dict:
     # a machine with GPUs, or a plan for one (plan.gpus / plan.gpu_memory_gib set)
     on_gpu = gpu_mem is not None or cfg.plan.gpus is not None
     dname, nbytes = dtype_bytes(cfg, on_gpu)
-    w = target.weight_bytes(config, nbytes, meta)
+    w = weight_bytes(config, nbytes, meta)
     engine = cfg.generate.server.engine
     f = {"config": config, "meta": meta, "params": params, "nbytes": nbytes,
          "gguf_bytes": gguf_bytes, "w": w, "weights": w["bytes"], "ht": info["hidden_size"],
@@ -436,8 +439,8 @@ def make_plan(cfg) -> dict:
          "data": data_counts(cfg, run), "drafter": drafter_shape(cfg, config),
          "gpus": gpus, "gpu_memory": gpu_mem, "measured": measured_throughputs(run),
          # vLLM / SGLang shard the target over the GPUs (--tensor-parallel-size in extra_args);
-         # transformers serve and local decoding use one device; an external server none here
-         "gen_tp": {"vllm": gpus, "sglang": gpus, "transformers": 1, "local": 1}.get(engine, 0)}
+         # transformers serve and the data engine use one device; an external server none here
+         "gen_tp": {"vllm": gpus, "sglang": gpus, "transformers": 1, "drafter": 1}.get(engine, 0)}
     warnings: list[str] = []
     refused: list[str] = []
     st = storage(cfg, f)

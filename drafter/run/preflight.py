@@ -50,16 +50,16 @@ def preflight(cfg, run: Run, step: str, upfront: bool = False) -> None:
             if local and not path.exists():
                 bad(f"{key}.path", f"{path} not found (a file, a folder, an HF dataset org/name "
                     f"or builtin:NAME)")
-    if step == "generate" and cfg.generate.enabled and cfg.generate.server.engine != "local":
+    if step == "generate" and cfg.generate.enabled and cfg.generate.server.engine != "drafter":
         for i, src in enumerate(cfg.prepare.sources):
             if src.synthetic is not None:
                 bad("generate.server.engine", f"prepare.sources[{i}] is synthetic: the target "
-                    f"writes its user turns in-process, which needs engine local (now "
+                    f"writes its user turns in-process, which needs engine drafter (now "
                     f"{cfg.generate.server.engine!r})")
     if step in ("generate", "tokenize", "evaluate") and cfg.target.chat_template:
         if not Path(cfg.target.chat_template).expanduser().is_file():
             bad("target.chat_template", f"{cfg.target.chat_template} is not a file")
-    if step == "extract" and not cfg.train.online and cfg.extract.engine == "transformers" \
+    if step == "extract" and not cfg.train.online and cfg.extract.engine == "drafter" \
             or step == "train" and cfg.train.online:
         from drafter.core import target
         from drafter.core.dist import read_env

@@ -70,8 +70,8 @@ class ChatClient:
     exponential backoff (and a dead server drafter started is restarted); other 4xx are final.
 
     httpx with keep-alive connections, one pool per endpoint sized by the concurrency (httpx's
-    pool scans its connections on every request, so small pools keep that cheap; against a real
-    server the client gave 0.98 of a bare asyncio load generator's throughput on a 2-core CPU)."""
+    pool scans its connections on every request, so small pools keep that cheap: against a real
+    server the client keeps up with a bare asyncio load generator)."""
 
     def __init__(self, pool: "Pool", request_timeout: float = 600.0, max_retries: int = 5,
                  retry_backoff: float = 1.0, concurrency: int = 64):

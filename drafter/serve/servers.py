@@ -168,8 +168,8 @@ def build_command(cfg, port: int) -> list[str]:
         if t.revision and engine in ("vllm", "sglang"):
             argv += ["--revision", t.revision]
         if engine == "transformers" and fields["on_cpu"]:
-            # On CPU, continuous batching sizes its KV cache from free host memory (5.5 GB for
-            # SmolLM2-135M measured here). Size it for the requests in flight instead.
+            # On CPU, continuous batching sizes its KV cache from free host memory (gigabytes,
+            # even for a 135M target). Size it for the requests in flight instead.
             if not any(a.startswith("--cb-num-blocks") for a in extra):
                 per_req = -(-(cfg.generate.max_tokens + 1024) // _CB_PAGE_TOKENS)
                 argv += ["--cb-num-blocks", str(max(16, cfg.generate.concurrency * per_req))]
@@ -269,8 +269,9 @@ def _wait_external(url: str, headers: dict, timeout: float) -> list[str]:
         try:
             return _models(url, headers)
         except httpx.HTTPStatusError as e:
-            # Up, but unable to list its models (transformers serve 5.17 answers 500 there when
-            # offline): go on if /health says so; the model then comes from server.model_name.
+            # Up, but unable to list its models (transformers serve lists the HF hub cache's,
+            # and answers 500 where that cache does not exist): go on if /health says so; the
+            # model then comes from server.model_name.
             err = e
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", headers=headers, timeout=10.0,
@@ -319,8 +320,8 @@ def servers(cfg, log_path: Path):
                 listed = _wait_external(ep.url, headers, s.startup_timeout)
                 pool.endpoints.append(ep)
             pool.model = _pick_model(s, listed, None)
-        elif s.engine == "local":
-            raise ServerError("generate.server.engine=local runs in-process: there is no server "
+        elif s.engine == "drafter":
+            raise ServerError("generate.server.engine=drafter runs in-process: there is no server "
                               "to start")
         else:
             if not is_local_host(s.host):  # allowed by generate.server.allow_remote (configload.py)
@@ -349,11 +350,19 @@ def servers(cfg, log_path: Path):
                     ep.server.start()
                 ep.url = ep.server.url
             url = pool.endpoints[0].url
-            try:
-                listed = _models(url, headers)
-            except Exception as e:  # noqa: BLE001  (a server without /v1/models still works)
-                log.warning("GET %s/v1/models failed (%s)", url, e)
-                listed = []
+            listed = []
+            # transformers serve answers for whichever model a request names, and its
+            # /v1/models lists the HF hub cache, not the model it was started with (a 500 and
+            # a traceback in its log where that cache does not exist): not asked.
+            if not (s.engine == "transformers" and model is not None):
+                try:
+                    listed = _models(url, headers)
+                except Exception as e:  # noqa: BLE001  (a server without /v1/models still works)
+                    if model is None:
+                        log.warning("GET %s/v1/models failed (%s)", url, e)
+                    else:
+                        log.info("GET %s/v1/models: %s; the server is healthy, and requests "
+                                 "name the model it was started with", url, e)
             pool.model = _pick_model(s, listed, model)
         log.info("generation server: %s, model %s", ", ".join(pool.urls), pool.model)
         yield pool
@@ -367,7 +376,7 @@ def main(cfg) -> int:
     from drafter.core.rundir import Run
 
     s = cfg.generate.server
-    if s.engine in ("external", "local"):
+    if s.engine in ("external", "drafter"):
         raise ServerError(f"generate.server.engine={s.engine}: drafter starts no server for it "
                           f"(use engine transformers, vllm or sglang)")
     log_path = Run.of(cfg).server_log()

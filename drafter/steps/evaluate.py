@@ -36,9 +36,6 @@ from pathlib import Path
 
 from drafter import DrafterError
 from drafter.core.rundir import Run, atomic_json, atomic_write, read_json
-from drafter.export.tuned import add_tuned_settings
-from drafter.measure.engine_eval import render as render_engine
-from drafter.measure.engine_eval import vllm_acceptance
 from drafter.measure.lossless import recheck_float32
 from drafter.measure.report import plots, render_report
 from drafter.measure.summary import (
@@ -51,6 +48,8 @@ from drafter.measure.summary import (
     with_parts,
     with_plain,
 )
+from drafter.measure.tuned import add_tuned_settings
+from drafter.measure.vllm_eval import render_vllm, vllm_acceptance
 
 log = logging.getLogger("drafter")
 
@@ -124,7 +123,7 @@ def _datasets(ev) -> list[tuple[str, str, list[dict]]]:
 
 
 def _methods(ev):
-    from drafter.engine.decode import TreeSpec
+    from drafter.decoding.decode import TreeSpec
 
     out = []
     for m in ev.methods:
@@ -225,8 +224,8 @@ def _decode(dec, prompts: _Prompts, rounds, max_new, stop, T, proposer=None, tre
 def _plain(dec, prompts: _Prompts, max_new, stop, T, desc: str, continuous: bool):
     """Plain decoding, the reference every speedup divides by: timed as a user would run it.
     At T=0 the same rounds are decoded again, untimed, recording each token's runners-up for
-    the lossless check (recording them in the timed pass made its step 4.5-8.8% slower at batch
-    64 on the H200: BENCHMARKS.md). The two passes run the same batches and give the same tokens;
+    the lossless check (recording them in the timed pass made its step slower: BENCHMARKS.md,
+    The user's path). The two passes run the same batches and give the same tokens;
     should bf16 differ, the recording pass's tokens are the ones checked (with a warning)."""
     outs, stats = _decode(dec, prompts, None, max_new, stop, T, desc=desc, continuous=continuous)
     if T != 0:
@@ -244,8 +243,8 @@ def _plain(dec, prompts: _Prompts, max_new, stop, T, desc: str, continuous: bool
 def _warm_up(dec, prompts: _Prompts, stop) -> dict:
     """A short untimed plain decoding of the first round's first batch, before any timed pass.
     The process's first decoding pays one-off start-up costs (kernels loaded on first use, the
-    library handles); without it they count against the first dataset's plain pass alone (on the
-    H200, MT-bench's plain prefills took 0.49 s against 0.06-0.07 s in each speculative pass)."""
+    library handles); without it they count against the first dataset's plain pass alone (its
+    prefills then took several times those of each speculative pass)."""
     batch = [ids for _, ids in prompts.build(0, {})[:dec.max_batch]]
     t0 = time.perf_counter()
     if batch:
@@ -257,7 +256,7 @@ def _pass(run: Run, key: str, prompts: _Prompts, fn):
     """One decoding pass (fn() -> _decode's result), kept in evaluate/passes/ so that a killed
     evaluate resumes after the passes it finished. A plain pass also keeps the prompt rounds it
     built (MT-bench's second turns carry its answers)."""
-    from drafter.engine.decode import Output
+    from drafter.decoding.decode import Output
 
     name = hashlib.sha256(key.encode()).hexdigest()[:16]
     p = run.step_dir("evaluate") / "passes" / f"{name}.json"
@@ -286,11 +285,11 @@ def main(cfg) -> dict:
     import torch
 
     from drafter.core.target import load_model, load_tokenizer, pick_device, pick_dtype, text_config
-    from drafter.engine.decode import Decoder, EagleDraft, stop_ids_of
+    from drafter.decoding.decode import Decoder, EagleDraft, stop_ids_of
 
     ev, run = cfg.evaluate, Run.of(cfg)
     if ev.engine == "vllm":
-        return _main_engine(cfg)
+        return _main_vllm(cfg)
     if 0.0 not in [float(t) for t in ev.temperatures]:
         raise EvaluateError("evaluate.temperatures must include 0 (the lossless check runs at "
                             "temperature 0)")
@@ -313,8 +312,9 @@ def main(cfg) -> dict:
         _check_drafter(dr, model, what, path)
     stop = stop_ids_of(tok, model)
     max_len = int(getattr(text_config(model.config), "max_position_embeddings", 0) or 1 << 20)
-    dec = Decoder(model, max_batch=ev.batch_size, cuda_graphs=ev.cuda_graphs,
-                  prefill_graph_tokens=ev.prefill_graph_tokens)
+    # decoding steps replayed from CUDA graphs on a GPU (the Decoder's default): a step of a
+    # small target is kernel launches, not GPU work (BENCHMARKS.md#decoding)
+    dec = Decoder(model, max_batch=ev.batch_size, prefill_graph_tokens=ev.prefill_graph_tokens)
     proposers = [(what, EagleDraft(dr), path) for what, dr, path in drafters]
 
     runs, plain_all, ds_info, timings = [], {}, {}, {}
@@ -419,7 +419,7 @@ def main(cfg) -> dict:
         "temperatures": [float(t) for t in ev.temperatures],
         "max_new_tokens": ev.max_new_tokens, "batch_size": ev.batch_size,
         "continuous": bool(ev.continuous and ev.batch_size > 1),
-        "cuda_graphs": bool(ev.cuda_graphs and dec.graphs.enabled),
+        "cuda_graphs": bool(dec.graphs.enabled),
         "prefill_graph_tokens": ev.prefill_graph_tokens if dec.graphs.enabled else 0,
         "tie_tolerance": tol, "seed": ev.seed, "warm_up": warm,
         "float32_recheck": dtype != torch.float32, "drift": drift,
@@ -430,21 +430,21 @@ def main(cfg) -> dict:
     }
     if recs:  # the greedy one's keys at the top, as the export READMEs and older readers read
         settings["recommended"] = {**recs.get("0.0", {}), "by_temperature": recs}
-    engine = None
+    in_vllm = None
     if ev.engine == "both":
         rec0 = recs.get("0.0")
         best0 = best_tree(rec0, cal) if rec0 else None
         k = best0.depth if best0 is not None and best0.is_chain and ev.run_recommended \
             else ev.k
-        engine = vllm_acceptance(cfg, drafters[0][2], k,
-                                 [(n, greedy[2][n].rounds) for n, _, _ in datasets], stop,
-                                 ev.max_new_tokens)
+        in_vllm = vllm_acceptance(cfg, drafters[0][2], k,
+                                  [(n, greedy[2][n].rounds) for n, _, _ in datasets], stop,
+                                  ev.max_new_tokens)
         ours = next((r for r in runs if r["drafter"] == "drafter" and r["temperature"] == 0
                      and r.get("k") == k), None)
-        engine["drafter_tau"] = {n: _r(d.get("tau"), 5) for n, d in ours["datasets"].items()} \
+        in_vllm["drafter_tau"] = {n: _r(d.get("tau"), 5) for n, d in ours["datasets"].items()} \
             if ours else None
     try:
-        metrics = finish(run, settings, runs, plain_all, engine)
+        metrics = finish(run, settings, runs, plain_all, in_vllm)
     finally:
         shutil.rmtree(run.step_dir("evaluate") / "passes", ignore_errors=True)
     return {"counts": {"prompts": sum(d["prompts"] for d in ds_info.values()), "runs": len(runs),
@@ -483,10 +483,10 @@ def _recheck(model, runs: list[dict], parts: list[tuple], prompts: dict, max_new
 
 
 def finish(run: Run, settings: dict, runs: list[dict], plain: dict,
-           engine: dict | None = None) -> dict:
-    """Write metrics.json, the plots and report.md; then fail (EvaluateError) if any greedy
-    speculative output differs from the plain one beyond a numerical tie or float32-checked
-    drift."""
+           in_vllm: dict | None = None) -> dict:
+    """Write metrics.json (with `in_vllm`, vLLM's acceptance, under "engine"), the plots and
+    report.md; then fail (EvaluateError) if any greedy speculative output differs from the plain
+    one beyond a numerical tie or float32-checked drift."""
     lossless_runs = [r for r in runs if r["temperature"] == 0]
     verdicts = [(r, n, d) for r in lossless_runs for n, d in r["datasets"].items()
                 if n != "overall"]
@@ -500,12 +500,12 @@ def finish(run: Run, settings: dict, runs: list[dict], plain: dict,
     metrics = {"lossless": mismatches == 0, "settings": settings,
                "datasets": runs[0]["datasets"], "plain": plain, "runs": runs,
                "ties": ties, "drift": drift, "mismatches": mismatches}
-    if engine is not None:
-        metrics["engine"] = engine
+    if in_vllm is not None:
+        metrics["engine"] = in_vllm
     atomic_json(run.eval_metrics(), metrics)
     plots(run, runs)
     atomic_write(run.eval_report(), render_report(metrics) + (
-        render_engine(engine, engine.get("drafter_tau")) if engine else ""))
+        render_vllm(in_vllm, in_vllm.get("drafter_tau")) if in_vllm else ""))
     log.info("evaluate: wrote %s", run.eval_report())
     add_tuned_settings(run, metrics)  # the export READMEs: the serving flags measured here
     if mismatches:
@@ -517,13 +517,13 @@ def finish(run: Run, settings: dict, runs: list[dict], plain: dict,
     return metrics
 
 
-def _main_engine(cfg) -> dict:
+def _main_vllm(cfg) -> dict:
     """evaluate.engine=vllm: the target only vLLM runs. vLLM decodes the prompts plainly and
-    with the export at chain K=evaluate.k (drafter/measure/engine_eval.py); nothing loads the
+    with the export at chain K=evaluate.k (drafter/measure/vllm_eval.py); nothing loads the
     target in this process."""
     from drafter.core.target import load_tokenizer
-    from drafter.engine.decode import stop_ids_of
-    from drafter.features.engine_capture import vllm_missing
+    from drafter.decoding.decode import stop_ids_of
+    from drafter.core.vllm import vllm_missing
 
     ev, run = cfg.evaluate, Run.of(cfg)
     missing = vllm_missing()
@@ -543,16 +543,16 @@ def _main_engine(cfg) -> dict:
     for name, _, recs in _datasets(ev):
         pr = _Prompts(tok, recs, 1 << 30, ev.max_new_tokens)
         sets.append((name, pr.build))
-    engine = vllm_acceptance(cfg, path, ev.k, sets, stop, ev.max_new_tokens, tokenizer=tok)
-    metrics = {"engine": engine, "settings": {
+    in_vllm = vllm_acceptance(cfg, path, ev.k, sets, stop, ev.max_new_tokens, tokenizer=tok)
+    metrics = {"engine": in_vllm, "settings": {
         "target": cfg.target.model, "drafter": str(path), "engine_args": cfg.target.engine_args,
         "max_new_tokens": ev.max_new_tokens, "temperatures": [0.0]}}
     atomic_json(run.eval_metrics(), metrics)
-    atomic_write(run.eval_report(), f"# Evaluation of {path}\n" + render_engine(engine))
+    atomic_write(run.eval_report(), f"# Evaluation of {path}\n" + render_vllm(in_vllm))
     log.info("evaluate: wrote %s", run.eval_report())
-    ov = engine["overall"]
+    ov = in_vllm["overall"]
     return {"counts": {"prompts": ov["prompts"], "same_as_plain": ov["same_as_plain"]},
-            "tau": {n: d["tau"] for n, d in {**engine["datasets"], "overall": ov}.items()},
+            "tau": {n: d["tau"] for n, d in {**in_vllm["datasets"], "overall": ov}.items()},
             "engine": "vllm"}
 
 

@@ -8,7 +8,7 @@ Writes  export/native/       LlamaForCausalLMEagle3, midlayer.*  (SGLang, vLLM, 
         each engine's meaning) and drafter.json; each dir is built under a temp name and
         renamed into place, then linted with `drafter check` (a failed check fails the step).
         A README.md gets evaluate's tuned serving settings back when evaluate measured these
-        very weights (drafter/export/tuned.py; evaluate writes that section after it runs).
+        very weights (drafter/measure/tuned.py; evaluate writes that section after it runs).
 Command drafter export CONFIG [export.checkpoint=best] [--force]
 
 Layouts, names and id conventions live in drafter/export/engines.py (contract: ENGINES.md).
@@ -22,9 +22,9 @@ from pathlib import Path
 from drafter import DrafterError
 from drafter.core.rundir import MissingInput, Run, atomic_dir, dir_bytes, read_json
 from drafter.export import engines as E
-from drafter.export import tuned
 from drafter.export.check import format_report, run_checks
 from drafter.export.support import c_engine_support
+from drafter.measure import tuned
 from drafter.train.checkpoint import intact, verify_checkpoint
 from drafter.train.model import load_drafter, param_count
 

@@ -55,10 +55,11 @@ from tqdm import tqdm
 from drafter.core import gpu, target
 from drafter.core.dist import Dist, all_gather, barrier, init_dist, read_env
 from drafter.core.rundir import Run
+from drafter.core.vllm import vllm_dtype, vllm_missing
 from drafter.data import tokens
 from drafter.features import capture as C
-from drafter.features.engine_capture import EngineCapture, engine_dtype
 from drafter.features import spool, store
+from drafter.features.vllm_capture import VllmCapture
 from drafter.train import precompile
 
 log = logging.getLogger("drafter")
@@ -108,7 +109,7 @@ def _info(cfg, tconf, d2t: torch.Tensor, device: str) -> dict:
     scale, softcap = C.logit_transform(tconf)
     ec = cfg.extract
     vd = d2t.numel()
-    dtype = engine_dtype(cfg.target, device) if ec.engine == "vllm" \
+    dtype = vllm_dtype(cfg.target, device) if ec.engine == "vllm" \
         else target.pick_dtype(cfg.target, device)
     return {"layer_ids": C.resolve_layer_ids(ec.layer_ids, n), "num_layers": n,
             "hidden_size": target.hidden_size(tconf), "vocab_size": target.vocab_size(tconf),
@@ -153,14 +154,14 @@ def main(cfg) -> dict:
     tconf = target.load_config(cfg.target)
     # a MoE under extract.tp, or weights above a GPU's memory: refused before anything loads
     # (vLLM spreads and quantises the target itself)
-    weights = C.refuse_unfit(cfg.target, tconf, ec.tp, d) if ec.engine == "transformers" \
+    weights = C.refuse_unfit(cfg.target, tconf, ec.tp, d) if ec.engine == "drafter" \
         else None
     d2t, t2d, _ = tokens.load_vocab(run.require(run.vocab(), "vocab"))
     run.require(run.tokens("train"), "tokenize")
     info = _info(cfg, tconf, d2t, str(d.device))
     est = {"total": 0}
     if ec.engine == "vllm":
-        _engine_preflight(cfg, d)
+        _vllm_preflight(cfg, d)
     elif d.device.type == "cuda":  # before this process touches CUDA or loads any weights
         dtype_bytes = torch.finfo(target.pick_dtype(cfg.target, str(d.device))).bits // 8
         est = C.estimate_gpu_bytes(tconf, dtype_bytes, ec.batch_tokens, len(info["layer_ids"]),
@@ -173,13 +174,12 @@ def main(cfg) -> dict:
     # loads the target and runs (its imports and set-up overlap this process's); stopped at
     # once when there is nothing to extract
     pre = precompile.start(cfg, run, d.device, tconf, est["total"], d.rank) \
-        if ec.engine == "transformers" else None  # vLLM takes most of every GPU it runs on
+        if ec.engine == "drafter" else None  # vLLM takes most of every GPU it runs on
     written, tokens_done, seconds, check, compiled = {}, 0, 0.0, None, None
     need_model, ok = False, False
     try:
         attn = str(getattr(tconf, "_attn_implementation", "") or "")
-        packed = ec.engine == "vllm" or ec.packing == "packed" or (
-            ec.packing == "auto" and "flash" in attn)  # vLLM pads nothing
+        packed = ec.engine == "vllm" or "flash" in attn  # vLLM pads nothing
         tables, plans = {}, {}
         for split in splits:
             path = run.tokens(split)
@@ -288,7 +288,7 @@ def _extract(cfg, run: Run, d: Dist, info: dict, d2t, t2d, tables, every: list[S
     try:
         return _capture_all(cfg, run, d, info, cap, tables, every, todo, writes, n_kept, t_load)
     finally:
-        if isinstance(cap, EngineCapture):
+        if isinstance(cap, VllmCapture):
             cap.close()
 
 
@@ -296,17 +296,17 @@ def _load_capture(cfg, run: Run, d: Dist, info: dict, d2t, t2d, longest: int):
     """The target loaded for capture: inside vLLM (extract.engine) or in transformers."""
     ec = cfg.extract
     if ec.engine == "vllm":
-        return EngineCapture(cfg, d2t, t2d, longest, run.engine_states())
+        return VllmCapture(cfg, d2t, t2d, longest, run.vllm_states())
     model = target.load_model(cfg.target, device=str(d.device),
                               **({"tp_plan": "auto"} if ec.tp else {}))
     return C.Capture(model, info["layer_ids"], d2t, t2d, teacher=ec.teacher, topk=ec.topk,
-                     out_dtype=torch.bfloat16, packing=ec.packing, batch_tokens=ec.batch_tokens)
+                     out_dtype=torch.bfloat16, batch_tokens=ec.batch_tokens)
 
 
 def _capture_all(cfg, run: Run, d: Dist, info: dict, cap, tables, every: list[Shard],
                  todo: list[Shard], writes: bool, n_kept: int, t_load: float):
     ec = cfg.extract
-    check = _check_capture(cap, info, tables, every, ec.self_check)
+    check = _check_capture(cap, info, tables, every)
     head = cap.head  # a collective under tp: every rank
     if d.rank == 0:
         store.save_head(run.extract_head(), head, info)
@@ -314,7 +314,7 @@ def _capture_all(cfg, run: Run, d: Dist, info: dict, cap, tables, every: list[Sh
              "shards to write, %d kept", time.time() - t_load, info["layer_ids"],
              info["num_layers"], info["hidden_size"], info["target_dtype"], len(todo), n_kept)
     written, seconds = _write_shards(cap, info, tables, todo, ec, writes, d)
-    if isinstance(cap, EngineCapture):
+    if isinstance(cap, VllmCapture):
         check = {**(check or {}), "engine_check": dict(cap.check)}
         log.info("extract: vLLM's next token = the teacher's argmax on %d of %d samples "
                  "(%d near-ties)", cap.check["same_next_token"], cap.check["samples"],
@@ -322,14 +322,14 @@ def _capture_all(cfg, run: Run, d: Dist, info: dict, cap, tables, every: list[Sh
     return written, seconds, check
 
 
-def _check_capture(cap, info: dict, tables, every: list[Shard], self_check: bool):
+def _check_capture(cap, info: dict, tables, every: list[Shard]):
     """The loaded target is the configured one; its self-check on the first (longest)
     sample's first 64 tokens."""
     got = {k: v for k, v in cap.info().items() if k in info}
     if got != {k: info[k] for k in got}:
         raise C.CaptureError(f"extract: the loaded target differs from its config: {got} "
                              f"vs {info}")
-    if self_check and every:
+    if every:
         first = every[0]
         return cap.self_check(tables[first.split].column("input_ids")[first.rows[0]].as_py())
     return None
@@ -352,12 +352,10 @@ def _write_shards(cap, info: dict, tables, todo: list[Shard], ec, writes: bool, 
     return written, time.time() - t0
 
 
-def _engine_preflight(cfg, d: Dist) -> None:
+def _vllm_preflight(cfg, d: Dist) -> None:
     """extract.engine=vllm: one process (vLLM spreads the target itself), vLLM importable, and
     no GPU memory held by another process (reported with its PID, never killed). vLLM sizes its
     own memory: there is no weights estimate to check here."""
-    from drafter.features.engine_capture import vllm_missing
-
     if d.world > 1:
         raise C.CaptureError(f"extract.engine=vllm runs in one process, not {d.world} torchrun "
                              f"ranks: vLLM spreads the target over the GPUs itself (set "
@@ -459,8 +457,7 @@ class ChunkProducer:
         self.row = {sid: i for i, sid in enumerate(self.tables["train"].column("id").to_pylist())}
         self.lengths = self.tables["train"].column("num_tokens").to_pylist()
         attn = str(getattr(tconf, "_attn_implementation", "") or "")
-        self.packed = ec.engine == "vllm" or ec.packing == "packed" or (
-            ec.packing == "auto" and "flash" in attn)
+        self.packed = ec.engine == "vllm" or "flash" in attn  # vLLM pads nothing
         self.sleep = release and ec.engine == "vllm" and vllm_sleep_mode()
         if self.sleep:  # set at the engine's start: sleep and wake_up need it
             args = {**cfg.target.engine_args, "enable_sleep_mode": True}
@@ -542,7 +539,7 @@ class ChunkProducer:
         self.cap = _load_capture(self.cfg, self.run, self.d, self.info, self.d2t, self.t2d,
                                  max(self.lengths, default=1))
         if not self.checked:
-            _check_capture(self.cap, self.info, self.tables, shards, self.cfg.extract.self_check)
+            _check_capture(self.cap, self.info, self.tables, shards)
             self.checked = True
         self.stats["loads"] += 1
         self.stats["load_s"] += time.time() - t
@@ -567,7 +564,7 @@ class ChunkProducer:
         import gc
 
         cap, self.cap, self.asleep = self.cap, None, False
-        if isinstance(cap, EngineCapture):
+        if isinstance(cap, VllmCapture):
             cap.close()
         del cap
         gc.collect()

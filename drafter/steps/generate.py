@@ -20,7 +20,7 @@ meta.generate_temperature; the same split). Greedy answers alone give a drafter 
 only; sampled copies beside them raised its T=1 acceptance (BENCHMARKS.md, "Quality").
 
 Engines: a server drafter starts (transformers, vllm, sglang: drafter/serve/servers.py),
-external URLs (load-balanced), or `local` (in-process: drafter.engine.local.LocalGenerator,
+external URLs (load-balanced), or `drafter` (in-process: drafter.generation.local.LocalGenerator,
 paged KV cache and continuous batching, fed one open request stream; the manifest's phases_s
 splits its seconds by phase, docs/generate.md). The conversation being answered turn by turn is
 drafter.data.conversations.Conversation.
@@ -116,7 +116,7 @@ class _Sink:
         self.completion_tokens = 0
 
     def restart(self) -> None:
-        """Start the clock again (engine=local: after the target has loaded)."""
+        """Start the clock again (engine=drafter: after the target has loaded)."""
         self.t0 = self.last_sync = time.time()
 
     def add_ok(self, conv: Conversation) -> None:
@@ -309,11 +309,11 @@ class _Phases:
 
 
 class _Local:
-    """engine=local: the conversations' side (templates, tokens, bookkeeping) of both paths."""
+    """engine=drafter: the conversations' side (templates, tokens, bookkeeping) of both paths."""
 
     def __init__(self, cfg, sink: _Sink, run: Run, ph: _Phases):
         from drafter.core.target import load_tokenizer
-        from drafter.engine.local import LocalGenerator
+        from drafter.generation.local import LocalGenerator
 
         self.g, self.sink, self.ph = cfg.generate, sink, ph
         self.tok = load_tokenizer(cfg.target)
@@ -415,23 +415,24 @@ class _Local:
         return still
 
 
-# Requests queued per GPU beyond its rows: the engine refills from them at once, while the host
+# Requests queued per GPU beyond its rows: the generator refills from them at once, while the host
 # renders the next ones; a kill loses at most these and the rows' conversations.
 QUEUED_PER_ROW = 2
 PUT_CHUNK = 256          # conversations rendered per put: the first rows start after one chunk
 
 
 def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> tuple[dict, dict]:
-    """engine=local: one open request stream (drafter.engine.local.LocalGenerator.start)
+    """engine=drafter: one open request stream (drafter.generation.local.LocalGenerator.start)
     decoded while this thread feeds it. Conversations are admitted while fewer than
-    QUEUED_PER_ROW x batch_size x GPUs requests are queued; as each row ends (the engine's
+    QUEUED_PER_ROW x batch_size x GPUs requests are queued; as each row ends (the generator's
     thread hands it over) its conversation's bookkeeping runs here, and its next request (the
     next user turn, a synthetic user turn or its answer) goes straight back into the stream.
-    The static decoder (models the paged engine does not run) decodes pools in calls instead.
+    The static decoder (models the paged generator does not run) decodes pools in calls instead.
     Returns (phases_s, engine_counts): load, then the seconds of this thread (host) and of the
-    engines' threads (engine: the mean over GPUs), each split by phase and summing to the step's
-    seconds; and what the engines did, summed (empty for the static decoder's calls)."""
-    from drafter.engine.generator import Engine
+    generators' threads (`engine`: the mean over GPUs), each split by phase and summing to the
+    step's seconds; and what the generators did, summed (empty for the static decoder's
+    calls)."""
+    from drafter.generation.generator import Generator
 
     t0 = time.perf_counter()
     ph = _Phases()
@@ -440,7 +441,7 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> tuple[dic
     sink.restart()                       # throughput counts from the first request
     t1 = time.perf_counter()
     try:
-        if isinstance(loc.gen.engines[0], Engine):
+        if isinstance(loc.gen.workers[0], Generator):
             _stream_local(loc, records)
         else:
             _pools_local(loc, records)
@@ -463,7 +464,7 @@ def _run_local(cfg, records: Iterator[dict], sink: _Sink, run: Run) -> tuple[dic
         # waiting on the host between them)
         out["engine_gpu"] = {k: round(sum(s.get(f"{k}_gpu_seconds", 0.0) for s in stats)
                                       / len(stats), 3) for k in ("prefill", "decode")}
-    # what the engines did, summed over GPUs: admissions and their packed prefills (prompt
+    # what the generators did, summed over GPUs: admissions and their packed prefills (prompt
     # tokens, and the tokens the forwards ran), decode steps, those that sampled (any live row
     # at T > 0)
     counts = {k: sum(s[k] for s in stats)
@@ -482,7 +483,7 @@ def _stream_local(loc: _Local, records: Iterator[dict]) -> None:
                                     if syn else []))
     # The plan covers any prompt the model takes; without a context length, prompts of up to
     # 32,768 tokens (a longer one is "too_long": a permanent error of its conversation).
-    max_len = gen.engines[0].max_positions or max_new + 32768
+    max_len = gen.workers[0].max_positions or max_new + 32768
     results: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
     feed = gen.start(lambda tag, ids, finish: results.put((*tag, ids, finish)), max_len,
                      max_new, top_p=g.top_p, seed=g.seed, stop_ids=loc.stop)
@@ -501,7 +502,7 @@ def _stream_local(loc: _Local, records: Iterator[dict]) -> None:
                          [(convs[i], len(ids[i]), caps[i], user) for i in k], first=user)
         in_flight += len(convs)
 
-    # The engine's thread gives up the GIL in every torch call and waits to take it back while
+    # The generator's thread gives up the GIL in every torch call and waits to take it back while
     # this thread renders templates or checks user turns: a switch interval of 0.1 ms (Python's:
     # 5 ms) bounds each such wait, of which a prefill or a sync has tens.
     interval = sys.getswitchinterval()
@@ -524,7 +525,7 @@ def _stream_local(loc: _Local, records: Iterator[dict]) -> None:
                     except queue_mod.Empty:
                         if not feed.alive():
                             feed.check()
-                            raise GenerateError("generate (local): the engine stopped with "
+                            raise GenerateError("generate (local): the generator stopped with "
                                                 f"{in_flight} requests in flight (a bug)")
             while True:
                 try:
@@ -720,10 +721,10 @@ def main(cfg) -> dict:
              f" ({retried} retried after transient errors)" if retried else "")
 
     synthetic = [i for i, s in enumerate(cfg.prepare.sources) if s.synthetic is not None]
-    if synthetic and pending and g.server.engine != "local":
+    if synthetic and pending and g.server.engine != "drafter":
         raise GenerateError(
             f"prepare.sources[{synthetic[0]}] is synthetic: the target writes its user turns "
-            f"in-process, which needs generate.server.engine=local (now "
+            f"in-process, which needs generate.server.engine=drafter (now "
             f"{g.server.engine!r})")
     server: dict = {"engine": g.server.engine}
     phases: dict = {}
@@ -732,7 +733,7 @@ def main(cfg) -> dict:
     completion_tokens = 0
     if pending:
         records = _iter_records(src, pending, versions)
-        if g.server.engine == "local":
+        if g.server.engine == "drafter":
             sink = _Sink(run, len(pending), model=cfg.target.model)
             try:
                 phases, engine_counts = _run_local(cfg, records, sink, run)

@@ -29,10 +29,10 @@ conversations with an answer that generate cut at generate.max_tokens (meta.fini
 "length": mostly repetition loops) are skipped too (reason truncated_answer).
 
 Repetition loops. A small target decoding greedily often ends an answer in a loop that repeats
-to max_tokens (SmolLM2 on the scale run's data: 42% of its answers reach max_tokens, and the cut
-below removes 28% of the tokens). With tokenize.max_loop_tokens = M, a conversation is cut
-inside an answer at the token where M + 1 of that answer's tokens have closed a
-LOOP_NGRAM-token window seen tokenize.loop_copies - 1 times before in it, i.e. (default 3)
+to max_tokens (SmolLM2 on the scale run's data: many of its answers; what the cut below does
+to a drafter's tau: BENCHMARKS.md, Quality, loops cut or kept). With tokenize.max_loop_tokens =
+M, a conversation is cut inside an answer at the token where M + 1 of that answer's tokens have
+closed a LOOP_NGRAM-token window seen tokenize.loop_copies - 1 times before in it, i.e. (default 3)
 from a passage's third copy on: a passage said twice (code restated after a fix) is not a
 loop. The loop's first M such tokens stay (the drafter still learns to follow a loop, which
 the target also does at serving time), the rest of the loop and the turns after it go

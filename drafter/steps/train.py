@@ -54,6 +54,7 @@ from drafter.core import target
 from drafter.core.config import ConfigError
 from drafter.core.dist import Dist, all_sum, close_dist, dist_env
 from drafter.core.rundir import JsonlAppender, Run, read_jsonl
+from drafter.core.weights import target_embeddings
 from drafter.data import tokens
 from drafter.features import spool, store
 from drafter.train import precompile
@@ -88,6 +89,7 @@ from drafter.train.metrics import (
 )
 from drafter.train.model import Drafter, param_count
 from drafter.train.trainer import (
+    LOADER_THREADS,
     WARMUP_STEPS,
     GcClock,
     Phases,
@@ -181,7 +183,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     group = tc.online_group if tc.online else 1
     feed = Prefetch(make, grouped(jobs(step), group, step * tc.grad_accum), depth=2 * group,
                     device=dev if tc.online else None,
-                    threads=1 if tc.online else tc.loader_threads)
+                    threads=1 if tc.online else LOADER_THREADS)
     setup.tick("loader")
     metrics, tb, gc_clock, compiled = None, None, None, None
     try:
@@ -212,7 +214,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         meter, val, last_val, last_train = Meter(K, dev), None, None, None
         autocast = torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext()
         setup.tick("resume")
-        # an online run's precompile, started by the pipeline before generate (engine local),
+        # an online run's precompile, started by the pipeline before generate (engine drafter),
         # tokenize or vocab (precompile.start_ahead): the first step loads what it compiled, so
         # it is waited for here, with the model set up and the feeder capturing the first
         # batches meanwhile
@@ -237,7 +239,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         first_step = {}  # this process's first step in parts (batch, forward, backward, optimizer)
         # seconds this thread blocked on the prefetch thread: since the last log, and in all
         waited = [0.0, 0.0]
-        gc_clock = GcClock(freeze=tc.gc_freeze)  # Python's collections: per interval, in all
+        gc_clock = GcClock()  # Python's collections: per interval, in all
         gc_warmup = None
 
         def take() -> dict:
@@ -382,7 +384,7 @@ def log_warmup(seconds: float, steps: list[float], c: dict | None, first: dict,
                  "full ones %.2f s)%s", gcs["seconds"], *gcs["collections"],
                  gcs["seconds_by_generation"][2],
                  f", {gcs['frozen_objects']:,} objects frozen after the first step"
-                 if gcs["freeze"] else ", nothing frozen (train.gc_freeze false)")
+                 if gcs["freeze"] else ", nothing frozen")
     frames = [f for f in (c or {}).get("frames", ())  # a loaded graph's first run: ~0 s
               if f["pass"] != "first run" or f["seconds"] >= 0.005]
     if frames:
@@ -472,7 +474,7 @@ def _main(cfg, dist: Dist, produce=None, chunk: int | None = None) -> dict:
             val_src = Source.offline(vr) if len(vr) else None
     setup.tick("capture" if tc.online else "store")
     # from the target's files in both modes: the same table
-    embeddings = target.target_embeddings(cfg.target)
+    embeddings = target_embeddings(cfg.target)
     setup.tick("embeddings")
     drafter = build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings)
     setup.tick("drafter")

@@ -1,13 +1,12 @@
 """The train step's compiled pieces saved whole and loaded back, without dynamo.
 
 A train whose graphs are all in Inductor's cache (drafter/train/precompile.py fills it beside
-extract) still spent 2.3-3.8 s of its first step compiling on the H200: dynamo traced each
+extract) still spent seconds of its first step compiling: dynamo traced each
 piece's Python again, and AOTAutograd and Inductor then found their work on disk. torch's
 ahead-of-time compile (`torch.compile(fn, fullgraph=True).aot_compile(example inputs)`,
 experimental in torch) saves the whole result, dynamo's guards and bytecode with the forward
 and backward kernels, and `torch.compiler.load_compiled_function` reads it back: no tracing at
-all. On the H200 (SmolLM2 real run) the three pieces loaded in 0.52-0.97 s and the warm-up took
-2.37-4.65 s, against 4.20-5.12 s traced from a warm cache (BENCHMARKS.md).
+all, and a shorter warm-up than one traced from a warm cache (BENCHMARKS.md, Training).
 
 A `Piece` stands where TTT called a torch.compile'd function (the layer's pre and post pieces,
 the loss chunk's statistics). Its first call in a process describes its arguments
@@ -64,8 +63,8 @@ def share_triton_cache(index: int) -> None:
     cache>/triton/<device index>`, which Inductor itself puts into TRITON_CACHE_DIR, for the rest
     of the process, only when it sets up a kernel's autotuner there. The precompile process,
     compiling, had it set before the merge's first launch; a train loading its graphs did not,
-    and compiled the merge again into Triton's default ~/.triton/cache (about 1 s of the first
-    step of the first train after an extract on the H200; later trains found it there). Set by
+    and compiled the merge again into Triton's default ~/.triton/cache (in the first step of the
+    first train after an extract; later trains found it there). Set by
     trainer.device_setup on a GPU, in train and precompile alike; a TRITON_CACHE_DIR already set
     is left as it is."""
     if os.environ.get("TRITON_CACHE_DIR") is not None:

@@ -11,9 +11,10 @@ from drafter.core import target
 
 
 def embed_dtype_bytes(config) -> int:
-    """Bytes per value of the frozen embedding table as train holds it: target.target_embeddings
-    reads the tensor from the safetensors as stored and build_drafter keeps that dtype, so it is
-    config.json's dtype (bf16 where the config names none)."""
+    """Bytes per value of the frozen embedding table as train holds it:
+    core.weights.target_embeddings reads the tensor from the safetensors as stored and
+    build_drafter keeps that dtype, so it is config.json's dtype (bf16 where the config names
+    none)."""
     dt = getattr(config, "dtype", None) or getattr(getattr(config, "text_config", None),
                                                    "dtype", None)
     return 4 if "32" in str(dt or "bfloat16") else 2

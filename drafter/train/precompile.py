@@ -3,13 +3,13 @@ online train from the pipeline (online).
 
     drafter precompile CONFIG [key=value ...] [--device cuda:N]
 
-A cold train spent about 20 of its first seconds compiling (torch.compile: the layer pieces,
-FlexAttention, the loss chunk; forward and backward), a quarter of a 500-step SmolLM2 run on an
-H200 (an online one: 21.5 s of its first step). Inductor keeps what it compiles in its caches on
-disk (TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER), keyed by the graphs and their
-inputs' shapes, dtypes and devices, not by their values: a process that runs the same train step
-on random batches of the same shapes fills them, and train's warm-up then loads instead of
-compiling.
+A cold train spends most of its warm-up compiling (torch.compile: the layer pieces,
+FlexAttention, the loss chunk; forward and backward), a large share of a short run
+(BENCHMARKS.md, Training: `extract.precompile=false`). Inductor keeps what it compiles in its
+caches on disk (TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER), keyed by the graphs
+and their inputs' shapes, dtypes and devices, not by their values: a process that runs the same
+train step on random batches of the same shapes fills them, and train's warm-up then loads
+instead of compiling.
 
 Offline: extract starts this (`drafter precompile`, with --result for its figures) in a process
 of its own (`start`) right after its GPU preflight, before it plans or loads the target, when the
@@ -20,10 +20,10 @@ extract/precompile.log and its figures are in extract's manifest ("precompile").
 Online (train.online: extract stores nothing, the target runs in train): `drafter run` starts it
 (`start_ahead`, drafter/run/pipeline.py) when the GPU has room for it and for the online train
 beside it (`ahead_bytes`: the target and two train steps): before generate when generate runs in
-this process and will run (engine local: the data engine sizes its KV pool from a share of the
+this process and will run (engine drafter: the data engine sizes its KV pool from a share of the
 free memory it finds, so the child fits beside it), else before tokenize (before vocab when
-tokenize is done), once generate has given the GPU back (why: pipeline.AHEAD_OF_TRAIN, with the
-H200's figures). The pipeline's GPU release wait counts it as its own (`ahead_pid`,
+tokenize is done), once generate has given the GPU back (why: pipeline.AHEAD_OF_TRAIN). The
+pipeline's GPU release wait counts it as its own (`ahead_pid`,
 `ahead_running`). It is this process's until train's loop takes it (`take_ahead`) and waits for
 it before its first step, with its set-up done and the online feeder capturing the first batches
 meanwhile. Its log moves to train/precompile.log and its figures are train's manifest's
@@ -46,7 +46,7 @@ batches take the online feeder's path: `random_samples`), then one no-grad forwa
 (validation's graphs). Nothing applies on the CPU (train compiles only on a GPU).
 The layer pieces (pre, post) and the loss chunk's statistics are compiled whole here (torch's
 aot_compile, drafter/train/aot.py) and saved beside Inductor's cache, dynamo's guards and bytecode
-included; train loads them instead of tracing them again (train.saved_graphs). FlexAttention
+included; train loads them instead of tracing them again (not under FSDP). FlexAttention
 and validation's no-grad graphs go through torch.compile and Inductor's cache as before.
 """
 from __future__ import annotations

@@ -24,6 +24,9 @@ from drafter.train.ttt import TTT
 # Warm-up = the train time of a process's first 10 optimizer steps (compiles included): the aim
 # is <= 30 s, and the benchmark reports the same span.
 WARMUP_STEPS = 10
+# Offline, threads that build micro-batches from the store ahead of the step (batches.Prefetch):
+# one fell behind the step on a GPU; the real runs of BENCHMARKS.md#training ran with 4.
+LOADER_THREADS = 4
 
 
 def build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings) -> Drafter:
@@ -90,7 +93,7 @@ def compile_frames() -> list[dict]:
     torch timed while a compiled graph first ran, after its compile (Triton autotuning its
     kernels where the autotune cache is cold). torch records it as a runtime record of that
     graph with no function name; read as a forward, it showed as a 0-second frame named by its
-    compile id ("0/0") and renamed the graph's backward (every cold run on the H200). A torch
+    compile id ("0/0") and renamed the graph's backward (in every cold run). A torch
     without these metrics gives []."""
     try:
         from torch._dynamo.utils import get_compilation_metrics
@@ -124,8 +127,8 @@ def compiles_hold(lock):
     Compilation traces with torch.fx tracers, which patch torch.nn.Module.__call__ for the whole
     process while they run (inductor lowers FlexAttention's mask and score subgraphs with one);
     a target layer called on another thread in that window goes through the patch and fails
-    with "NameError: module is not installed as a submodule" (seen once on the H200, in a
-    32,768-token run's warm-up). Dynamo's compile callbacks mark the span; without them (a torch
+    with "NameError: module is not installed as a submodule" (seen once, in a long-row run's
+    warm-up). Dynamo's compile callbacks mark the span; without them (a torch
     that lacks the module) this does nothing."""
     try:
         from torch._dynamo.callback import callback_handler
@@ -174,11 +177,11 @@ def setup_model(drafter: Drafter, tc, dist: Dist, attention: str, saved: str = "
     """The trainable modules on the device (the embeddings stay on the CPU), wrapped for the
     ranks (DDP, or FSDP2 with train.fsdp), and AdamW over them. -> (ttt, model, optimizer).
     saved: what the compiled pieces do with the saved whole graphs (drafter/train/aot.py): "load"
-    (train), "save" (precompile); "off" under train.saved_graphs=false or train.fsdp (sharded
-    parameters are not what a single-GPU precompile traced: precompile then fills Inductor's
-    cache for the pieces as before, as train will run them)."""
+    (train), "save" (precompile); "off" under train.fsdp (sharded parameters are not what a
+    single-GPU precompile traced: precompile then fills Inductor's cache for the pieces as
+    before, as train will run them)."""
     dev, cuda = dist.device, dist.device.type == "cuda"
-    if not tc.saved_graphs or tc.fsdp:
+    if tc.fsdp:
         saved = "off"
     ttt = TTT(drafter, attention=attention, compile=tc.compile and cuda,
               loss_chunk=tc.loss_chunk, saved=saved).to(dev)
@@ -238,12 +241,12 @@ def train_step(model, params, opt, micro, tc, dist: Dist, autocast, meter=None,
 class GcClock:
     """Python's garbage collections while it is open (gc.callbacks): seconds and count per
     generation, in all and since the last `interval()`. A full collection scans every object
-    alive: after the first step of a compiled SmolLM2 train on the H200, about 575,000 objects
-    and 0.25-0.33 s. `freeze()` moves every object alive now into Python's permanent
-    generation (gc.freeze), which later collections skip: what the step loop creates is still
-    collected. Train freezes after its first step and unfreezes when it ends: full collections
-    after the warm-up then cost 0.01-0.02 s a run against 0.25-0.64 s (BENCHMARKS.md). A
-    collection runs on whichever thread triggered it; it stops them all."""
+    alive, and after the first step of a compiled train those are hundreds of thousands (torch's
+    compiled graphs and caches): a pause of a step's length. `freeze()` moves every object alive
+    now into Python's permanent generation (gc.freeze), which later collections skip: what the
+    step loop creates is still collected. Train freezes after its first step and unfreezes when
+    it ends, so full collections after the warm-up scan only what the loop made (train's
+    manifest: `gc`). A collection runs on whichever thread triggered it; it stops them all."""
 
     def __init__(self, freeze: bool = True):
         self.seconds, self.count, self.since = [0.0, 0.0, 0.0], [0, 0, 0], 0.0

@@ -143,7 +143,7 @@ def _rows_dynamic(*ts) -> None:
     """Mark dim 0 (rows) of a loss chunk dynamic. The rows in the loss differ from batch to
     batch, so a batch's last chunk has any size, and a compiled stats_fn specialised on each one
     recompiled until dynamo's recompile_limit ("tensor 'w' size mismatch at index 0. expected
-    2097, actual 1357": the first 100 steps ran at 8-31k tok/s against 175k steady). Every
+    2097, actual 1357"), and the first steps ran several times slower than steady. Every
     chunk is marked: dynamo would run full chunks through the dynamic graph anyway once it
     exists (it checks the newest graph first), so one graph serves all from the first batch,
     and a static one would only add a compile. No padding: the numbers are the eager ones.
@@ -171,8 +171,7 @@ class _MarkedRows:
 def loss_chunks(N: int, chunk: int) -> list[tuple[int, int]]:
     """The loss's row ranges: `chunk` rows each and the rest last, where a rest of 1 row joins
     the chunk before it. Dynamo specialises a size of 1, so a 1-row chunk (about one batch in
-    `chunk` has one) would compile one more graph mid-run (likely the sixth graph that store-fp8
-    runs compiled between steps 10 and 50 on the H200)."""
+    `chunk` has one) would compile one more graph mid-run, after the warm-up."""
     ends = list(range(chunk, N, chunk)) + [N] if N > 0 else []
     if len(ends) > 1 and ends[-1] - ends[-2] == 1:
         del ends[-2]
@@ -186,8 +185,8 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b, acc float32 and a, b half precision. On a GPU whose torch has addmm's
     float32 output (cuBLAS's C += A·B, accumulated in float32), one GEMM into acc; otherwise the
     product, rounded to a's dtype, then an add: a [m, n] temporary and one more pass over acc
-    (0.5 ms for each loss chunk's [32000, 4096] lm_head gradient at the Llama-8B shape on the
-    H200; the GEMM into acc made the step 1.5% faster there). Older torch refuses a float32
+    (at the Llama-8B shape, each loss chunk's [32000, 4096] lm_head gradient). Older torch
+    refuses a float32
     `self` for bf16 inputs: probed once."""
     if acc.is_cuda and a.dtype != acc.dtype and _ADDMM_F32.get(acc.device) is not False:
         try:
@@ -313,11 +312,11 @@ def stable_memory_format_pickles() -> None:
     torch.serialization does torch.layout (copyreg). Inductor's FX-graph cache keys pickle each
     graph input's metadata, its memory format included. Pickled by torch's own `__reduce__`, a
     memory format is a global found by searching sys.modules in order (pickle.whichmodule), so
-    the bytes, and the key, depend on which modules the process imported first. On the H200
-    (torch 2.11), a `drafter train` after a cold `drafter run` hashed all 86 of its graph
-    inputs that have a memory format differently from the run, and the 18 without one alike
-    (compared in their TORCH_TRACE records): it missed 7 of the run's 9 graphs and compiled them
-    again. Idempotent."""
+    the bytes, and the key, depend on which modules the process imported first. With torch
+    2.11, a `drafter train` after a cold `drafter run` hashed every graph input that has a
+    memory format differently from the run, and those without one alike (compared in their
+    TORCH_TRACE records): it missed most of the run's graphs and compiled them again.
+    Idempotent."""
     import copyreg
     copyreg.pickle(torch.memory_format, _reduce_memory_format)
 
@@ -343,7 +342,7 @@ class TTT(nn.Module):
     all K steps use the casts: autograd then sums the K steps' gradients of each matrix at the
     compute dtype and casts the sum to float32 once. Eager autocast does the same through its
     cast cache; compiled pieces would cast inside each graph, K times, and return K float32
-    gradients to add (4.8 ms of a 159 ms step at the Llama-8B shape, 4096 tokens).
+    gradients to add.
     """
 
     def __init__(self, drafter: "Drafter", attention: str = "sdpa", compile: bool = False,
@@ -370,15 +369,15 @@ class TTT(nn.Module):
             # layer pieces see one shape per run; the loss rows vary per batch, so the loss
             # chunks' rows are marked dynamic (_rows_dynamic). The merge runs eagerly: compiled,
             # it was a graph per TTT step (a list of i keys: six forward and six backward
-            # compiles of a cold warm-up at K=7); eager, cold warm-ups took 21-23 s against
-            # 30-33 s, at the same Llama-8B step speed (H200).
+            # compiles of a cold warm-up at K=7); eager, a cold warm-up is shorter at the same
+            # step speed.
             import torch._dynamo
             import torch._functorch.config as aot_config
             torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
             # AOTAutograd's on-disk cache refuses a graph holding a custom autograd.Function
             # (_RMSNormFn, in pre and post) unless this flag allows it, so each process traced
-            # and partitioned their joint graphs again: a warm warm-up compiled for 13.5 s, with
-            # the flag 3.5 s (H200). PyTorch found the Function's operator pure in its
+            # and partitioned their joint graphs again, most of a warm warm-up's compile time.
+            # PyTorch found the Function's operator pure in its
             # inputs and means to make it the default (pytorch#149751). The environment's
             # TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0 still turns it off.
             if hasattr(aot_config, "autograd_cache_allow_custom_autograd_functions"):

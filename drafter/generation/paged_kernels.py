@@ -1,4 +1,4 @@
-"""The Triton kernels of the paged cache's attention (drafter.engine.paged imports this module
+"""The Triton kernels of the paged cache's attention (drafter.generation.paged imports this module
 only where Triton runs: a CUDA device, or TRITON_INTERPRET=1 in the tests).
 
     decode   one program per (row, kv head): the row's pages in turn (`decode`), the step's

@@ -1,11 +1,11 @@
-"""Generation for the generate step's `engine: local`: one Engine (drafter.engine.generator) per
-visible GPU, all draining one request stream, each in its own thread; the static decoder for
-models the paged engine does not support.
+"""Generation for the generate step's `engine: drafter`: one Generator
+(drafter.generation.generator) per visible GPU, all draining one request stream, each in its own
+thread; the static decoder for models the paged generator does not support.
 
     gen = LocalGenerator(cfg.target, batch_size=1024)
     gen.generate(prompts, 512, temperature=0.0, top_p=1.0, seed=0)   # [(token_ids, finish)]
     feed = gen.start(on_result, max_len, max_new)    # an open stream: feed.put(...) while
-    feed.close(); feed.join()                          # the engines decode (Feed)
+    feed.close(); feed.join()                          # the generators decode (Feed)
 """
 from __future__ import annotations
 
@@ -16,16 +16,17 @@ from typing import Sequence
 
 import torch
 
-from drafter.engine.generator import Engine, EngineUnsupported, Request, Result, Stream, requests
-from drafter.engine.tree import DecodeError
+from drafter.decoding.tree import DecodeError
+from drafter.generation.generator import (Generator, GeneratorUnsupported, Request, Result, Stream,
+                                          requests)
 
 log = logging.getLogger("drafter")
 
 
 class LocalGenerator:
-    """In-process generation for `generate.server.engine: local`: one Engine per visible GPU
+    """In-process generation for `generate.server.engine: drafter`: one Generator per visible GPU
     (`target.device: auto`), all draining one queue, each in its own thread (a graph replay leaves
-    the GIL free); the static decoder for models the paged engine does not support.
+    the GIL free); the static decoder for models the paged generator does not support.
 
         gen = LocalGenerator(cfg.target, batch_size=cfg.generate.batch_size)
         for token_ids, finish_reason in gen.generate(prompts, 512, 0.0, 1.0, seed=0): ...
@@ -34,9 +35,9 @@ class LocalGenerator:
     "stop", "length" or "too_long" (the prompt and max_new_tokens do not fit: nothing generated).
     """
 
-    def __init__(self, target_cfg, batch_size: int = 64, cuda_graphs: bool = True, **engine_kw):
+    def __init__(self, target_cfg, batch_size: int = 64, cuda_graphs: bool = True, **generator_kw):
         from drafter.core.target import load_model, load_tokenizer
-        from drafter.engine.decode import Decoder, stop_ids_of
+        from drafter.decoding.decode import Decoder, stop_ids_of
 
         n = torch.cuda.device_count() if target_cfg.device == "auto" else 1
         devices = [f"cuda:{i}" for i in range(n)] if n > 1 else [None]
@@ -46,13 +47,13 @@ class LocalGenerator:
         self.stop_ids = stop_ids_of(self.tokenizer, self.model)
         self.batch_size = batch_size
         try:
-            self.engines = [Engine(m, max_batch=batch_size, cuda_graphs=cuda_graphs, **engine_kw)
-                            for m in self.models]
-        except EngineUnsupported as e:
+            self.workers = [Generator(m, max_batch=batch_size, cuda_graphs=cuda_graphs,
+                                      **generator_kw) for m in self.models]
+        except GeneratorUnsupported as e:
             log.info("generate (local): %s; decoding in static batches", e)
-            self.engines = [Decoder(m, max_batch=batch_size, cuda_graphs=cuda_graphs)
+            self.workers = [Decoder(m, max_batch=batch_size, cuda_graphs=cuda_graphs)
                             for m in self.models]
-        self.replicas = len(self.engines)
+        self.replicas = len(self.workers)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int | Sequence[int],
                  temperature: float | Sequence[float] = 0.0, top_p: float = 1.0,
@@ -66,7 +67,7 @@ class LocalGenerator:
         n = len(reqs)
         stop = list(self.stop_ids if stop_ids is None else stop_ids)
         bar = tqdm(total=n, desc="generate (local)", unit="prompt", disable=n <= self.batch_size)
-        if not isinstance(self.engines[0], Engine):
+        if not isinstance(self.workers[0], Generator):
             outs = self._static(reqs, top_p, seed, bar, stop)
         else:
             results: list = [None] * n
@@ -83,24 +84,24 @@ class LocalGenerator:
         return [(o.tokens[:-1] if o.finish == "stop" else o.tokens, o.finish) for o in outs]
 
     def _drain(self, stream: Stream, on_result, stop, top_p, seed, bar, sampling) -> None:
-        """Every engine drains `stream`, each in its own thread when there are several."""
+        """Every worker drains `stream`, each in its own thread when there are several."""
         from concurrent.futures import ThreadPoolExecutor
 
         def work(i):
-            eng = self.engines[i]
-            with torch.cuda.device(eng.device) if eng.device.type == "cuda" else nullcontext():
+            w = self.workers[i]
+            with torch.cuda.device(w.device) if w.device.type == "cuda" else nullcontext():
                 torch.manual_seed(seed + i)
                 try:
-                    eng.run(stream, on_result, stop, top_p, bar, sampling)
+                    w.run(stream, on_result, stop, top_p, bar, sampling)
                 except BaseException:
                     stream.abort()           # the other replicas stop too
                     raise
         try:
-            if len(self.engines) == 1:
+            if len(self.workers) == 1:
                 work(0)
             else:
-                with ThreadPoolExecutor(len(self.engines)) as ex:
-                    list(ex.map(work, range(len(self.engines))))
+                with ThreadPoolExecutor(len(self.workers)) as ex:
+                    list(ex.map(work, range(len(self.workers))))
         except torch.cuda.OutOfMemoryError as e:
             raise DecodeError(f"generate (local): out of GPU memory at batch "
                               f"{self.batch_size}: lower generate.batch_size ({e})") from None
@@ -108,14 +109,14 @@ class LocalGenerator:
     def start(self, on_result, max_len: int, max_new: int, *, top_p: float = 1.0,
               seed: int = 0, stop_ids: Sequence[int] | None = None,
               sampling: bool = False) -> "Feed":
-        """Start the engines on an open stream (paged engine only) and return its Feed:
+        """Start the generators on an open stream (paged generator only) and return its Feed:
         feed.put(prompts, max_new, temperature, tags) while they decode, feed.close(),
-        feed.join(). on_result(tag, token_ids, finish) is called on an engine's thread as each
+        feed.join(). on_result(tag, token_ids, finish) is called on a generator's thread as each
         row ends (token_ids without the stop token, as `generate` returns them). max_len bounds
         prompt + max_new of any request (the memory plan; one over it is "too_long"), max_new
-        their new tokens. One seeded sampling stream per engine for the whole feed: sampled
+        their new tokens. One seeded sampling stream per generator for the whole feed: sampled
         answers depend on which requests share a batch, greedy ones do not."""
-        if not isinstance(self.engines[0], Engine):
+        if not isinstance(self.workers[0], Generator):
             raise DecodeError("generate (local): the static decoder has no streaming path")
         stop = list(self.stop_ids if stop_ids is None else stop_ids)
 
@@ -123,19 +124,19 @@ class LocalGenerator:
             on_result(q.tag, res.tokens[:-1] if res.finish == "stop" else res.tokens,
                       res.finish)
         feed = Feed(Stream(bound=(int(max_len), int(max_new))))
-        feed.thread = threading.Thread(target=feed.target, name="drafter-engine", daemon=True,
+        feed.thread = threading.Thread(target=feed.target, name="drafter-generator", daemon=True,
                                        args=(lambda: self._drain(feed.stream, put, stop, top_p,
                                                                  seed, None, sampling),))
         feed.thread.start()
         return feed
 
     def stats(self) -> list[dict]:
-        """Each engine's `last` (the figures of its latest run)."""
-        return [dict(getattr(e, "last", {})) for e in self.engines]
+        """Each worker's `last` (the figures of its latest run)."""
+        return [dict(getattr(e, "last", {})) for e in self.workers]
 
     def _static(self, reqs: list[Request], top_p, seed, bar, stop) -> list[Result]:
         """The static decoder (one device): batches of equal max_new and temperature."""
-        dec = self.engines[0]
+        dec = self.workers[0]
         res: list = [None] * len(reqs)
         groups: dict = {}
         for q in reqs:
@@ -153,7 +154,7 @@ class LocalGenerator:
 
 
 class Feed:
-    """An open stream and the thread its engines run in (LocalGenerator.start)."""
+    """An open stream and the thread its generators run in (LocalGenerator.start)."""
 
     def __init__(self, stream: Stream):
         self.stream = stream
@@ -176,7 +177,7 @@ class Feed:
         return len(self.stream)
 
     def check(self) -> None:
-        """Raise the engines' error, if they failed."""
+        """Raise the generators' error, if they failed."""
         if self.error is not None:
             raise self.error
 

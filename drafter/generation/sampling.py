@@ -3,7 +3,7 @@ temperature is 0, else a Gumbel-max sample of logits / temperature.
 
     nxt = sample_rows(logits, temp, seed, use_triton, top_p)  # logits [B, V], temp [B]
 
-The unfused form (drafter.engine.tree: logits.float() / temp + Gumbel noise, then argmax) writes
+The unfused form (drafter.decoding.tree: logits.float() / temp + Gumbel noise, then argmax) writes
 and reads [B, V] float32 tensors seven times; at the data engine's batch of 2,048 rows over
 SmolLM2's 49,152 tokens that is 400 MB each, in every step that any row samples (a synthetic
 user turn at T=1 makes all of them sample). The Triton kernel (one program per row) draws its
@@ -11,14 +11,17 @@ noise in registers (Philox, four uniforms a draw, keyed by `seed` and the elemen
 keeps a running maximum per lane, reduced once at the end: the logits are read once and nothing
 [B, V] is written. `seed` is a one-element device tensor the caller advances after each draw
 (inside a CUDA graph too). Greedy rows take the first index of the maximum, as torch.argmax
-does.
+does. Its noise is not decoding.triton_helpers' gumbel_noise, whose draws would differ: a
+Philox draw's four uniforms serve four blocks of LANES columns (not four adjacent columns), and
+-log(-log(u)) is not clamped (Triton's uniforms lie in [0, 1)).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from drafter.engine.tree import _gumbel_like, nucleus
+from drafter.decoding.noise import OFFSETS
+from drafter.decoding.tree import _gumbel_like, nucleus
 
 LANES = 1024
 _KERNEL = None
@@ -92,7 +95,7 @@ def sample_rows(logits: Tensor, temp: Tensor, seed: Tensor, use_triton: bool,
     if _KERNEL is None:
         _KERNEL = _make_kernel()
     B, V = logits.shape
-    if B * V >= 2**31:
+    if B * V >= OFFSETS:
         raise ValueError(f"sample_rows: {B} x {V} logits overflow the noise index")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()

@@ -1,4 +1,4 @@
-"""Plain and speculative decoding of a target over the static cache (drafter.engine.static): the
+"""Plain and speculative decoding of a target over the static cache (drafter.decoding.static): the
 loops that evaluate runs, one step captured per (batch, span bucket).
 
     dec = Decoder(model, max_batch=8)                                  # any HF causal LM
@@ -11,11 +11,11 @@ vocab, Vd draft vocab, A aux layers, Ht target hidden, H drafter hidden, D tree 
 k children per node (chain: 1), N draft nodes verified per step, E expanded nodes (1 + (D-1)·k).
 Sampling temperature is `temperature` everywhere (never T, which counts tokens).
 
-The cache and its graphs are drafter.engine.static's (`StaticTarget`, `Graphs`): prompts
+The cache and its graphs are drafter.decoding.static's (`StaticTarget`, `Graphs`): prompts
 left-padded, row b's slot s holds position s - start_b, every forward writes at per-row slots and
 attends under a per-row visibility mask, so rows advance independently with every shape fixed.
 Batched generation for the generate step (paged cache, continuous batching) is
-drafter.engine.generator's.
+drafter.generation.generator's.
 
 One speculative step (greedy or sampling; the chain is the tree with k = 1):
   1. draft: from the drafter's distribution after the last committed token (`root`), EAGLE-2's
@@ -27,7 +27,7 @@ One speculative step (greedy or sampling; the chain is the tree with k = 1):
      Sampling: recursive rejection sampling (each child in turn accepted with min(1, p/q), else
      p <- norm(max(p - q, 0)) and the child's q mass removed), which reduces to the standard
      rejection sampling of Leviathan et al. for the chain; the bonus token comes from the last p
-     (drafter.engine.rejection: on the draft vocab's support, one kernel a step on CUDA).
+     (drafter.decoding.rejection: on the draft vocab's support, one kernel a step on CUDA).
   3. commit: the accepted path's KV entries move to contiguous slots; the drafter re-reads the
      accepted tokens with the target's true aux hidden states (`observe`), giving the next root.
 
@@ -38,7 +38,7 @@ which nodes enter the tree then never depends on the identity of a node still to
 The drafter is an interface (`DraftModel`: observe/score), so that tests plug in oracle and always-
 wrong drafters; `EagleDraft` wraps drafter.train.model.Drafter with its own static cache. The
 drafting half (tree building, verification, `DraftModel`, `EagleDraft`) lives in
-drafter.engine.tree.
+drafter.decoding.tree.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from drafter.engine.static import (
+from drafter.decoding.static import (
     Graphs,
     StaticTarget,
     capturable_experts,
@@ -62,7 +62,7 @@ from drafter.engine.static import (
 )
 
 # the drafting half of speculative decoding; EagleDraft and the tree helpers are re-exported here
-from drafter.engine.tree import (  # noqa: F401
+from drafter.decoding.tree import (  # noqa: F401
     DecodeError,
     DraftModel,
     DraftQ,
@@ -146,7 +146,7 @@ class Decoder:
     `prefill_graph_tokens` (B x its prompts left-padded to a multiple of PREFILL_BUCKET) replays
     a CUDA graph as the steps do (0: eager prefills only; so for a target whose MoE experts sync
     with the host: static's `capturable_experts`): a small prefill is all kernel launches
-    (batch 1, 128 tokens on the H200: 47 ms eager, 5.4 ms graphed). `last` holds
+    (BENCHMARKS.md, Decoding: prefills graphed and eager). `last` holds
     the timing of the latest generate call: seconds (without graph capture), capture_seconds,
     prefill_seconds, iterations (decode steps) and row_steps (their rows summed)."""
 

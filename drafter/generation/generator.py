@@ -1,19 +1,19 @@
 """The data engine: batched generation of a target in-process, as fast as one GPU allows, for the
-generate step's `engine: local` (answers, and the user turns of synthetic prompts).
+generate step's `engine: drafter` (answers, and the user turns of synthetic prompts).
 
-    eng = Engine(model, max_batch=1024)                        # any HF causal LM it supports
+    eng = Generator(model, max_batch=1024)                        # any HF causal LM it supports
     res = eng.generate(prompts, max_new=512, stop_ids=[2])     # list[Result], prompt order
-    (drafter.engine.local.LocalGenerator: one Engine per visible GPU, the generate step's)
+    (drafter.generation.local.LocalGenerator: one Generator per visible GPU, the generate step's)
     feed = gen.start(on_result, max_len=8192, max_new=512)    # an open stream, decoding now
     feed.put(prompts, 512, 0.0, tags); ...; feed.join()       # on_result(tag, token_ids, finish)
 
 Shapes: B rows (max_batch), V target vocab, P tokens per page, W pages per row (table width).
 
 How it works:
-  - KV cache: drafter.engine.paged, pages of P tokens. A request is admitted when the pages for its
-    prompt plus its max_new tokens are free, so a batch never runs out of memory mid-answer and
-    each row holds only its own length (the static cache held every row at the longest prompt's
-    length).
+  - KV cache: drafter.generation.paged, pages of P tokens. A request is admitted when the pages
+    for its prompt plus its max_new tokens are free, so a batch never runs out of memory
+    mid-answer and each row holds only its own length (the static cache held every row at the
+    longest prompt's length).
   - Memory plan (`plan`): pages = the free GPU memory times `memory_fraction`, less what a prefill
     chunk and the decode step need (measured on a dry run), capped at what the requests can use.
     A request that can never fit (prompt + max_new over the pool or the model's positions) is
@@ -21,12 +21,12 @@ How it works:
   - Continuous batching: every `sync_every` steps the host reads which rows finished (one sync),
     and once `refill_fraction` of the rows are free prefills the next prompts into them. A long
     answer never holds the others back. The GPU does not wait on the host's bookkeeping: inputs
-    go up from pinned buffers without a sync (drafter.engine.static.Uploads), and the finished
+    go up from pinned buffers without a sync (drafter.decoding.static.Uploads), and the finished
     rows' tokens are copied out at once but read only after the next prefill and decode round
     are queued.
   - Prefill: an admission's prompts packed one after another into chunks of at most
     `prefill_tokens` tokens, each one forward [1, N] in which a token attends only within its
-    own prompt (drafter.engine.paged.packed_attention): no padding, however mixed the lengths.
+    own prompt (drafter.generation.paged.packed_attention): no padding, however mixed the lengths.
     On CUDA a chunk is padded up to a bucket (PREFILL_BUCKETS: 512, 768, 1024, ... tokens) and
     replays that bucket's CUDA graph; an eager forward of a new shape is all kernel launches.
     Logits only at each prompt's last token.
@@ -35,15 +35,16 @@ How it works:
     the live rows are compacted into the lowest rows (their page tables move, their pages do not)
     and the smallest bucket that holds them runs, so the tail of long answers runs small.
   - Sampling per row: greedy at temperature 0, else Gumbel-max over logits / temperature, in one
-    read of the logits (drafter.engine.sampling; with nucleus top_p < 1 for all rows: torch's
+    read of the logits (drafter.generation.sampling; with nucleus top_p < 1 for all rows: torch's
     sort), one seeded stream per call (per feed).
-  - Streaming (`Stream`, `LocalGenerator.start`): requests may be put while the engines decode;
-    an idle engine waits on the open stream, and ends once it is closed, empty and no row is
+  - Streaming (`Stream`, `LocalGenerator.start`): requests may be put while the generators decode;
+    an idle generator waits on the open stream, and ends once it is closed, empty and no row is
     live. The plan is then sized from the caller's bound (max prompt + max_new tokens) instead
     of the requests. `generate` is one closed stream (put all, close).
 
-Models with sliding windows, softcapping or scaled logits (drafter.engine.paged.unsupported) run on
-the static decoder instead (drafter.engine.decode.Decoder: static batches, same results, slower).
+Models with sliding windows, softcapping or scaled logits (drafter.generation.paged.unsupported)
+run on the static decoder instead (drafter.decoding.decode.Decoder: static batches, same results,
+slower).
 """
 from __future__ import annotations
 
@@ -59,21 +60,26 @@ import torch
 from torch import Tensor
 
 from drafter.core.gpu import triton_available
-from drafter.engine.paged import PagedCache, paged_context, unsupported, use_paged_attention
-from drafter.engine.sampling import sample_rows
-from drafter.engine.stream import Request, Result, Stream, requests  # noqa: F401 (the API)
-from drafter.engine.static import Graphs, Uploads, eager_attention
-from drafter.engine.tree import DecodeError
+from drafter.decoding.static import (
+    Graphs,
+    Uploads,
+    capturable_experts,
+    eager_attention,
+    syncing_experts,
+)
+from drafter.decoding.tree import DecodeError
+from drafter.generation.paged import PagedCache, paged_context, unsupported, use_paged_attention
+from drafter.generation.sampling import sample_rows
+from drafter.generation.stream import Request, Result, Stream, requests  # noqa: F401 (the API)
 
 log = logging.getLogger("drafter")
 
 MIN_BUCKET = 8
 # An open stream's pool takes this share of memory_fraction of the free memory (a closed call's
-# is sized by its requests: 33 GiB for SmolLM2 at batch 2048 on the H200). At the whole share the
-# first prefills ran out of memory (asking 9.25 and 12.3 GiB) when a prefill group was padded to
-# its longest prompt, which an open stream's mixed admissions made large. A packed chunk holds at
-# most prefill_tokens tokens, the size the activation reserve measures; the share stays until a
-# run at 0.9 shows that it fits.
+# is sized by its requests). At the whole share the first prefills ran out of memory when a
+# prefill group was padded to its longest prompt, which an open stream's mixed admissions made
+# large. A packed chunk holds at most prefill_tokens tokens, the size the activation reserve
+# measures; the share stays until a run at 0.9 shows that it fits.
 OPEN_POOL_SHARE = 0.4
 # A graphed prefill chunk of N tokens runs the smallest bucket that holds it (padding: sink
 # writes, attending to nothing); steps of about 1.5x keep a third of it at most.
@@ -99,11 +105,11 @@ class _Rows:
                 self.out, self.table, self.lens]
 
 
-class EngineUnsupported(DecodeError):
+class GeneratorUnsupported(DecodeError):
     pass
 
 
-class Engine:
+class Generator:
     """Batched generation of one target on its device (module docstring). `last` holds the
     figures of the latest call: seconds (prefill_, decode_, wait_, capture_seconds; the GPU
     timeline's prefill_ and decode_gpu_seconds), steps, sampling_steps, tokens, requests,
@@ -115,7 +121,7 @@ class Engine:
                  cuda_graphs: bool = True, sync_every: int = 8, refill_fraction: float = 1 / 16):
         why = unsupported(model)
         if why:
-            raise EngineUnsupported(f"{type(model).__name__}: {why}")
+            raise GeneratorUnsupported(f"{type(model).__name__}: {why}")
         use_paged_attention(model)
         from drafter.features.capture import output_head, text_decoder
 
@@ -132,8 +138,11 @@ class Engine:
         self.max_batch, self.P = max_batch, page_size
         self.prefill_tokens, self.memory_fraction = prefill_tokens, memory_fraction
         self.sync_every, self.refill_fraction = max(1, sync_every), refill_fraction
-        self.graphs = Graphs(cuda_graphs and self.device.type == "cuda")
-        self.prefill_graphs = Graphs(cuda_graphs and self.device.type == "cuda", "prefilling")
+        # MoE experts that sync with the host decode as batched_mm in the captured steps, whose
+        # memory grows with the tokens: such a target's prefill chunks stay eager (as Decoder's)
+        graphed = cuda_graphs and self.device.type == "cuda"
+        self.graphs = Graphs(graphed, context=lambda: capturable_experts(model))
+        self.prefill_graphs = Graphs(graphed and not syncing_experts(model), "prefilling")
         self._prefill_in: dict[int, dict[str, Tensor]] = {}   # bucket -> its graph's inputs
         self._seed = torch.zeros(1, dtype=torch.long, device=self.device)  # sampling's noise key
         self._upload = Uploads(self.device)
@@ -190,8 +199,8 @@ class Engine:
         """The head over the prompts' last hidden states [R, H] -> [R, V], fed at least
         MIN_BUCKET rows (zeros after the R), as every decode step is: with one row cuBLAS may
         take a matrix-vector kernel whose sums round otherwise, and a prompt's first token would
-        then depend on how many prompts shared its admission (the H200 gave a row the same bits
-        at 4 to 8,192 rows; fewer were not measured)."""
+        then depend on how many prompts shared its admission (BENCHMARKS.md, Data engine: the
+        note on greedy answers at small batches)."""
         n = last.shape[0]
         if n >= MIN_BUCKET:
             return self.head(last)

@@ -1,8 +1,8 @@
 """Speculative drafting: the tree (EAGLE-2 dynamic tree; a chain is the tree with k = 1), its
 verification (greedy, and recursive rejection sampling), and the drafters behind `DraftModel`.
-drafter.engine.decode runs them inside its static-cache decoding loop; the module doc there explains
-one speculative step. Shapes as there: B rows, D depth, k children per node, N nodes verified,
-E expanded nodes, Vd draft vocab, S attention span.
+drafter.decoding.decode runs them inside its static-cache decoding loop; the module doc there
+explains one speculative step. Shapes as there: B rows, D depth, k children per node, N nodes
+verified, E expanded nodes, Vd draft vocab, S attention span.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from torch import Tensor
 
 from drafter import DrafterError
 from drafter.core.gpu import triton_available
-from drafter.engine.rejection import (DraftQ, chain_layout, children_table, gumbel,
-                                      sampled_children_kernel, walk)
+from drafter.decoding.noise import OFFSETS, gumbel, philox_key
+from drafter.decoding.rejection import DraftQ, chain_layout, children_table, walk
 
 
 class DecodeError(DrafterError):
@@ -131,13 +131,13 @@ def sampled_children(logits: Tensor, k: int, temperature: float, fused: bool | N
     the k largest log-probs [..., k] (float32, largest first: the scores build_tree ranks by,
     whichever tokens were drawn) and logsumexp(logits / temperature) [...] (float32: with the
     logits, the distribution verification reads; DraftQ). On CUDA with Triton a row that
-    chunk_width splits is one kernel's work (rejection.sampled_children_kernel: the logits
-    read twice, nothing [..., Vd] written); `fused` as greedy_children's. noise: uniforms
+    chunk_width splits is one kernel's work (sampled_children_kernel: the logits read twice,
+    nothing [..., Vd] written); `fused` as greedy_children's. noise: uniforms
     [..., Vd] for the Gumbel noise (the tests' fixed draws; by default torch.rand's, the
     kernel's own Philox stream)."""
     fused = FUSED_SEARCH if fused is None else fused
     c = chunk_width(logits.shape[-1], k)
-    if fused and c and triton_available(logits.device) and logits.numel() < 2 ** 31:
+    if fused and c and triton_available(logits.device) and logits.numel() < OFFSETS:
         return sampled_children_kernel(logits, k, temperature, c, noise)
     x = logits.float() / temperature
     lse = torch.logsumexp(x, -1)
@@ -145,64 +145,33 @@ def sampled_children(logits: Tensor, k: int, temperature: float, fused: bool | N
     return top_indices(x + g, k), x.gather(-1, top_indices(x, k)) - lse[..., None], lse
 
 
-@functools.cache
-def _children_kernel():
-    import triton
-    import triton.language as tl
+def sampled_children_kernel(logits: Tensor, k: int, temperature: float, chunk: int,
+                            noise: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """sampled_children as one Triton kernel (tree_kernels.sampled_kernel) over rows that
+    `chunk` divides (CUDA; the CPU tests run it in Triton's interpreter with `noise`, uniforms
+    [..., V] as the eager form reads): ids [..., k] drawn without replacement, the k largest
+    log-probs [..., k], the log-sum-exp [...] of logits / temperature."""
+    from drafter.decoding import tree_kernels  # imports triton: only where Triton runs
 
-    @triton.jit
-    def kernel(X, MAXES, IDS, LOGP, V, s_x, NC: tl.constexpr, TILE: tl.constexpr,
-               C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
-        # one program a row of V: each chunk of C columns' maximum and the row's log-sum-exp in
-        # one read, then the K chunks with the largest maxima read again (L2), whose K·C values
-        # hold the row's K largest (tree.top_indices' argument). A value and its column share
-        # one int64 key, so each of the K picks is one max reduction: above, the float's bits
-        # as an int32 in the floats' order (negative ones' magnitude bits flipped; NaN above
-        # +inf, as torch.topk), below, the column reversed (the lower one wins a tie).
-        r = tl.program_id(0).to(tl.int64)
-        row = X + r * s_x
-        tile, col = tl.arange(0, TILE), tl.arange(0, C)
-        m = tl.full([], float("-inf"), tl.float32)
-        s = tl.zeros([], tl.float32)
-        for t in range(NC // TILE):
-            idx = (t * TILE + tile)[:, None] * C + col[None, :]                       # [TILE, C]
-            x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            cmax = tl.max(x, 1)                                                       # [TILE]
-            tl.store(MAXES + r * NC + t * TILE + tile, cmax)
-            m_new = tl.maximum(m, tl.max(cmax, 0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.sum(tl.exp(x - m_new), 1), 0)
-            m = m_new
-        lse = m + tl.log(s)
-        tl.debug_barrier()  # the maxima this block stored, visible to all of its threads
-        nc = tl.arange(0, NC)
-        b = tl.load(MAXES + r * NC + nc).to(tl.int32, bitcast=True)
-        key = tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.int64) * 4294967296 + (NC - 1 - nc)
-        kk = tl.arange(0, KP)
-        best = tl.zeros([KP], tl.int64)                                   # the K chunks [KP]
-        for j in tl.static_range(K):
-            top = tl.max(key, 0)
-            best = tl.where(kk == j, NC - 1 - (top - (top >> 32) * 4294967296), best)
-            key = tl.where(key == top, -9223372036854775808, key)
-        idx = best[:, None] * C + col[None, :]                                        # [KP, C]
-        ok = (kk[:, None] < K) & (idx < V)
-        x = tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32)
-        b = x.to(tl.int32, bitcast=True)
-        key = tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.int64) * 4294967296 + (2147483647 - idx)
-        key = tl.where(ok, key, -9223372036854775808)
-        ids = tl.zeros([KP], tl.int64)
-        lp = tl.zeros([KP], tl.float32)
-        for j in tl.static_range(K):
-            top = tl.max(tl.max(key, 1), 0)
-            hi = top >> 32
-            b = hi.to(tl.int32)
-            v = tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.float32, bitcast=True)
-            ids = tl.where(kk == j, 2147483647 - (top - hi * 4294967296), ids)
-            lp = tl.where(kk == j, v - lse, lp)
-            key = tl.where(key == top, -9223372036854775808, key)
-        tl.store(IDS + r * K + kk, ids, mask=kk < K)
-        tl.store(LOGP + r * K + kk, lp, mask=kk < K)
-
-    return kernel
+    *lead, V = logits.shape
+    x = logits.reshape(-1, V)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    R, nc = x.shape[0], 1 << (V // chunk - 1).bit_length()            # chunks, a power of 2
+    if R * V >= OFFSETS:
+        raise ValueError(f"sampled_children: {R} x {V} logits overflow the noise offsets")
+    dev = x.device
+    xmax = torch.empty(2, R, nc, dtype=torch.float32, device=dev)
+    ids = torch.empty(R, k, dtype=torch.long, device=dev)
+    topv = torch.empty(R, k, dtype=torch.float32, device=dev)
+    lse = torch.empty(R, dtype=torch.float32, device=dev)
+    tree_kernels.sampled_kernel[(R,)](
+        (x, xmax[0], xmax[1]), (ids, topv, lse),
+        (noise.reshape(R, V).contiguous() if noise is not None else lse,
+         philox_key(dev) if noise is None else lse), (V, x.stride(0)), float(temperature),
+        NC=nc, TILE=min(nc, 4096 // chunk), C=chunk, K=k, KP=max(2, 1 << (k - 1).bit_length()),
+        HAS_NOISE=noise is not None, num_warps=8)
+    return ids.view(*lead, k), topv.view(*lead, k), lse.view(lead)
 
 
 def fused_children(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -213,8 +182,10 @@ def fused_children(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     to the eager kernels (torch.topk)."""
     *lead, V = logits.shape
     c = chunk_width(V, k)
-    if not c or V >= 2 ** 31:
+    if not c or V >= 2 ** 31:  # a column must fit the search key (triton_helpers.INDEX_MAX)
         raise ValueError(f"fused_children: rows of {V} are not searched by chunks for top {k}")
+    from drafter.decoding import tree_kernels  # imports triton: only where Triton runs
+
     x = logits.reshape(-1, V)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -223,8 +194,8 @@ def fused_children(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     ids = torch.empty(R, k, dtype=torch.long, device=x.device)
     logp = torch.empty(R, k, dtype=torch.float32, device=x.device)
     tile = min(nc, 8192 // c)
-    _children_kernel()[(R,)](x, maxes, ids, logp, V, x.stride(0), NC=nc, TILE=tile, C=c, K=k,
-                             KP=1 << (k - 1).bit_length(), num_warps=8)
+    tree_kernels.greedy_kernel[(R,)](x, maxes, ids, logp, V, x.stride(0), NC=nc, TILE=tile, C=c,
+                                     K=k, KP=1 << (k - 1).bit_length(), num_warps=8)
     return ids.view(*lead, k), logp.view(*lead, k)
 
 
@@ -374,7 +345,7 @@ def verify_sample(tokens: Tensor, parent_full: Tensor, valid: Tensor, depth_full
                   anc: Tensor, logits: Tensor, q: DraftQ, dist: Tensor, t_ids: Tensor,
                   temperature: float, D: int, k: int, u: Tensor | None = None,
                   noise: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Recursive rejection sampling over the tree (drafter.engine.rejection). tokens [B, N] the
+    """Recursive rejection sampling over the tree (drafter.decoding.rejection). tokens [B, N] the
     nodes' draft ids; logits [B, N+1, V] of the verify forward (row 0: the root); q the draft
     distributions (Draft.q), dist [B, N+1] each node's row of them; t_ids [Vd] the draft ->
     target id map. u, noise: fixed uniforms (rejection.walk). Same returns as verify_greedy."""

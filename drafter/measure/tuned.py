@@ -27,8 +27,8 @@ import logging
 from pathlib import Path
 
 from drafter.core.rundir import Run, atomic_json, atomic_write, read_json
-from drafter.engine.tuning import flags
 from drafter.export.engines import FORMATS, META_FILE, NATIVE, README_FILE, WEIGHTS_FILE
+from drafter.measure.tuning import flags
 
 log = logging.getLogger("drafter")
 
@@ -118,7 +118,7 @@ def section(metrics: dict, out_dir: Path, run: Run, meta_dir: Path | None = None
     L = [TITLE, "",
          f"Measured by `drafter evaluate` with drafter's own decoder on {s.get('device', '?')} "
          f"({s.get('dtype', '?')}): for each temperature evaluated and each batch size, the "
-         "setting with the highest expected speedup (drafter/engine/tuning.py: the chain's "
+         "setting with the highest expected speedup (drafter/measure/tuning.py: the chain's "
          "per-position acceptance at that temperature, each measured tree's τ, and the step "
          "costs timed on that machine) and the flags that select it, in place of the default K "
          "under \"Serve it\". Serve with the flags of the temperature your requests use (the "

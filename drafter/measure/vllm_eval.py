@@ -55,13 +55,15 @@ def _delta(after: dict, before: dict) -> dict:
 
 def _llm(cfg, max_len: int, speculative: dict | None):
     import torch
-    from vllm import LLM
 
-    from drafter.features.engine_capture import engine_dtype, llm_kwargs
+    from drafter.core.vllm import llm_kwargs, quiet_cpu_triton, vllm_dtype
+
+    quiet_cpu_triton()
+    from vllm import LLM
 
     t = cfg.target
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    kw = llm_kwargs(t, engine_dtype(t, device), max_model_len=max_len, seed=cfg.evaluate.seed)
+    kw = llm_kwargs(t, vllm_dtype(t, device), max_model_len=max_len, seed=cfg.evaluate.seed)
     if speculative:
         kw["speculative_config"] = speculative
         kw["disable_log_stats"] = False  # the spec-decode counters are its stats
@@ -78,11 +80,12 @@ def vllm_acceptance(cfg, drafter_dir, k: int, sets: list[tuple], stop: list[int]
     """vLLM's τ per dataset for the export at `drafter_dir` at chain K, beside plain greedy
     (module docstring). Returns {"engine", "version", "k", "datasets": {name: {...}},
     "overall": {...}, "seconds"}."""
+    from drafter import DrafterError
+    from drafter.core.vllm import quiet_cpu_triton, shutdown_llm
+
+    quiet_cpu_triton()
     import vllm
     from vllm import SamplingParams
-
-    from drafter import DrafterError
-    from drafter.features.engine_capture import shutdown_llm
 
     if k < 1:
         raise DrafterError(f"evaluate.engine=vllm: K must be >= 1, got {k}")
@@ -180,15 +183,16 @@ def _figures(c: dict, k: int) -> dict:
             "acceptance_per_pos": per_pos}
 
 
-def render(engine: dict, ours: dict | None = None) -> str:
-    """The report's section: vLLM's τ per dataset, beside drafter's own evaluator's."""
-    lines = [f"\n## Acceptance inside vLLM {engine['version']}\n",
-             f"The export ({engine['drafter']}) served by vLLM at chain K={engine['k']}, greedy; "
+def render_vllm(res: dict, ours: dict | None = None) -> str:
+    """The report's section: vLLM's τ per dataset (`res`, vllm_acceptance's), beside drafter's
+    own evaluator's."""
+    lines = [f"\n## Acceptance inside vLLM {res['version']}\n",
+             f"The export ({res['drafter']}) served by vLLM at chain K={res['k']}, greedy; "
              "τ = 1 + accepted / drafts from vLLM's own spec-decode counters; greedy outputs "
              "compared with vLLM's plain greedy on the same prompt ids.\n",
              "| dataset | prompts | vLLM τ | drafter τ | accepted / drafted | same as plain |",
              "|---|---|---|---|---|---|"]
-    for name, d in {**engine["datasets"], "overall": engine["overall"]}.items():
+    for name, d in {**res["datasets"], "overall": res["overall"]}.items():
         mine = (ours or {}).get(name)
         lines.append(f"| {name} | {d['prompts']} | {d['tau'] if d['tau'] is not None else '-'}"
                      f" | {mine if mine is not None else '-'} | {d['accepted']} / "

@@ -1,5 +1,5 @@
-"""The paged KV cache and its attention: what lets the data engine (drafter.engine.generator) hold
-each row's keys and values at its own length, and read only those.
+"""The paged KV cache and its attention: what lets the data engine (drafter.generation.generator)
+hold each row's keys and values at its own length, and read only those.
 
     cache = PagedCache()                                   # a transformers Cache
     cache.allocate(pages=4096, page_size=64, shapes={0: (3, 64, 64), ...}, dtype, device)
@@ -25,14 +25,15 @@ Two modes, set per forward:
            its row, so no real token sees it);
   decode   one token per row: written at its slot, then attention over the row's lens[b] tokens
            read through its page table: a Triton kernel on CUDA (`paged_attention_triton`; the
-           kernels: drafter.engine.paged_kernels), one program per (row, kv head), online softmax
-           over the row's pages only, the step's longest rows split into parts of their own and
-           merged after (`long_rows`); a gather + SDPA anywhere else
+           kernels: drafter.generation.paged_kernels), one program per (row, kv head), online
+           softmax over the row's pages only, the step's longest rows split into parts of their
+           own and merged after (`long_rows`); a gather + SDPA anywhere else
            (`paged_attention_reference`, also the kernel's test oracle).
 
 The cost of decode attention is then the row's own length, not the longest row's: the static cache
-(drafter.engine.static) reads every row's slots up to the batch's longest, and its buffer
-[rows, slots] is sized by the longest prompt, which is what ran an H200 out of memory at batch 1024.
+(drafter.decoding.static) reads every row's slots up to the batch's longest, and its buffer
+[rows, slots] is sized by the longest prompt, so one long prompt can take a large batch out of
+memory (BENCHMARKS.md, Data engine).
 """
 from __future__ import annotations
 
@@ -168,10 +169,9 @@ def paged_attention_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: 
 # Decode attention splits the longest rows (at most SPLIT_ROWS of a step, each over SPLIT_TOKENS
 # tokens) into parts of SPLIT_TOKENS that run as programs of their own, merged after. One program
 # per (row, kv head) reads its row's pages in turn, so a step's few rows of thousands of tokens
-# (a long prompt) set the time of every layer's attention: on the H200, at SmolLM2's heads and
-# 2,048 rows of ~350 tokens, 30 layers took 7.52 ms with 6 rows of 3,000-6,000 tokens among
-# them, 5.17 ms split (4.63 and 4.82 ms without long rows: `generate_throughput.py --attention
-# 6`). A row not split runs the same parts in turn and the same merge, so its output does not
+# (a long prompt) would set the time of every layer's attention; split, they cost little more
+# than a step without them (BENCHMARKS.md, Data engine: `generate_throughput.py --attention`).
+# A row not split runs the same parts in turn and the same merge, so its output does not
 # depend on the split: greedy answers do not depend on which rows share a step.
 SPLIT_ROWS = 16
 SPLIT_TOKENS = 1024
@@ -200,7 +200,7 @@ def paged_attention_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Ten
                            split_tokens: int = SPLIT_TOKENS) -> Tensor:
     """The Triton decode kernel (same contract as `paged_attention_reference`). split: the rows
     to split (`long_rows`, computed once a step), each into parts of split_tokens tokens."""
-    from drafter.engine import paged_kernels as pk
+    from drafter.generation import paged_kernels as pk
 
     B, nh, hdk = q.shape
     nkv, hdv = k_pool.shape[1], v_pool.shape[-1]
@@ -256,7 +256,7 @@ def packed_attention_triton(q: Tensor, k: Tensor, v: Tensor, starts: Tensor,
     head), over each of its prompts' keys in blocks from that prompt's first token, so a
     prompt's output is the same bit for bit wherever it sits in the chunk. No host sync and
     fixed shapes: a prefill of N tokens graphs."""
-    from drafter.engine import paged_kernels as pk
+    from drafter.generation import paged_kernels as pk
 
     N, nh, hdk = q.shape
     nkv, hdv = k.shape[1], v.shape[-1]
@@ -326,7 +326,7 @@ def use_paged_attention(model) -> None:
 
 
 def unsupported(model) -> str | None:
-    """Why the paged engine cannot run this model exactly (None: it can): sliding windows, logit
+    """Why the paged generator cannot run this model exactly (None: it can): sliding windows, logit
     softcapping, attention sinks and scaled logits need masks or outputs it does not build."""
     from drafter.core.target import text_config
 

@@ -1,8 +1,8 @@
-"""The data engine's requests and the stream its replicas drain (drafter.engine.generator):
+"""The data engine's requests and the stream its replicas drain (drafter.generation.generator):
 
     reqs = requests(prompts, max_new=512, temperature=0.0)     # one Request per prompt
     stream = Stream(reqs); stream.close()                      # or open: put() while decoding
-    Engine.run(stream, on_result, ...)                         # on_result(Request, Result)
+    Generator.run(stream, on_result, ...)                         # on_result(Request, Result)
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from drafter.engine.tree import DecodeError
+from drafter.decoding.tree import DecodeError
 
 
 @dataclass
@@ -44,7 +44,7 @@ def requests(prompts, max_new, temperature, tags=None, start: int = 0) -> list[R
 
 
 class Stream:
-    """The requests the replicas of one Engine.run drain, thread-safe. Open while the caller may
+    """The requests the replicas of one Generator.run drain, thread-safe. Open while the caller may
     still `put` requests; `close()` says no more will come (a replica then ends once the stream
     is empty and its rows are done); `abort()` also drops what is queued and stops the replicas
     at their next check. Each `put` is queued longest prompt first; `put(..., first=True)` goes

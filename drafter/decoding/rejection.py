@@ -1,6 +1,6 @@
-"""Speculative sampling's verification on the draft vocab's support, and its fused kernels: the
+"""Speculative sampling's verification on the draft vocab's support, and its fused kernel: the
 recursive rejection sampling of a sampled tree (a chain: Leviathan et al.'s rejection sampling)
-walked one row at a time, and a sampled expansion's Gumbel top-k.
+walked one row at a time.
 
     cur, n_acc, last = walk(logits, tokens, children, dist, q, t_ids, temperature, depth)
 
@@ -28,10 +28,10 @@ in the direct form. tests/test_sampling_exact.py holds the result to the target'
 tests/test_rejection.py to the direct form's decisions under the same uniforms.
 
 On CUDA with Triton, `walk` is one kernel (one program a row: the row's node stats, acceptance
-tests and residual passes, then the last token's Gumbel-max with in-kernel Philox noise) and a
-sampled expansion another (`sampled_children_kernel`); elsewhere `walk_torch`, the same
-arithmetic in PyTorch, which also checks the kernel (the same uniforms in, the same decisions
-out).
+tests and residual passes, then the last token's Gumbel-max with in-kernel Philox noise);
+elsewhere `walk_torch`, the same arithmetic in PyTorch, which also checks the kernel (the same
+uniforms in, the same decisions out). The drafting side of sampling, the expansion's Gumbel top-k
+(tree.sampled_children, its kernel in tree_kernels beside the walk's), is tree.py's.
 """
 from __future__ import annotations
 
@@ -42,13 +42,9 @@ import torch
 from torch import Tensor
 
 from drafter.core.gpu import triton_available
+from drafter.decoding.noise import OFFSETS, gumbel, philox_key
 
 TILE = 2048          # the walk kernel's columns a load (eight a thread of its eight warps)
-
-
-def gumbel(u: Tensor) -> Tensor:
-    """Gumbel noise from uniforms in [0, 1)."""
-    return -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
 
 
 @dataclass
@@ -161,16 +157,10 @@ def walk_torch(logits: Tensor, tokens: Tensor, children: Tensor, dist: Tensor, q
 
 
 # ---------------------------------------------------------------------------- the Triton kernels
-def _kernels():
-    from drafter.engine import rejection_kernels  # imports triton: only where Triton runs
+def _walk_kernel():
+    from drafter.decoding import tree_kernels  # imports triton: only where Triton runs
 
-    return rejection_kernels.walk_kernel, rejection_kernels.children_kernel
-
-
-def _seed(dev) -> Tensor:
-    """A fresh Philox key [1] on the device, from torch's generator (captured graphs draw a new
-    one every replay)."""
-    return torch.randint(0, 2 ** 31 - 1, (1,), device=dev)
+    return tree_kernels.walk_kernel
 
 
 def walk_triton(logits, tokens, children, dist, q: DraftQ, t_ids, temperature, u,
@@ -179,23 +169,24 @@ def walk_triton(logits, tokens, children, dist, q: DraftQ, t_ids, temperature, u
     else Philox noise from a fresh key."""
     B, n1, V = logits.shape
     D, k = u.shape[1], u.shape[2]
-    if B * V >= 2 ** 31:
+    if B * V >= OFFSETS:
         raise ValueError(f"walk: {B} x {V} logits overflow the noise offsets")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     rows = q.rows if q.rows.stride(-1) == 1 else q.rows.contiguous()
     dev = logits.device
     out = torch.empty(3, B, dtype=torch.long, device=dev)
-    walk_kernel, _ = _kernels()
+    walk_kernel = _walk_kernel()
     noise_t = noise.contiguous() if noise is not None else u
     walk_kernel[(B,)](
-        logits, logits.stride(0), logits.stride(1), tokens, tokens.stride(0),
-        children, children.stride(0), children.stride(1), dist, dist.stride(0),
-        rows, rows.stride(0), rows.stride(1), q.lse, q.lse.stride(0),
-        t_ids, target_to_draft(t_ids, V), u.contiguous(), noise_t,
-        _seed(dev) if noise is None else u, out[0], out[1], out[2], float(temperature), V,
-        t_ids.shape[0], D=D, K=k, KP=max(2, 1 << (k - 1).bit_length()), TILE=TILE,
-        HAS_NOISE=noise is not None, num_warps=8)
+        (logits, logits.stride(0), logits.stride(1), target_to_draft(t_ids, V), V),
+        (tokens, tokens.stride(0), children, children.stride(0), children.stride(1), dist,
+         dist.stride(0)),
+        (rows, rows.stride(0), rows.stride(1), q.lse, q.lse.stride(0), t_ids, t_ids.shape[0]),
+        (u.contiguous(), noise_t, philox_key(dev) if noise is None else u),
+        (out[0], out[1], out[2]), float(temperature),
+        D=D, K=k, KP=max(2, 1 << (k - 1).bit_length()), TILE=TILE, HAS_NOISE=noise is not None,
+        num_warps=8)
     return out[0], out[1], out[2]
 
 
@@ -215,37 +206,9 @@ def walk(logits: Tensor, tokens: Tensor, children: Tensor, dist: Tensor, q: Draf
     if u is None:
         u = torch.rand(B, depth, k, device=logits.device)
     if fused is None:  # (the kernel's Philox offsets are int32)
-        fused = triton_available(logits.device) and B * V < 2 ** 31
+        fused = triton_available(logits.device) and B * V < OFFSETS
     if fused:
         return walk_triton(logits, tokens, children, dist, q, t_ids, temperature, u, noise)
     if noise is None:
         noise = torch.rand(B, V, device=logits.device)
     return walk_torch(logits, tokens, children, dist, q, t_ids, temperature, u, noise)
-
-
-def sampled_children_kernel(logits: Tensor, k: int, temperature: float, chunk: int,
-                            noise: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """tree.sampled_children as one Triton kernel over rows that `chunk` divides (CUDA; the
-    CPU tests run it in Triton's interpreter with `noise`, uniforms [..., V] as the eager form
-    reads): ids [..., k] drawn without replacement, the k largest log-probs [..., k], the
-    log-sum-exp [...] of logits / temperature."""
-    *lead, V = logits.shape
-    x = logits.reshape(-1, V)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    R, nc = x.shape[0], 1 << (V // chunk - 1).bit_length()            # chunks, a power of 2
-    if R * V >= 2 ** 31:
-        raise ValueError(f"sampled_children: {R} x {V} logits overflow the noise offsets")
-    dev = x.device
-    xmax = torch.empty(2, R, nc, dtype=torch.float32, device=dev)
-    ids = torch.empty(R, k, dtype=torch.long, device=dev)
-    topv = torch.empty(R, k, dtype=torch.float32, device=dev)
-    lse = torch.empty(R, dtype=torch.float32, device=dev)
-    _, kernel = _kernels()
-    kernel[(R,)](x, xmax[0], xmax[1], ids, topv, lse,
-                 noise.reshape(R, V).contiguous() if noise is not None else lse,
-                 _seed(dev) if noise is None else lse, V, x.stride(0), float(temperature),
-                 NC=nc, TILE=min(nc, 4096 // chunk), C=chunk, K=k,
-                 KP=max(2, 1 << (k - 1).bit_length()), HAS_NOISE=noise is not None,
-                 num_warps=8)
-    return ids.view(*lead, k), topv.view(*lead, k), lse.view(lead)

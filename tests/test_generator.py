@@ -1,7 +1,8 @@
-"""drafter.engine.generator and drafter.engine.paged: the paged, continuously batched generation of
-the generate step equals plain decoding token for token (float32) on every architecture it runs,
-refills and compacts rows, refuses what cannot fit per request, samples reproducibly; the Triton
-decode kernel equals the gather reference. CPU; GPU tests skip themselves."""
+"""drafter.generation.generator and drafter.generation.paged: the paged, continuously batched
+generation of the generate step equals plain decoding token for token (float32) on every
+architecture it runs, refills and compacts rows, refuses what cannot fit per request, samples
+reproducibly; the Triton decode kernel equals the gather reference. CPU; GPU tests skip
+themselves."""
 from __future__ import annotations
 
 import os
@@ -12,10 +13,10 @@ import textwrap
 import pytest
 import torch
 
-from drafter.engine.decode import Decoder
-from drafter.engine.generator import Engine, EngineUnsupported
-from drafter.engine.local import LocalGenerator
-from drafter.engine.paged import paged_attention_reference
+from drafter.decoding.decode import Decoder
+from drafter.generation.generator import Generator, GeneratorUnsupported
+from drafter.generation.local import LocalGenerator
+from drafter.generation.paged import paged_attention_reference
 from tests.tiny import make_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,7 +36,7 @@ def _one_by_one(model, prompts, max_new, stop):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "deepseek_v3"])
-def test_engine_equals_plain_decoding(arch, tmp_path):
+def test_generator_equals_plain_decoding(arch, tmp_path):
     """7 prompts through 3 rows: refills (rows free at different steps), per-prompt max_new,
     stop ids, pages of 16 tokens, a check every 2 steps, and the tail compacted into a smaller
     bucket; MLA (DeepSeek-V3 caches latents) runs the gathered path."""
@@ -45,7 +46,7 @@ def test_engine_equals_plain_decoding(arch, tmp_path):
     max_new = [16, 7, 20, 3, 12, 1, 30]
     stop = [5, 77]
     want = _one_by_one(model, prompts, max_new, stop)
-    eng = Engine(model, max_batch=3, page_size=16, sync_every=2, refill_fraction=0.3,
+    eng = Generator(model, max_batch=3, page_size=16, sync_every=2, refill_fraction=0.3,
                  prefill_tokens=40)     # packed chunks of at most 40 tokens; 64 on its own
     got = eng.generate(prompts, max_new, stop_ids=stop)
     assert [g.tokens for g in got] == [w.tokens for w in want]
@@ -54,14 +55,14 @@ def test_engine_equals_plain_decoding(arch, tmp_path):
     assert (arch == "deepseek_v3") == bool(eng.cache.gather)    # MLA: the gathered path
     assert eng.last["prefill_groups"] >= 4 and eng.last["prefill_padded_tokens"] == sum(
         map(len, prompts))                         # packed: every token a prompt's own
-    # the same engine again, more rows than prompts: one prefill, one bucket of 8 rows
-    eng2 = Engine(model, max_batch=16, page_size=16)
+    # the same generator again, more rows than prompts: one prefill, one bucket of 8 rows
+    eng2 = Generator(model, max_batch=16, page_size=16)
     assert [g.tokens for g in eng2.generate(prompts, max_new, stop_ids=stop)] == \
         [w.tokens for w in want]
     assert eng2.last["prefill_groups"] == 1       # all 7 prompts in one packed forward
 
 
-def test_engine_compacts_the_tail_and_refuses_what_cannot_fit(tmp_path):
+def test_generator_compacts_the_tail_and_refuses_what_cannot_fit(tmp_path):
     """max_position_embeddings 96: a prompt of 90 tokens with 16 new does not fit and comes back
     'too_long' (nothing decoded) while the others are decoded; rows finishing early leave the
     long answers alone in high rows, which move down (results unchanged)."""
@@ -69,7 +70,7 @@ def test_engine_compacts_the_tail_and_refuses_what_cannot_fit(tmp_path):
     torch.manual_seed(1)
     prompts = [torch.randint(3, 1000, (n,)).tolist() for n in (12, 90, 8, 20, 6, 15, 11, 9)]
     max_new = [40, 16, 2, 3, 40, 2, 3, 2]
-    eng = Engine(model, max_batch=16, page_size=16, sync_every=1)
+    eng = Generator(model, max_batch=16, page_size=16, sync_every=1)
     got = eng.generate(prompts, max_new)
     assert got[1].finish == "too_long" and got[1].tokens == []
     assert eng.last["too_long"] == 1
@@ -91,11 +92,11 @@ def test_engine_compacts_the_tail_and_refuses_what_cannot_fit(tmp_path):
     assert eng.rows.active.nonzero().flatten().tolist() == [0, 1, 2, 3]
 
 
-def test_engine_sampling_is_seeded_and_greedy_rows_stay_greedy(tmp_path):
+def test_generator_sampling_is_seeded_and_greedy_rows_stay_greedy(tmp_path):
     model = _model("llama", tmp_path)
     torch.manual_seed(2)
     prompts = [torch.randint(3, 1000, (n,)).tolist() for n in (10, 14, 7, 20)]
-    eng = Engine(model, max_batch=4, page_size=16)
+    eng = Generator(model, max_batch=4, page_size=16)
     temps = [0.0, 1.0, 0.0, 0.8]
     torch.manual_seed(5)
     a = eng.generate(prompts, 12, temperature=temps, top_p=0.9)
@@ -105,8 +106,8 @@ def test_engine_sampling_is_seeded_and_greedy_rows_stay_greedy(tmp_path):
     greedy = _one_by_one(model, [prompts[0], prompts[2]], [12, 12], [])
     assert [a[0].tokens, a[2].tokens] == [w.tokens for w in greedy]
     assert a[1].tokens != _one_by_one(model, [prompts[1]], [12], [])[0].tokens
-    # without a nucleus the engine samples through drafter.engine.sampling: seeded, greedy rows
-    # greedy, and the sampled rows differ from greedy decoding
+    # without a nucleus the generator samples through drafter.generation.sampling: seeded,
+    # greedy rows greedy, and the sampled rows differ from greedy decoding
     torch.manual_seed(6)
     c = eng.generate(prompts, 12, temperature=temps)
     torch.manual_seed(6)
@@ -116,25 +117,25 @@ def test_engine_sampling_is_seeded_and_greedy_rows_stay_greedy(tmp_path):
     assert c[3].tokens != _one_by_one(model, [prompts[3]], [12], [])[0].tokens
 
 
-def test_engine_refuses_unsupported_models_and_local_generator_falls_back(tmp_path,
+def test_generator_refuses_unsupported_models_and_local_generator_falls_back(tmp_path,
                                                                           smollm2_dir):
-    """Gemma 2 (sliding windows, softcapping) is refused by the paged engine; LocalGenerator then
+    """Gemma 2 (sliding windows, softcapping) is refused by the paged generator; LocalGenerator then
     decodes it in static batches. SmolLM2: stop token stripped, finish reasons, seeded."""
     from drafter.core.config import TargetConfig
 
-    with pytest.raises(EngineUnsupported, match="sliding"):
-        Engine(_model("gemma2", tmp_path))
+    with pytest.raises(GeneratorUnsupported, match="sliding"):
+        Generator(_model("gemma2", tmp_path))
     gem = LocalGenerator(TargetConfig(model=str(make_tiny("gemma2", tmp_path / "g",
                                                           tokenizer_dir=smollm2_dir)),
                                       dtype="float32"), batch_size=2)
-    assert not isinstance(gem.engines[0], Engine)
+    assert not isinstance(gem.workers[0], Generator)
     gp = [[5, 6, 7], [8, 9, 10, 11]]
     want = _one_by_one(gem.model, gp, [4, 3], gem.stop_ids)
     assert gem.generate(gp, [4, 3]) == [(w.tokens[:-1] if w.finish == "stop" else w.tokens,
                                          w.finish) for w in want]
 
     gen = LocalGenerator(TargetConfig(model=str(smollm2_dir), dtype="float32"), batch_size=2)
-    assert isinstance(gen.engines[0], Engine)
+    assert isinstance(gen.workers[0], Generator)
     tok = gen.tokenizer
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": m}],
                                            add_generation_prompt=True, tokenize=False),
@@ -151,15 +152,15 @@ def test_engine_refuses_unsupported_models_and_local_generator_falls_back(tmp_pa
     assert a == gen.generate(prompts, 5, temperature=0.9, top_p=0.9, seed=3)
 
 
-def test_streaming_engine_equals_the_closed_call(tmp_path, smollm2_dir):
-    """An open stream (LocalGenerator.start): requests put before and while the engine decodes
+def test_streaming_generator_equals_the_closed_call(tmp_path, smollm2_dir):
+    """An open stream (LocalGenerator.start): requests put before and while the generator decodes
     (one put only after the first results came back) give exactly the greedy tokens of one
-    closed call over the same prompts; a request over the bound is "too_long"; the engine
+    closed call over the same prompts; a request over the bound is "too_long"; the generator
     thread ends when the stream is closed, and `last` splits its seconds."""
     import threading
 
     from drafter.core.config import TargetConfig
-    from drafter.engine.generator import Stream
+    from drafter.generation.generator import Stream
 
     gen = LocalGenerator(TargetConfig(model=str(smollm2_dir), dtype="float32"), batch_size=3,
                          page_size=16, sync_every=2, refill_fraction=0.3)
@@ -184,13 +185,13 @@ def test_streaming_engine_equals_the_closed_call(tmp_path, smollm2_dir):
     assert not feed.alive()
     assert [got[i] for i in range(8)] == want
     assert got["long"] == ([], "too_long")
-    last = gen.engines[0].last
+    last = gen.workers[0].last
     assert last["requests"] == 9 and last["too_long"] == 1
     parts = last["prefill_seconds"] + last["decode_seconds"] + last["wait_seconds"]
     assert parts <= last["seconds"] + 1e-6
-    # a stream nobody closes keeps the engine waiting; close() alone ends it
+    # a stream nobody closes keeps the generator waiting; close() alone ends it
     s = Stream(bound=(64, 4))
-    t = threading.Thread(target=gen.engines[0].run, args=(s, lambda q, r: None, [], 1.0))
+    t = threading.Thread(target=gen.workers[0].run, args=(s, lambda q, r: None, [], 1.0))
     t.start()
     t.join(0.3)
     assert t.is_alive()
@@ -203,7 +204,7 @@ def test_stream_puts_first_requests_ahead_in_their_order():
     """put(..., first=True) goes ahead of every request put without it, first-put first (each
     put longest prompt first); taking one from the head keeps the rest in place; abort drops
     them all."""
-    from drafter.engine.generator import Stream, requests
+    from drafter.generation.generator import Stream, requests
 
     s = Stream(bound=(64, 4))
     s.put(requests([[1] * 3, [1] * 9], 4, 0.0, ["a3", "a9"]))
@@ -266,7 +267,7 @@ def _masked_dense(q, k, v, starts, scale):
 def test_packed_prefill_attention_equals_masked_dense():
     """Packed prompts (one token, a block of 64, lengths across blocks) attend causally within
     their own prompt only: one SDPA per prompt equals a dense block-diagonal causal mask."""
-    from drafter.engine.paged import packed_attention_reference
+    from drafter.generation.paged import packed_attention_reference
 
     torch.manual_seed(0)
     for shape in [([5, 70, 1, 130, 3], 9, 3, 64, 64), ([200], 4, 4, 24, 16)]:
@@ -281,8 +282,8 @@ def test_packed_prefill_kernel_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch
-        from drafter.engine.paged import packed_attention_triton
-        from tests.test_engine import _masked_dense, _packed
+        from drafter.generation.paged import packed_attention_triton
+        from tests.test_generator import _masked_dense, _packed
         torch.manual_seed(0)
         for shape in [([5, 70, 1, 130, 3], 9, 3, 64, 64), ([200], 4, 4, 24, 16),
                       ([1, 1, 64, 65], 8, 2, 32, 32)]:
@@ -305,13 +306,13 @@ def test_packed_prefill_kernel_in_the_interpreter():
 
 
 def test_sampling_kernel_in_the_interpreter():
-    """drafter.engine.sampling's kernel by Triton's interpreter: greedy rows take torch.argmax's
+    """drafter.generation.sampling's kernel by Triton's interpreter: greedy rows take torch.argmax's
     index (the first of a tie, across blocks), bfloat16 logits read as they are; sampled rows
     follow softmax(logits / T) and the same seed draws the same tokens, another seed others."""
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch
-        from drafter.engine.sampling import sample_rows
+        from drafter.generation.sampling import sample_rows
         torch.manual_seed(0)
         lg = (torch.randn(4, 9000) * 2).bfloat16()
         lg[0, 5] = lg[0, 8000] = 50.0
@@ -343,7 +344,7 @@ def test_triton_kernel_equals_reference_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch
-        from drafter.engine.paged import (long_rows, paged_attention_reference,
+        from drafter.generation.paged import (long_rows, paged_attention_reference,
                                           paged_attention_triton)
         torch.manual_seed(0)
         for B, nh, nkv, hdk, hdv, P in [(5, 9, 3, 64, 64, 16), (3, 4, 4, 24, 16, 16),
@@ -374,8 +375,8 @@ def test_triton_kernel_equals_reference_in_the_interpreter():
 # ------------------------------------------------------------------------------------ GPU only
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_engine_on_the_gpu(smollm2_dir):
-    """float32 on the GPU: the compiled kernel equals the reference, and the engine with CUDA
+def test_generator_on_the_gpu(smollm2_dir):
+    """float32 on the GPU: the compiled kernel equals the reference, and the generator with CUDA
     graphs (Triton kernel) gives the static decoder's greedy tokens; the plan fits the pool."""
     from transformers import AutoModelForCausalLM
 
@@ -384,8 +385,8 @@ def test_engine_on_the_gpu(smollm2_dir):
     table = torch.stack([torch.randperm(63)[:8] + 1 for _ in range(5)]).int().cuda()
     lens = torch.tensor([0, 1, 64, 300, 512], dtype=torch.int32).cuda()
     q = torch.randn(5, 9, 64).cuda()
-    from drafter.engine.paged import packed_attention_triton, paged_attention_triton
-    from drafter.engine.sampling import sample_rows
+    from drafter.generation.paged import packed_attention_triton, paged_attention_triton
+    from drafter.generation.sampling import sample_rows
     pq, pk, pv, starts = (t.cuda() for t in _packed([5, 70, 1, 130, 3], 9, 3, 64, 64))
     torch.testing.assert_close(packed_attention_triton(pq, pk, pv, starts, 0.3),
                                _masked_dense(pq, pk, pv, starts, 0.3), atol=1e-4, rtol=1e-4)
@@ -395,7 +396,7 @@ def test_engine_on_the_gpu(smollm2_dir):
     torch.testing.assert_close(paged_attention_triton(q, kp, vp, table, lens, 0.125, 64),
                                paged_attention_reference(q, kp, vp, table, lens, 0.125, 64),
                                atol=1e-4, rtol=1e-4)
-    from drafter.engine.paged import long_rows
+    from drafter.generation.paged import long_rows
     torch.testing.assert_close(paged_attention_triton(q, kp, vp, table, lens, 0.125, 64,
                                                       long_rows(lens, 2, 128), 128),
                                paged_attention_reference(q, kp, vp, table, lens, 0.125, 64),
@@ -403,7 +404,7 @@ def test_engine_on_the_gpu(smollm2_dir):
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).cuda().eval()
     prompts = [torch.randint(100, 40000, (n,)).tolist() for n in (40, 300, 7, 90, 12)]
     want = _one_by_one(model, prompts, [40] * 5, [])
-    eng = Engine(model, max_batch=4, cuda_graphs=True, sync_every=4)
+    eng = Generator(model, max_batch=4, cuda_graphs=True, sync_every=4)
     got = eng.generate(prompts, 40)
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert eng.cache.use_triton and eng.graphs.enabled and eng.graphs.graphs
@@ -418,9 +419,9 @@ def test_engine_on_the_gpu(smollm2_dir):
 def test_attention_does_not_depend_on_the_batch_on_the_gpu():
     """bfloat16 on the GPU, bit for bit: a prompt's prefill attention wherever it sits in the
     packed chunk (which prompts share it), a long row's decode attention split or not (which rows
-    share the step). benchmarks/generate_throughput.py's `same` column checks the engine's greedy
+    share the step). benchmarks/generate_throughput.py's `same` column checks the generator's greedy
     answers across batch sizes end to end."""
-    from drafter.engine.paged import long_rows, packed_attention_triton, paged_attention_triton
+    from drafter.generation.paged import long_rows, packed_attention_triton, paged_attention_triton
 
     torch.manual_seed(0)
     dt = torch.bfloat16
@@ -452,7 +453,7 @@ def test_attention_does_not_depend_on_the_batch_on_the_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_local_generator_data_parallel(smollm2_dir):
-    """Two visible GPUs: one engine each draining one queue; results in prompt order and equal to
+    """Two visible GPUs: one generator each draining one queue; results in prompt order and equal to
     one device's (float32)."""
     from drafter.core.config import TargetConfig
 

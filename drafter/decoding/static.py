@@ -20,8 +20,8 @@ accepts a different count per row) while every shape stays fixed: the step can b
 CUDA graph (one graph per (batch, span bucket)), which is what makes small-model decoding fast
 (launch overhead dominates otherwise: ../shared/docs/REFERENCES.md).
 
-Speculative decoding (drafter.engine.decode) runs on it; plain batched generation at scale has its
-own paged cache (drafter.engine.generator).
+Speculative decoding (drafter.decoding.decode) runs on it; plain batched generation at scale has its
+own paged cache (drafter.generation.generator).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drafter.engine.tree import DecodeError, _additive
+from drafter.decoding.tree import DecodeError, _additive
 
 log = logging.getLogger("drafter")
 
@@ -176,9 +176,8 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
 def eager_attention():
     """A context for eager forwards of varying shapes (prefills: one shape per prompt length):
     SDPA without its cuDNN backend. cuDNN attention builds an execution plan for every new shape,
-    about 195 ms at SmolLM2's shape on the H200 (a batch-1 prefill at a new length: 227 ms, at a
-    length seen before: 31; without cuDNN: 32 either way), which
-    evaluate charged to whichever method prefilled a prompt length first. The captured steps keep
+    which costs several eager prefills, and evaluate charged it to whichever method prefilled a
+    prompt length first. The captured steps keep
     every backend: their shapes are fixed, their plans built once at capture."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -226,7 +225,7 @@ class StaticTarget:
         emb = model.get_input_embeddings().weight
         self.device, self.dtype = emb.device, emb.dtype
         # fold: a batch-1 forward over T > 1 tokens runs as T rows of one token (forward());
-        # None: on a GPU only (on the CPU a 49-token verification took longer folded)
+        # None: on a GPU only (on the CPU a long verification is slower folded)
         self.fold = self.device.type == "cuda" if fold is None else fold
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x
@@ -237,8 +236,8 @@ class StaticTarget:
         self._hooks: list = []
 
     def claim(self) -> None:
-        """Put back this decoder's attention if another (drafter.engine.generator's) switched the
-        shared model to its own since."""
+        """Put back this decoder's attention if another (drafter.generation.generator's)
+        switched the shared model to its own since."""
         if self.model.config._attn_implementation != self._impl:
             self.model.set_attn_implementation(self._impl)
 
@@ -272,12 +271,11 @@ class StaticTarget:
         With `fold`, a batch-1 forward over 1 < T <= FOLD_MAX tokens (a verification) runs as T
         rows of one token each, reading one cache row. transformers' attention transposes q, k
         and v to [B, heads, T, dim], contiguous only when T = 1: over T > 1 tokens its rotary
-        embedding and the cache writes run strided, 0.5 ms more than a 1-token forward at batch
-        1 on the H200 at the same kernel count. As T rows of one token they take the 1-token
-        path; every row sees row 0's cache (written first, one scatter a layer) under its own
-        row of vis. On by default on a GPU: on the H200 it took a 6-token verification from
-        3.30 to 3.11 ms and a batch-1 chain K=2 decode step from 3.90 to 3.70 ms (the 49-token
-        tree's step unchanged)."""
+        embedding and the cache writes run strided, slower than a 1-token forward at the same
+        kernel count. As T rows of one token they take the 1-token path; every row sees row 0's
+        cache (written first, one scatter a layer) under its own row of vis. On by default on a
+        GPU, where it shortens a batch-1 verification and chain step (a large tree's step is
+        unchanged)."""
         B, T = ids.shape
         if self.fold and B == 1 and 1 < T <= FOLD_MAX and not self.window \
                 and self.cache.rows is None:
