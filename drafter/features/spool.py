@@ -151,9 +151,14 @@ def remove_chunk(run, c: int) -> None:
 
 
 def clean_trash(run) -> None:
-    """Chunks a kill left renamed away, half deleted (remove_chunk): no one reads them."""
+    """Chunks a kill left renamed away, half deleted (remove_chunk), and temp files of train's
+    plan.json and progress.json a kill left mid-write: no one reads them. Train calls it, the
+    only writer of those two files, between its writes."""
     for old in run.spool().glob(".old-chunk_*"):
         shutil.rmtree(old, ignore_errors=True)
+    for name in (run.chunk_plan().name, run.chunk_progress().name):
+        for tmp in run.spool().glob(f".tmp-{name}.*"):
+            tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
