@@ -132,7 +132,7 @@ def storage(cfg, f: dict) -> dict:
     return {"tokens": tokens, "hidden_size": ht, "n_aux": f["n_aux"], "topk": ec.topk,
             "draft_vocab_size": f["vd"], "options": options,
             "reference": {"bytes_per_token": ref, "bytes": ref * tokens},
-            "online": cfg.train.online}
+            "online": cfg.train.online, "online_ok": online_ok(cfg)}
 
 
 def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
@@ -181,6 +181,12 @@ def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
             "cache_free": cache_free}
 
 
+def online_ok(cfg) -> bool:
+    """Whether the config takes train.online=true (configload refuses it with a vLLM extract
+    or a disk budget)."""
+    return cfg.extract.engine == "drafter" and cfg.extract.max_disk_gib is None
+
+
 def storage_hint(cfg, room: float) -> str:
     """What would store less, among what the config accepts: the smaller options not chosen
     yet, chunks within the room left (extract.max_disk_gib), online training where the target
@@ -193,10 +199,11 @@ def storage_hint(cfg, room: float) -> str:
     if ec.max_disk_gib is None and room > 0:
         ways.append(f"chunks within the room left, extract.max_disk_gib={room / GiB:,.0f} "
                     f"(docs/extract.md)")
-    if ec.engine == "drafter" and ec.max_disk_gib is None:
+    if online_ok(cfg):
         ways.append("none at all with train.online=true")
     if not ways:
-        return " Free space, or move run_dir (or extract.spool) to a larger file system."
+        return " Free space, or move run_dir" + (" (or extract.spool)" if ec.max_disk_gib else
+                                                 "") + " to a larger file system."
     return f" Smaller storage: {', '.join(ways[:-1])}{' or ' if len(ways) > 1 else ''}" \
         f"{ways[-1]}."
 
@@ -403,13 +410,15 @@ def chunks(cfg, f: dict, st: dict, tm: list[dict], warnings: list[str]) -> dict 
                             f"runs ({where}) fills {ec.spool}; consumer `torchrun "
                             f"--nproc-per-node {f['gpus']} -m drafter.cli train CONFIG` where "
                             f"the drafter trains empties it; the run dir on storage both reach")
+    # reloads n <= share * (work + n * load) / load: chunks of extracted / n_max at least
+    n_max = max(1, int(RELOAD_SHARE * (work + 2 * load_s) / ((1 - RELOAD_SHARE) * load_s)))
+    need = math.ceil(extracted / n_max) * window + val + head
     if not chunk:
         warnings.append(f"chunks: extract.max_disk_gib ({_size(budget)}) holds val "
-                        f"({_size(val)}) and the head ({_size(head)}) but no chunk: raise it")
+                        f"({_size(val)}) and the head ({_size(head)}) but no chunk: "
+                        f"extract.max_disk_gib={math.ceil(need / GiB):,} holds chunks of "
+                        f"{_size(math.ceil(extracted / n_max))}")
     elif mode == "one process" and out["reload_share"] > RELOAD_SHARE:
-        # reloads n <= share * (work + n * load) / load: chunks of extracted / n_max at least
-        n_max = max(1, int(RELOAD_SHARE * (work + 2 * load_s) / ((1 - RELOAD_SHARE) * load_s)))
-        need = math.ceil(extracted / n_max) * window + val + head
         warnings.append(
             f"chunks: {reloads} engine loads of {_dur(load_s)} take "
             f"{100 * out['reload_share']:.1f}% of extract + train (over "
@@ -522,7 +531,10 @@ def render(plan: dict) -> str:
     lines.append(f"         reference 8*Ht+16     {r['bytes_per_token']:>9,} B/token "
                  f"{_size(r['bytes']):>10}")
     lines.append(f"       {'*' if s['online'] else ' '} train.online=true     "
-                 f"{0:>9,} B/token {_size(0):>10}  (the target runs beside the drafter)")
+                 f"{0:>9,} B/token {_size(0):>10}  " + (
+                     "(the target runs beside the drafter)" if s["online_ok"] else
+                     "(not with extract.engine vllm or extract.max_disk_gib: the target "
+                     "must run in transformers beside the drafter)"))
     c = plan["chunks"]
     if c:
         n = f"{c['chunks']:,}" if c["chunks"] else "no"
