@@ -131,7 +131,7 @@ def test_config_rules_and_fingerprints(tmp_path):
     assert pipeline.config_hash(a, "train") == pipeline.config_hash(plain, "train")
 
 
-def test_chunked_run_equals_the_unchunked_one(world, tmp_path, monkeypatch):
+def test_chunked_run_equals_the_unchunked_one(world, tmp_path, monkeypatch, capsys):
     """`drafter run` with a budget of a few shards: extract stores val and the head, train
     makes each chunk of its plan, trains it, checkpoints its last step, deletes it; the same
     losses and, bitwise, the same drafter as the run that stored every shard. Each chunk's
@@ -167,11 +167,18 @@ def test_chunked_run_equals_the_unchunked_one(world, tmp_path, monkeypatch):
     assert 36 < uses <= 2 * 36
     m = read_json(run.manifest("extract"))
     assert m["mode"] == "chunked" and "train_samples" not in m["counts"]
-    assert read_json(run.manifest("train"))["chunks"]["count"] == n
+    chunks = read_json(run.manifest("train"))["chunks"]
+    assert chunks["count"] == n and chunks["producer"]["chunks"] == n
+    assert chunks["producer"]["loads"] == n and chunks["producer"]["wakes"] == 0
     assert spool.present(run) == [] and spool.read_progress(run, plan["id"]) == n
     st = pipeline.status(run.root)
     assert st["chunks"]["next"] == n and st["chunks"]["present"] == []
     assert {s["name"]: s["state"] for s in st["steps"]}["train"] == "done"
+    from drafter import cli
+
+    capsys.readouterr()
+    assert cli.main(["status", str(run.root)]) == 0
+    assert f"  chunks    {n} of {n} trained, in the spool none" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -668,7 +675,9 @@ def test_vllm_in_one_process_a_chunk_at_a_time(smol, tmp_path):
     budget = (spool.stored_bytes(ref) + 64 * 1024 + 3_000_000) / GiB
     cfg, run = smol_run(smol, tmp_path, "vllm", "one", max_disk_gib=budget)
     drafter_cli(smol_env(tmp_path), tmp_path / "one.log", "run", cfg, "--until", "train")
-    n = read_json(run.manifest("train"))["chunks"]["count"]
+    chunks = read_json(run.manifest("train"))["chunks"]
+    n = chunks["count"]
     text = (tmp_path / "one.log").read_text()
     assert n >= 3 and text.count("extract: target loaded in") == n + 1  # + val's
+    assert chunks["producer"]["loads"] == n and not chunks["producer"]["sleep_mode"]
     assert_close(weights(run), weights(ref))

@@ -40,7 +40,10 @@ def in_process(cfg):
         nonlocal prod
         if prod is None:
             prod = extract.ChunkProducer(cfg, release=True)
+            produce.stats = prod.stats  # train's manifest: loads, wakes, their seconds
         prod.make(chunk, plan_id)
+
+    produce.stats = {}
 
     lock = spool.producer_lock(Run.of(cfg)) if rank_world()[0] == 0 \
         else contextlib.nullcontext()

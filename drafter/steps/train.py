@@ -422,12 +422,20 @@ def main(cfg, produce=None, chunk: int | None = None) -> dict:
     producer elsewhere fills the spool. `chunk`: such a child, which trains up to the end of
     that chunk."""
     if produce is not None and trains_apart(cfg):
-        return conduct(cfg, produce)
+        return _producer_stats(conduct(cfg, produce), produce)
     dist = dist_env()
     try:
-        return _main(cfg, dist, produce, chunk)
+        return _producer_stats(_main(cfg, dist, produce, chunk), produce)
     finally:
         close_dist()
+
+
+def _producer_stats(out: dict, produce) -> dict:
+    """The figures of the chunks this process made (ChunkProducer.stats: target loads, vLLM's
+    wakes, their seconds), in the manifest's "chunks"."""
+    if "chunks" in out and getattr(produce, "stats", None):
+        out["chunks"]["producer"] = dict(produce.stats)
+    return out
 
 
 def _chunked(cfg, run: Run, dist: Dist, produce, chunk: int | None):
