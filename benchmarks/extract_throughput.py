@@ -31,6 +31,15 @@ the ratio to the reference layout 8*Ht+16 (goal <= 0.4 for fp8 + top-k), then th
 the hidden sizes of larger targets. Peak GiB: torch.cuda.max_memory_allocated over each option's
 timed loop (the weights included), per rank, the largest.
 
+--chunks MIB: the cost of a disk budget (extract.max_disk_gib, docs/extract.md "Bounded disk"):
+the extract and train steps of one SmolLM2 run (prepare, tokenize, vocab made once, copied into
+both), first with every shard stored, then in chunks within MIB MiB beyond val and the head
+(`drafter run` in one process: each chunk made, trained, deleted). It prints each run's step
+seconds and wall time, the chunks and target loads, the overhead of chunks, and the largest
+weight difference between the two drafters:
+
+    python benchmarks/extract_throughput.py --chunks 4 --samples 120      # CPU, a few minutes
+
 --fp8-error: the error that fp8 storage adds to the aux states, at the target's own hidden size:
 the first --fp8-error-tokens tokens (longest samples first, as extract orders them) captured at
 the input of every decoder layer (HS[0..N-1], in bf16 as capture returns them), encoded to fp8
@@ -150,6 +159,79 @@ def fp8_error(model, samples, order, d2t, t2d, n_tokens: int) -> dict:
     return {"tokens": total, "layers": layers}
 
 
+def chunks_overhead(a) -> int:
+    """--chunks (module docstring): the stored run against the chunked one, in this process."""
+    import yaml
+
+    from drafter.core import config as Cfg
+    from drafter.features import spool
+    from drafter.run import pipeline
+
+    work = Path(a.out or tempfile.mkdtemp(prefix="drafter-chunks-"))
+    cfg = {"target": {"model": a.model, "dtype": a.dtype, "device": a.device},
+           "prepare": {"sources": [{"path": a.data, "max_samples": a.samples}],
+                       "val_fraction": 0.1},
+           "generate": {"enabled": False},
+           "tokenize": {"max_length": a.max_len or 256, "workers": 1},
+           "vocab": {"draft_vocab_size": min(a.draft_vocab, 4096)},
+           "extract": {"shard_tokens": a.shard_tokens or 2048, "teacher": "topk",
+                       "topk": a.topk, "aux_dtype": "fp8",
+                       "batch_tokens": a.batch_tokens or 2048},
+           "train": {"epochs": 2, "batch_tokens": 1024, "max_length": a.max_len or 256,
+                     "ttt_steps": 3, "eval_every": 0, "save_every": 10_000, "log_every": 10}}
+    path = work / "stored.yaml"
+    path.write_text(yaml.safe_dump({**cfg, "run_dir": str(work / "stored")}))
+    stored = Cfg.load(path)
+    pipeline.run_all(stored, steps=["prepare", "generate", "tokenize", "vocab"])
+    rows, weights = {}, {}
+    for name in ("stored", "chunked"):
+        run = Run(work / name)
+        if name == "chunked":
+            for step in ("prepare", "generate", "tokenize", "vocab"):
+                shutil.copytree(Run(work / "stored").step_dir(step), run.step_dir(step))
+            over = spool.stored_bytes(Run(work / "stored")) + a.chunks * 2**20
+            path = work / "chunked.yaml"
+            path.write_text(yaml.safe_dump({**cfg, "run_dir": str(run.root),
+                                            "extract": {**cfg["extract"],
+                                                        "max_disk_gib": over / 2**30}}))
+        c = Cfg.load(path)
+        t0 = time.time()
+        pipeline.run_all(c, steps=["extract", "train"])
+        wall = time.time() - t0
+        m = {s: json.loads(run.manifest(s).read_text()) for s in ("extract", "train")}
+        rows[name] = {"wall_s": round(wall, 1),
+                      **{f"{s}_s": round(m[s]["seconds"], 1) for s in m},
+                      "extracted_tokens": m["extract"]["counts"].get("tokens"),
+                      "chunks": (m["train"].get("chunks") or {}).get("count"),
+                      "producer": (m["train"].get("chunks") or {}).get("producer")}
+        from safetensors.torch import load_file
+
+        weights[name] = load_file(str(run.checkpoints()[-1] / "model.safetensors"))
+    prod = rows["chunked"].pop("producer") or {}
+    rows["chunked"].update(loads=prod.get("loads"), load_s=round(prod.get("load_s", 0), 1),
+                           chunk_extract_s=round(prod.get("seconds", 0), 1),
+                           chunk_tokens=prod.get("tokens"))
+    gap = max((weights["stored"][k].double() - weights["chunked"][k].double()).abs().max()
+              .item() for k in weights["stored"])
+    s, ch = rows["stored"], rows["chunked"]
+    print(json.dumps(rows, indent=2))
+    print("| run | extract s | train s | wall s | chunks | loads |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| stored | {s['extract_s']} | {s['train_s']} | {s['wall_s']} | - | 1 |")
+    print(f"| chunked ({a.chunks} MiB) | {ch['extract_s']} | {ch['train_s']} | {ch['wall_s']} | "
+          f"{ch['chunks']} | 1 + {ch['loads']} |")
+    print(f"overhead of chunks: {ch['wall_s'] / s['wall_s'] - 1:+.1%} of extract + train wall "
+          f"time; tokens through the target {s['extracted_tokens']:,} stored, "
+          f"{ch['extracted_tokens'] + ch['chunk_tokens']:,} chunked (val, then the chunks: "
+          f"{ch['chunk_extract_s']} s, of which target loads {ch['load_s']} s); largest weight "
+          f"difference {gap:.3g}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({**rows, "max_weight_diff": gap}, indent=2))
+    if a.out is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,7 +255,15 @@ def main() -> int:
                     "every layer's input states (module docstring)")
     ap.add_argument("--fp8-error-tokens", type=int, default=16384,
                     help="tokens the fp8 error is measured over (one forward)")
+    ap.add_argument("--chunks", type=float, default=None, metavar="MIB",
+                    help="the stored run against chunks within MIB MiB (module docstring)")
+    ap.add_argument("--samples", type=int, default=120, help="--chunks: conversations")
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/"
+                                          "train/codealpaca_2k.json"),
+                    help="--chunks: the conversations (any source prepare reads)")
     a = ap.parse_args()
+    if a.chunks is not None:
+        return chunks_overhead(a)
 
     ex = ExtractConfig()
     n_tokens = a.tokens or (16384 if a.tiny else 1_000_000)

@@ -69,11 +69,29 @@ def cmd_step(args) -> int:
     from drafter.run import pipeline
 
     cfg = _load(args)
+    if getattr(args, "chunk", None) is not None:  # a trainer of one chunk (chunks.conduct)
+        return _train_chunk(cfg, args)
     if args.command == "run":
         steps = STEPS[: STEPS.index(args.until) + 1] if args.until else None
         pipeline.run_all(cfg, force=args.force, steps=steps)
     else:
-        pipeline.run_step(cfg, args.command, force=args.force)
+        pipeline.run_command(cfg, args.command, force=args.force)
+    return 0
+
+
+def _train_chunk(cfg, args) -> int:
+    """`drafter train CONFIG --chunk C --result PATH`: the child a one-process chunked run
+    starts for each chunk (drafter/train/chunks.py, conduct) while its parent holds the run
+    dir's lock and writes train's manifest: the step's main only, its figures to PATH."""
+    from drafter.core.dist import rank_world
+    from drafter.core.rundir import atomic_json
+    from drafter.run.lifecycle import install_signal_handlers
+    from drafter.steps import train
+
+    install_signal_handlers()
+    out = train.main(cfg, chunk=args.chunk)
+    if args.result and rank_world()[0] == 0:
+        atomic_json(Path(args.result), out)
     return 0
 
 
@@ -105,6 +123,15 @@ def cmd_status(args) -> int:
         if s.get("error"):
             print(f"            error: {s['error']}")
     print(f"  {'total':<9} {'':<22} {_dur(st['seconds']):>8} {_mib(st['bytes']):>12}")
+    ch = st.get("chunks")
+    if ch:
+        done = f"{ch['next']} of {ch['chunks']} trained, " if "chunks" in ch else "no plan yet, "
+        whole = f" ({len(ch['complete'])} whole)" if "complete" in ch else ""
+        budget = f" of {_mib(ch['budget'])}" if ch.get("budget") else ""
+        print(f"  chunks    {done}in the spool {ch['present'] or 'none'}{whole}; "
+              f"{_mib(ch['bytes'] + ch['stored_bytes']) or '0'}{budget} used (spool "
+              f"{ch['spool']} {_mib(ch['bytes']) or '0'} + val and head "
+              f"{_mib(ch['stored_bytes']) or '0'})")
     return 0
 
 
@@ -179,6 +206,9 @@ def build_parser(advanced: bool = False) -> argparse.ArgumentParser:
                             formatter_class=fmt)
         with_config(sp)
         sp.add_argument("--force", action="store_true", help="redo the step even if up to date")
+        if step == "train":  # the trainer of one chunk that a one-process chunked run starts
+            sp.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
+            sp.add_argument("--result", help=argparse.SUPPRESS)
         sp.set_defaults(fn=cmd_step)
 
     sp = sub.add_parser("status", help="show each step's state in a run directory")

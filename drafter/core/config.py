@@ -219,6 +219,14 @@ class ExtractConfig:
     tp: bool = doc(False, "tensor-parallel target (transformers tp_plan) under torchrun", user=True)
     preflight: Literal["refuse", "warn", "off"] = doc(
         "refuse", "when GPU memory is held by other processes: refuse, warn, or skip the check")
+    max_disk_gib: float | None = doc(
+        None, "disk budget for stored features (GiB): the train split is then extracted in "
+        "chunks of train's own steps, each trained and deleted before the next (val and the "
+        "head once, counted in it); null stores every shard at once (docs/extract.md)")
+    spool: str | None = doc(
+        None, "with max_disk_gib: the folder the chunks go through, one both machines reach "
+        "when `drafter extract` fills it and `drafter train` elsewhere empties it; null: "
+        "RUN_DIR/chunks")
     precompile: bool = doc(True, "GPU: compile train's graphs (torch.compile) in a process of "
                            "its own while the target runs (online: from tokenize until train's "
                            "first step), when memory allows: train's warm-up then reads "

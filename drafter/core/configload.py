@@ -350,6 +350,16 @@ def check_values(cfg, where: Where | None = None) -> None:
         bad("train.online", cfg.train.online, "must be false with extract.engine=vllm (online "
             "training runs the target in transformers beside the drafter; vLLM's states are "
             "stored as shards)")
+    gt("extract.max_disk_gib", e.max_disk_gib, 0)
+    if e.max_disk_gib is not None and cfg.train.online:
+        bad("train.online", cfg.train.online, "must be false with extract.max_disk_gib (chunks "
+            "store the features a chunk at a time; online training stores none: drop "
+            "max_disk_gib)")
+    if e.spool is not None and not e.spool.strip():
+        bad("extract.spool", e.spool, "must name a folder, or be null for RUN_DIR/chunks")
+    if e.spool is not None and e.max_disk_gib is None:
+        bad("extract.spool", e.spool, "needs extract.max_disk_gib: the spool carries chunks, "
+            "and their size follows from the budget")
     owned = {"model", "speculative_config", "kv_transfer_config"} & set(t.engine_args)
     if owned:
         bad(f"target.engine_args.{sorted(owned)[0]}", t.engine_args[sorted(owned)[0]],

@@ -10,6 +10,11 @@
       extract/head.safetensors    lm_head rows of the draft vocab [Vd, Ht] (store.py)
       train/                      step_NNNNNN/ checkpoints, metrics.jsonl, tb/; online,
                                   precompile.log (train's graphs compiled ahead of it)
+      chunks/                     with extract.max_disk_gib (the spool, unless extract.spool
+                                  names another folder): chunk_NNNNN/ (shard_NNNNN.safetensors,
+                                  index.json, COMPLETE written last), plan.json (train's chunk
+                                  plan), progress.json (the next chunk train needs),
+                                  .producer.lock (held by the one process that fills it)
       export/{native,speculators}/
       evaluate/                   metrics.json, report.md, *.png; tuned.json (what the tuned
                                   section of the export READMEs was written from)
@@ -76,6 +81,7 @@ NEUTRAL: dict[str, object] = {
     "generate.extra_temperatures": [],
     "train.loss_chunk": 0,
     "extract.precompile": True,
+    "extract.max_disk_gib": None,
 }
 
 # Fields removed after runs existed (config.REMOVED), with the value they held (what drafter now
@@ -90,6 +96,10 @@ RETIRED: dict[str, tuple[object, object]] = {
     "extract.engine": ("drafter", "transformers"),
     "generate.server.engine": ("drafter", "local"),
 }
+
+# Fields no step's output depends on, left out of every hash: where the chunks of a run pass
+# (drafter/features/spool.py) changes nothing they hold.
+UNHASHED = ("extract.spool",)
 
 
 class MissingInput(DrafterError, FileNotFoundError):
@@ -136,12 +146,13 @@ TEMP_NAMES = (".tmp-*", ".tmp*", ".old-*")
 class Run:
     """Paths of one run directory."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, spool: str | Path | None = None):
         self.root = Path(run_dir)
+        self._spool = Path(spool).expanduser() if spool else None
 
     @classmethod
     def of(cls, cfg) -> "Run":
-        return cls(cfg.run_dir)
+        return cls(cfg.run_dir, cfg.extract.spool)
 
     # -- generic
     def step_dir(self, step: str) -> Path:
@@ -272,6 +283,36 @@ class Run:
 
     def extract_head(self) -> Path:
         return self.step_dir("extract") / "head.safetensors"
+
+    # -- chunks (extract.max_disk_gib): the spool between extract and train
+    def spool(self) -> Path:
+        """extract.spool, else RUN_DIR/chunks."""
+        return self._spool if self._spool is not None else self.root / "chunks"
+
+    def chunk(self, c: int) -> Path:
+        return self.spool() / f"chunk_{c:05d}"
+
+    def chunk_shard(self, c: int, i: int) -> Path:
+        return self.chunk(c) / f"shard_{i:05d}.safetensors"
+
+    def chunk_index(self, c: int) -> Path:
+        return self.chunk(c) / "index.json"
+
+    def chunk_complete(self, c: int) -> Path:
+        """Written last: the chunk's shards and index are all there."""
+        return self.chunk(c) / "COMPLETE"
+
+    def chunk_plan(self) -> Path:
+        """Train's chunk plan: which steps and samples each chunk holds (train writes it)."""
+        return self.spool() / "plan.json"
+
+    def chunk_progress(self) -> Path:
+        """The next chunk train needs (train writes it; the producer reads it)."""
+        return self.spool() / "progress.json"
+
+    def spool_lock(self) -> Path:
+        """flock'ed by the one process that fills the spool."""
+        return self.spool() / ".producer.lock"
 
     # -- train
     def checkpoint(self, step: int) -> Path:

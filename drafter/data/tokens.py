@@ -76,6 +76,12 @@ def lengths(path: str | Path) -> list[int]:
     return pq.read_table(str(path), columns=["num_tokens"]).column(0).to_pylist()
 
 
+def ids_and_lengths(path: str | Path) -> tuple[list[str], list[int]]:
+    """id and num_tokens of every row, in file order (two small columns)."""
+    t = pq.read_table(str(path), columns=["id", "num_tokens"])
+    return t.column("id").to_pylist(), t.column("num_tokens").to_pylist()
+
+
 def read_rows(path: str | Path, indices: list[int]) -> list[dict]:
     """Selected rows by position (reads the needed columns, then takes)."""
     table = pq.read_table(str(path))

@@ -367,15 +367,14 @@ def read_index(path: Path) -> dict:
 _VERIFIED: set = set()   # (path, size, mtime_ns, sha256) hashed in full by this process
 
 
-def verify_extract(run, full: bool = False) -> list[str]:
+def verify_extract(run, full: bool = False, splits=("train", "val")) -> list[str]:
     """What is wrong with extract's finished output, one line each ([] when intact): an index
     that is unreadable or fails its checksum; a shard missing, of another size, or modified
     since the index was written. `full` also hashes every shard and the head (sha256, several
-    files at once; a file already hashed by this process unchanged since is not read again)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    files at once; a file already hashed by this process unchanged since is not read again).
+    `splits`: ("val",) for a chunked extract, whose train split lives in chunks."""
     problems, todo = [], []
-    for split in ("train", "val"):
+    for split in splits:
         ip = run.shard_index(split)
         if not ip.exists():
             if split == "train":
@@ -401,6 +400,15 @@ def verify_extract(run, full: bool = False) -> list[str]:
         head = run.extract_head()
         if full and index.get("head_sha256") and head.exists():
             todo.append((head, head.stat(), index["head_sha256"]))
+    return problems + [f"{p} fails its sha256" for p in failing_sha256(todo)]
+
+
+def failing_sha256(todo: list) -> list[Path]:
+    """The files of `todo` [(path, stat, sha256)] whose sha256 differs, hashed several at once
+    (hashlib releases the GIL); a file this process hashed before, unchanged since, is not read
+    again."""
+    from concurrent.futures import ThreadPoolExecutor
+
     todo = list({str(p): (p, st, sha) for p, st, sha in todo}.values())
 
     def ok(item) -> bool:
@@ -412,11 +420,8 @@ def verify_extract(run, full: bool = False) -> list[str]:
             _VERIFIED.add(key)
         return True
 
-    with ThreadPoolExecutor(max_workers=8) as pool:  # hashlib releases the GIL
-        for (p, _, _), good in zip(todo, pool.map(ok, todo)):
-            if not good:
-                problems.append(f"{p} fails its sha256")
-    return problems
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return [p for (p, _, _), good in zip(todo, pool.map(ok, todo)) if not good]
 
 
 def save_head(path: Path, head: Head, info: dict) -> str:
@@ -456,12 +461,18 @@ class Reader:
 
     MAX_OPEN = 32
 
-    def __init__(self, run, split: str, verify: bool = False):
+    def __init__(self, run, split: str, verify: bool = False, chunk: int | None = None):
+        """chunk: the shards of one chunk of the train split (extract.max_disk_gib), in
+        run.chunk(chunk)/ instead of extract/{split}/."""
         self.run, self.split = run, split
-        path = run.require(run.shard_index(split), "extract")
+        if chunk is None:
+            path = run.require(run.shard_index(split), "extract")
+        else:
+            path = run.chunk_index(chunk)
         self.index = read_index(path)
         self.info = self.index["info"]
-        self.paths = [run.shard(split, i) for i in range(len(self.index["shards"]))]
+        self.paths = [run.shard(split, i) if chunk is None else run.chunk_shard(chunk, i)
+                      for i in range(len(self.index["shards"]))]
         for p, e in zip(self.paths, self.index["shards"]):
             if p.name != e["file"]:
                 raise ShardError(f"{path}: shard {e['file']} is out of order")

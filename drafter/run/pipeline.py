@@ -46,6 +46,7 @@ from drafter.core.rundir import (
     SECTIONS,
     SNAPSHOT_HEADER,
     STEPS,
+    UNHASHED,
     Damaged,
     DamagedInput,
     ForeignFolder,
@@ -59,7 +60,7 @@ from drafter.core.rundir import (
     sealed,
     step_inputs,
 )
-from drafter.run import gpu_release
+from drafter.run import chunked, gpu_release
 from drafter.run.lifecycle import install_signal_handlers, lock_holder, run_lock, signalled
 from drafter.run.preflight import preflight
 from drafter.train import precompile  # light: torch is imported where a child starts
@@ -95,6 +96,11 @@ def _section_value(cfg, dotted: str):
 
 def config_hash(cfg, step: str) -> str:
     parts = {s: C.to_dict(_section_value(cfg, s)) for s in SECTIONS[step]}
+    for dotted in UNHASHED:
+        section, key = dotted.split(".")
+        parts.get(section, {}).pop(key, None)
+    if parts.get("extract", {}).get("max_disk_gib") is not None:  # chunks of any size store
+        parts["extract"]["max_disk_gib"] = True  # the same features: whether there are chunks
     for dotted, value in NEUTRAL.items():  # new fields at their neutral value: as if absent
         section, *path = dotted.split(".")
         d = parts.get(section)
@@ -141,7 +147,8 @@ def damage(run: Run, step: str, full: bool = False) -> str | None:
     if step == "extract" and m.get("mode") != "online":  # online: nothing stored
         from drafter.features import store
 
-        bad = store.verify_extract(run, full=full)
+        bad = store.verify_extract(run, full=full, splits=("val",) if m.get("mode") ==
+                                   "chunked" else ("train", "val"))  # chunks: val only
         return "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "") \
             if bad else None
     if step == "train":
@@ -245,8 +252,9 @@ def up_to_date(run: Run, step: str, fp: dict, full: bool = False) -> dict | None
     return None
 
 
-def run_step(cfg, step: str, force: bool = False) -> dict:
-    """Run one step unless its manifest is up to date. Returns the manifest.
+def run_step(cfg, step: str, force: bool = False, **kw) -> dict:
+    """Run one step unless its manifest is up to date. Returns the manifest. `kw` goes to the
+    step's main (train's `produce`: drafter/run/chunked.py).
 
     Under torchrun every rank calls this: rank 0 alone decides, clears or keeps the folder and
     writes started.json, manifest.json and failed.json; the other ranks wait for its decision
@@ -255,13 +263,25 @@ def run_step(cfg, step: str, force: bool = False) -> dict:
     run = Run.of(cfg)
     rank, world = rank_world()
     if rank != 0:
-        return _follow(cfg, run, step, force)
+        return _follow(cfg, run, step, force, **kw)
     preflight(cfg, run, step)  # nothing in the run dir is touched before this passes
     with run_lock(run):
-        return _lead(cfg, run, step, force, world)
+        return _lead(cfg, run, step, force, world, **kw)
 
 
-def _lead(cfg, run: Run, step: str, force: bool, world: int) -> dict:
+def run_command(cfg, step: str, force: bool = False) -> dict:
+    """`drafter STEP CONFIG`: run_step, and around it what chunks need (run/chunked.py). A
+    restarted producer: its step is done, and train holds the run dir's lock meanwhile."""
+    if not chunked.produces_after(cfg, [step]):
+        with chunked.train_here(cfg, step, cfg.extract.spool is None) as kw:
+            return run_step(cfg, step, force, **kw)
+    m = None if force or _will_run(cfg, Run.of(cfg), step) else Run.of(cfg).read_manifest(step)
+    m = m or run_step(cfg, step, force)
+    chunked.produce(cfg)
+    return m
+
+
+def _lead(cfg, run: Run, step: str, force: bool, world: int, **kw) -> dict:
     d = run.step_dir(step)
     fp = fingerprint(cfg, run, step)
     store = agent_store(RANK_WAIT_S) if world > 1 else None
@@ -300,7 +320,7 @@ def _lead(cfg, run: Run, step: str, force: bool, world: int) -> dict:
     log.info("%s: running", step)
     t0 = time.time()
     try:
-        result = _step_fn(step)(cfg) or {}
+        result = _step_fn(step)(cfg, **kw) or {}
     except BaseException as e:
         if isinstance(e, Damaged) and e.step in STEPS and e.step != step:
             _mark_damaged(run, e)
@@ -363,13 +383,15 @@ def _verify_inputs(cfg, run: Run, step: str) -> None:
     that a corrupt shard is redone by extract, never trained on."""
     if step != "train" or cfg.train.online:
         return
+    m = None  # chunks: the train split is checked a chunk at a time
     with contextlib.suppress(Damaged):
         m = run.read_manifest("extract")
         if m is None or m.get("mode") == "online":  # nothing stored: train says what to run
             return
     from drafter.features import store
 
-    bad = store.verify_extract(run, full=True)
+    bad = store.verify_extract(run, full=True, splits=("val",) if (m or {}).get("mode") ==
+                               "chunked" else ("train", "val"))
     if bad:
         e = Damaged(f"{'; '.join(bad[:3])}", "extract", run.step_dir("extract"))
         _mark_damaged(run, e)
@@ -378,7 +400,7 @@ def _verify_inputs(cfg, run: Run, step: str) -> None:
                            f"`drafter run CONFIG`")
 
 
-def _follow(cfg, run: Run, step: str, force: bool) -> dict:
+def _follow(cfg, run: Run, step: str, force: bool, **kw) -> dict:
     """A torchrun rank > 0: wait for rank 0's decision on the folder, then do the same."""
     store = agent_store(RANK_WAIT_S)
     if store is not None:
@@ -390,7 +412,7 @@ def _follow(cfg, run: Run, step: str, force: bool) -> dict:
         return run.read_manifest(step)
     install_signal_handlers()
     try:
-        result = _step_fn(step)(cfg) or {}
+        result = _step_fn(step)(cfg, **kw) or {}
     except BaseException as e:
         if isinstance(e, Damaged) and e.step in STEPS and e.step != step:
             _mark_damaged(run, e)
@@ -419,11 +441,11 @@ def _write_failed(run: Run, step: str, e: BaseException) -> None:
 
 
 # ------------------------------------------------------------------------- the whole pipeline
-# Steps that load the target on a GPU (train only in online mode): before they start, the memory
-# that generate's server held must be back.
+# Steps that load the target on a GPU (train online, or making its chunks): before they start,
+# the memory that generate's server held must be back.
 def loads_target(cfg, step: str) -> bool:
     return step in ("extract", "evaluate") and not (step == "extract" and cfg.train.online) or \
-        (step == "train" and cfg.train.online)
+        (step == "train" and (cfg.train.online or chunked.chunked(cfg)))
 
 
 def starts_server(cfg) -> bool:
@@ -498,9 +520,12 @@ def run_all(cfg, force: bool = False, steps: list[str] | None = None) -> list[di
                 if starts_ahead:
                     precompile.start_ahead(cfg, before=step)
                     ahead = False
-                out.append(run_step(cfg, step, force=force))
+                with chunked.train_here(cfg, step, will_run) as kw:  # chunk by chunk
+                    out.append(run_step(cfg, step, force=force, **kw))
         finally:  # one that no train took: the run failed, or stopped before train
             precompile.stop_ahead()
+    if chunked.produces_after(cfg, steps):  # a train elsewhere takes the chunks
+        chunked.produce(cfg)
     return out
 
 
@@ -528,12 +553,12 @@ def status(run_dir) -> dict:
     "dir", "counts", "seconds", "bytes", "started", "tokens_per_s"?, "error"?}]} for
     `drafter status`; state is done / stale / pending / failed.
     A running step's seconds are the time since it started (this invocation)."""
-    run = Run(run_dir)
-    snap = run.config_snapshot()
+    snap = Run(run_dir).config_snapshot()
     if not snap.is_file():
-        raise FileNotFoundError(f"{run.root} is not a drafter run directory (no config.yaml)")
+        raise FileNotFoundError(f"{run_dir} is not a drafter run directory (no config.yaml)")
     # the ranges are not checked again: a snapshot written by an older drafter still reads
     cfg = C.load(snap, validate=False)
+    run = Run(run_dir, cfg.extract.spool)
     pid = lock_holder(run)
     memo: dict = {}
     rows = []
@@ -568,6 +593,7 @@ def status(run_dir) -> dict:
         elif activity == "damaged":
             row["error"] = damage(run, step)
         rows.append(row)
-    return {"run_dir": str(run.root), "running_pid": pid,
-            "bytes": sum(r["bytes"] for r in rows),
-            "seconds": round(sum(r["seconds"] or 0 for r in rows), 3), "steps": rows}
+    return {"run_dir": str(run.root), "running_pid": pid, "bytes": sum(r["bytes"] for r in rows),
+            "seconds": round(sum(r["seconds"] or 0 for r in rows), 3), "steps": rows,
+            **({"chunks": chunked.spool.status(run, cfg.extract.max_disk_gib)}
+               if chunked.chunked(cfg) else {})}

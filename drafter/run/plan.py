@@ -65,6 +65,11 @@ TOKENIZE_TOKENS_PER_S_PER_WORKER = 50_000
 DISK_MARGIN = 0.05
 # Usable share of a GPU's memory (the CUDA context, NCCL buffers and the allocator take the rest).
 GPU_USABLE = 0.95
+# GB/s per GPU at which a sleeping vLLM's weights come back from host memory (pinned copies over
+# PCIe Gen5 x16 reach 40-50 GB/s; half of that assumed, not measured)
+WAKE_GBPS = 20.0
+# The share of extract + train that engine loads between chunks may take before the plan warns.
+RELOAD_SHARE = 0.05
 
 
 # ---------------------------------------------------------------------------------- estimates
@@ -128,7 +133,7 @@ def storage(cfg, f: dict) -> dict:
     return {"tokens": tokens, "hidden_size": ht, "n_aux": f["n_aux"], "topk": ec.topk,
             "draft_vocab_size": f["vd"], "options": options,
             "reference": {"bytes_per_token": ref, "bytes": ref * tokens},
-            "online": cfg.train.online}
+            "online": cfg.train.online, "online_ok": online_ok(cfg)}
 
 
 def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
@@ -136,11 +141,15 @@ def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
     the file systems have less free space."""
     run, ds = Run.of(cfg), f["drafter"]
     ckpt = ds["total"] * 4 + ds["trainable"] * 8  # fp32 weights + AdamW moments
+    stored = next((o["bytes"] for o in st["options"] if o["chosen"]), 0)
+    budget = cfg.extract.max_disk_gib
     out = {
         # JSONL conversations (prepare + generate, ~CHARS_PER_TOKEN bytes a token each) and the
         # token file (int32 id + int8 mask)
         "data": int(st["tokens"] * (2 * CHARS_PER_TOKEN + 5)),
-        "extract": next((o["bytes"] for o in st["options"] if o["chosen"]), 0),
+        # in chunks (extract.max_disk_gib), at most the budget at any time
+        "extract": stored if budget is None or cfg.train.online else min(stored,
+                                                                          int(budget * GiB)),
         # kept checkpoints + the best one + the one being written
         "train": ckpt * (cfg.train.keep_checkpoints + 2),
         "export": 2 * ds["total"] * 2,  # native + speculators, bf16
@@ -161,8 +170,8 @@ def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
     need = out["total"] + (cache_need if same_fs else 0)
     if need > run_free * (1 - DISK_MARGIN):
         big = max(("extract", "train", "data"), key=lambda k: out[k])
-        hint = (" Smaller storage: extract.aux_dtype=fp8, extract.teacher=topk, or none at all "
-                "with train.online=true." if big == "extract" else "")
+        hint = storage_hint(cfg, run_free * (1 - DISK_MARGIN) - (need - out["extract"])) \
+            if big == "extract" else ""
         warnings.append(f"disk: {run.root} needs ~{_size(need)} ({big} {_size(out[big])}), "
                         f"{_size(run_free)} free on {run_fs}.{hint}")
     if cache_need and not same_fs and cache_need > cache_free * (1 - DISK_MARGIN):
@@ -173,12 +182,48 @@ def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
             "cache_free": cache_free}
 
 
+def online_ok(cfg) -> bool:
+    """Whether the config takes train.online=true (configload refuses it with a vLLM extract
+    or a disk budget)."""
+    return cfg.extract.engine == "drafter" and cfg.extract.max_disk_gib is None
+
+
+def storage_hint(cfg, room: float) -> str:
+    """What would store less, among what the config accepts: the smaller options not chosen
+    yet, chunks within the room left (extract.max_disk_gib), online training where the target
+    runs in transformers (the config refuses it with extract.engine vllm or chunks)."""
+    ec, ways = cfg.extract, []
+    if ec.aux_dtype != "fp8":
+        ways.append("extract.aux_dtype=fp8")
+    if ec.teacher != "topk":
+        ways.append("extract.teacher=topk")
+    if ec.max_disk_gib is None and room > 0:
+        ways.append(f"chunks within the room left, extract.max_disk_gib={room / GiB:,.0f} "
+                    f"(docs/extract.md)")
+    if online_ok(cfg):
+        ways.append("none at all with train.online=true")
+    if not ways:
+        return " Free space, or move run_dir" + (" (or extract.spool)" if ec.max_disk_gib else
+                                                 "") + " to a larger file system."
+    return f" Smaller storage: {', '.join(ways[:-1])}{' or ' if len(ways) > 1 else ''}" \
+        f"{ways[-1]}."
+
+
 def vllm_gpus(cfg) -> int:
     """GPUs vLLM spreads the target over where a step runs it (extract.engine /
     evaluate.engine: vllm): tensor x pipeline parallel sizes of target.engine_args."""
     a = cfg.target.engine_args
     return max(1, int(a.get("tensor_parallel_size", 1))) * \
         max(1, int(a.get("pipeline_parallel_size", 1)))
+
+
+def chunk_mode(cfg) -> str | None:
+    """How the train split is stored: None (every shard at once), "one process" (extract a
+    chunk, train it, delete it: `drafter run`), "spool" (a producer elsewhere fills
+    extract.spool while `drafter train` empties it)."""
+    if cfg.extract.max_disk_gib is None or cfg.train.online:
+        return None
+    return "spool" if cfg.extract.spool else "one process"
 
 
 def where_steps_run(cfg) -> dict:
@@ -192,6 +237,7 @@ def where_steps_run(cfg) -> dict:
             "drafter's capture (transformers)" + (" (tp under torchrun)" if cfg.extract.tp
                                                   else ""),
             "train": "drafter" + (" beside the target in transformers" if cfg.train.online
+                                  else ", a chunk at a time" if chunk_mode(cfg)
                                   else ", from the stored shards"),
             "evaluate": {"vllm": f"vLLM over {eng} GPU(s)", "both": "drafter's evaluator and "
                          f"vLLM over {eng} GPU(s)", "drafter": "drafter's evaluator "
@@ -296,11 +342,13 @@ def times(cfg, f: dict) -> list[dict]:
     # train.max_steps wins over epochs (train then runs as many epochs as it takes)
     n_train = data["train"]["tokens"] * tc.epochs if tc.max_steps is None else \
         tc.max_steps * tc.batch_tokens * tc.grad_accum * gpus
+    # in chunks, a sample is extracted again in every pass over the data (drafter/train/chunks.py)
+    n_extract = data["val"]["tokens"] + n_train if chunk_mode(cfg) else data["tokens"]
     prompts = sum(d.max_prompts or 80 for d in cfg.evaluate.datasets)
     work = {
         "generate": data["generated_tokens"] if cfg.generate.enabled else 0,
         "tokenize": data["tokens"],
-        "extract": 0 if online else data["tokens"],
+        "extract": 0 if online else n_extract,
         "train": n_train,
         # every prompt decoded by the target alone and with each method, at each temperature
         "evaluate": prompts * cfg.evaluate.max_new_tokens * len(cfg.evaluate.temperatures)
@@ -318,6 +366,72 @@ def times(cfg, f: dict) -> list[dict]:
         out.append({"step": step, "tokens": n, "tokens_per_s": tps, "source": src,
                     "seconds": secs, "load_seconds": load,
                     "total_seconds": None if secs is None else secs + load})
+    return out
+
+
+def chunks(cfg, f: dict, st: dict, tm: list[dict], warnings: list[str]) -> dict | None:
+    """Features in chunks (extract.max_disk_gib; drafter/train/chunks.py): the budget, what it
+    holds up front (val, the head), the chunk size and count over every pass of the data, the
+    engine loads between chunks and their share of extract + train, and where each process
+    runs. Warns when the budget holds no chunk, or when reloads take over RELOAD_SHARE."""
+    mode = chunk_mode(cfg)
+    if mode is None:
+        return None
+    ec, p, data = cfg.extract, cfg.plan, f["data"]
+    bpt = next(o["bytes_per_token"] for o in st["options"] if o["chosen"])
+    budget = int(ec.max_disk_gib * GiB)
+    val, head = data["val"]["tokens"] * bpt, f["vd"] * f["ht"] * f["nbytes"]
+    window = 2 if mode == "spool" else 1
+    chunk = max(0, budget - val - head) // window
+    t = {r["step"]: r for r in tm}
+    extracted = (t["extract"]["tokens"] - data["val"]["tokens"]) * bpt
+    n = math.ceil(extracted / chunk) if chunk else None
+    vllm = ec.engine == "vllm"
+    eng = vllm_gpus(cfg) if vllm else 1
+    load_s = f["weights"] / (p.load_gbps * 1e9)
+    wake_s = f["weights"] / eng / (WAKE_GBPS * 1e9)
+    # extract's step loads the target for val and the head; then in one process every chunk
+    # loads it again (vLLM's sleep mode: the first loads, the rest wake), a producer once
+    reloads = (n or 0) if mode == "one process" else 1
+    reload_s = reloads * load_s
+    sleep_s = load_s + max((n or 1) - 1, 0) * wake_s if mode == "one process" and vllm \
+        else None
+    work = sum(t[k]["seconds"] or 0 for k in ("extract", "train"))
+    run_s = work + load_s + reload_s
+    out = {"mode": mode, "budget": budget, "bytes_per_token": bpt, "val_bytes": val,
+           "head_bytes": head, "window": window, "chunk_bytes": chunk,
+           "chunk_tokens": chunk // bpt, "extracted_bytes": extracted, "chunks": n,
+           "passes": round(t["train"]["tokens"] / max(data["train"]["tokens"], 1), 3),
+           "load_seconds": load_s, "reloads": reloads, "reload_seconds": reload_s,
+           "reload_share": reload_s / run_s if run_s else None,
+           "with_sleep_mode_seconds": sleep_s, "wake_seconds": wake_s if sleep_s else None,
+           "spool": ec.spool, "train_gpus": f["gpus"]}
+    where = "vLLM over %d GPU(s)" % eng if vllm else "drafter's capture (transformers)"
+    if mode == "one process":
+        how = (f"train it in a child on {f['gpus']} GPU(s) (torchrun)" if vllm else
+               "train it in the same process(es)")
+        out["processes"] = (f"one process (`drafter run CONFIG`): extract a chunk ({where}), "
+                            f"let the GPUs go, {how}, delete it, next; chunks in RUN_DIR/chunks")
+    else:
+        out["processes"] = (f"producer `drafter run CONFIG --until extract` where the target "
+                            f"runs ({where}) fills {ec.spool}; consumer `torchrun "
+                            f"--nproc-per-node {f['gpus']} -m drafter.cli train CONFIG` where "
+                            f"the drafter trains empties it; the run dir on storage both reach")
+    # reloads n <= share * (work + n * load) / load: chunks of extracted / n_max at least
+    n_max = max(1, int(RELOAD_SHARE * (work + 2 * load_s) / ((1 - RELOAD_SHARE) * load_s)))
+    need = math.ceil(extracted / n_max) * window + val + head
+    if not chunk:
+        warnings.append(f"chunks: extract.max_disk_gib ({_size(budget)}) holds val "
+                        f"({_size(val)}) and the head ({_size(head)}) but no chunk: "
+                        f"extract.max_disk_gib={math.ceil(need / GiB):,} holds chunks of "
+                        f"{_size(math.ceil(extracted / n_max))}")
+    elif mode == "one process" and out["reload_share"] > RELOAD_SHARE:
+        warnings.append(
+            f"chunks: {reloads} engine loads of {_dur(load_s)} take "
+            f"{100 * out['reload_share']:.1f}% of extract + train (over "
+            f"{100 * RELOAD_SHARE:.0f}%): extract.max_disk_gib={math.ceil(need / GiB):,} "
+            f"keeps them under it" + (f"; with vLLM's sleep mode (its CUDA builds) they are "
+                                      f"wakes of ~{_dur(wake_s)}" if sleep_s else ""))
     return out
 
 
@@ -349,6 +463,11 @@ def make_plan(cfg) -> dict:
     dk = disk(cfg, f, st, warnings)
     mem = gpu_memory(cfg, f, warnings, refused)
     tm = times(cfg, f)
+    ch = chunks(cfg, f, st, tm, warnings)
+    for r in tm if ch else ():  # extract loads the target again between chunks
+        if r["step"] == "extract" and r["total_seconds"] is not None:
+            r["load_seconds"] += ch["reload_seconds"]
+            r["total_seconds"] += ch["reload_seconds"]
     return {
         "run_dir": str(run.root),
         "target": {**info, "source": where, "params": params["total"],
@@ -359,7 +478,7 @@ def make_plan(cfg) -> dict:
                    "routed_expert_bytes": w["routed_bytes"], "gguf_bytes": gguf_bytes},
         "data": f["data"], "storage": st, "disk": dk, "drafter": f["drafter"],
         "gpus": {"count": gpus, "memory": gpu_mem, "memory_source": gpu_mem_src},
-        "gpu_memory": mem, "time": tm, "runs_in": where_steps_run(cfg),
+        "gpu_memory": mem, "time": tm, "chunks": ch, "runs_in": where_steps_run(cfg),
         "total_seconds": sum(t["total_seconds"] for t in tm if t["total_seconds"] is not None),
         "refused": refused, "warnings": warnings,
     }
@@ -419,7 +538,30 @@ def render(plan: dict) -> str:
     lines.append(f"         reference 8*Ht+16     {r['bytes_per_token']:>9,} B/token "
                  f"{_size(r['bytes']):>10}")
     lines.append(f"       {'*' if s['online'] else ' '} train.online=true     "
-                 f"{0:>9,} B/token {_size(0):>10}  (the target runs beside the drafter)")
+                 f"{0:>9,} B/token {_size(0):>10}  " + (
+                     "(the target runs beside the drafter)" if s["online_ok"] else
+                     "(not with extract.engine vllm or extract.max_disk_gib: the target "
+                     "must run in transformers beside the drafter)"))
+    c = plan["chunks"]
+    if c:
+        n = f"{c['chunks']:,}" if c["chunks"] else "no"
+        lines += [
+            f"chunks   budget {_size(c['budget'])} (extract.max_disk_gib): val "
+            f"{_size(c['val_bytes'])} + head {_size(c['head_bytes'])} up front, then chunks of "
+            f"<= {_size(c['chunk_bytes'])} ({c['chunk_tokens']:,} tokens at "
+            f"{c['bytes_per_token']:,} B/token)" + (", two at a time (one trains while the "
+                                                    "next is written)" if c["window"] > 1
+                                                    else ""),
+            f"         {c['passes']:g} pass(es) over "
+            f"{_size(c['extracted_bytes'] / max(c['passes'], 1e-9))} of train features: "
+            f"{_size(c['extracted_bytes'])} extracted in {n} chunk(s), each sample once per pass",
+            f"         engine: {_dur(c['load_seconds'])} a load; {c['reloads']} reload(s) = "
+            f"{_dur(c['reload_seconds'])}, {100 * (c['reload_share'] or 0):.1f}% of extract + "
+            f"train" + (f"; with vLLM's sleep mode 1 load + {max((c['chunks'] or 1) - 1, 0)} "
+                        f"wake(s) of ~{_dur(c['wake_seconds'])} = "
+                        f"{_dur(c['with_sleep_mode_seconds'])}"
+                        if c["with_sleep_mode_seconds"] is not None else ""),
+            f"         runs as: {c['processes']}"]
     k = plan["disk"]
     lines.append(f"disk     run dir {_size(k['total'])}: data {_size(k['data'])}, extract "
                  f"{_size(k['extract'])}, train checkpoints {_size(k['train'])}, export "

@@ -29,6 +29,12 @@ Resume: a shard that exists and verifies (its sha256 in the index, else its own 
 and the planned sample ids and options) is kept; a missing or corrupt one is (re)done; temp files
 of a killed write are removed. The index is written last. train.online=true: nothing is stored.
 
+extract.max_disk_gib (docs/extract.md, "Bounded disk"): the step stores val and the head only;
+the train split goes a chunk of train's own steps at a time (drafter/train/chunks.py plans them,
+drafter/features/spool.py is where they pass): ChunkProducer makes a chunk, in train's process
+(`drafter run`) or, with extract.spool, after the step, for a train elsewhere
+(drafter/run/chunked.py).
+
 On a GPU, train's graphs compile in a process of their own, started just after the preflight, while
 extract plans, loads the target and runs, when memory allows (drafter/train/precompile.py;
 extract.precompile=false: off): extract waits for it before it returns (and stops it when every
@@ -41,6 +47,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -51,7 +58,7 @@ from drafter.core.rundir import Run
 from drafter.core.vllm import vllm_dtype, vllm_missing
 from drafter.data import tokens
 from drafter.features import capture as C
-from drafter.features import store
+from drafter.features import spool, store
 from drafter.features.vllm_capture import VllmCapture
 from drafter.train import precompile
 
@@ -67,6 +74,7 @@ class Shard:
     rows: list[int]                         # token-file rows, longest first
     lengths: list[int]
     batches: list[list[int]] = field(default_factory=list)   # positions in rows, per forward
+    path: Path | None = None                # extract/{split}/ or a chunk's folder
 
     @property
     def tokens(self) -> int:
@@ -118,23 +126,26 @@ def _read_table(path):
     return pa.Table.from_batches(batches, schema=tokens.SCHEMA)
 
 
-def _clean_temp(run: Run, shards: list[Shard], rank: int) -> None:
+def _clean_temp(folders: list[Path], shards: list[Shard], rank: int) -> None:
     """Remove the temp files a killed write of these shards left behind; rank 0 also those of
-    safetensors' own save (.tmpXXXX). No rank writes yet: writing starts after a collective."""
+    safetensors' own save (.tmpXXXX) in `folders`. No rank writes yet: writing starts after a
+    collective."""
     for s in shards:
-        p = run.shard(s.split, s.index)
-        for tmp in p.parent.glob(f".tmp-{p.name}.*"):
+        for tmp in s.path.parent.glob(f".tmp-{s.path.name}.*"):
             tmp.unlink(missing_ok=True)
     if rank == 0:
-        for split in SPLITS:
-            for tmp in run.shards(split).glob(".tmp*"):
+        for folder in folders:
+            for tmp in folder.glob(".tmp*"):
                 tmp.unlink(missing_ok=True)
 
 
 def main(cfg) -> dict:
+    """Extract every split; with extract.max_disk_gib, val and the head only: the train split
+    is extracted a chunk at a time (ChunkProducer, `produce`)."""
     t_main = time.perf_counter()
     run = Run.of(cfg)
     ec = cfg.extract
+    splits = ("val",) if ec.max_disk_gib is not None else SPLITS
     if cfg.train.online:
         log.info("extract: train.online=true, the target runs beside the drafter: nothing stored")
         return {"counts": {"online": 1, "samples": 0, "tokens": 0, "shards": 0, "bytes": 0},
@@ -170,19 +181,21 @@ def main(cfg) -> dict:
         attn = str(getattr(tconf, "_attn_implementation", "") or "")
         packed = ec.engine == "vllm" or "flash" in attn  # vLLM pads nothing
         tables, plans = {}, {}
-        for split in SPLITS:
+        for split in splits:
             path = run.tokens(split)
             tables[split] = _read_table(path) if path.exists() else None
             plans[split] = plan_shards(split, tables[split].column("num_tokens").to_pylist(),
                                        ec.shard_tokens, ec.batch_tokens, packed) \
                 if tables[split] is not None else []
+            for s in plans[split]:
+                s.path = run.shard(split, s.index)
             run.shards(split).mkdir(parents=True, exist_ok=True)
-        every = [s for split in SPLITS for s in plans[split]]
+        every = [s for split in splits for s in plans[split]]
         # dp: rank r writes shards i % W == r; tp: every rank runs every forward, rank 0 writes
         mine = every if ec.tp else [s for s in every if s.index % d.world == d.rank]
         writes = not ec.tp or d.rank == 0
-        kept, todo, redone = _done_shards(run, mine, tables, info, d) if writes \
-            else ({}, [], 0)
+        kept, todo, redone = _done_shards(mine, tables, info, d, [
+            run.shard_index(split) for split in SPLITS]) if writes else ({}, [], 0)
         if ec.tp and d.on:
             keys = {tuple(k) for k in all_gather(d, [(s.split, s.index) for s in todo])[0]}
             todo = [s for s in mine if (s.split, s.index) in keys]
@@ -212,7 +225,7 @@ def main(cfg) -> dict:
     all_entries = {k: v for ents, _ in gathered for k, v in ents.items()}
     head_sha = store.file_sha256(run.extract_head()) if d.rank == 0 else None
     indexes = {}
-    for split in SPLITS:
+    for split in splits:
         ents = [all_entries[(split, s.index)] for s in plans[split]]
         if d.rank == 0:
             indexes[split] = store.write_index(run.shard_index(split), info, ents, head_sha)
@@ -226,28 +239,29 @@ def main(cfg) -> dict:
     out = _result(info, indexes, stats, d, ec, check)
     if compiled is not None:
         out["precompile"] = compiled
+    if ec.max_disk_gib is not None:  # the train split: a chunk at a time (ChunkProducer)
+        out["mode"] = "chunked"
     return out
 
 
-def _done_shards(run: Run, mine: list[Shard], tables: dict, info: dict, d: Dist):
-    """(kept entries, shards to do, how many were corrupt) among this rank's shards: a shard is
-    kept when its file verifies (index sha256, else its content hash) and holds the planned
-    samples with these options; a corrupt or foreign one is deleted and redone."""
-    _clean_temp(run, mine, d.rank)
+def _done_shards(mine: list[Shard], tables: dict, info: dict, d: Dist, indexes: list[Path]):
+    """(kept entries by (split, index), shards to do, how many were corrupt) among this rank's
+    shards: a shard is kept when its file verifies (its sha256 in one of `indexes`, else its
+    content hash) and holds the planned samples with these options; a corrupt or foreign one is
+    deleted and redone."""
+    _clean_temp([ip.parent for ip in indexes], mine, d.rank)
     old = {}
-    for split in SPLITS:
-        p = run.shard_index(split)
-        if p.exists():
+    for ip in indexes:
+        if ip.exists():
             try:
-                old.update({(split, e["file"]): e for e in store.read_index(p)["shards"]})
+                old.update({str(ip.parent / e["file"]): e for e in store.read_index(ip)["shards"]})
             except store.ShardError:
                 pass
-    present = [s for s in mine if run.shard(s.split, s.index).exists()]
+    present = [s for s in mine if s.path.exists()]
 
     def check(s: Shard):
-        p = run.shard(s.split, s.index)
         ids = tables[s.split].column("id").take(s.rows).to_pylist()
-        return s, store.check_shard(p, ids, old.get((s.split, p.name)), info)
+        return s, store.check_shard(s.path, ids, old.get(str(s.path)), info)
 
     kept, redone = {}, 0
     # hashing and reads release the GIL: verify several shards at once
@@ -257,9 +271,8 @@ def _done_shards(run: Run, mine: list[Shard], tables: dict, info: dict, d: Dist)
             if e is not None:
                 kept[(s.split, s.index)] = e
                 continue
-            p = run.shard(s.split, s.index)
-            log.warning("extract: %s is corrupt or from other options: redoing it", p)
-            p.unlink()
+            log.warning("extract: %s is corrupt or from other options: redoing it", s.path)
+            s.path.unlink()
             redone += 1
     todo = [s for s in mine if (s.split, s.index) not in kept]
     return kept, todo, redone
@@ -269,16 +282,9 @@ def _extract(cfg, run: Run, d: Dist, info: dict, d2t, t2d, tables, every: list[S
              todo: list[Shard], writes: bool, n_kept: int):
     """Load the target, check the capture, write the head and the shards of `todo`.
     Returns (written entries by path, seconds of the forward+storage loop, self-check)."""
-    ec = cfg.extract
     t_load = time.time()
-    if ec.engine == "vllm":
-        longest = max((n for s in every for n in s.lengths), default=1)
-        cap = VllmCapture(cfg, d2t, t2d, longest, run.vllm_states())
-    else:
-        model = target.load_model(cfg.target, device=str(d.device),
-                                  **({"tp_plan": "auto"} if ec.tp else {}))
-        cap = C.Capture(model, info["layer_ids"], d2t, t2d, teacher=ec.teacher, topk=ec.topk,
-                        out_dtype=torch.bfloat16, batch_tokens=ec.batch_tokens)
+    cap = _load_capture(cfg, run, d, info, d2t, t2d,
+                        max((n for s in every for n in s.lengths), default=1))
     try:
         return _capture_all(cfg, run, d, info, cap, tables, every, todo, writes, n_kept, t_load)
     finally:
@@ -286,23 +292,51 @@ def _extract(cfg, run: Run, d: Dist, info: dict, d2t, t2d, tables, every: list[S
             cap.close()
 
 
+def _load_capture(cfg, run: Run, d: Dist, info: dict, d2t, t2d, longest: int):
+    """The target loaded for capture: inside vLLM (extract.engine) or in transformers."""
+    ec = cfg.extract
+    if ec.engine == "vllm":
+        return VllmCapture(cfg, d2t, t2d, longest, run.vllm_states())
+    model = target.load_model(cfg.target, device=str(d.device),
+                              **({"tp_plan": "auto"} if ec.tp else {}))
+    return C.Capture(model, info["layer_ids"], d2t, t2d, teacher=ec.teacher, topk=ec.topk,
+                     out_dtype=torch.bfloat16, batch_tokens=ec.batch_tokens)
+
+
 def _capture_all(cfg, run: Run, d: Dist, info: dict, cap, tables, every: list[Shard],
                  todo: list[Shard], writes: bool, n_kept: int, t_load: float):
     ec = cfg.extract
-    got = {k: v for k, v in cap.info().items() if k in info}
-    if got != {k: info[k] for k in got}:
-        raise C.CaptureError(f"extract: the loaded target differs from its config: {got} "
-                             f"vs {info}")
-    check = None
-    if every:  # the longest sample's first 64 tokens
-        first = every[0]
-        check = cap.self_check(tables[first.split].column("input_ids")[first.rows[0]].as_py())
+    check = _check_capture(cap, info, tables, every)
     head = cap.head  # a collective under tp: every rank
     if d.rank == 0:
         store.save_head(run.extract_head(), head, info)
     log.info("extract: target loaded in %.0fs; layer ids %s (HS[k]) of %d, Ht %d, %s; %d "
              "shards to write, %d kept", time.time() - t_load, info["layer_ids"],
              info["num_layers"], info["hidden_size"], info["target_dtype"], len(todo), n_kept)
+    written, seconds = _write_shards(cap, info, tables, todo, ec, writes, d)
+    if isinstance(cap, VllmCapture):
+        check = {**(check or {}), "engine_check": dict(cap.check)}
+        log.info("extract: vLLM's next token = the teacher's argmax on %d of %d samples "
+                 "(%d near-ties)", cap.check["same_next_token"], cap.check["samples"],
+                 cap.check["near_ties"])
+    return written, seconds, check
+
+
+def _check_capture(cap, info: dict, tables, every: list[Shard]):
+    """The loaded target is the configured one; its self-check on the first (longest)
+    sample's first 64 tokens."""
+    got = {k: v for k, v in cap.info().items() if k in info}
+    if got != {k: info[k] for k in got}:
+        raise C.CaptureError(f"extract: the loaded target differs from its config: {got} "
+                             f"vs {info}")
+    if every:
+        first = every[0]
+        return cap.self_check(tables[first.split].column("input_ids")[first.rows[0]].as_py())
+    return None
+
+
+def _write_shards(cap, info: dict, tables, todo: list[Shard], ec, writes: bool, d: Dist):
+    """The shards of `todo` forwarded and written. -> (entries by path, seconds)."""
     writer = store.ShardWriter(info) if writes else None
     bar = tqdm(total=sum(s.tokens for s in todo), desc="extract", unit="tok", unit_scale=True,
                mininterval=1.0, disable=d.rank != 0, smoothing=0.1)
@@ -310,17 +344,12 @@ def _capture_all(cfg, run: Run, d: Dist, info: dict, cap, tables, every: list[Sh
     written: dict = {}
     try:
         for s in todo:
-            _extract_shard(cap, tables[s.split], s, ec, writer, run, bar)
+            _extract_shard(cap, tables[s.split], s, ec, writer, bar)
         if writer is not None:
             written = writer.close()
     finally:
         bar.close()
-    if isinstance(cap, VllmCapture):
-        check = {**(check or {}), "engine_check": dict(cap.check)}
-        log.info("extract: vLLM's next token = the teacher's argmax on %d of %d samples "
-                 "(%d near-ties)", cap.check["same_next_token"], cap.check["samples"],
-                 cap.check["near_ties"])
-    return written, time.time() - t0, check
+    return written, time.time() - t0
 
 
 def _vllm_preflight(cfg, d: Dist) -> None:
@@ -338,7 +367,7 @@ def _vllm_preflight(cfg, d: Dist) -> None:
         gpu.preflight(0, policy=cfg.extract.preflight, what="drafter extract (vLLM)")
 
 
-def _extract_shard(cap: C.Capture, table, s: Shard, ec, writer, run: Run, bar) -> None:
+def _extract_shard(cap: C.Capture, table, s: Shard, ec, writer, bar) -> None:
     """Forward the shard's batches, encode on the device, start the copies to the host, and
     hand the shard to the writer threads."""
     rows = table.take(s.rows)
@@ -358,7 +387,7 @@ def _extract_shard(cap: C.Capture, table, s: Shard, ec, writer, run: Run, bar) -
             parts.append(store.to_host(enc))
         bar.update(b - a)
     if writer is not None:
-        writer.submit(run.shard(s.split, s.index), parts, rows.column("id").to_pylist())
+        writer.submit(s.path, parts, rows.column("id").to_pylist())
 
 
 def _result(info, indexes, stats, d: Dist, ec, check) -> dict:
@@ -390,3 +419,157 @@ def _result(info, indexes, stats, d: Dist, ec, check) -> dict:
                  bytes_total / 2**20, bpt, bpt / ref, ref,
                  f", {tps:,.0f} tokens/s" if tps else "")
     return out
+
+
+# ------------------------------------------------------------------ chunks (extract.max_disk_gib)
+def vllm_sleep_mode() -> bool:
+    """vLLM keeps its weights in host memory while it sleeps (LLM(enable_sleep_mode=True),
+    sleep(level=1), wake_up()) on the platforms that have it: its CUDA, ROCm and XPU builds;
+    the CPU build refuses enable_sleep_mode."""
+    try:
+        from vllm.platforms import current_platform
+        return bool(current_platform.is_sleep_mode_available())
+    except Exception:  # noqa: BLE001 - no vLLM, or one without the call: reload instead
+        return False
+
+
+class ChunkProducer:
+    """Makes the chunks of train's plan (drafter/train/chunks.py; the spool's files:
+    drafter/features/spool.py): chunk c's samples extracted as a split is, longest first, into
+    run.chunk(c)/, its index, then COMPLETE. A kill keeps every shard that verifies, as the
+    step's own resume does. The target stays loaded from one chunk to the next unless
+    `release` (one process: train needs the GPUs between chunks): then vLLM sleeps where its
+    platform has sleep mode (weights in host memory, woken for the next chunk), and otherwise
+    the target is closed after each chunk and loaded again for the next. `stats`: loads,
+    wakes and their seconds, chunks, tokens."""
+
+    def __init__(self, cfg, release: bool):
+        import dataclasses
+
+        self.run, self.release, ec = Run.of(cfg), release, cfg.extract
+        self.d = read_env(target.pick_device(cfg.target))
+        init_dist(self.d)
+        tconf = target.load_config(cfg.target)
+        self.d2t, self.t2d, _ = tokens.load_vocab(self.run.require(self.run.vocab(), "vocab"))
+        self.info = _info(cfg, tconf, self.d2t, str(self.d.device))
+        self.tables = {"train": _read_table(self.run.require(self.run.tokens("train"),
+                                                             "tokenize"))}
+        self.row = {sid: i for i, sid in enumerate(self.tables["train"].column("id").to_pylist())}
+        self.lengths = self.tables["train"].column("num_tokens").to_pylist()
+        attn = str(getattr(tconf, "_attn_implementation", "") or "")
+        self.packed = ec.engine == "vllm" or "flash" in attn  # vLLM pads nothing
+        self.sleep = release and ec.engine == "vllm" and vllm_sleep_mode()
+        if self.sleep:  # set at the engine's start: sleep and wake_up need it
+            args = {**cfg.target.engine_args, "enable_sleep_mode": True}
+            cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target,
+                                                                      engine_args=args))
+        self.cfg, self.cap, self.asleep, self.checked = cfg, None, False, False
+        self.stats = {"loads": 0, "load_s": 0.0, "wakes": 0, "wake_s": 0.0, "sleep_mode":
+                      self.sleep, "chunks": 0, "tokens": 0, "seconds": 0.0, "shards_kept": 0}
+
+    def make(self, chunk: dict, plan_id: str) -> None:
+        """Chunk `chunk` of plan `plan_id` into its folder, whole (COMPLETE last); every rank."""
+        run, d, ec, c = self.run, self.d, self.cfg.extract, chunk["index"]
+        t0 = time.time()
+        missing = [sid for sid in chunk["ids"] if sid not in self.row]
+        if missing:
+            raise C.CaptureError(f"chunk {c} of the plan in {run.chunk_plan()} names samples "
+                                 f"that {run.tokens('train')} lacks ({missing[:3]}): the plan "
+                                 f"is another run's; start its train again")
+        rows = [self.row[sid] for sid in chunk["ids"]]
+        shards = plan_shards("train", [self.lengths[r] for r in rows], ec.shard_tokens,
+                             ec.batch_tokens, self.packed)
+        for s in shards:
+            s.rows = [rows[i] for i in s.rows]
+            s.path = run.chunk_shard(c, s.index)
+        run.chunk(c).mkdir(parents=True, exist_ok=True)
+        if d.main:  # shards no longer planned (another plan's chunk of this number)
+            names = {s.path.name for s in shards}
+            for p in run.chunk(c).glob("shard_*.safetensors"):
+                if p.name not in names:
+                    p.unlink()
+        barrier(d)
+        mine = shards if ec.tp else [s for s in shards if s.index % d.world == d.rank]
+        writes = not ec.tp or d.rank == 0
+        kept, todo, _ = _done_shards(mine, self.tables, self.info, d, [run.chunk_index(c)]) \
+            if writes else ({}, [], 0)
+        if ec.tp and d.on:
+            keys = set(all_gather(d, [s.index for s in todo])[0])
+            todo = [s for s in mine if s.index in keys]
+        written = {}
+        if any(all_gather(d, bool(todo))):
+            self._wake(shards)
+            written, _ = _write_shards(self.cap, self.info, self.tables, todo, ec, writes, d)
+        entries = {i: e for (_, i), e in kept.items()}
+        entries.update({int(p.stem.split("_")[1]): e for p, e in written.items()})
+        every = {k: v for part in all_gather(d, entries) for k, v in part.items()}
+        if d.main:
+            index = store.write_index(run.chunk_index(c), self.info,
+                                      [every[s.index] for s in shards],
+                                      store.file_sha256(run.extract_head()))
+            spool.mark_complete(run, c, plan_id, index)
+            log.info("extract: chunk %d (steps %d-%d): %d samples, %d tokens, %s in %.0f s "
+                     "(%d shards kept)", c, chunk["start"], chunk["end"] - 1,
+                     index["num_samples"], index["num_tokens"], spool.size(index["bytes"]),
+                     time.time() - t0, len(kept))
+        barrier(d)
+        self.stats["chunks"] += 1
+        self.stats["tokens"] += sum(s.tokens for s in todo)
+        self.stats["shards_kept"] += len(kept)
+        self.stats["seconds"] += time.time() - t0
+        if self.release:
+            self.idle()
+
+    def _wake(self, shards: list[Shard]) -> None:
+        """The target ready: woken from sleep, else loaded (checked at its first load)."""
+        if self.cap is not None and not self.asleep:
+            return
+        t = time.time()
+        if self.asleep:
+            try:
+                self.cap.llm.wake_up()
+                self.asleep = False
+                self.stats["wakes"] += 1
+                self.stats["wake_s"] += time.time() - t
+                log.info("extract: vLLM woken in %.1f s", time.time() - t)
+                return
+            except Exception as e:  # noqa: BLE001 - an engine that cannot wake is loaded again
+                log.warning("extract: vLLM's wake_up failed (%s): loading it again", e)
+                self._close()
+        self.cap = _load_capture(self.cfg, self.run, self.d, self.info, self.d2t, self.t2d,
+                                 max(self.lengths, default=1))
+        if not self.checked:
+            _check_capture(self.cap, self.info, self.tables, shards)
+            self.checked = True
+        self.stats["loads"] += 1
+        self.stats["load_s"] += time.time() - t
+        log.info("extract: target loaded in %.0f s (load %d)", time.time() - t,
+                 self.stats["loads"])
+
+    def idle(self) -> None:
+        """Let the GPUs go until the next chunk: vLLM sleeps (level 1: its weights to host
+        memory, its KV cache dropped) where it can, else the target is closed."""
+        if self.cap is None or self.asleep:
+            return
+        if self.sleep:
+            try:
+                self.cap.llm.sleep(level=1)
+                self.asleep = True
+                return
+            except Exception as e:  # noqa: BLE001 - closed instead, loaded again next time
+                log.warning("extract: vLLM's sleep failed (%s): closing it", e)
+        self._close()
+
+    def _close(self) -> None:
+        import gc
+
+        cap, self.cap, self.asleep = self.cap, None, False
+        if isinstance(cap, VllmCapture):
+            cap.close()
+        del cap
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        self._close()

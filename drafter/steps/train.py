@@ -2,7 +2,9 @@
 
 Reads   vocab/vocab.safetensors (d2t, t2d), the target's config and input embeddings, and
         offline: extract/{train,val}/ shards and extract/head.safetensors (store.Reader);
-        online (train.online): tokenize/{train,val}.parquet and the target itself (capture).
+        online (train.online): tokenize/{train,val}.parquet and the target itself (capture);
+        in chunks (extract.max_disk_gib): SPOOL/chunk_NNNNN/, a chunk of its steps at a time,
+        with extract/val/ and the head (drafter/train/chunks.py; docs/extract.md)
 Writes  train/step_NNNNNN/  model.safetensors + drafter_config.json (model.save_drafter),
                             optimizer.pt, rng.safetensors, state.json, COMPLETE (written last)
         train/metrics.jsonl one record per log interval ("train") and validation ("val")
@@ -47,20 +49,20 @@ import time
 
 import torch
 
-from drafter import DrafterError
+from drafter import DrafterError  # noqa: F401 - the step's errors (tests name it here)
 from drafter.core import target
 from drafter.core.config import ConfigError
 from drafter.core.dist import Dist, all_sum, close_dist, dist_env
 from drafter.core.rundir import JsonlAppender, Run, read_jsonl
 from drafter.core.weights import target_embeddings
 from drafter.data import tokens
-from drafter.features import store
+from drafter.features import spool, store
 from drafter.train import precompile
 from drafter.train.batches import (
     Prefetch,
     Source,
+    data_plan,
     device_batch,
-    epoch_micro_batches,
     grouped,
     host_batch,
     host_batches,
@@ -76,6 +78,7 @@ from drafter.train.checkpoint import (
     save_checkpoint,
     tokens_seen,
 )
+from drafter.train.chunks import Chunks, conduct, plan_run, trains_apart
 from drafter.train.metrics import (
     Meter,
     atomic_json_lines,
@@ -132,10 +135,12 @@ def _check(tc) -> None:
 
 def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         val_src: Source | None, head, t0: float | None = None,
-        setup: Phases | None = None) -> dict:
+        setup: Phases | None = None, chunks: Chunks | None = None) -> dict:
     """The training loop: plain PyTorch, top to bottom. Returns the manifest extras. t0: when
     train started setting up (perf_counter; default: now): setup_s, its seconds to the loop;
-    setup: the caller's clock of the setup's parts (setup_parts_s), continued here."""
+    setup: the caller's clock of the setup's parts (setup_parts_s), continued here. chunks
+    (extract.max_disk_gib): train_src is chunks.source, the steps' samples come from the chunk
+    each step belongs to, and each chunk's last step is checkpointed, then the chunk deleted."""
     t0 = time.perf_counter() if t0 is None else t0
     tc = cfg.train
     _check(tc)
@@ -153,27 +158,22 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     # data plan, and the step a resume starts at: known before the model, so that the loader
     # builds the first batches while the model is set up (without that, the first step waited
     # for its batch: BENCHMARKS.md, Figures behind design choices)
-    rows = pack(train_src.lengths, T, tc.seed)
-    n_micro = math.ceil(len(rows) / B)
+    dp = data_plan(train_src.lengths, tc, dist.world)
+    n_micro, steps_per_epoch, total = dp.n_micro, dp.steps_per_epoch, dp.total
     per_step = dist.world * tc.grad_accum
-    steps_per_epoch = n_micro // per_step
-    if steps_per_epoch == 0:
-        raise DrafterError(f"train: {len(train_src)} samples make {n_micro} micro-batches of "
-                           f"{B} rows × {T} tokens, fewer than world size × grad_accum = "
-                           f"{per_step}: lower train.batch_tokens or train.max_length")
-    total = tc.max_steps or tc.epochs * steps_per_epoch
     ckpt = resume_from(run, tc)
     step = checkpoint_step(ckpt) if ckpt is not None else 0
+    stop = total
+    if chunks is not None:  # the chunk of the first step: made here (one process) or awaited
+        chunks.begin(step, total)
+        stop = chunks.stop  # a child of chunks.conduct trains one chunk
     setup.tick("plan")
 
     def jobs(from_step):  # this rank's micro-batches from a step on (the data position)
-        plan = (None, None)
-        for s in range(from_step, total):
-            epoch, k = divmod(s, steps_per_epoch)
-            if plan[0] != epoch:
-                plan = (epoch, epoch_micro_batches(rows, B, tc.seed, epoch))
+        for s in range(from_step, stop):
             for a in range(tc.grad_accum):
-                yield plan[1][(k * tc.grad_accum + a) * dist.world + dist.rank]
+                mb = dp.micro_batch(s, a, dist.rank)
+                yield mb if chunks is None else chunks.tag(s, mb)
 
     # the frozen table on the CPU: TTT leaves it there, so the model's set-up does not touch it
     make = lambda g: host_batches(train_src, g, B, T, tc, drafter.embed_tokens.weight)  # noqa
@@ -250,7 +250,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
             waited[1] += dt
             return hb
 
-        while step < total:
+        while step < stop:
             t_step = time.perf_counter()
             micro = (device_batch(take(), dev, head, fused) for _ in range(tc.grad_accum))
             gnorm = train_step(model, params, opt, micro, tc, dist, autocast, meter,
@@ -301,7 +301,9 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                     if tb:
                         tb_write(tb, "train", step, m)
                 last_train = m
-            save = step % tc.save_every == 0 or step == total
+            # a chunk's last step is saved too: its shards go once a checkpoint covers them
+            boundary = chunks is not None and step in chunks.ends
+            save = step % tc.save_every == 0 or step == total or boundary
             evaluating = val_src is not None and ((tc.eval_every and step % tc.eval_every == 0)
                                                   or save)
             if evaluating or save:  # the steps queued so far count as training time
@@ -328,6 +330,9 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                 save_checkpoint(run, dist, step, drafter, ttt, opt, fsdp, state)
                 if dist.main:
                     prune_checkpoints(run, tc.keep_checkpoints)
+            if boundary:  # every rank is past the chunk: delete it, make or await the next
+                sync_device(dev)
+                chunks.finished(step)
             aside += time.perf_counter() - t_aside
     finally:
         if gc_clock is not None:
@@ -410,15 +415,44 @@ def evaluate(model, src: Source, dist: Dist, drafter, head, tc, B, T, fused, aut
 
 
 # -------------------------------------------------------------------------------------- main
-def main(cfg) -> dict:
+def main(cfg, produce=None, chunk: int | None = None) -> dict:
+    """Features in chunks (extract.max_disk_gib; drafter/train/chunks.py): `produce` makes a
+    chunk in this process (drafter/run/chunked.py hands it over), and with the target in vLLM
+    here each chunk trains in a child process on every GPU (chunks.conduct); without, a
+    producer elsewhere fills the spool. `chunk`: such a child, which trains up to the end of
+    that chunk."""
+    if produce is not None and trains_apart(cfg):
+        return _producer_stats(conduct(cfg, produce), produce)
     dist = dist_env()
     try:
-        return _main(cfg, dist)
+        return _producer_stats(_main(cfg, dist, produce, chunk), produce)
     finally:
         close_dist()
 
 
-def _main(cfg, dist: Dist) -> dict:
+def _producer_stats(out: dict, produce) -> dict:
+    """The figures of the chunks this process made (ChunkProducer.stats: target loads, vLLM's
+    wakes, their seconds), in the manifest's "chunks"."""
+    if "chunks" in out and getattr(produce, "stats", None):
+        out["chunks"]["producer"] = dict(produce.stats)
+    return out
+
+
+def _chunked(cfg, run: Run, dist: Dist, produce, chunk: int | None):
+    """Features stored a chunk at a time (drafter/train/chunks.py): val and the head from
+    extract/, the chunk plan written to the spool. -> (layer ids, head, train source, val
+    source, Chunks)."""
+    vr = store.Reader(run, "val")
+    window = 1 if produce is not None or chunk is not None else 2  # one process at a time
+    plan, ids, lengths = plan_run(cfg, run, vr.info, dist.world, window)
+    if dist.main:
+        spool.write_plan(run, plan)
+    feed = Chunks(run, plan, ids, lengths, dist, vr.info, produce, only=chunk)
+    return vr.info["layer_ids"], vr.head(), feed.source, \
+        Source.offline(vr) if len(vr) else None, feed
+
+
+def _main(cfg, dist: Dist, produce=None, chunk: int | None = None) -> dict:
     t0 = time.perf_counter()
     setup = Phases({}, dist.device)  # where the setup goes: setup_parts_s
     run, tc = Run.of(cfg), cfg.train
@@ -427,6 +461,7 @@ def _main(cfg, dist: Dist) -> dict:
     setup.tick("vocab")
     target_config = target.load_config(cfg.target)
     setup.tick("target_config")
+    chunks = None
     if tc.online:
         from drafter.features.capture import load_capture
         cap = load_capture(cfg, device=str(dist.device))
@@ -435,6 +470,8 @@ def _main(cfg, dist: Dist) -> dict:
         val_path = run.tokens("val")
         val_src = Source.online(val_path, cap) if val_path.exists() and \
             tokens.num_rows(val_path) else None
+    elif cfg.extract.max_disk_gib is not None:
+        layer_ids, head, train_src, val_src, chunks = _chunked(cfg, run, dist, produce, chunk)
     else:
         reader = store.Reader(run, "train")
         layer_ids, head = reader.info["layer_ids"], reader.head()
@@ -449,7 +486,16 @@ def _main(cfg, dist: Dist) -> dict:
     setup.tick("embeddings")
     drafter = build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings)
     setup.tick("drafter")
-    with compiles_hold(cap.lock) if tc.online else contextlib.nullcontext():
-        out = fit(cfg, run, dist, drafter, train_src, val_src, head, t0, setup)
+    try:
+        with compiles_hold(cap.lock) if tc.online else contextlib.nullcontext():
+            out = fit(cfg, run, dist, drafter, train_src, val_src, head, t0, setup, chunks)
+    finally:
+        if chunks is not None:
+            chunks.close()
     out["target"] = target.resolve(cfg.target.model)
+    if chunks is not None:
+        p = chunks.plan
+        out["chunks"] = {"count": chunks.n, "plan": p["id"], "window": p["window"],
+                         "chunk_limit_bytes": p["limit"], "spool": str(run.spool()),
+                         "made_here": sorted(chunks.made)}
     return out

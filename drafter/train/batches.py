@@ -12,6 +12,7 @@ import math
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -80,6 +81,52 @@ def epoch_micro_batches(rows: list[list[int]], B: int, seed: int, epoch: int) ->
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch + 1)
     order = torch.randperm(len(rows), generator=g).tolist()
     return [[rows[j] for j in order[a:a + B]] for a in range(0, len(order), B)]
+
+
+@dataclass
+class DataPlan:
+    """Which micro-batch every optimizer step takes, a pure function of the samples' lengths
+    (in id order), the train config and the world size: train's loop and its chunk plan
+    (drafter/train/chunks.py) read the same one. Step s, accumulation a, rank r takes micro-batch
+    (k·grad_accum + a)·world + r of epoch s // steps_per_epoch (k = s % steps_per_epoch);
+    micro-batches that do not fill a last step are dropped."""
+    rows: list[list[int]]          # sample indices packed into rows of max_length tokens
+    B: int                         # rows per micro-batch
+    world: int
+    grad_accum: int
+    seed: int
+    n_micro: int                   # micro-batches per epoch
+    steps_per_epoch: int
+    total: int                     # optimizer steps of the run (train.max_steps, else epochs)
+    _epoch: tuple = (None, None)   # the last epoch's micro-batches
+
+    def micro_batch(self, s: int, a: int, r: int) -> list[list[int]]:
+        epoch, k = divmod(s, self.steps_per_epoch)
+        if self._epoch[0] != epoch:
+            self._epoch = (epoch, epoch_micro_batches(self.rows, self.B, self.seed, epoch))
+        return self._epoch[1][(k * self.grad_accum + a) * self.world + r]
+
+    def step_samples(self, s: int) -> list[int]:
+        """The samples step s trains on, every rank's, in the order the ranks take them."""
+        return [i for a in range(self.grad_accum) for r in range(self.world)
+                for row in self.micro_batch(s, a, r) for i in row]
+
+
+def data_plan(lengths: list[int], tc, world: int) -> DataPlan:
+    """The run's DataPlan (train.max_length, batch_tokens, seed, grad_accum, epochs, max_steps)."""
+    from drafter import DrafterError
+
+    T, B = tc.max_length, tc.batch_tokens // tc.max_length
+    rows = pack(lengths, T, tc.seed)
+    n_micro = math.ceil(len(rows) / B)
+    per_step = world * tc.grad_accum
+    steps_per_epoch = n_micro // per_step
+    if steps_per_epoch == 0:
+        raise DrafterError(f"train: {len(lengths)} samples make {n_micro} micro-batches of "
+                           f"{B} rows × {T} tokens, fewer than world size × grad_accum = "
+                           f"{per_step}: lower train.batch_tokens or train.max_length")
+    return DataPlan(rows, B, world, tc.grad_accum, tc.seed, n_micro, steps_per_epoch,
+                    tc.max_steps or tc.epochs * steps_per_epoch)
 
 
 # the token fields: built on the host (pinned when a GPU is there), from the samples' token ids

