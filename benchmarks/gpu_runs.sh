@@ -43,6 +43,8 @@
 #                                    (evaluate.methods=[chain,block]); without the export on
 #                                    this machine, the quality run again first (~10 min)
 #   block-b1      model,data ~5 min  the same at batch 1, 10 records a set
+#   chunks-cost   model,data ~4 min  extract + train of 120 conversations stored, then within a
+#                                    4 MiB budget (extract_throughput.py --chunks 4)
 #
 # OUT_DIR receives (at most a handful of files, as a device call returns them): gpu-runs.tar.gz
 # (the state folder: every step's log, figures, manifests, reports and junit XML; a few MB),
@@ -62,7 +64,7 @@ set -f  # no globbing: overrides such as prepare.sources[0].max_samples=4 stay a
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 ALL="kimi-extract kimi-train quality-data quality-train quality-b64 quality-b1 tests-decode
-tests-rest decode-b1 kimi-eval block-b64 block-b1"
+tests-rest decode-b1 kimi-eval block-b64 block-b1 chunks-cost"
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2; }
 
 PY=${PYTHON:-python3}
@@ -283,6 +285,8 @@ do_step() {  # do_step NAME: the step's work; 0 when it finished
       --ignore=tests/test_rejection.py --ignore=tests/test_sampling_exact.py \
       --ignore=tests/test_kimi_shape.py --ignore=tests/test_gpu.py ;;
     decode-b1) decode_b1 ;;
+    chunks-cost) run "$1" "$PY" benchmarks/extract_throughput.py --chunks 4 \
+      --samples "$([ "$TINY" = 1 ] && echo 12 || echo 120)" --json "$STATE/chunks-cost.json" ;;
   esac
 }
 
@@ -293,7 +297,7 @@ estimate() {  # seconds a step is expected to take on one H200 (the header's est
     quality-data|quality-train) echo 60 ;;
     kimi-extract) echo 360 ;;
     kimi-train|tests-*|quality-b1|block-b1) echo 300 ;;
-    block-b64) echo 240 ;;
+    block-b64|chunks-cost) echo 240 ;;
     quality-b64) echo 360 ;;
     kimi-eval) echo 540 ;;
     decode-b1) echo 120 ;;
@@ -305,7 +309,7 @@ needs() {
   case "$1" in
     kimi-extract) echo tokenizer ;;
     kimi-eval) echo tokenizer data ;;
-    quality-*|block-*) echo model data ;;
+    quality-*|block-*|chunks-cost) echo model data ;;
     tests-*) echo model ;;
     *) echo - ;;
   esac

@@ -453,18 +453,13 @@ def starts_server(cfg) -> bool:
     return cfg.generate.enabled and cfg.generate.server.engine != "external"
 
 
-# An online run compiles train's graphs in a process of its own (drafter/train/precompile.py,
-# start_ahead), started before the first of these steps that runs: either makes train run too, and
-# they are the work there is to overlap before train. The child (imports, two compiled train steps,
-# saving the graphs) takes longer than tokenize, vocab and train's set-up together: started before
-# tokenize, train's set-up waited for it and nothing was saved against compiling in its first step
-# (BENCHMARKS.md, Figures behind design choices). So when generate runs in this process (engine
-# drafter: the data engine sizes its KV pool from a share of the free memory it finds, leaving room
-# for the child beside it) and will run, the child starts before generate and compiles while
-# generate answers. Else (an HTTP server, vLLM, SGLang or transformers serve, takes most of the GPU;
-# engine external; generate off or done) before tokenize, or vocab, once the GPU is back from
-# generate. Not from extract (online, it stores nothing) or train: the child would overlap only
-# train's set-up, and train would wait for it longer than its first step takes to compile.
+# An online run compiles train's graphs in a child (train/precompile.py, start_ahead) started before
+# the first of these steps that runs (either makes train run too). The child outlasts tokenize,
+# vocab and train's set-up together (BENCHMARKS.md, Figures behind design choices), so when generate
+# runs in this process (engine drafter: its KV pool leaves room for the child) the child starts
+# before generate and compiles while it answers; else (a server holds the GPU, or no generate)
+# before tokenize or vocab. Not from extract or train: the child would overlap only train's set-up,
+# and train would wait for it longer than its first step takes to compile.
 AHEAD_OF_TRAIN = ("tokenize", "vocab")
 
 
