@@ -76,6 +76,10 @@ NEUTRAL: dict[str, object] = {
     "generate.extra_temperatures": [],
     "train.loss_chunk": 0,
     "extract.precompile": True,
+    # auto gives the Llama layer that runs had, except for MLA targets: set train.draft_layer
+    # to mla to retrain those (docs/train.md)
+    "train.draft_layer": "auto",
+    "train.mla": {},
 }
 
 # Fields removed after runs existed (config.REMOVED), with the value they held (what drafter now

@@ -180,8 +180,8 @@ def vllm_gpus(cfg) -> int:
         max(1, int(a.get("pipeline_parallel_size", 1)))
 
 
-def where_steps_run(cfg) -> dict:
-    """Where each step runs, for the plan's reader."""
+def where_steps_run(cfg, draft_layer: str = "llama") -> dict:
+    """Where each step runs, for the plan's reader (train: with which draft layer)."""
     s = cfg.generate.server
     eng = vllm_gpus(cfg)
     return {"generate": "skipped" if not cfg.generate.enabled else "drafter's data engine"
@@ -190,8 +190,9 @@ def where_steps_run(cfg) -> dict:
             f"vLLM over {eng} GPU(s)" if cfg.extract.engine == "vllm" else
             "drafter's capture (transformers)" + (" (tp under torchrun)" if cfg.extract.tp
                                                   else ""),
-            "train": "drafter" + (" beside the target in transformers" if cfg.train.online
-                                  else ", from the stored shards"),
+            "train": f"drafter, {draft_layer} draft layer" + (
+                " beside the target in transformers" if cfg.train.online
+                else ", from the stored shards"),
             "evaluate": {"vllm": f"vLLM over {eng} GPU(s)", "both": "drafter's evaluator and "
                          f"vLLM over {eng} GPU(s)", "drafter": "drafter's evaluator "
                          "(transformers)"}[cfg.evaluate.engine]}
@@ -352,7 +353,7 @@ def make_plan(cfg) -> dict:
                    "routed_expert_bytes": w["routed_bytes"], "gguf_bytes": gguf_bytes},
         "data": f["data"], "storage": st, "disk": dk, "drafter": f["drafter"],
         "gpus": {"count": gpus, "memory": gpu_mem, "memory_source": gpu_mem_src},
-        "gpu_memory": mem, "time": tm, "runs_in": where_steps_run(cfg),
+        "gpu_memory": mem, "time": tm, "runs_in": where_steps_run(cfg, f["drafter"]["draft_layer"]),
         "total_seconds": sum(t["total_seconds"] for t in tm if t["total_seconds"] is not None),
         "refused": refused, "warnings": warnings,
     }

@@ -147,6 +147,16 @@ class DrafterConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+def draft_layer_for(choice: str, target_config) -> str:
+    """train.draft_layer resolved for a target: auto is mla for MLA targets (a config with
+    kv_lora_rank: DeepSeek-V2/V3, Kimi-K2/K2.5), llama otherwise (docs/train.md says why)."""
+    if choice != "auto":
+        return choice
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") \
+        else target_config
+    return "mla" if getattr(tc, "kv_lora_rank", None) else "llama"
+
+
 # ------------------------------------------------------------------------------------- RoPE
 # What a Llama layer computes for each RoPE form, in the transformers Llama code the drafter trains
 # with and in the engines' (vLLM model_executor/layers/rotary_embedding: get_rope and
