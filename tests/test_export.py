@@ -50,8 +50,8 @@ def test_export_writes_both_engine_dirs(tiny_target, tmp_path):
                         "export.speculative_tokens=4")
     out = export.main(cfg)
     assert out["step"] == 20 and out["sim_tau"] == 1.6          # checkpoint: last
-    assert out["checks"] == {"native": {"pass": 26, "warn": 0, "fail": 0},
-                             "speculators": {"pass": 26, "warn": 0, "fail": 0}}
+    assert out["checks"] == {"native": {"pass": 26, "warn": 0, "fail": 0, "skip": 0},
+                             "speculators": {"pass": 26, "warn": 0, "fail": 0, "skip": 0}}
     assert out["aux_layer_ids"] == {"hs": [2, 4, 5], "layer_output": [1, 3, 4]}
     assert out["counts"]["native_bytes"] > 0 and out["counts"]["speculators_bytes"] > 0
     exp = run.step_dir("export")

@@ -12,6 +12,7 @@ shared by the module; vLLM runs in a subprocess, its compile cache in the test's
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -58,7 +59,8 @@ def base(tmp_path_factory, shared_data, smollm2_dir):
                                  "max_samples": 24}], "val_fraction": 0.2},
         "generate": {"enabled": False},
         "tokenize": {"max_length": 160, "workers": 1},
-        "vocab": {"draft_vocab_size": 2048},
+        # the whole vocab: a random target's argmax is a few tokens the data's counts miss
+        "vocab": {"draft_vocab_size": 49152},
         "extract": {"shard_tokens": 512, "batch_tokens": 512, "teacher": "topk", "topk": 16},
         "train": {"max_steps": 60, "batch_tokens": 1024, "max_length": 160, "ttt_steps": 3,
                   "lr": 3e-3, "log_every": 10, "eval_every": 0, "save_every": 100},
@@ -89,10 +91,9 @@ def test_auto_trains_an_mla_layer_exported_native_only(base):
     assert cfg["rope_scaling"]["mscale_all_dim"] == 1.0    # the target's YaRN, as trained
     r = run_checks(native, str(base["target"]))
     assert r.ok and r.status("mla") == "pass" and r.status("engine_support_vllm") == "pass"
-    losses = [m["loss"] for m in map(__import__("json").loads,
-                                     run.train_metrics().read_text().splitlines())
-              if "loss" in m]
-    assert losses[-1] < losses[0]
+    logs = [json.loads(x) for x in run.train_metrics().read_text().splitlines()]
+    losses = [m["loss"] for m in logs if m.get("split") == "train"]
+    assert logs[-1]["oov"] < 0.5 and losses[-1] < losses[0] - 0.1, losses
 
 
 class VllmMLADrafter:
