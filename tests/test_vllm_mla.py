@@ -92,8 +92,8 @@ def test_auto_trains_an_mla_layer_exported_native_only(base):
     r = run_checks(native, str(base["target"]))
     assert r.ok and r.status("mla") == "pass" and r.status("engine_support_vllm") == "pass"
     logs = [json.loads(x) for x in run.train_metrics().read_text().splitlines()]
-    losses = [m["loss"] for m in logs if m.get("split") == "train"]
-    assert logs[-1]["oov"] < 0.5 and losses[-1] < losses[0] - 0.1, losses
+    # the teacher of a random target is near uniform (its cross-entropy too), its argmax is not
+    assert logs[-1]["oov"] < 0.5 and logs[-1]["acc"][0] > 0.5, logs[-1]
 
 
 class VllmMLADrafter:
