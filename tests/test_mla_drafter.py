@@ -51,6 +51,39 @@ def test_kimi_drafter_has_full_heads_and_plain_rope_at_the_targets_theta():
     assert c.aux_layer_ids == [2, 30, 58]
 
 
+def test_auto_picks_an_mla_layer_for_kimi_with_its_latent_sizes_and_rope():
+    """train.draft_layer auto: the MLA layer for an MLA target, its sizes and DeepSeek's YaRN
+    the target's, its score scale DeepSeek's; at Kimi-K2.5's shape its attention holds 116M
+    parameters against the Llama layer's 411M (docs/train.md)."""
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    from drafter.train.memory import attention_values
+    from drafter.train.mla import softmax_scale
+    from drafter.train.model import draft_layer_for
+
+    tc = DeepseekV3Config(**{**KIMI, "rope_scaling": dict(KIMI["rope_scaling"])})
+    assert draft_layer_for("auto", tc) == "mla" and draft_layer_for("llama", tc) == "llama"
+    assert draft_layer_for("auto", LlamaConfig()) == "llama"
+    ids = E.default_layer_ids(61)
+    c = DrafterConfig.from_target(tc, 32000, ids, draft_layer="mla")
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
+            c.v_head_dim, c.rope_dim) == (1536, 512, 128, 64, 128, 64)
+    assert c.rope_scaling["rope_type"] == "yarn" and c.rope_scaling["mscale_all_dim"] == 1.0
+    assert math.isclose(softmax_scale(c), 192 ** -0.5 * (0.1 * math.log(64) + 1) ** 2)
+    over = DrafterConfig.from_target(tc, 32000, ids, draft_layer="mla", mla={"q_lora_rank": 768})
+    assert over.q_lora_rank == 768 and over.kv_lora_rank == 512
+    llama = DrafterConfig.from_target(tc, 32000, ids)
+    with torch.device("meta"):
+        attn = {k: sum(p.numel() for p in Drafter(x).midlayer.self_attn.parameters())
+                for k, x in (("mla", c), ("llama", llama))}
+    assert round(attn["mla"] / 1e6) == 116 and round(attn["llama"] / 1e6) == 411
+    # the plan's activations of the attention: latents and expanded heads, against 4 H
+    assert attention_values(c) == 1536 + 512 + 64 + 2 * 64 * 192 + 2 * 64 * 128
+    assert attention_values(llama) == 4 * 7168
+    with pytest.raises(ValueError, match="not an MLA target"):
+        DrafterConfig.from_target(LlamaConfig(), 100, [1, 2, 3], draft_layer="mla")
+
+
 def test_scalings_every_engine_computes_alike_are_kept():
     from transformers import LlamaConfig, Qwen3Config
 

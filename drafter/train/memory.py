@@ -59,8 +59,10 @@ def attention_values(dc) -> int:
 def train_gpu_bytes(cfg, dshape: dict, gpus: int, ht: int, n_aux: int = 3) -> dict:
     """One rank of train: fp32 weights + grads + AdamW moments of the trainable parameters
     (16 bytes each, sharded over ranks under FSDP); activations kept for backward over
-    ttt_steps: per token and step ~ (10 H + 3 I) bf16 values (norms, their inputs including the
-    step's gathered embeddings, attention q/k/v/o, MLP), the aux input 3 Ht bf16, and the
+    ttt_steps: per token and step ~ (6 H + A + 3 I) bf16 values (norms, their inputs including
+    the step's gathered embeddings, the attention's A = attention_values: q/k/v/o, 4 H for a
+    Llama layer, the latents and expanded heads for an MLA one; MLP), the aux input 3 Ht bf16,
+    and the
     batch's token embeddings [tokens, H] as the host ships them, at the table's dtype; one
     [tokens, Vd] fp32 teacher; online, the captured features of the micro-batches in flight
     (3 x train.online_group + 1: queued, being captured, in use), bf16 aux states and the
