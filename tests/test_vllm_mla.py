@@ -89,6 +89,9 @@ def test_auto_trains_an_mla_layer_exported_native_only(base):
     assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
     assert cfg["model_type"] == "deepseek_v2" and cfg["kv_lora_rank"] == 512
     assert cfg["rope_scaling"]["mscale_all_dim"] == 1.0    # the target's YaRN, as trained
+    from safetensors import safe_open
+    with safe_open(str(native / "model.safetensors"), "pt") as f:
+        assert "d2t" not in f.keys()   # draft vocab = target vocab: vLLM's MLA class refuses it
     r = run_checks(native, str(base["target"]))
     assert r.ok and r.status("mla") == "pass" and r.status("engine_support_vllm") == "pass"
     logs = [json.loads(x) for x in run.train_metrics().read_text().splitlines()]

@@ -300,6 +300,11 @@ def engine_state_dict(model: Drafter, fmt: str, dtype: torch.dtype, embed_tokens
         v = v.detach().cpu()
         if name == "embed_tokens.weight" and not embed_tokens:
             continue
+        if name == "d2t" and model.cfg.draft_layer == "mla" \
+                and model.cfg.draft_vocab_size == model.cfg.vocab_size:
+            # vLLM's MLA draft class has no draft_id_to_target_id when Vd == V and refuses a
+            # d2t then (deepseek_eagle3.py:308-314, 378-379); identity is what it means
+            continue
         if name == "fc_norm.weight":
             for i in range(v.shape[0]):
                 out[f"fc_norm.{i}.weight"] = v[i].to(dtype).contiguous()          # [Ht]

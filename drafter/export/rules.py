@@ -227,6 +227,10 @@ def c_d2t(x: Ctx) -> list[Check]:
             return [Check("d2t", FAIL, f"missing while the draft vocab ({Vd}) differs from the "
                           f"target's ({V}): vLLM maps draft id i to target id i")]
         return [Check("d2t", PASS, "absent; draft vocab = target vocab (identity)")]
+    if x.ed.mla and Vd is not None and Vd == V:
+        return [Check("d2t", FAIL, "shipped while the draft vocab is the target's: vLLM's MLA "
+                      "draft class then has no draft_id_to_target_id and refuses to load it "
+                      "(deepseek_eagle3.py); leave d2t out")]
     d2t = x.small()["d2t"]
     if d2t.is_floating_point() or d2t.dtype == torch.bool:
         return [Check("d2t", FAIL, f"dtype {d2t.dtype}: must be int64 offsets (SGLang adds "
