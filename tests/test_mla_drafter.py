@@ -498,3 +498,48 @@ def test_engines_that_ignore_mscale_score_a_copied_deepseek_block_differently(
     assert torch.allclose(old.cos_sin_cache[:n], a.rotary_emb.cos_sin_cache * scale, atol=1e-5)
     a.rotary_emb = old
     assert (vm.logits(ids, aux, pos)[:, sel] - ours).abs().max() > 0.1
+
+
+# ------------------------------------------------------------- the MLA draft layer's export dir
+def test_mla_layer_exports_native_only_and_its_rules_hold(tmp_path):
+    """An MLA drafter over a target's whole vocab: the native dir as vLLM's and SGLang's
+    Eagle3DeepseekV2ForCausalLM read it passes every check; without d2t (vLLM's MLA class has
+    no draft_id_to_target_id then and refuses one); a d2t added fails, a deepseek_v3
+    model_type fails (vLLM reads it as DeepSeek's MTP), a latent no MLA backend takes fails."""
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config
+
+    from drafter.export.enginedir import load_drafter_dir
+
+    tc = DeepseekV3Config(vocab_size=300, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=2,
+                          q_lora_rank=16, kv_lora_rank=512, qk_nope_head_dim=8,
+                          qk_rope_head_dim=64, v_head_dim=16, max_position_embeddings=1024,
+                          rope_theta=50000.0, rope_scaling=dict(DEEPSEEK_YARN))
+    (tmp_path / "t").mkdir()
+    tc.save_pretrained(tmp_path / "t")
+    target = str(tmp_path / "t" / "config.json")
+    torch.manual_seed(0)
+    m = Drafter(DrafterConfig.from_target(tc, 300, IDS, draft_layer="mla")).eval()
+    assert E.formats_for(m.cfg) == (E.NATIVE,)
+    d = tmp_path / "native"
+    d.mkdir()
+    E.write_dir(m, d, E.NATIVE, target=E.target_info(target), dtype=torch.float32, final_dir=d)
+    r = run_checks(d, target)
+    assert [c for c in r.checks if c.status not in (PASS, "skip")] == [], format_report(r)
+    assert r.status("mla") == PASS and "aux_ids.llama_cpp" not in {c.name for c in r.checks}
+    sd = load_file(str(d / "model.safetensors"))
+    assert "d2t" not in sd and "midlayer.self_attn.kv_b_proj.weight" in sd
+    back = load_drafter_dir(d, dtype=torch.float32)
+    ids, h, pos = torch.randint(0, 300, (1, 7)), torch.randn(1, 7, 32), torch.arange(7)[None] + 90
+    assert back.cfg == m.cfg and torch.equal(back(ids, h, pos)[1], m(ids, h, pos)[1])
+    save_file({**sd, "d2t": torch.zeros(300, dtype=torch.long)}, str(d / "model.safetensors"))
+    assert run_checks(d, target).status("d2t") == FAIL
+    save_file(sd, str(d / "model.safetensors"))
+    _edit(d, lambda b: b.update(model_type="deepseek_v3"))
+    r = run_checks(d, target)
+    assert r.status("format") == FAIL and "MTP" in format_report(r)
+    _edit(d, lambda b: b.update(model_type="deepseek_v2", kv_lora_rank=256))   # 320: GPU only
+    assert run_checks(d, target).status("mla") == WARN
+    _edit(d, lambda b: b.update(kv_lora_rank=100))
+    assert run_checks(d, target).status("mla") == FAIL
