@@ -57,10 +57,11 @@ class MLAAttention(nn.Module):
     dv] (RoPE applied); out(o [B, nh, T, dv]) -> [B, T, H]; nh = nkv (the expanded latent);
     k_dim, v_dim; `scale` the score scale."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, rms_norm, apply_rope):
+        """rms_norm, apply_rope: model.py's RMSNorm and apply_rope (handed in: this module does
+        not import model.py, which imports it)."""
         super().__init__()
-        from drafter.train.model import RMSNorm
-
+        RMSNorm, self.apply_rope = rms_norm, apply_rope
         H2 = 2 * cfg.hidden_size
         self.nh = self.nkv = cfg.num_attention_heads
         self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -80,8 +81,7 @@ class MLAAttention(nn.Module):
 
     def qkv(self, x, cos, sin):
         """x [B, T, 2H]; cos/sin [B, T, dr] -> q, k [B, nh, T, dqk], v [B, nh, T, dv]."""
-        from drafter.train.model import apply_rope
-
+        apply_rope = self.apply_rope
         B, T, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.qr else self.q_proj(x)
         q = q.view(B, T, self.nh, self.k_dim).transpose(1, 2)                  # [B, nh, T, dqk]

@@ -374,7 +374,8 @@ class DecoderLayer(nn.Module):
         H = cfg.hidden_size
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(cfg) if cfg.draft_layer == "mla" else Attention(cfg)
+        self.self_attn = MLAAttention(cfg, RMSNorm, apply_rope) if cfg.draft_layer == "mla" \
+            else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
