@@ -117,7 +117,10 @@ def vllm_acceptance(cfg, drafter_dir, k: int, sets: list[tuple], stop: list[int]
             else:
                 rounds[name] = [list(b) for b in given]
         longest = max([len(ids) for rs in rounds.values() for b in rs for _, ids in b] or [1])
-        max_len = longest + max_new + 1
+        # K more: vLLM caps a step's tokens at max_model_len, so a request within K tokens of
+        # it gets fewer drafts (a short step drafter's own evaluator never takes, and
+        # draft_tokens / K no longer counts the steps; seen at τ 3.6 on the CPU)
+        max_len = longest + max_new + k + 1
         if any(name not in plain for name in rounds):
             if llm is None:
                 llm = _llm(cfg, max_len, None)
