@@ -31,6 +31,8 @@ Shapes, TTT 7 steps, one sample per row unless --data or --real:
              v_head_dim for MLA targets), which is SpecForge's Kimi-K2.5 drafter shape
              (configs/kimi-k25-eagle3.json; its rope_theta 1e6 against our 50,000 costs the same).
              --online --target DIR trains it beside benchmarks/kimi_slice.py's target.
+    kimi-tiny  H = Ht = 64, 4 / 4 heads of 128, I 128, V = Vd = 49152, batch 2 × 512, TTT 3: the
+             drafter of benchmarks/kimi_slice.py --tiny (CPU: the draft layers compared)
     tiny     H = Ht = 64, 4 / 2 heads of 16, I 128, V 1024, Vd 512, batch 2 × 128, TTT 3
 
 One timed step is exactly drafter train's (drafter/train/trainer.py; batches from
@@ -130,18 +132,29 @@ SHAPES = {
     "kimi": dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64,
                  num_key_value_heads=64, head_dim=128, vocab_size=163840, draft_vocab_size=32000,
                  target_hidden_size=7168, rope_theta=50000.0, batch=1, seq=4096, ttt=7),
+    # the drafter drafter derives for benchmarks/kimi_slice.py --tiny (head_dim = v_head_dim),
+    # over its whole vocab: BENCHMARKS.md, "Draft layer: MLA against Llama"
+    "kimi-tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=4, head_dim=128, vocab_size=49152,
+                      draft_vocab_size=49152, target_hidden_size=64, rope_theta=50000.0,
+                      batch=2, seq=512, ttt=3),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=1024, draft_vocab_size=512,
                  target_hidden_size=64, batch=2, seq=128, ttt=3),
 }
-# --draft-layer mla: the MLA draft layer with its target's latent sizes (kimi: Kimi-K2.5's; tiny:
-# benchmarks/kimi_slice.py --tiny's) and DeepSeek's YaRN of that target
+# --draft-layer mla: the MLA draft layer with its target's latent sizes (kimi: Kimi-K2.5's;
+# kimi-tiny and tiny: benchmarks/kimi_slice.py --tiny's) and DeepSeek's YaRN of that target
 MLA_SIZES = {
     "kimi": dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                  v_head_dim=128, rope_scaling={"rope_type": "yarn", "factor": 64.0, "mscale": 1.0,
                                                "mscale_all_dim": 1.0, "beta_fast": 1.0,
                                                "beta_slow": 1.0,
                                                "original_max_position_embeddings": 4096}),
+    "kimi-tiny": dict(q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128,
+                      rope_scaling={"rope_type": "yarn", "factor": 16.0, "mscale": 1.0,
+                                    "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0,
+                                    "original_max_position_embeddings": 64}),
     "tiny": dict(q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                  v_head_dim=128, rope_scaling={"rope_type": "yarn", "factor": 16.0, "mscale": 1.0,
                                                "mscale_all_dim": 1.0, "beta_fast": 1.0,
@@ -760,7 +773,8 @@ def describe(r: dict) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", choices=["smollm2", "llama8b", "kimi", "both"], default="both",
+    p.add_argument("--shape", choices=["smollm2", "llama8b", "kimi", "kimi-tiny", "both"],
+                   default="both",
                    help="both: smollm2 and llama8b")
     p.add_argument("--tiny", action="store_true", help="the tiny shape (CPU check)")
     p.add_argument("--draft-layer", choices=["llama", "mla"], default="llama",

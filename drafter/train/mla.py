@@ -86,7 +86,7 @@ class MLAAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.qr else self.q_proj(x)
         q = q.view(B, T, self.nh, self.k_dim).transpose(1, 2)                  # [B, nh, T, dqk]
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kr, self.dr], dim=-1)  # [B, T, kr], [B, T, dr]
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kr, self.dr], dim=-1)  # [B,T,kr], [B,T,dr]
         kv = self.kv_b_proj(self.kv_a_layernorm(c))                            # [B, T, nh·(dn+dv)]
         kv = kv.view(B, T, self.nh, self.dn + self.dv).transpose(1, 2)        # [B, nh, T, dn+dv]
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)

@@ -463,8 +463,8 @@ class Drafter(nn.Module):
         """One drafter pass over T new tokens with an optional KV cache (inference path).
 
         input_ids [B, T]; h [B, T, H] (fused aux, or fed-back states); position_ids [B, T];
-        past_kv (k, v) each [B, nkv, P, hd] or None (mla: hd of k dqk, of v dv); attn_mask bool [B, 1, T, P+T] (True =
-        attend) or None for causal. Returns (h_out [B, T, H], logits [B, T, Vd], (k, v) with P+T).
+        past_kv (k, v) each [B, nkv, P, hd] or None (mla: hd of k dqk, of v dv); attn_mask bool
+        [B, 1, T, P+T] (True = attend) or None for causal. Returns (h_out [B, T, H], logits [B, T, Vd], (k, v) with P+T).
         """
         layer = self.midlayer
         emb = self.embed_tokens(input_ids).to(h.dtype)                  # [B, T, H]
