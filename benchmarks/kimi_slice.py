@@ -126,19 +126,21 @@ def sizes(c: dict) -> dict:
     return {"tensors": len(shapes), "params": n, "bytes_bf16": 2 * n}
 
 
-def draw(name: str, shape: tuple[int, ...], g: torch.Generator, device) -> torch.Tensor:
+def draw(name: str, shape: tuple[int, ...], g: torch.Generator, device,
+         std: float | None = None) -> torch.Tensor:
     """A tensor as the model's own init would set it: norms 1, routing biases 0, the rest
-    N(0, 0.02)."""
+    N(0, 0.02), or N(0, std)."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.bfloat16, device=device)
     if name.endswith("e_score_correction_bias"):
         return torch.zeros(shape, dtype=torch.float32, device=device)  # fp32 in the hub files
     t = torch.empty(shape, dtype=torch.bfloat16, device=device)
-    return t.normal_(0.0, KIMI["initializer_range"], generator=g)
+    return t.normal_(0.0, std or KIMI["initializer_range"], generator=g)
 
 
 def write(out: Path, c: dict, shard_bytes: int, device, seed: int = 0,
-          tokenizer: str = BUILTIN_TOKENIZER, live_vocab: int | None = None) -> dict:
+          tokenizer: str = BUILTIN_TOKENIZER, live_vocab: int | None = None,
+          std: float | None = None) -> dict:
     """The checkpoint in `out` (an existing or new folder): shards, then config.json, the
     tokenizer and, last, the index. lm_head rows from live_vocab on are zeros (None: the
     tokenizer's length; 0: none). -> {"shards", "params", "bytes", "seconds"}."""
@@ -169,7 +171,7 @@ def write(out: Path, c: dict, shard_bytes: int, device, seed: int = 0,
         fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
         shard = {}
         for n in names:
-            t = draw(n, shapes[n], g, device)
+            t = draw(n, shapes[n], g, device, std)
             if n == "lm_head.weight" and 0 < live < t.shape[0]:
                 t[live:] = 0  # ids the tokenizer cannot write never win the argmax
             shard[n] = t.cpu()
@@ -201,6 +203,10 @@ def main(argv=None) -> None:
                         "length; 0: every row random)")
     p.add_argument("--tokenizer", default=BUILTIN_TOKENIZER,
                    help="the tokenizer saved with the slice: a target spec or tokenizer folder")
+    p.add_argument("--std", type=float, default=None,
+                   help="N(0, std) for the matrices (default: the config's 0.02). At 0.02 a "
+                        "random target's next token is nearly one token whatever the context; "
+                        "larger, it depends on the context (a drafter has something to learn)")
     p.add_argument("--dry-run", action="store_true", help="print the sizes, write nothing")
     args = p.parse_args(argv)
     c = slice_config(args.layers, args.experts, args.experts_per_token, args.tiny)
@@ -216,7 +222,7 @@ def main(argv=None) -> None:
         p.error("give the folder to write (or --dry-run)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     r = write(args.out, c, int(args.shard_gb * 1e9), device, args.seed, args.tokenizer,
-              args.live_vocab)
+              args.live_vocab, args.std)
     print(f"wrote {args.out}: {r['shards']} shards, {r['bytes'] / 1e9:.1f} GB in "
           f"{r['seconds']:.0f}s", flush=True)
 

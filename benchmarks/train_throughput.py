@@ -8,6 +8,7 @@ EAGLE-3 model and step at the same shape, in the same process, on one H200:
     python benchmarks/train_throughput.py --shape llama8b --seq 2048 --teacher topk,hidden
     python benchmarks/train_throughput.py --shape llama8b --seq 4096 --teacher topk,hidden
     python benchmarks/train_throughput.py --shape kimi --teacher topk,hidden
+    python benchmarks/train_throughput.py --shape kimi --teacher topk --draft-layer mla
 
 It prints one line per run (tokens/s, ms a step, warm-up, the fast path's loss against the exact
 path's), SpecForge's line, then a markdown table: tokens/s, step ms, GFLOP/token, MFU, peak GiB,
@@ -30,6 +31,8 @@ Shapes, TTT 7 steps, one sample per row unless --data or --real:
              v_head_dim for MLA targets), which is SpecForge's Kimi-K2.5 drafter shape
              (configs/kimi-k25-eagle3.json; its rope_theta 1e6 against our 50,000 costs the same).
              --online --target DIR trains it beside benchmarks/kimi_slice.py's target.
+    kimi-tiny  H = Ht = 64, 4 / 4 heads of 128, I 128, V = Vd = 49152, batch 2 × 512, TTT 3: the
+             drafter of benchmarks/kimi_slice.py --tiny (CPU: the draft layers compared)
     tiny     H = Ht = 64, 4 / 2 heads of 16, I 128, V 1024, Vd 512, batch 2 × 128, TTT 3
 
 One timed step is exactly drafter train's (drafter/train/trainer.py; batches from
@@ -66,6 +69,9 @@ FLOPs per trained token, counted (multiply-add = 2 FLOPs; backward = 2 × forwar
       lm_head  H·Vd MACs for each position in the loss (r_i of a token)    -> 6·H·Vd·r_i
       attention  QKᵀ and PV over the κ causal keys of a token in its sample + i diagonal keys:
                2·nh·hd·(κ + i) MACs                                        -> 12·nh·hd·(κ + i)
+    --draft-layer mla (drafter/train/mla.py, latent sizes qr, kr, dn, dr, dv, dqk = dn + dr):
+      layer    L = 2H·(qr + kr + dr) + qr·nh·dqk + kr·nh·(dn + dv) + nh·dv·H + 3·H·I
+      attention  nh·(dqk + dv)·(κ + i) MACs                                -> 6·nh·(dqk+dv)·(κ+i)
     teacher (hidden only, not in MFU): Ht·Vd MACs forward                  -> 2·Ht·Vd
 One sample per row with every token in the loss: κ = (T+1)/2, r_i = 1; --real measures the mean
 κ and Σ r_i of its batches. MFU = model FLOPs per token × tokens/s / peak, against the H200's
@@ -126,9 +132,34 @@ SHAPES = {
     "kimi": dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64,
                  num_key_value_heads=64, head_dim=128, vocab_size=163840, draft_vocab_size=32000,
                  target_hidden_size=7168, rope_theta=50000.0, batch=1, seq=4096, ttt=7),
+    # the drafter drafter derives for benchmarks/kimi_slice.py --tiny (head_dim = v_head_dim),
+    # over its whole vocab: BENCHMARKS.md, "Draft layer: MLA against Llama"
+    "kimi-tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=4, head_dim=128, vocab_size=49152,
+                      draft_vocab_size=49152, target_hidden_size=64, rope_theta=50000.0,
+                      batch=2, seq=512, ttt=3),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=1024, draft_vocab_size=512,
                  target_hidden_size=64, batch=2, seq=128, ttt=3),
+}
+# --draft-layer mla: the MLA draft layer with its target's latent sizes (kimi: Kimi-K2.5's;
+# kimi-tiny and tiny: benchmarks/kimi_slice.py --tiny's) and DeepSeek's YaRN of that target
+MLA_SIZES = {
+    "kimi": dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                 v_head_dim=128, rope_scaling={"rope_type": "yarn", "factor": 64.0, "mscale": 1.0,
+                                               "mscale_all_dim": 1.0, "beta_fast": 1.0,
+                                               "beta_slow": 1.0,
+                                               "original_max_position_embeddings": 4096}),
+    "kimi-tiny": dict(q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128,
+                      rope_scaling={"rope_type": "yarn", "factor": 16.0, "mscale": 1.0,
+                                    "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0,
+                                    "original_max_position_embeddings": 64}),
+    "tiny": dict(q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                 v_head_dim=128, rope_scaling={"rope_type": "yarn", "factor": 16.0, "mscale": 1.0,
+                                               "mscale_all_dim": 1.0, "beta_fast": 1.0,
+                                               "beta_slow": 1.0,
+                                               "original_max_position_embeddings": 64}),
 }
 # SpecForge, the widely used open-source trainer, recorded on an H200: (shape, seq) -> tokens/s,
 # GiB;
@@ -146,9 +177,17 @@ def flops_per_token(c: DrafterConfig, T: int, K: int, teacher: str, keys: float 
     keys = (T + 1) / 2 if keys is None else keys
     head_rows = K if head_rows is None else head_rows
     layer = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * c.intermediate_size
+    per_key = 2 * nh * hd                                     # QKᵀ and PV MACs for one key
+    if c.draft_layer == "mla":
+        qr, kr = c.q_lora_rank or 0, c.kv_lora_rank
+        dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        q = 2 * H * qr + qr * nh * (dn + dr) if qr else 2 * H * nh * (dn + dr)
+        layer = (q + 2 * H * (kr + dr) + kr * nh * (dn + dv) + nh * dv * H
+                 + 3 * H * c.intermediate_size)
+        per_key = nh * (dn + dr + dv)
     model = 12 * Ht * H * len(c.aux_layer_ids) / 3 + 6 * H * c.draft_vocab_size * head_rows
     for i in range(K):
-        model += 6 * layer + 12 * nh * hd * (keys + i)
+        model += 6 * layer + 6 * per_key * (keys + i)
     return model, (2 * Ht * c.draft_vocab_size if teacher == "hidden" else 0.0)
 
 
@@ -163,6 +202,10 @@ def shape_config(name: str, args, layer_ids: list[int] | None = None):
     B, T, K = args.batch or shape.pop("batch"), args.seq or shape.pop("seq"), shape.pop("ttt")
     shape.pop("batch", None), shape.pop("seq", None)
     K = args.ttt or K
+    if getattr(args, "draft_layer", "llama") == "mla":  # the target's latent sizes (MLA_SIZES)
+        m = MLA_SIZES[name]
+        shape.update(draft_layer="mla", **m, num_key_value_heads=shape["num_attention_heads"],
+                     head_dim=m["qk_nope_head_dim"] + m["qk_rope_head_dim"])
     c = DrafterConfig(aux_layer_ids=layer_ids or [2, 16, 29],
                       max_position_embeddings=max(8192, T + K), **shape)
     return c, B, T, K
@@ -731,9 +774,12 @@ def describe(r: dict) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", choices=["smollm2", "llama8b", "kimi", "both"], default="both",
+    p.add_argument("--shape", choices=["smollm2", "llama8b", "kimi", "kimi-tiny", "both"],
+                   default="both",
                    help="both: smollm2 and llama8b")
     p.add_argument("--tiny", action="store_true", help="the tiny shape (CPU check)")
+    p.add_argument("--draft-layer", choices=["llama", "mla"], default="llama",
+                   help="the draft layer's attention (kimi and tiny shapes; train.draft_layer)")
     p.add_argument("--seq", type=int, help="tokens per row (default: the shape's)")
     p.add_argument("--batch", type=int, help="rows per micro-batch (default: the shape's)")
     p.add_argument("--ttt", type=int, help="TTT steps (default: the shape's)")

@@ -296,14 +296,20 @@ def test_rejection_sampling_preserves_the_target_distribution(spec):
     assert chi2(0.97 * P + 0.03 / V) > 100            # the test has the power to see 3%
 
 
-def test_eagle_draft_static_cache_matches_drafter_forward():
+@pytest.mark.parametrize("layer", ["llama", "mla"])
+def test_eagle_draft_static_cache_matches_drafter_forward(layer):
     """EagleDraft's static-cache forward gives Drafter.forward's states: a causal prefix, then a
-    tree step over a cache with an explicit mask."""
-    from transformers import LlamaConfig
+    tree step over a cache with an explicit mask. The MLA layer's keys and values differ in
+    width (dqk 12, dv 6) and its score scale is DeepSeek's."""
+    from transformers import DeepseekV3Config, LlamaConfig
 
-    tc = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    dr = _tiny_drafter(tc, Vd=100)
+    size = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    tc = LlamaConfig(**size) if layer == "llama" else DeepseekV3Config(
+        **size, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=6, rope_scaling={"type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                    "mscale_all_dim": 1.0, "original_max_position_embeddings": 4})
+    dr = _tiny_drafter(tc, Vd=100, draft_layer=layer)
     P = EagleDraft(dr)
     P.allocate(2, 32, "cpu", torch.float32)
     torch.manual_seed(1)

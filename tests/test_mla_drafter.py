@@ -51,6 +51,39 @@ def test_kimi_drafter_has_full_heads_and_plain_rope_at_the_targets_theta():
     assert c.aux_layer_ids == [2, 30, 58]
 
 
+def test_auto_picks_an_mla_layer_for_kimi_with_its_latent_sizes_and_rope():
+    """train.draft_layer auto: the MLA layer for an MLA target, its sizes and DeepSeek's YaRN
+    the target's, its score scale DeepSeek's; at Kimi-K2.5's shape its attention holds 116M
+    parameters against the Llama layer's 411M (docs/train.md)."""
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    from drafter.train.memory import attention_values
+    from drafter.train.mla import softmax_scale
+    from drafter.train.model import draft_layer_for
+
+    tc = DeepseekV3Config(**{**KIMI, "rope_scaling": dict(KIMI["rope_scaling"])})
+    assert draft_layer_for("auto", tc) == "mla" and draft_layer_for("llama", tc) == "llama"
+    assert draft_layer_for("auto", LlamaConfig()) == "llama"
+    ids = E.default_layer_ids(61)
+    c = DrafterConfig.from_target(tc, 32000, ids, draft_layer="mla")
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
+            c.v_head_dim, c.rope_dim) == (1536, 512, 128, 64, 128, 64)
+    assert c.rope_scaling["rope_type"] == "yarn" and c.rope_scaling["mscale_all_dim"] == 1.0
+    assert math.isclose(softmax_scale(c), 192 ** -0.5 * (0.1 * math.log(64) + 1) ** 2)
+    over = DrafterConfig.from_target(tc, 32000, ids, draft_layer="mla", mla={"q_lora_rank": 768})
+    assert over.q_lora_rank == 768 and over.kv_lora_rank == 512
+    llama = DrafterConfig.from_target(tc, 32000, ids)
+    with torch.device("meta"):
+        attn = {k: sum(p.numel() for p in Drafter(x).midlayer.self_attn.parameters())
+                for k, x in (("mla", c), ("llama", llama))}
+    assert round(attn["mla"] / 1e6) == 116 and round(attn["llama"] / 1e6) == 411
+    # the plan's activations of the attention: latents and expanded heads, against 4 H
+    assert attention_values(c) == 1536 + 512 + 64 + 2 * 64 * 192 + 2 * 64 * 128
+    assert attention_values(llama) == 4 * 7168
+    with pytest.raises(ValueError, match="not an MLA target"):
+        DrafterConfig.from_target(LlamaConfig(), 100, [1, 2, 3], draft_layer="mla")
+
+
 def test_scalings_every_engine_computes_alike_are_kept():
     from transformers import LlamaConfig, Qwen3Config
 
@@ -473,3 +506,48 @@ def test_engines_that_ignore_mscale_score_a_copied_deepseek_block_differently(
     assert torch.allclose(old.cos_sin_cache[:n], a.rotary_emb.cos_sin_cache * scale, atol=1e-5)
     a.rotary_emb = old
     assert (vm.logits(ids, aux, pos)[:, sel] - ours).abs().max() > 0.1
+
+
+# ------------------------------------------------------------- the MLA draft layer's export dir
+def test_mla_layer_exports_native_only_and_its_rules_hold(tmp_path):
+    """An MLA drafter over a target's whole vocab: the native dir as vLLM's and SGLang's
+    Eagle3DeepseekV2ForCausalLM read it passes every check; without d2t (vLLM's MLA class has
+    no draft_id_to_target_id then and refuses one); a d2t added fails, a deepseek_v3
+    model_type fails (vLLM reads it as DeepSeek's MTP), a latent no MLA backend takes fails."""
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config
+
+    from drafter.export.enginedir import load_drafter_dir
+
+    tc = DeepseekV3Config(vocab_size=300, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=2,
+                          q_lora_rank=16, kv_lora_rank=512, qk_nope_head_dim=8,
+                          qk_rope_head_dim=64, v_head_dim=16, max_position_embeddings=1024,
+                          rope_theta=50000.0, rope_scaling=dict(DEEPSEEK_YARN))
+    (tmp_path / "t").mkdir()
+    tc.save_pretrained(tmp_path / "t")
+    target = str(tmp_path / "t" / "config.json")
+    torch.manual_seed(0)
+    m = Drafter(DrafterConfig.from_target(tc, 300, IDS, draft_layer="mla")).eval()
+    assert E.formats_for(m.cfg) == (E.NATIVE,)
+    d = tmp_path / "native"
+    d.mkdir()
+    E.write_dir(m, d, E.NATIVE, target=E.target_info(target), dtype=torch.float32, final_dir=d)
+    r = run_checks(d, target)
+    assert [c for c in r.checks if c.status not in (PASS, "skip")] == [], format_report(r)
+    assert r.status("mla") == PASS and "aux_ids.llama_cpp" not in {c.name for c in r.checks}
+    sd = load_file(str(d / "model.safetensors"))
+    assert "d2t" not in sd and "midlayer.self_attn.kv_b_proj.weight" in sd
+    back = load_drafter_dir(d, dtype=torch.float32)
+    ids, h, pos = torch.randint(0, 300, (1, 7)), torch.randn(1, 7, 32), torch.arange(7)[None] + 90
+    assert back.cfg == m.cfg and torch.equal(back(ids, h, pos)[1], m(ids, h, pos)[1])
+    save_file({**sd, "d2t": torch.zeros(300, dtype=torch.long)}, str(d / "model.safetensors"))
+    assert run_checks(d, target).status("d2t") == FAIL
+    save_file(sd, str(d / "model.safetensors"))
+    _edit(d, lambda b: b.update(model_type="deepseek_v3"))
+    r = run_checks(d, target)
+    assert r.status("format") == FAIL and "MTP" in format_report(r)
+    _edit(d, lambda b: b.update(model_type="deepseek_v2", kv_lora_rank=256))   # 320: GPU only
+    assert run_checks(d, target).status("mla") == WARN
+    _edit(d, lambda b: b.update(kv_lora_rank=100))
+    assert run_checks(d, target).status("mla") == FAIL

@@ -32,6 +32,16 @@ def tiny_config(**kw) -> DrafterConfig:
     return DrafterConfig(**{**base, **kw})
 
 
+# An MLA draft layer (drafter/train/mla.py) whose widths all differ (dqk 12, dv 6, dr 4), with
+# DeepSeek's YaRN: its score scale is not dqk^-1/2, and positions pass the original context (16).
+MLA = dict(draft_layer="mla", q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+           qk_rope_head_dim=4, v_head_dim=6, head_dim=12,
+           rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                         "beta_slow": 1.0})
+LAYERS = {"llama": {}, "mla": MLA}
+
+
 def make_drafter(seed=0, **kw) -> Drafter:
     torch.manual_seed(seed)
     d = Drafter(tiny_config(**kw))
@@ -84,10 +94,10 @@ def emulated_flex(seq_id):
     The output is laid out in memory as q is, as FlexAttention's is."""
     mask = dense_mask(seq_id)                                            # [B, 1, T, T]
 
-    def part0(q, k, v):
+    def part0(q, k, v, scale=None):
         g = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        s = (q @ k.transpose(-1, -2)) * (scale or 1 / math.sqrt(q.shape[-1]))
         s = s.masked_fill(~mask, float("-inf"))
         return torch.empty_like(q).copy_(s.softmax(-1) @ v), s.logsumexp(-1)
     return part0
@@ -150,14 +160,15 @@ def test_from_target_shapes_the_drafter_like_the_target():
 
 
 # --------------------------------------------------------------- TTT against step-by-step drafting
-@pytest.mark.parametrize("norm_output", [False, True])
-def test_ttt_equals_drafting_step_by_step(packed, head, norm_output):
+@pytest.mark.parametrize("norm_output, layer", [(False, "llama"), (True, "llama"),
+                                                 (False, "mla")])
+def test_ttt_equals_drafting_step_by_step(packed, head, norm_output, layer):
     """Every (step i, position t) of the TTT unroll equals the drafter drafting i tokens after
     position t with its KV cache: prefill the sample up to t, then feed back its own output with
     the true next tokens, one token at a time (the naive reference; nothing shared with the
     unroll but the layer)."""
     torch.manual_seed(0)
-    d = make_drafter(norm_output=norm_output)
+    d = make_drafter(norm_output=norm_output, **LAYERS[layer])
     K, T = 4, 24
     b = batch_of(packed, T, K=K, head=head)
     ttt = TTT(d, attention="sdpa")
@@ -196,8 +207,9 @@ def test_ttt_equals_drafting_step_by_step(packed, head, norm_output):
 
 
 # ---------------------------------------------------------------- exact path == fast path
-@pytest.mark.parametrize("teacher", ["hidden", "topk"])
-def test_sdpa_and_fast_path_same_loss_and_grads(head, teacher):
+@pytest.mark.parametrize("teacher, layer", [("hidden", "llama"), ("topk", "llama"),
+                                            ("hidden", "mla")])
+def test_sdpa_and_fast_path_same_loss_and_grads(head, teacher, layer):
     """The exact path (all keys, dense mask, materialised logits) and the fast path (step-0
     attention by the flex part + diagonal merged by log-sum-exp, fused chunked loss, top-k teacher
     never densified) give the same loss, per-row metrics and gradients."""
@@ -209,7 +221,7 @@ def test_sdpa_and_fast_path_same_loss_and_grads(head, teacher):
         VD)}
     res = {}
     for path in ("sdpa", "flex"):
-        d = make_drafter(fc_norm=True)
+        d = make_drafter(fc_norm=True, **LAYERS[layer])
         ttt = TTT(d, attention=path, loss_chunk=7)  # several chunks, a ragged last one
         bt = dict(b, teacher=dense if path == "sdpa" else b["teacher"])
         out = run_ttt(ttt, d, bt, part0=emulated_flex(b["seq_id"]) if path == "flex" else None)
@@ -220,17 +232,18 @@ def test_sdpa_and_fast_path_same_loss_and_grads(head, teacher):
     for key in ("ce", "accept"):
         assert torch.allclose(a[key], f[key], atol=1e-4), key
     assert torch.equal(a["correct"], f["correct"])
-    assert ga.keys() == gf.keys() and len(ga) == 14
+    assert ga.keys() == gf.keys() and len(ga) == (14 if layer == "llama" else 17)
     for n in ga:
         assert torch.allclose(ga[n], gf[n], rtol=1e-4, atol=1e-6 * ga[n].abs().max()), n
 
 
-def test_flex_forward_on_cpu_matches_emulation(packed, head):
+@pytest.mark.parametrize("layer", ["llama", "mla"])
+def test_flex_forward_on_cpu_matches_emulation(packed, head, layer):
     """The real FlexAttention forward (uncompiled, CPU: forward only) with the block mask built
     from doc_causal gives what the emulation used for gradients gives."""
     T = 24
     b = batch_of(packed, T, K=3, head=head)
-    d = make_drafter()
+    d = make_drafter(**LAYERS[layer])
     ttt = TTT(d, attention="flex")
     with torch.no_grad():
         real = run_ttt(ttt, d, b, part0=flex_part0(b["seq_id"], compiled=False))
@@ -555,8 +568,9 @@ def test_compiled_flex_keeps_one_graph_across_packings(monkeypatch):
 
 
 # -------------------------------------------------------------------------------- save/load
-def test_save_load_round_trip(tmp_path):
-    d = make_drafter(fc_norm=True, norm_output=True)
+@pytest.mark.parametrize("layer", ["llama", "mla"])
+def test_save_load_round_trip(tmp_path, layer):
+    d = make_drafter(fc_norm=True, norm_output=True, **LAYERS[layer])
     d.set_vocab(torch.arange(VD) * 0 + 3, torch.zeros(V, dtype=torch.bool))
     save_drafter(d, tmp_path)
     e = load_drafter(tmp_path)

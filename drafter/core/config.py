@@ -248,6 +248,12 @@ class TrainConfig:
                                      "false)")
     fc_norm: bool = doc(False, "EAGLE-3.1: RMSNorm each aux state before fc")
     norm_output: bool = doc(False, "EAGLE-3.1: feed back the post-norm state in TTT")
+    draft_layer: Literal["auto", "llama", "mla"] = doc(
+        "auto", "the draft layer's attention: llama, or mla (DeepSeek's latent attention, "
+        "served by vLLM and SGLang, not llama.cpp); auto: mla for MLA targets (docs/train.md)")
+    mla: dict[str, Any] = doc(
+        {}, "mla draft layer sizes over the target's: q_lora_rank, kv_lora_rank, "
+        "qk_nope_head_dim, qk_rope_head_dim, v_head_dim")
     attention: Literal["auto", "sdpa", "flex"] = doc(
         "auto", "TTT attention: sdpa (exact, CPU/GPU) or flex (fast GPU); auto picks")
     compile: bool = doc(True, "torch.compile the fast path's layer and loss pieces (GPU only)")

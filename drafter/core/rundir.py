@@ -82,6 +82,10 @@ NEUTRAL: dict[str, object] = {
     "train.loss_chunk": 0,
     "extract.precompile": True,
     "extract.max_disk_gib": None,
+    # auto gives the Llama layer that runs had, except for MLA targets: set train.draft_layer
+    # to mla to retrain those (docs/train.md)
+    "train.draft_layer": "auto",
+    "train.mla": {},
 }
 
 # Fields removed after runs existed (config.REMOVED), with the value they held (what drafter now

@@ -439,8 +439,9 @@ class EagleDraft:
     def allocate(self, max_batch, max_slots, device, dtype):
         self.dr.to(device=device, dtype=dtype)
         a = self.dr.midlayer.self_attn
-        self.kc = torch.zeros(max_batch, a.nkv, max_slots, a.hd, device=device, dtype=dtype)
-        self.vc = torch.zeros_like(self.kc)
+        # keys and values of their own widths (mla: dqk and dv)
+        self.kc = torch.zeros(max_batch, a.nkv, max_slots, a.k_dim, device=device, dtype=dtype)
+        self.vc = torch.zeros(max_batch, a.nkv, max_slots, a.v_dim, device=device, dtype=dtype)
         self.root_h = torch.zeros(max_batch, self.dr.cfg.hidden_size, device=device, dtype=dtype)
         # draft id -> target id as one lookup (a step maps ids up to depth + 1 times)
         self.t_ids = self.dr.to_target_ids(torch.arange(self.vocab_size, device=device))
@@ -461,10 +462,10 @@ class EagleDraft:
         q, k, v = a.qkv(x, cos, sin)                           # [B, nh|nkv, T, hd]
         B, T, S = vis.shape
         if self.rows is None:
-            idx = slots[:, None, :, None].expand(B, a.nkv, T, a.hd)
+            idx = slots[:, None, :, None].expand(B, a.nkv, T, 1)
             kc, vc = self.kc[:B], self.vc[:B]
-            kc.scatter_(2, idx, k)
-            vc.scatter_(2, idx, v)
+            kc.scatter_(2, idx.expand(B, a.nkv, T, a.k_dim), k)
+            vc.scatter_(2, idx.expand(B, a.nkv, T, a.v_dim), v)
         else:  # a refill: these cache rows only, read up to the span
             r = self.rows[:, None]
             self.kc[r, :, slots] = k.transpose(1, 2)                               # [B, T, nkv, hd]
@@ -472,11 +473,12 @@ class EagleDraft:
             kc = self.kc[:, :, :S].index_select(0, self.rows)
             vc = self.vc[:, :, :S].index_select(0, self.rows)
         g = a.nh // a.nkv
-        kk = kc[:, :, :S, None].expand(B, a.nkv, S, g, a.hd).transpose(2, 3) \
-            .reshape(B, a.nh, S, a.hd)                                              # [B, nh, S, hd]
-        vv = vc[:, :, :S, None].expand(B, a.nkv, S, g, a.hd).transpose(2, 3) \
-            .reshape(B, a.nh, S, a.hd)
-        o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=_additive(vis, q.dtype))
+        kk = kc[:, :, :S, None].expand(B, a.nkv, S, g, a.k_dim).transpose(2, 3) \
+            .reshape(B, a.nh, S, a.k_dim)                                           # [B, nh, S, hd]
+        vv = vc[:, :, :S, None].expand(B, a.nkv, S, g, a.v_dim).transpose(2, 3) \
+            .reshape(B, a.nh, S, a.v_dim)
+        o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=_additive(vis, q.dtype),
+                                           scale=a.scale)
         return layer.post_attention(a.out(o), residual)                             # [B, T, H]
 
     def observe(self, ids, aux, pos, slots, vis, last):

@@ -23,6 +23,8 @@ from drafter.export.engines import (
     EAGLE_KEYS,
     FLAG_DEFAULTS,
     META_FILE,
+    MLA_ARCHS,
+    MLA_SIZES,
     NATIVE,
     NATIVE_ARCHS,
     SPECULATORS,
@@ -48,6 +50,12 @@ class EngineDir:
     tensors: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     weight_files: list[Path] = field(default_factory=list)
     meta: dict | None = None          # drafter.json, when present
+
+    @property
+    def mla(self) -> bool:
+        """An MLA draft layer (Eagle3DeepseekV2ForCausalLM, or MLA sizes in the config)."""
+        arch = (self.config.get("architectures") or [None])[0]
+        return arch in MLA_ARCHS or bool(self.flat.get("kv_lora_rank"))
 
     @property
     def pickled(self) -> bool:
@@ -92,7 +100,7 @@ def detect_format(config: dict) -> str | None:
     if arch in SPECULATORS_ARCHS or "speculators_config" in config \
             or "transformer_layer_config" in config:
         return SPECULATORS
-    if arch in NATIVE_ARCHS:
+    if arch in NATIVE_ARCHS or arch in MLA_ARCHS:
         return NATIVE
     return None
 
@@ -121,7 +129,8 @@ def read_dir(path) -> EngineDir:
     fmt = detect_format(config)
     if fmt is None:
         raise EngineDirError(f"{cfg_path}: architectures {config.get('architectures')} is not an "
-                             f"EAGLE-3 draft ({', '.join(NATIVE_ARCHS + SPECULATORS_ARCHS)})")
+                             "EAGLE-3 draft ("
+                             f"{', '.join(NATIVE_ARCHS + MLA_ARCHS + SPECULATORS_ARCHS)})")
     flat = dict(config)
     if fmt == SPECULATORS:
         # What vLLM's update_eagle3 builds: the layer config, then the eagle fields on top
@@ -188,7 +197,13 @@ def drafter_config_from_dir(ed: EngineDir, num_target_layers: int | None = None)
                              "that the default [2, N//2, N-3] can be computed")
     nbr = f.get("norm_before_residual", FLAG_DEFAULTS.get((ed.fmt, "norm_before_residual")))
     vocab = int(f["vocab_size"])
-    return DrafterConfig(
+    mla = {}
+    if ed.mla:  # DeepSeek's latent attention (drafter/train/mla.py); a q/k head of dn + dr
+        mla = {"draft_layer": "mla", **{k: f.get(k) for k in MLA_SIZES}}
+        mla["head_dim"] = int(f["qk_nope_head_dim"]) + int(f["qk_rope_head_dim"])
+        if scaling:  # what the engines' MLA attention computes: DeepSeek's YaRN
+            scaling = {**scaling, "rope_type": "yarn"}
+    return DrafterConfig(**{**dict(
         hidden_size=H, intermediate_size=int(f["intermediate_size"]), num_attention_heads=nh,
         num_key_value_heads=int(f.get("num_key_value_heads") or nh),
         head_dim=int(f.get("head_dim") or H // nh), vocab_size=vocab,
@@ -198,7 +213,7 @@ def drafter_config_from_dir(ed: EngineDir, num_target_layers: int | None = None)
         rope_theta=theta if theta is not None else 10000.0, rope_scaling=scaling,
         max_position_embeddings=int(f.get("max_position_embeddings") or 2048),
         norm_before_residual=bool(nbr), fc_norm=bool(f.get("fc_norm", False)),
-        norm_output=_feedback_post_norm(ed), norm_before_fc=False)
+        norm_output=_feedback_post_norm(ed), norm_before_fc=False), **mla})
 
 
 def _feedback_post_norm(ed: EngineDir) -> bool:
@@ -209,6 +224,8 @@ def _feedback_post_norm(ed: EngineDir) -> bool:
     f = ed.flat
     if "feedback_post_norm" in f:
         return bool(f["feedback_post_norm"])
+    if ed.mla:  # the engines' MLA draft classes read norm_output in this meaning
+        return bool(f.get("norm_output", False))
     return bool(f.get("norm_output", False)) if ed.meta is not None else False
 
 

@@ -63,6 +63,14 @@ from drafter.train.model import Drafter, DrafterConfig, llama_rope_scaling
 NATIVE, SPECULATORS = "native", "speculators"
 FORMATS = (NATIVE, SPECULATORS)
 NATIVE_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # SGLang/SpecForge, vLLM name
+# The MLA draft layer (draft_layer mla): vLLM registry.py:672-673 (deepseek_eagle3.py), SGLang
+# kimi_k25_eagle3.py's EntryClass. Native layout only: vLLM 0.32's speculators reader maps
+# model_type llama and qwen3 only (transformers_utils/configs/speculators/algos.py:39-45).
+MLA_ARCHS = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
+# model_type of an MLA draft: deepseek_v2. vLLM's SpeculativeConfig.hf_config_override rewrites a
+# draft of model_type deepseek_v3 into DeepSeek's MTP module (config/speculative.py:679-694).
+MLA_MODEL_TYPE = "deepseek_v2"
+MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 SPECULATORS_ARCHS = ("Eagle3Speculator", "Eagle3DraftModel")
 PREFIX = {NATIVE: "midlayer.", SPECULATORS: "layers.0."}
 CONFIG_FILE, WEIGHTS_FILE, README_FILE, META_FILE = \
@@ -145,8 +153,10 @@ def engine_layer_ids(fmt: str, config: dict) -> dict[str, tuple[list[int] | None
             out["vllm"] = (None, "default")
         out["sglang"] = ((to_hs(nested, "sglang"), "eagle_config.eagle_aux_hidden_state_layer_ids"
                           " + 1") if nested else (None, "default"))
-    # conversion/llama.py recomputes [2, N//2, N-3] from --target-model-dir's config.json.
-    out["llama_cpp"] = (None, "recomputed from the target's layer count")
+    # conversion/llama.py recomputes [2, N//2, N-3] from --target-model-dir's config.json. It
+    # converts Llama draft layers only: an MLA draft has no llama.cpp reading.
+    if (config.get("architectures") or [None])[0] not in MLA_ARCHS:
+        out["llama_cpp"] = (None, "recomputed from the target's layer count")
     return out
 
 
@@ -233,16 +243,37 @@ LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
                  "post_attention_layernorm.weight")
 
 
+def formats_for(c: DrafterConfig) -> tuple[str, ...]:
+    """The layouts a drafter is exported in: both for a Llama layer, native for an MLA one."""
+    return (NATIVE,) if c.draft_layer == "mla" else FORMATS
+
+
+def mla_attention_shapes(H: int, nh: int, mla: dict) -> dict[str, tuple[int, ...]]:
+    """The MLA attention's tensors (vLLM deepseek_v2.py DeepseekV2MLAAttention, input 2H)."""
+    qr, kr = mla.get("q_lora_rank"), int(mla["kv_lora_rank"])
+    dn, dr, dv = (int(mla[k]) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    q = ({"self_attn.q_a_proj.weight": (int(qr), 2 * H), "self_attn.q_a_layernorm.weight":
+          (int(qr),), "self_attn.q_b_proj.weight": (nh * (dn + dr), int(qr))} if qr else
+         {"self_attn.q_proj.weight": (nh * (dn + dr), 2 * H)})
+    return {**q, "self_attn.kv_a_proj_with_mqa.weight": (kr + dr, 2 * H),
+            "self_attn.kv_a_layernorm.weight": (kr,),
+            "self_attn.kv_b_proj.weight": (nh * (dn + dv), kr),
+            "self_attn.o_proj.weight": (H, nh * dv)}
+
+
 def expected_tensors(fmt: str, *, H: int, I: int, nh: int, nkv: int, hd: int, V: int, Vd: int,
                      Ht: int, n_aux: int = 3, fc_norm: bool = False, norm_before_fc: bool = False,
-                     ) -> dict[str, tuple[tuple[int, ...], str]]:
+                     mla: dict | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, kind) with kind 'float', 'int' or 'bool' (ENGINES.md tensor table).
-    `embed_tokens.weight` [V, H] is included; it is optional when H == Ht."""
+    `embed_tokens.weight` [V, H] is included; it is optional when H == Ht. `mla`: the MLA
+    sizes (MLA_SIZES) of an MLA draft layer, whose attention tensors replace q/k/v/o_proj."""
     L = PREFIX[fmt]
     t: dict[str, tuple[tuple[int, ...], str]] = {"fc.weight": ((H, n_aux * Ht), "float")}
-    shapes = {"self_attn.q_proj.weight": (nh * hd, 2 * H),        # attention input is 2H
-              "self_attn.k_proj.weight": (nkv * hd, 2 * H),
-              "self_attn.v_proj.weight": (nkv * hd, 2 * H), "self_attn.o_proj.weight": (H, nh * hd),
+    attn = mla_attention_shapes(H, nh, mla) if mla else {
+        "self_attn.q_proj.weight": (nh * hd, 2 * H),               # attention input is 2H
+        "self_attn.k_proj.weight": (nkv * hd, 2 * H),
+        "self_attn.v_proj.weight": (nkv * hd, 2 * H), "self_attn.o_proj.weight": (H, nh * hd)}
+    shapes = {**attn,
               "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H),
               "mlp.down_proj.weight": (H, I), "input_layernorm.weight": (H,),
               "hidden_norm.weight": (H,), "post_attention_layernorm.weight": (H,)}
@@ -269,6 +300,11 @@ def engine_state_dict(model: Drafter, fmt: str, dtype: torch.dtype, embed_tokens
         v = v.detach().cpu()
         if name == "embed_tokens.weight" and not embed_tokens:
             continue
+        if name == "d2t" and model.cfg.draft_layer == "mla" \
+                and model.cfg.draft_vocab_size == model.cfg.vocab_size:
+            # vLLM's MLA draft class has no draft_id_to_target_id when Vd == V and refuses a
+            # d2t then (deepseek_eagle3.py:308-314, 378-379); identity is what it means
+            continue
         if name == "fc_norm.weight":
             for i in range(v.shape[0]):
                 out[f"fc_norm.{i}.weight"] = v[i].to(dtype).contiguous()          # [Ht]
@@ -286,7 +322,8 @@ def engine_state_dict(model: Drafter, fmt: str, dtype: torch.dtype, embed_tokens
     known = expected_tensors(fmt, H=c.hidden_size, I=c.intermediate_size,
                              nh=c.num_attention_heads, nkv=c.num_key_value_heads, hd=c.head_dim,
                              V=c.vocab_size, Vd=c.draft_vocab_size, Ht=c.target_hidden_size,
-                             n_aux=len(c.aux_layer_ids), fc_norm=c.fc_norm)
+                             n_aux=len(c.aux_layer_ids), fc_norm=c.fc_norm,
+                             mla=mla_sizes(c))
     unknown = sorted(set(out) - set(known))
     if unknown:  # a model change must not ship tensors that every engine ignores
         raise EngineDirError(f"drafter tensors with no engine name: {unknown}")
@@ -329,6 +366,34 @@ def llama_layer_config(c: DrafterConfig, dtype: torch.dtype, max_position_embedd
     }
 
 
+def mla_sizes(c: DrafterConfig) -> dict | None:
+    return {k: getattr(c, k) for k in MLA_SIZES} if c.draft_layer == "mla" else None
+
+
+def mla_layer_config(c: DrafterConfig, dtype: torch.dtype, max_position_embeddings: int) -> dict:
+    """The DeepseekV2 config of an MLA draft layer, as vLLM's deepseek_eagle3.py and SGLang's
+    kimi_k25_eagle3.py build it: the MLA sizes, the MLP size, and the RoPE as trained (the
+    target's DeepSeek YaRN included: both engines apply it as DeepSeek's, with its mscale in the
+    score scale: docs/export.md)."""
+    return {
+        "model_type": MLA_MODEL_TYPE,
+        "num_hidden_layers": 1,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_attention_heads,
+        **mla_sizes(c),
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        **_rope_keys(c),
+        "max_position_embeddings": int(max_position_embeddings),
+        "vocab_size": c.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "torch_dtype": _dtype_name(dtype),
+    }
+
+
 def _flags(c: DrafterConfig) -> dict:
     return {"norm_before_residual": bool(c.norm_before_residual),
             "norm_before_fc": bool(c.norm_before_fc), "fc_norm": bool(c.fc_norm),
@@ -336,12 +401,16 @@ def _flags(c: DrafterConfig) -> dict:
 
 
 def native_config(c: DrafterConfig, dtype: torch.dtype, max_position_embeddings: int) -> dict:
+    mla = c.draft_layer == "mla"
     return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        **llama_layer_config(c, dtype, max_position_embeddings),
+        "architectures": [MLA_ARCHS[0] if mla else "LlamaForCausalLMEagle3"],
+        **(mla_layer_config if mla else llama_layer_config)(c, dtype, max_position_embeddings),
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         **_flags(c),
+        # the MLA classes of both engines read EAGLE-3.1's post-norm feedback as norm_output
+        # (deepseek_eagle3.py:222, kimi_k25_eagle3.py): written when set, absent means false
+        **({"norm_output": True} if mla and c.norm_output else {}),
         # vLLM reads this key first, as HS[k]; SGLang never reads it.
         "eagle_aux_hidden_state_layer_ids": from_hs(c.aux_layer_ids, "vllm"),
         # SGLang reads only this one and adds 1 (model_runner: val + 1).
@@ -432,15 +501,24 @@ def readme(fmt: str, out_dir: Path, c: DrafterConfig, target: TargetInfo, k: int
             f"python -m sglang.launch_server --model {tgt}{tmpl_v} --speculative-algorithm EAGLE3 "
             f"--speculative-draft-model-path {d} --speculative-num-steps {k} "
             f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1} "
-            "--speculative-use-rejection-sampling", "```", "",
-            "llama.cpp (convert the drafter against the target's HF folder, then serve):", "",
-            "```bash",
-            *([f"huggingface-cli download {tgt} --local-dir {hf_dir}"] if not target.local_dir
-              else []),
-            f"python convert_hf_to_gguf.py {d} --target-model-dir {hf_dir} --outfile draft.gguf",
-            f"python convert_hf_to_gguf.py {hf_dir} --outfile target.gguf",
-            f"llama-server -m target.gguf -md draft.gguf --spec-type draft-eagle3{tmpl_l}",
-            "```", ""]
+            "--speculative-use-rejection-sampling", "```", ""]
+        if c.draft_layer == "mla":
+            lines += [
+                "This drafter's layer is MLA (Eagle3DeepseekV2ForCausalLM): vLLM (0.32 and "
+                "later) and SGLang (its Kimi MLA draft model) serve it; SGLang needs "
+                "q_lora_rank set. llama.cpp's converter knows only the Llama draft layer: "
+                "train with train.draft_layer=llama for llama.cpp.", ""]
+        else:
+            lines += [
+                "llama.cpp (convert the drafter against the target's HF folder, then serve):",
+                "", "```bash",
+                *([f"huggingface-cli download {tgt} --local-dir {hf_dir}"]
+                  if not target.local_dir else []),
+                f"python convert_hf_to_gguf.py {d} --target-model-dir {hf_dir} --outfile "
+                "draft.gguf",
+                f"python convert_hf_to_gguf.py {hf_dir} --outfile target.gguf",
+                f"llama-server -m target.gguf -md draft.gguf --spec-type draft-eagle3{tmpl_l}",
+                "```", ""]
     lines += [
         "## Aux layer ids",
         "",
@@ -455,7 +533,7 @@ def readme(fmt: str, out_dir: Path, c: DrafterConfig, target: TargetInfo, k: int
         "",
     ]
     notes = []
-    if hs != default_layer_ids(N):
+    if hs != default_layer_ids(N) and c.draft_layer != "mla":
         notes.append(f"These ids are not the default [2, N//2, N-3] = {default_layer_ids(N)}: "
                      "llama.cpp's converter recomputes the default from the target and will read "
                      "other layers than the drafter was trained on.")

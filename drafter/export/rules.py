@@ -14,7 +14,7 @@ import torch
 
 from drafter.export import engines as E
 from drafter.export.enginedir import EngineDir
-from drafter.train.model import rope_problem
+from drafter.train.model import mla_rope_problem, rope_problem
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
@@ -78,7 +78,8 @@ class Ctx:
                 nkv=int(f.get("num_key_value_heads") or nh), hd=int(f.get("head_dim") or H // nh),
                 V=int(f["vocab_size"]), Vd=int(f.get("draft_vocab_size") or f["vocab_size"]),
                 Ht=int(f.get("target_hidden_size") or H), n_aux=self.n_aux(),
-                fc_norm=bool(f.get("fc_norm")), norm_before_fc=bool(f.get("norm_before_fc")))
+                fc_norm=bool(f.get("fc_norm")), norm_before_fc=bool(f.get("norm_before_fc")),
+                mla={k: f.get(k) for k in E.MLA_SIZES} if self.ed.mla else None)
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -118,6 +119,16 @@ def c_format(x: Ctx) -> list[Check]:
             return [Check("format", FAIL, "speculators dir without transformer_layer_config")]
         return [Check("format", PASS, f"speculators layout ({arch}, layers.0.*)")]
     mt = x.ed.config.get("model_type")
+    if x.ed.mla:
+        if arch not in E.MLA_ARCHS:
+            return [Check("format", FAIL, f"MLA sizes under architectures {arch}: the engines' "
+                          f"MLA draft class is {E.MLA_ARCHS[0]}")]
+        if mt != E.MLA_MODEL_TYPE:
+            why = (": vLLM rewrites a deepseek_v3 draft into DeepSeek's MTP module "
+                   "(config/speculative.py hf_config_override)" if mt == "deepseek_v3" else "")
+            return [Check("format", FAIL, f"MLA draft with model_type {mt!r}{why} (write "
+                          f"model_type: {E.MLA_MODEL_TYPE})")]
+        return [Check("format", PASS, f"native layout, MLA layer ({arch}, midlayer.*)")]
     if mt is None:
         return [Check("format", FAIL, "no model_type: vLLM and SGLang cannot build the config "
                       "(write model_type: llama)")]
@@ -145,6 +156,8 @@ def c_weights_file(x: Ctx) -> list[Check]:
 def c_config_fields(x: Ctx) -> list[Check]:
     need = ["hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
             "draft_vocab_size", "rms_norm_eps"]
+    if x.ed.mla:  # q_lora_rank may be null (a plain q_proj): c_mla says who serves that
+        need += [k for k in E.MLA_SIZES if k != "q_lora_rank"]
     missing = [k for k in need if x.f.get(k) is None]
     if missing:
         why = (" (without draft_vocab_size llama.cpp does not see a draft and SGLang loads the "
@@ -214,6 +227,10 @@ def c_d2t(x: Ctx) -> list[Check]:
             return [Check("d2t", FAIL, f"missing while the draft vocab ({Vd}) differs from the "
                           f"target's ({V}): vLLM maps draft id i to target id i")]
         return [Check("d2t", PASS, "absent; draft vocab = target vocab (identity)")]
+    if x.ed.mla and Vd is not None and Vd == V:
+        return [Check("d2t", FAIL, "shipped while the draft vocab is the target's: vLLM's MLA "
+                      "draft class then has no draft_id_to_target_id and refuses to load it "
+                      "(deepseek_eagle3.py); leave d2t out")]
     d2t = x.small()["d2t"]
     if d2t.is_floating_point() or d2t.dtype == torch.bool:
         return [Check("d2t", FAIL, f"dtype {d2t.dtype}: must be int64 offsets (SGLang adds "
@@ -325,6 +342,25 @@ def c_rope(x: Ctx) -> list[Check]:
             return [Check("rope", FAIL, "rope_theta/rope_scaling and rope_parameters disagree: "
                           "transformers 4 and 5 engines read different RoPE")]
     t = x.target
+    if t is not None and t.rope_theta is not None and x.ed.mla:
+        # an MLA layer takes the target's RoPE as the target applies it (DeepSeek's YaRN
+        # included), unless mla_rope_problem (then plain RoPE at its theta)
+        own = mla_rope_problem(t.rope_scaling) is not None
+        want = None if own else E.rope_of({"rope_scaling": t.rope_scaling})[1]
+        if want:
+            want = {**want, "rope_type": "yarn"}
+        got = {**scaling, "rope_type": "yarn"} if scaling and scaling["rope_type"] in (
+            "yarn", "deepseek_yarn") else scaling
+        if not math.isclose(theta, t.rope_theta, rel_tol=1e-6):
+            return [Check("rope", FAIL, f"rope_theta {theta:g} but the target's is "
+                          f"{t.rope_theta:g}")]
+        if _same_scaling(got, want):
+            return [Check("rope", PASS, f"theta {theta:g}, scaling {scaling}: "
+                          + ("the target's, as its MLA applies it" if scaling else
+                             "plain, at the target's theta"))]
+        return [Check("rope", FAIL, f"rope_scaling {scaling} but the target's is "
+                      f"{t.rope_scaling}" + (" (an MLA layer trains plain RoPE here)" if own
+                                             else ""))]
     if t is not None and t.rope_theta is not None:
         own = rope_problem(t.rope_scaling) is not None  # no Llama layer computes the target's
         if not math.isclose(theta, t.rope_theta, rel_tol=1e-6):
@@ -345,7 +381,18 @@ def c_rope(x: Ctx) -> list[Check]:
 
 def c_rope_engines(x: Ctx) -> list[Check]:
     """Every engine's Llama layer computes the dir's RoPE as training did (transformers' Llama):
-    a DeepSeek YaRN block copied from the target passes c_rope and still scores differently."""
+    a DeepSeek YaRN block copied from the target passes c_rope and still scores differently.
+    An MLA layer: the engines' MLA attention computes it as training did (mla_rope_problem)."""
+    if x.ed.mla:
+        for key in ("rope_scaling", "rope_parameters"):
+            b = x.f.get(key) if isinstance(x.f.get(key), dict) else {}
+            if why := mla_rope_problem(b):
+                return [Check("rope_engines", FAIL, f"{key}: {why}. Fix: train with plain RoPE "
+                              "or DeepSeek's YaRN")]
+        _, s, _ = E.rope_of(x.f)
+        return [Check("rope_engines", PASS, f"{'DeepSeek YaRN' if s else 'plain RoPE'}: "
+                      "transformers' DeepSeek (training), vLLM's and SGLang's MLA compute it "
+                      "alike, mscale in the score scale")]
     for key in ("rope_scaling", "rope_parameters"):
         b = x.f.get(key) if isinstance(x.f.get(key), dict) else {}
         if why := rope_problem(b.get("full_attention", b)):
@@ -455,12 +502,15 @@ def c_feedback_post_norm(x: Ctx) -> list[Check]:
 
 
 def c_ambiguous_keys(x: Ctx) -> list[Check]:
-    """Keys that engines or trainers read with different meanings (engines.AMBIGUOUS)."""
+    """Keys that engines or trainers read with different meanings (engines.AMBIGUOUS). An MLA
+    dir's norm_output equal to feedback_post_norm is the engines' MLA classes' own key."""
     found = []
     for where, d in (("", x.ed.config), ("transformer_layer_config.",
                                          x.ed.config.get("transformer_layer_config") or {})):
         found += [f"{where}{k}={json.dumps(d[k])} ({why})" for k, why in E.AMBIGUOUS.items()
-                  if isinstance(d, dict) and k in d]
+                  if isinstance(d, dict) and k in d and not (
+                      x.ed.mla and k == "norm_output"
+                      and d[k] == d.get("feedback_post_norm", d[k]))]
     if found:
         return [Check("ambiguous_keys", WARN, "; ".join(found) + ": an engine or trainer may "
                       "read it in another meaning than the one it was written with (drafter "
@@ -530,7 +580,8 @@ def c_aux_ids(x: Ctx) -> list[Check]:
     if x.fmt == E.NATIVE and nested and nested[0] != 1 and verdict["sglang"][0] == PASS:
         verdict["sglang"] = (WARN, verdict["sglang"][1] + "; SGLang versions from 2026 add 1 "
                              f"only when the first id is 1 (here {nested[0]})")
-    if trained is None and ids["vllm"] != default and verdict["llama_cpp"][0] == PASS:
+    if trained is None and ids["vllm"] != default and "llama_cpp" in verdict \
+            and verdict["llama_cpp"][0] == PASS:
         verdict["llama_cpp"] = (WARN, f"its converter recomputes HS{default} from the target, "
                                 f"but vLLM reads HS{ids['vllm']} from this dir")
     return [Check(f"aux_ids.{eng}", *verdict[eng]) for eng in read]
@@ -559,6 +610,35 @@ def c_aux_order(x: Ctx) -> list[Check]:
                           "ascending and permute fc.weight's [H, Ht] column blocks (and fc_norm's "
                           "rows) alike, or retrain with ascending ids")]
     return [Check("aux_ids.order", PASS, "ascending, no repeats (the order engines use)")]
+
+
+# The MLA backends' latent widths kv_lora_rank + qk_rope_head_dim (vLLM 0.32
+# mla_attention.py:1601-1602; its CPU backend cpu_mla.py:61-64 takes 576 only).
+MLA_LATENT_WIDTHS, CPU_MLA_WIDTH = (320, 512, 576), 576
+
+
+def c_mla(x: Ctx) -> list[Check]:
+    """An MLA draft layer's sizes against what the engines' MLA draft classes take."""
+    if not x.ed.mla:
+        return []
+    try:
+        width = int(x.f["kv_lora_rank"]) + int(x.f["qk_rope_head_dim"])
+    except (KeyError, TypeError, ValueError):
+        return [Check("mla", FAIL, "kv_lora_rank or qk_rope_head_dim missing")]
+    if width not in MLA_LATENT_WIDTHS:
+        return [Check("mla", FAIL, f"kv_lora_rank + qk_rope_head_dim = {width}: vLLM's MLA "
+                      f"backends take {MLA_LATENT_WIDTHS} (DeepSeek-V3 and Kimi-K2.5: 512 + 64)")]
+    notes = []
+    if width != CPU_MLA_WIDTH:
+        notes.append(f"vLLM's CPU MLA backend takes {CPU_MLA_WIDTH} only")
+    if not x.f.get("q_lora_rank"):
+        notes.append("q_lora_rank null: SGLang's MLA draft class needs it (serve with vLLM)")
+    if x.f.get("norm_before_residual"):
+        notes.append("norm_before_residual true: SGLang's MLA draft class implements false")
+    if notes:
+        return [Check("mla", WARN, f"latent {width}; " + "; ".join(notes))]
+    return [Check("mla", PASS, f"latent {width} ({x.f['kv_lora_rank']} + "
+                  f"{x.f['qk_rope_head_dim']}): vLLM's and SGLang's MLA draft classes load it")]
 
 
 def c_speculators(x: Ctx) -> list[Check]:
@@ -594,4 +674,4 @@ def c_speculators(x: Ctx) -> list[Check]:
 CHECKS = [c_format, c_weights_file, c_config_fields, c_tensor_names, c_tensor_shapes, c_dtype,
           c_d2t, c_t2d, c_lm_head, c_embed_tokens, c_tie, c_rope, c_rope_engines, c_max_pos,
           c_hidden, c_vocab, c_norm_before_residual, c_fc_norm, c_norm_before_fc,
-          c_feedback_post_norm, c_ambiguous_keys, c_aux_ids, c_aux_order, c_speculators]
+          c_feedback_post_norm, c_ambiguous_keys, c_aux_ids, c_aux_order, c_mla, c_speculators]

@@ -149,7 +149,10 @@ def vllm_acceptance(cfg, drafter_dir, k: int, sets, stop: list[int], max_new: in
                     rounds[T][name] = [list(b) for b in given]
         longest = max([len(ids) for rs in rounds.values() for x in rs.values() for b in x
                        for _, ids in b] or [1])
-        max_len = longest + max_new + 1
+        # K more: vLLM caps a step's tokens at max_model_len, so a request within K tokens of
+        # it gets fewer drafts (a short step drafter's own evaluator never takes, and
+        # draft_tokens / K no longer counts the steps)
+        max_len = longest + max_new + k + 1
         if 0.0 in temps and any(name not in plain[0.0] for name in rounds[0.0]):
             if llm is None:
                 llm = _llm(cfg, max_len, None)

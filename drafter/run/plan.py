@@ -226,8 +226,8 @@ def chunk_mode(cfg) -> str | None:
     return "spool" if cfg.extract.spool else "one process"
 
 
-def where_steps_run(cfg) -> dict:
-    """Where each step runs, for the plan's reader."""
+def where_steps_run(cfg, draft_layer: str = "llama") -> dict:
+    """Where each step runs, for the plan's reader (train: with which draft layer)."""
     s = cfg.generate.server
     eng = vllm_gpus(cfg)
     return {"generate": "skipped" if not cfg.generate.enabled else "drafter's data engine"
@@ -236,9 +236,9 @@ def where_steps_run(cfg) -> dict:
             f"vLLM over {eng} GPU(s)" if cfg.extract.engine == "vllm" else
             "drafter's capture (transformers)" + (" (tp under torchrun)" if cfg.extract.tp
                                                   else ""),
-            "train": "drafter" + (" beside the target in transformers" if cfg.train.online
-                                  else ", a chunk at a time" if chunk_mode(cfg)
-                                  else ", from the stored shards"),
+            "train": f"drafter, {draft_layer} draft layer" + (
+                " beside the target in transformers" if cfg.train.online
+                else ", a chunk at a time" if chunk_mode(cfg) else ", from the stored shards"),
             "evaluate": {"vllm": f"vLLM over {eng} GPU(s)", "both": "drafter's evaluator and "
                          f"vLLM over {eng} GPU(s)", "drafter": "drafter's evaluator "
                          "(transformers)"}[cfg.evaluate.engine]}
@@ -312,27 +312,22 @@ def gpu_memory(cfg, f: dict, warnings: list[str], refused: list[str]) -> dict:
     return mem
 
 
-def _stored_bytes_per_token(cfg, f: dict) -> int:
-    ec = cfg.extract
-    return store.bytes_per_token(f["ht"], f["n_aux"], ec.aux_dtype, ec.teacher, ec.topk, f["vd"])
-
-
 def times(cfg, f: dict) -> list[dict]:
     """Tokens, tokens/s (config > measured > estimated) and seconds of each long step, plus the
     target's load time where the step loads it."""
-    p, tc, data, gpus = cfg.plan, cfg.train, f["data"], f["gpus"]
+    p, tc, ec, data, gpus = cfg.plan, cfg.train, cfg.extract, f["data"], f["gpus"]
     params, online, gen_tp = f["params"], cfg.train.online, f["gen_tp"]
     configured = {"generate": p.generate_tokens_per_s, "tokenize": p.tokenize_tokens_per_s,
                   "extract": p.extract_tokens_per_s, "train": p.train_tokens_per_s,
                   "evaluate": p.evaluate_tokens_per_s}
     flops = p.mfu * p.gpu_tflops * 1e12
+    stored = store.bytes_per_token(f["ht"], f["n_aux"], ec.aux_dtype, ec.teacher, ec.topk, f["vd"])
     estimate = {
         "generate": decode_tokens_per_s(p, cfg.generate.concurrency, params, f["w"], gen_tp)
         if gen_tp else None,
         "tokenize": TOKENIZE_TOKENS_PER_S_PER_WORKER * (cfg.tokenize.workers
                                                         or min(8, os.cpu_count() or 1)),
-        "extract": 1 / (2 * params["flop_params"] / flops
-                        + _stored_bytes_per_token(cfg, f) / (p.store_gbps * 1e9)),
+        "extract": 1 / (2 * params["flop_params"] / flops + stored / (p.store_gbps * 1e9)),
         "train": flops / (6 * tc.ttt_steps * f["drafter"]["trainable"]
                           + (2 * params["flop_params"] if online else 0)),
         "evaluate": decode_tokens_per_s(p, cfg.evaluate.batch_size, params, f["w"],
@@ -478,7 +473,8 @@ def make_plan(cfg) -> dict:
                    "routed_expert_bytes": w["routed_bytes"], "gguf_bytes": gguf_bytes},
         "data": f["data"], "storage": st, "disk": dk, "drafter": f["drafter"],
         "gpus": {"count": gpus, "memory": gpu_mem, "memory_source": gpu_mem_src},
-        "gpu_memory": mem, "time": tm, "chunks": ch, "runs_in": where_steps_run(cfg),
+        "gpu_memory": mem, "time": tm, "chunks": ch,
+        "runs_in": where_steps_run(cfg, f["drafter"]["draft_layer"]),
         "total_seconds": sum(t["total_seconds"] for t in tm if t["total_seconds"] is not None),
         "refused": refused, "warnings": warnings,
     }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 from pathlib import Path
 
 from drafter import DrafterError
@@ -100,6 +101,10 @@ def main(cfg) -> dict:
              (state.get("val") or {}).get("sim_tau"), target.name_or_path)
     counts, checks = {}, {}
     for fmt in E.FORMATS:
+        if fmt not in E.formats_for(model.cfg):  # an MLA layer: native only (engines.py)
+            if run.export(fmt).exists():        # a layout of an earlier drafter: not this one
+                shutil.rmtree(run.export(fmt))
+            continue
         final = run.export(fmt)
         with atomic_dir(final) as tmp:
             E.write_dir(model, tmp, fmt, target=target, dtype=dtype, max_position_embeddings=mpe,
@@ -118,7 +123,7 @@ def main(cfg) -> dict:
         for c in report.checks:
             if c.status != "pass":
                 log.warning("export %s: %s %s: %s", fmt, c.status, c.name, c.reason)
-        if fmt == E.FORMATS[0]:
+        if fmt == E.NATIVE:
             for c in c_engine_support(target):
                 if c.status == "fail":
                     log.warning("export: %s: %s", c.name, c.reason)

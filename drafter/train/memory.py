@@ -26,10 +26,12 @@ def drafter_shape(cfg, config) -> dict:
     import torch
 
     from drafter.features.capture import resolve_layer_ids
-    from drafter.train.model import Drafter, DrafterConfig
+    from drafter.train.model import Drafter, DrafterConfig, draft_layer_for
 
     ids = resolve_layer_ids(cfg.extract.layer_ids, target.num_layers(config))
     dc = DrafterConfig.from_target(config, cfg.vocab.draft_vocab_size, ids,
+                                   draft_layer=draft_layer_for(cfg.train.draft_layer, config),
+                                   mla=cfg.train.mla,
                                    intermediate_size=cfg.train.intermediate_size,
                                    fc_norm=cfg.train.fc_norm)
     with torch.device("meta"):
@@ -38,14 +40,29 @@ def drafter_shape(cfg, config) -> dict:
     trainable = sum(p.numel() for p in d.parameters() if p.requires_grad)
     return {"trainable": trainable, "total": total, "hidden_size": dc.hidden_size,
             "intermediate_size": dc.intermediate_size, "draft_vocab_size": dc.draft_vocab_size,
-            "layer_ids": ids, "embed_bytes": embed_dtype_bytes(config)}
+            "layer_ids": ids, "embed_bytes": embed_dtype_bytes(config),
+            "draft_layer": dc.draft_layer, "attention_values": attention_values(dc)}
+
+
+def attention_values(dc) -> int:
+    """Values per token and TTT step that the draft layer's attention keeps for backward. Llama:
+    q, k, v, o, counted as 4 H (the `10 H` of train_gpu_bytes holds them). MLA: its latents
+    (q_lora_rank, kv_lora_rank + qk_rope_head_dim), q and k expanded to nh·dqk each, v and o
+    to nh·dv each."""
+    if dc.draft_layer != "mla":
+        return 4 * dc.hidden_size
+    nh, dqk = dc.num_attention_heads, dc.qk_nope_head_dim + dc.qk_rope_head_dim
+    return ((dc.q_lora_rank or 0) + dc.kv_lora_rank + dc.qk_rope_head_dim
+            + 2 * nh * dqk + 2 * nh * dc.v_head_dim)
 
 
 def train_gpu_bytes(cfg, dshape: dict, gpus: int, ht: int, n_aux: int = 3) -> dict:
     """One rank of train: fp32 weights + grads + AdamW moments of the trainable parameters
     (16 bytes each, sharded over ranks under FSDP); activations kept for backward over
-    ttt_steps: per token and step ~ (10 H + 3 I) bf16 values (norms, their inputs including the
-    step's gathered embeddings, attention q/k/v/o, MLP), the aux input 3 Ht bf16, and the
+    ttt_steps: per token and step ~ (6 H + A + 3 I) bf16 values (norms, their inputs including
+    the step's gathered embeddings, the attention's A = attention_values: q/k/v/o, 4 H for a
+    Llama layer, the latents and expanded heads for an MLA one; MLP), the aux input 3 Ht bf16,
+    and the
     batch's token embeddings [tokens, H] as the host ships them, at the table's dtype; one
     [tokens, Vd] fp32 teacher; online, the captured features of the micro-batches in flight
     (3 x train.online_group + 1: queued, being captured, in use), bf16 aux states and the
@@ -61,7 +78,8 @@ def train_gpu_bytes(cfg, dshape: dict, gpus: int, ht: int, n_aux: int = 3) -> di
     emb_bytes = dshape.get("embed_bytes", 2)
     host_embedding = (dshape["total"] - dshape["trainable"]) * emb_bytes
     H, I = dshape["hidden_size"], dshape["intermediate_size"]
-    act = tc.batch_tokens * (tc.ttt_steps * (10 * H + 3 * I) + 3 * ht) * 2 \
+    attn = dshape.get("attention_values", 4 * H)   # MLA: its own (attention_values)
+    act = tc.batch_tokens * (tc.ttt_steps * (6 * H + attn + 3 * I) + 3 * ht) * 2 \
         + tc.batch_tokens * H * emb_bytes
     teacher = tc.batch_tokens * dshape["draft_vocab_size"] * 4
     features = 0

@@ -30,6 +30,12 @@ qk_nope_head_dim too; what the published Kimi-K2.5 drafters use). The RoPE is th
 and scaling, unless an engine's Llama layer would compute that scaling differently from the
 transformers Llama code the drafter trains with (`rope_problem`: DeepSeek's YaRN keys, rope types
 a Llama layer lacks): then plain RoPE at the target's theta, which every engine computes alike.
+
+The draft layer's attention (`draft_layer`): "llama", the q/k/v/o projections above, or "mla",
+DeepSeek's multi-head latent attention with the target's latent sizes and its RoPE as the
+target applies it (DeepSeek's YaRN included): drafter/train/mla.py, its own module because it
+is a second attention with its own RoPE and score-scale rules (docs/internals.md). Both take
+x [B, T, 2H] and give [B, T, H]; everything else in the layer is the same.
 """
 from __future__ import annotations
 
@@ -40,6 +46,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from drafter.train.mla import MLAAttention
 
 
 @dataclass
@@ -62,11 +70,29 @@ class DrafterConfig:
     fc_norm: bool = False             # EAGLE-3.1: RMSNorm each aux state before fc
     norm_output: bool = False         # EAGLE-3.1: TTT feeds back the post-norm state
     norm_before_fc: bool = False      # written out for the engines; drafter trains with False
+    # The draft layer's attention: "llama" (q/k/v/o_proj, every engine) or "mla" (DeepSeek's
+    # latent attention, drafter/train/mla.py; vLLM's and SGLang's Eagle3DeepseekV2ForCausalLM)
+    # with the five sizes below (the target's unless overridden; None for llama).
+    draft_layer: str = "llama"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE rotates: a whole head (llama), the rope part of one (mla)."""
+        return self.qk_rope_head_dim if self.draft_layer == "mla" else self.head_dim
 
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int],
+                    draft_layer: str = "llama", mla: dict | None = None,
                     **overrides) -> "DrafterConfig":
-        """Drafter shaped like the target's decoder layers (H = Ht unless overridden)."""
+        """Drafter shaped like the target's decoder layers (H = Ht unless overridden). With
+        draft_layer "mla", the latent sizes are the target's, or `mla`'s where given."""
+        from drafter.train.mla import latent_sizes
+
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") \
             else target_config
         rope = dict(getattr(tc, "rope_parameters", None) or {})
@@ -74,8 +100,10 @@ class DrafterConfig:
         if not rope and getattr(tc, "rope_scaling", None):  # transformers 4.x configs
             rope = {k: v for k, v in tc.rope_scaling.items() if k != "rope_theta"}
         scaling = llama_rope_scaling(rope)
-        if rope_problem(scaling):
+        if (mla_rope_problem if draft_layer == "mla" else rope_problem)(scaling):
             scaling = None  # plain RoPE at the target's theta: the same in every engine
+        elif draft_layer == "mla" and scaling:  # DeepSeek's own spelling, transformers' yarn
+            scaling["rope_type"] = "yarn"
         heads = tc.num_attention_heads
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
         if getattr(tc, "kv_lora_rank", None):  # MLA: head_dim is only the rope part of a query
@@ -96,6 +124,17 @@ class DrafterConfig:
             rope_scaling=scaling,
             max_position_embeddings=getattr(tc, "max_position_embeddings", 4096),
         )
+        if draft_layer == "mla":
+            sizes = {**latent_sizes(tc), **{k: v for k, v in (mla or {}).items()
+                                            if v is not None}}
+            need = [k for k, v in sizes.items() if k != "q_lora_rank" and not v]
+            if need:
+                raise ValueError(f"draft_layer mla: the target has no {', '.join(need)} (not an "
+                                 "MLA target): set them in train.mla")
+            kw.update(draft_layer="mla", **sizes,
+                      head_dim=sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"])
+        elif draft_layer != "llama":
+            raise ValueError(f"draft_layer must be llama or mla, got {draft_layer!r}")
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
@@ -106,6 +145,16 @@ class DrafterConfig:
     def from_dict(cls, d: dict) -> "DrafterConfig":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def draft_layer_for(choice: str, target_config) -> str:
+    """train.draft_layer resolved for a target: auto is mla for MLA targets (a config with
+    kv_lora_rank: DeepSeek-V2/V3, Kimi-K2/K2.5), llama otherwise (docs/train.md says why)."""
+    if choice != "auto":
+        return choice
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") \
+        else target_config
+    return "mla" if getattr(tc, "kv_lora_rank", None) else "llama"
 
 
 # ------------------------------------------------------------------------------------- RoPE
@@ -170,6 +219,23 @@ def rope_problem(scaling: dict | None) -> str | None:
     return None
 
 
+def mla_rope_problem(scaling: dict | None) -> str | None:
+    """Why an MLA draft layer in the engines would compute this RoPE scaling differently from
+    training; None when they compute it alike. vLLM's DeepseekV2MLAAttention turns every
+    non-default type into deepseek_yarn (deepseek_llama_scaling when attention_factor is 1.0);
+    SGLang's into deepseek_yarn: only plain RoPE and (DeepSeek's) YaRN mean what they say."""
+    s = llama_rope_scaling(scaling)
+    if s is None:
+        return None
+    if s["rope_type"] not in ("yarn", "deepseek_yarn"):
+        return (f"rope_type {s['rope_type']!r}: the engines' MLA attention computes every "
+                "scaled RoPE as DeepSeek's YaRN")
+    if s.get("attention_factor") is not None:
+        return ("yarn attention_factor: vLLM's MLA attention turns it into another RoPE "
+                "(deepseek_llama_scaling at 1.0), SGLang's ignores it")
+    return None
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     """Compute precision: half types go to float32, float32/float64 stay (gradcheck runs in
     fp64)."""
@@ -222,11 +288,11 @@ class Rotary(nn.Module):
 
         rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
         lc = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-                         head_dim=cfg.head_dim, rope_parameters=rope,
+                         head_dim=cfg.rope_dim, rope_parameters=rope,
                          max_position_embeddings=cfg.max_position_embeddings)
         self.inner = LlamaRotaryEmbedding(lc)
 
-    def forward(self, x, position_ids):  # -> cos, sin [B, T, hd]
+    def forward(self, x, position_ids):  # -> cos, sin [B, T, hd] (mla: [B, T, dr])
         return self.inner(x, position_ids)
 
 
@@ -245,6 +311,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.k_dim = self.v_dim = self.hd
+        self.scale = None  # SDPA's default, hd^-1/2
         H2 = 2 * cfg.hidden_size
         self.q_proj = nn.Linear(H2, self.nh * self.hd, bias=False)
         self.k_proj = nn.Linear(H2, self.nkv * self.hd, bias=False)
@@ -306,7 +374,8 @@ class DecoderLayer(nn.Module):
         H = cfg.hidden_size
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAAttention(cfg, RMSNorm, apply_rope) if cfg.draft_layer == "mla" \
+            else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -394,8 +463,9 @@ class Drafter(nn.Module):
         """One drafter pass over T new tokens with an optional KV cache (inference path).
 
         input_ids [B, T]; h [B, T, H] (fused aux, or fed-back states); position_ids [B, T];
-        past_kv (k, v) each [B, nkv, P, hd] or None; attn_mask bool [B, 1, T, P+T] (True =
-        attend) or None for causal. Returns (h_out [B, T, H], logits [B, T, Vd], (k, v) with P+T).
+        past_kv (k, v) each [B, nkv, P, hd] or None (mla: hd of k dqk, of v dv); attn_mask bool
+        [B, 1, T, P+T] (True = attend) or None for causal. Returns (h_out [B, T, H],
+        logits [B, T, Vd], (k, v) with P+T).
         """
         layer = self.midlayer
         emb = self.embed_tokens(input_ids).to(h.dtype)                  # [B, T, H]
@@ -406,8 +476,9 @@ class Drafter(nn.Module):
             k = torch.cat([past_kv[0], k], dim=2)                       # [B, nkv, P+T, hd]
             v = torch.cat([past_kv[1], v], dim=2)
         causal = attn_mask is None and past_kv is None
+        a = layer.self_attn
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
-                                           enable_gqa=layer.self_attn.nh != layer.self_attn.nkv)
+                                           scale=a.scale, enable_gqa=a.nh != a.nkv)
         if attn_mask is None and past_kv is not None and q.shape[2] > 1:
             raise ValueError("several new tokens over a cache need an explicit attn_mask")
         h_out = layer.post_attention(layer.self_attn.out(o), residual)  # [B, T, H]

@@ -18,7 +18,7 @@ from drafter import DrafterError
 from drafter.core.config import ConfigError
 from drafter.core.dist import Dist, all_sum
 from drafter.train.batches import model_inputs
-from drafter.train.model import Drafter, DrafterConfig
+from drafter.train.model import Drafter, DrafterConfig, draft_layer_for
 from drafter.train.ttt import TTT
 
 # Warm-up = the train time of a process's first 10 optimizer steps (compiles included): the aim
@@ -35,6 +35,7 @@ def build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings) -> Drafte
     tc = cfg.train
     dcfg = DrafterConfig.from_target(
         target_config, draft_vocab_size=d2t.numel(), aux_layer_ids=list(layer_ids),
+        draft_layer=draft_layer_for(tc.draft_layer, target_config), mla=tc.mla,
         intermediate_size=tc.intermediate_size, norm_before_residual=tc.norm_before_residual,
         fc_norm=tc.fc_norm, norm_output=tc.norm_output)
     if tuple(embeddings.shape) != (dcfg.vocab_size, dcfg.hidden_size):

@@ -39,7 +39,22 @@ from drafter.train.model import Drafter, DrafterConfig, fuse
 
 
 def attention_scale(cfg: DrafterConfig) -> float:
+    """The draft layer's score scale: hd^-1/2 (llama), DeepSeek's (mla: drafter/train/mla.py)."""
+    if cfg.draft_layer == "mla":
+        from drafter.train.mla import softmax_scale
+        return softmax_scale(cfg)
     return 1.0 / math.sqrt(cfg.head_dim)
+
+
+def same_width(q, k, v):
+    """MLA's keys (dqk) and values (dv) differ in width; FlexAttention's kernel and the diagonal
+    merge take one head width: zero-pad the narrower side (q and k, or v) to the wider. Exact:
+    zeros add nothing to q·k, and a zero value column gives a zero output column, cut off after
+    (TTT.forward)."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    if dk < dv:
+        return F.pad(q, (0, dv - dk)), F.pad(k, (0, dv - dk)), v
+    return q, k, (F.pad(v, (0, dk - dv)) if dv < dk else v)
 
 
 # ------------------------------------------------------------------------ training-time test
@@ -59,14 +74,14 @@ def dense_mask(seq_id: torch.Tensor) -> torch.Tensor:
     return doc_causal(seq_id)(b, None, ar[None, :, None], ar[None, None, :]).unsqueeze(1)
 
 
-def attend_exact(q, ks, vs, mask0):
+def attend_exact(q, ks, vs, mask0, scale=None):
     """Step i = len(ks)-1 by definition: q [B, nh, T, hd]; ks, vs: i+1 tensors [B, nkv, T, hd]
-    (step 0 first); mask0 [B, 1, T, T] -> [B, nh, T, hd]."""
+    (step 0 first); mask0 [B, 1, T, T] -> [B, nh, T, hd]. scale: None, hd^-1/2."""
     B, _, T, _ = q.shape
     eye = torch.eye(T, dtype=torch.bool, device=q.device).expand(B, 1, T, T)
     mask = torch.cat([mask0] + [eye] * (len(ks) - 1), dim=-1)              # [B, 1, T, (i+1)T]
     k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)                      # [B, nkv, (i+1)T, hd]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -86,15 +101,16 @@ def flex_part0(seq_id: torch.Tensor, compiled: bool = True) -> Callable:
     fn = _FLEX["fn"] if compiled else fa.flex_attention
     aux_request = getattr(fa, "AuxRequest", None)  # torch >= 2.9; return_lse before
 
-    def part0(q, k, v):
+    def part0(q, k, v, scale=None):
         gqa = q.shape[1] != k.shape[1]
         # q, k, v already carry the compute dtype; older torch has no autocast rule for flex
         with torch.autocast(q.device.type, enabled=False):
             if aux_request is not None:
-                o, aux = fn(q, k, v, block_mask=block_mask, enable_gqa=gqa,
+                o, aux = fn(q, k, v, block_mask=block_mask, enable_gqa=gqa, scale=scale,
                             return_aux=aux_request(lse=True))
                 return o, aux.lse
-            return fn(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_lse=True)
+            return fn(q, k, v, block_mask=block_mask, enable_gqa=gqa, scale=scale,
+                      return_lse=True)
     return part0
 
 
@@ -355,6 +371,9 @@ class TTT(nn.Module):
         self.norm, self.lm_head, self.rotary = drafter.norm, drafter.lm_head, drafter.rotary
         self.attention, self.loss_chunk, self.compiled = attention, loss_chunk, compile
         self.scale = attention_scale(self.cfg)
+        # MLA: DeepSeek's score scale, given to the attention explicitly (a llama layer's is the
+        # default, hd^-1/2), and on the flex path keys and values padded to one width
+        self.mla = self.cfg.draft_layer == "mla"
         pieces = (_Pre(self.midlayer), _Post(self.midlayer, self.norm))  # a tuple: unregistered
 
         def pre(ws, *a):
@@ -421,13 +440,17 @@ class TTT(nn.Module):
         for i in range(K):
             emb_i = emb.gather(1, src[i].unsqueeze(-1).expand(B, T, H)).to(h.dtype)  # [B, T, H]
             q, k, v, residual = self.pre_fn(ws, h, emb_i, cos[:, i], sin[:, i])
+            if self.mla and self.attention == "flex":
+                q, k, v = same_width(q, k, v)
             ks.append(k)
             vs.append(v)
             if self.attention == "sdpa":
-                o = attend_exact(q, ks, vs, mask0)
+                o = attend_exact(q, ks, vs, mask0, self.scale if self.mla else None)
             else:
-                o0, lse0 = part0(q, ks[0], vs[0])
+                o0, lse0 = part0(q, ks[0], vs[0], **({"scale": self.scale} if self.mla else {}))
                 o = merge_diagonal(q, o0, lse0, ks[1:], vs[1:], self.scale)  # eager: see init
+                if self.mla:
+                    o = o[..., :self.cfg.v_head_dim]                         # [B, nh, T, dv]
             h_out, hn = self.post_fn(ws, o, residual)
             outs.append(hn.reshape(B * T, H))
             h = hn if self.cfg.norm_output else h_out  # = Drafter.feedback(h_out), norm reused
