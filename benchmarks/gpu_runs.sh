@@ -45,6 +45,9 @@
 #   block-b1      model,data ~5 min  the same at batch 1, 10 records a set
 #   chunks-cost   model,data ~4 min  extract + train of 120 conversations stored, then within a
 #                                    4 MiB budget (extract_throughput.py --chunks 4)
+#   mla-train     -          ~5 min  the train step at the Kimi drafter's shape with the Llama
+#                                    and the MLA draft layer, back to back (train_throughput.py
+#                                    --shape kimi --draft-layer llama, then mla)
 #
 # OUT_DIR receives (at most a handful of files, as a device call returns them): gpu-runs.tar.gz
 # (the state folder: every step's log, figures, manifests, reports and junit XML; a few MB),
@@ -64,7 +67,7 @@ set -f  # no globbing: overrides such as prepare.sources[0].max_samples=4 stay a
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 ALL="kimi-extract kimi-train quality-data quality-train quality-b64 quality-b1 tests-decode
-tests-rest decode-b1 kimi-eval block-b64 block-b1 chunks-cost"
+tests-rest decode-b1 kimi-eval block-b64 block-b1 chunks-cost mla-train"
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2; }
 
 PY=${PYTHON:-python3}
@@ -268,6 +271,15 @@ decode_b1() {
   done
 }
 
+mla_train() {  # the two draft layers at one shape, on one machine, SpecForge left out
+  local layer size=(--shape kimi)
+  [ "$TINY" = 1 ] && size=(--tiny --steps 2 --warmup 1)
+  for layer in llama mla; do
+    run mla-train "$PY" benchmarks/train_throughput.py "${size[@]}" --teacher topk --no-anchor \
+      --memory-peak --draft-layer "$layer" --json "$STATE/mla-train-$layer.json" || return
+  done
+}
+
 do_step() {  # do_step NAME: the step's work; 0 when it finished
   case "$1" in
     kimi-extract) kimi "$1" slice,extract && [ -f "$STATE/kimi/plan.json" ] ;;
@@ -285,6 +297,7 @@ do_step() {  # do_step NAME: the step's work; 0 when it finished
       --ignore=tests/test_rejection.py --ignore=tests/test_sampling_exact.py \
       --ignore=tests/test_kimi_shape.py --ignore=tests/test_gpu.py ;;
     decode-b1) decode_b1 ;;
+    mla-train) mla_train ;;
     chunks-cost) run "$1" "$PY" benchmarks/extract_throughput.py --chunks 4 \
       --samples "$([ "$TINY" = 1 ] && echo 12 || echo 120)" --json "$STATE/chunks-cost.json" ;;
   esac
@@ -296,7 +309,7 @@ estimate() {  # seconds a step is expected to take on one H200 (the header's est
   case "$1" in
     quality-data|quality-train) echo 60 ;;
     kimi-extract) echo 360 ;;
-    kimi-train|tests-*|quality-b1|block-b1) echo 300 ;;
+    kimi-train|tests-*|quality-b1|block-b1|mla-train) echo 300 ;;
     block-b64|chunks-cost) echo 240 ;;
     quality-b64) echo 360 ;;
     kimi-eval) echo 540 ;;

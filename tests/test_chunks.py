@@ -436,7 +436,8 @@ def test_kimi_one_node_plan():
     assert c["chunks"] == -(-2 * total // c["chunk_bytes"]) and c["chunks"] >= 4
     assert c["reloads"] == c["chunks"] and c["reload_share"] < 0.05
     assert c["with_sleep_mode_seconds"] < c["reload_seconds"]
-    assert c["train_gpus"] == 8 and plan["runs_in"]["train"] == "drafter, a chunk at a time"
+    assert c["train_gpus"] == 8 and plan["runs_in"]["train"] == \
+        "drafter, mla draft layer, a chunk at a time"
     assert plan["disk"]["extract"] <= c["budget"]
 
 
