@@ -682,3 +682,25 @@ def test_vllm_in_one_process_a_chunk_at_a_time(smol, tmp_path):
     assert n >= 3 and text.count("extract: target loaded in") == n + 1  # + val's
     assert chunks["producer"]["loads"] == n and not chunks["producer"]["sleep_mode"]
     assert_close(weights(run), weights(ref))
+
+
+def test_a_second_producer_is_refused_with_the_first_ones_pid(tmp_path):
+    """One process fills a spool: a second producer is told which PID holds it, and the lock
+    goes with the holder's death (kill -9)."""
+    spool_dir = tmp_path / "spool"
+    code = (f"import time\nfrom drafter.core.rundir import Run\nfrom drafter.features import "
+            f"spool\nwith spool.producer_lock(Run({str(tmp_path / 'run')!r}, "
+            f"{str(spool_dir)!r})):\n    print('locked', flush=True)\n    time.sleep(120)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         env=ENV, cwd=REPO)
+    run = Run(tmp_path / "run", spool_dir)
+    try:
+        assert p.stdout.readline().strip() == "locked"
+        with pytest.raises(spool.SpoolError, match=f"PID {p.pid}"):
+            with spool.producer_lock(run):
+                pass
+    finally:
+        p.kill()
+        p.wait()
+    with spool.producer_lock(run):
+        assert (spool_dir / ".producer.lock").read_text().strip() == str(os.getpid())

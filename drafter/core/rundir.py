@@ -26,6 +26,7 @@ Steps ask this module for paths (`Run(cfg).tokens("train")`) and never build the
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -366,6 +367,31 @@ def _fsync_dir(d: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def pid_lock(path: Path):
+    """(file, "") with `path` flock-ed and our PID written in it (the kernel releases the lock
+    when the process dies, even by kill -9), or (None, the holder's PID or "?") when another
+    process holds it. The caller keeps the file open while it holds the lock and hands it to
+    pid_unlock."""
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        return None, holder
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f, ""
+
+
+def pid_unlock(f) -> None:
+    fcntl.flock(f, fcntl.LOCK_UN)
+    f.close()
 
 
 @contextlib.contextmanager

@@ -22,10 +22,8 @@ shards being written; a restarted producer keeps every shard that verifies.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -36,6 +34,8 @@ from drafter.core.rundir import (
     atomic_json,
     atomic_write,
     dir_bytes,
+    pid_lock,
+    pid_unlock,
     read_json,
     remove_dir,
     seal_ok,
@@ -165,24 +165,14 @@ def clean_trash(run) -> None:
 def producer_lock(run):
     """One process fills a spool (flock: released by the kernel when the process dies)."""
     run.spool().mkdir(parents=True, exist_ok=True)
-    f = open(run.spool_lock(), "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        pid = f.read().strip() or "?"
-        f.close()
+    f, pid = pid_lock(run.spool_lock())
+    if f is None:
         raise SpoolError(f"{run.spool()} is being filled by another drafter process (PID "
-                         f"{pid}): one producer per spool") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
+                         f"{pid}): one producer per spool")
     try:
         yield
     finally:
-        fcntl.flock(f, fcntl.LOCK_UN)
-        f.close()
+        pid_unlock(f)
 
 
 class Wait:

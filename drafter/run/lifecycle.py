@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 import signal
 
 from drafter import DrafterError
-from drafter.core.rundir import Run
+from drafter.core.rundir import Run, pid_lock, pid_unlock
 
 
 # ------------------------------------------------------------------------------------ signals
@@ -69,26 +68,16 @@ def run_lock(run: Run):
             held[1] -= 1
         return
     run.root.mkdir(parents=True, exist_ok=True)
-    f = open(run.lock(), "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        pid = f.read().strip() or "?"
-        f.close()
+    f, pid = pid_lock(run.lock())
+    if f is None:
         raise RunBusy(f"{run.root} is in use by another drafter process (PID {pid}); wait for "
-                      f"it or stop it (`drafter status {run.root}` shows its progress)") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
+                      f"it or stop it (`drafter status {run.root}` shows its progress)")
     _LOCKS[key] = [f, 1]
     try:
         yield
     finally:
         del _LOCKS[key]
-        fcntl.flock(f, fcntl.LOCK_UN)
-        f.close()
+        pid_unlock(f)
 
 
 def lock_holder(run: Run) -> int | None:
