@@ -36,6 +36,12 @@
 #                                    model, store, train, doctor, precompile, ...)
 #   decode-b1     -          ~2 min  decode_speed.py --random-target at batch 1, T=0 and T=1
 #                                    (the steps against their parts)
+#   tree-profile  -          ~3 min  the tree 6/8/48 at batch 1 and T=1 by part of its step
+#                                    (decode_speed.py --profile --ops: its logic against the
+#                                    greedy step's)
+#   mla-train     -          ~5 min  the train step at the Kimi drafter's shape with the Llama
+#                                    and the MLA draft layer, back to back (train_throughput.py
+#                                    --shape kimi --draft-layer llama, then mla)
 #   kimi-eval     tokenizer,data ~9 min  the 4-layer slice: 200 online steps, export, evaluate
 #                                    at batch 1 and 64 (kimi_shape.sh evaluate-train,evaluate)
 #   block-b64     model,data ~4 min  the quality export at T=0, 0.7 and 1, batch 64: the chain
@@ -45,9 +51,6 @@
 #   block-b1      model,data ~5 min  the same at batch 1, 10 records a set
 #   chunks-cost   model,data ~4 min  extract + train of 120 conversations stored, then within a
 #                                    4 MiB budget (extract_throughput.py --chunks 4)
-#   mla-train     -          ~5 min  the train step at the Kimi drafter's shape with the Llama
-#                                    and the MLA draft layer, back to back (train_throughput.py
-#                                    --shape kimi --draft-layer llama, then mla)
 #
 # OUT_DIR receives (at most a handful of files, as a device call returns them): gpu-runs.tar.gz
 # (the state folder: every step's log, figures, manifests, reports and junit XML; a few MB),
@@ -67,7 +70,7 @@ set -f  # no globbing: overrides such as prepare.sources[0].max_samples=4 stay a
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 ALL="kimi-extract kimi-train quality-data quality-train quality-b64 quality-b1 tests-decode
-tests-rest decode-b1 kimi-eval block-b64 block-b1 chunks-cost mla-train"
+tests-rest decode-b1 tree-profile mla-train kimi-eval chunks-cost block-b64 block-b1"
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2; }
 
 PY=${PYTHON:-python3}
@@ -271,6 +274,13 @@ decode_b1() {
   done
 }
 
+tree_profile() {  # the tree's step at T=1 by part: what its logic costs beyond the greedy step
+  local size=(--random-target --profile)
+  [ "$TINY" = 1 ] && size=(--tiny --new-tokens 16)
+  run tree-profile "$PY" benchmarks/decode_speed.py "${size[@]}" --batches 1 --prefill-lengths 0 \
+    --temperature 1 --ops --json "$STATE/tree-profile.json"
+}
+
 mla_train() {  # the two draft layers at one shape, on one machine, SpecForge left out
   local layer size=(--shape kimi)
   [ "$TINY" = 1 ] && size=(--tiny --steps 2 --warmup 1)
@@ -298,6 +308,7 @@ do_step() {  # do_step NAME: the step's work; 0 when it finished
       --ignore=tests/test_kimi_shape.py --ignore=tests/test_gpu.py ;;
     decode-b1) decode_b1 ;;
     mla-train) mla_train ;;
+    tree-profile) tree_profile ;;
     chunks-cost) run "$1" "$PY" benchmarks/extract_throughput.py --chunks 4 \
       --samples "$([ "$TINY" = 1 ] && echo 12 || echo 120)" --json "$STATE/chunks-cost.json" ;;
   esac
@@ -311,6 +322,7 @@ estimate() {  # seconds a step is expected to take on one H200 (the header's est
     kimi-extract) echo 360 ;;
     kimi-train|tests-*|quality-b1|block-b1|mla-train) echo 300 ;;
     block-b64|chunks-cost) echo 240 ;;
+    tree-profile) echo 180 ;;
     quality-b64) echo 360 ;;
     kimi-eval) echo 540 ;;
     decode-b1) echo 120 ;;

@@ -13,8 +13,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("kimi-extract", "kimi-train", "quality-data", "quality-train", "quality-b64",
-         "quality-b1", "tests-decode", "tests-rest", "decode-b1", "kimi-eval", "block-b64",
-         "block-b1", "chunks-cost", "mla-train")
+         "quality-b1", "tests-decode", "tests-rest", "decode-b1", "tree-profile", "mla-train",
+         "kimi-eval", "chunks-cost", "block-b64", "block-b1")
 
 
 def _driver(tmp_path, *args, timeout=600, **env):
