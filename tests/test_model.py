@@ -16,7 +16,13 @@ import torch
 from drafter.features import store
 from drafter.train.batches import align, collate
 from drafter.train.merge import merge_diagonal
-from drafter.train.model import Drafter, DrafterConfig, load_drafter, save_drafter
+from drafter.train.model import (
+    Drafter,
+    DrafterConfig,
+    draft_layer_for,
+    load_drafter,
+    save_drafter,
+)
 from drafter.train.ttt import TTT, dense_mask, doc_causal, flex_part0, head_loss
 
 V, VD, HT = 96, 40, 24
@@ -624,3 +630,17 @@ def test_half_precision_products_accumulate_in_float32(device):
     assert err < 2e-2
     if device == "cuda":   # which way it went on this torch, for the record
         print("float32-output addmm:", ttt._ADDMM_F32[acc.device])
+
+
+def test_auto_draft_layer_is_mla_only_where_an_engine_serves_it():
+    """auto: mla for an MLA target whose latent width vLLM's MLA backends take (Kimi-K2.5's
+    512 + 64), llama for a small MLA target (12 + 4) and for a target without MLA; a choice
+    made by hand stands."""
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    kimi = DeepseekV3Config(kv_lora_rank=512, qk_rope_head_dim=64)
+    small = DeepseekV3Config(kv_lora_rank=12, qk_rope_head_dim=4)
+    assert draft_layer_for("auto", kimi) == "mla"
+    assert draft_layer_for("auto", small) == "llama"
+    assert draft_layer_for("auto", LlamaConfig()) == "llama"
+    assert draft_layer_for("mla", small) == "mla" and draft_layer_for("llama", kimi) == "llama"

@@ -14,7 +14,7 @@ import torch
 
 from drafter.export import engines as E
 from drafter.export.enginedir import EngineDir
-from drafter.train.model import mla_rope_problem, rope_problem
+from drafter.train.model import CPU_MLA_WIDTH, MLA_LATENT_WIDTHS, mla_rope_problem, rope_problem
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
@@ -610,11 +610,6 @@ def c_aux_order(x: Ctx) -> list[Check]:
                           "ascending and permute fc.weight's [H, Ht] column blocks (and fc_norm's "
                           "rows) alike, or retrain with ascending ids")]
     return [Check("aux_ids.order", PASS, "ascending, no repeats (the order engines use)")]
-
-
-# The MLA backends' latent widths kv_lora_rank + qk_rope_head_dim (vLLM 0.32
-# mla_attention.py:1601-1602; its CPU backend cpu_mla.py:61-64 takes 576 only).
-MLA_LATENT_WIDTHS, CPU_MLA_WIDTH = (320, 512, 576), 576
 
 
 def c_mla(x: Ctx) -> list[Check]:

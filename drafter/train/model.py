@@ -147,14 +147,21 @@ class DrafterConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+# The MLA backends' latent widths kv_lora_rank + qk_rope_head_dim (vLLM 0.32
+# mla_attention.py:1601-1602; its CPU backend cpu_mla.py:61-64 takes 576 only).
+MLA_LATENT_WIDTHS, CPU_MLA_WIDTH = (320, 512, 576), 576
+
+
 def draft_layer_for(choice: str, target_config) -> str:
     """train.draft_layer resolved for a target: auto is mla for MLA targets (a config with
-    kv_lora_rank: DeepSeek-V2/V3, Kimi-K2/K2.5), llama otherwise (docs/train.md says why)."""
+    kv_lora_rank: DeepSeek-V2/V3, Kimi-K2/K2.5) whose latent width vLLM's MLA backends take,
+    llama otherwise: an MLA drafter no engine serves is not the better one (docs/train.md)."""
     if choice != "auto":
         return choice
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") \
         else target_config
-    return "mla" if getattr(tc, "kv_lora_rank", None) else "llama"
+    kv, rope = getattr(tc, "kv_lora_rank", None), getattr(tc, "qk_rope_head_dim", None)
+    return "mla" if kv and rope and kv + rope in MLA_LATENT_WIDTHS else "llama"
 
 
 # ------------------------------------------------------------------------------------- RoPE
