@@ -65,8 +65,8 @@ TOKENIZE_TOKENS_PER_S_PER_WORKER = 50_000
 DISK_MARGIN = 0.05
 # Usable share of a GPU's memory (the CUDA context, NCCL buffers and the allocator take the rest).
 GPU_USABLE = 0.95
-# GB/s per GPU at which a sleeping vLLM's weights come back from host memory (pinned copies over
-# PCIe Gen5 x16 reach 40-50 GB/s; half of that assumed, not measured)
+# GB/s per GPU at which a sleeping vLLM's weights come back from host memory: half a PCIe Gen5
+# x16 link's pinned-copy rate, assumed, not measured (BENCHMARKS.md, Chunks within a disk budget)
 WAKE_GBPS = 20.0
 # The share of extract + train that engine loads between chunks may take before the plan warns.
 RELOAD_SHARE = 0.05
