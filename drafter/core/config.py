@@ -235,7 +235,30 @@ class ExtractConfig:
 
 # -------------------------------------------------------------------------------------------- train
 @dataclass
+class BlockDrafterConfig:
+    block_size: int = doc(8, "tokens a block drafts (vLLM's num_speculative_tokens)", user=True)
+    layers: int = doc(5, "draft layers of the parallel backbone", user=True)
+    target_layers: int = doc(5, "target layers read when extract.layer_ids is unset (spread "
+                             "from the second to the fourth-last)", user=True)
+    markov_rank: int = doc(64, "dspark: rank r of the Markov head (the previous token's bias "
+                           "on each draft)", user=True)
+    confidence_head: bool = doc(True, "dspark: the per-draft acceptance head adaptive "
+                                "verification reads")
+    anchors: int = doc(256, "blocks trained per packed row (anchors drawn along it)",
+                       user=True)
+    mask_token_id: int | None = doc(None, "the token whose (frozen) embedding fills a block's "
+                                    "masked queries; default: the target vocab's last id")
+
+
+@dataclass
 class TrainConfig:
+    method: Literal["eagle3", "dflash", "dspark"] = doc(
+        "eagle3", "the drafter kind: eagle3 (one layer, drafts token by token), or the "
+        "parallel block drafters dflash and dspark (a block of train.dspark.block_size tokens "
+        "in one forward; dspark adds a Markov and a confidence head): docs/train.md", user=True)
+    dspark: BlockDrafterConfig = doc(BlockDrafterConfig(), "the block drafters' shape (dflash "
+                                     "reads block_size, layers, target_layers, anchors, "
+                                     "mask_token_id)")
     online: bool = doc(False, "run the target beside the drafter; store no hidden states",
                        user=True)
     online_group: int = doc(4, "online: micro-batches whose samples one call of the target "

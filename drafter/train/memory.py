@@ -25,10 +25,10 @@ def drafter_shape(cfg, config) -> dict:
     frozen ones are the embedding table [V, H], held at `embed_bytes` per value."""
     import torch
 
-    from drafter.features.capture import resolve_layer_ids
+    from drafter.features.capture import layer_count, resolve_layer_ids
     from drafter.train.model import Drafter, DrafterConfig, draft_layer_for
 
-    ids = resolve_layer_ids(cfg.extract.layer_ids, target.num_layers(config))
+    ids = resolve_layer_ids(cfg.extract.layer_ids, target.num_layers(config), layer_count(cfg))
     dc = DrafterConfig.from_target(config, cfg.vocab.draft_vocab_size, ids,
                                    draft_layer=draft_layer_for(cfg.train.draft_layer, config),
                                    mla=cfg.train.mla,

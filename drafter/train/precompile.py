@@ -170,7 +170,8 @@ def setup(cfg, dev) -> dict:
     tc = cfg.train
     tconf = target.load_config(cfg.target)
     d2t, t2d = shape_vocab(cfg, tconf)
-    layer_ids = capture.resolve_layer_ids(cfg.extract.layer_ids, target.num_layers(tconf))
+    layer_ids = capture.resolve_layer_ids(cfg.extract.layer_ids, target.num_layers(tconf),
+                                         capture.layer_count(cfg))
     ht, vocab, vd = target.hidden_size(tconf), target.vocab_size(tconf), d2t.numel()
     drafter = build_drafter(cfg, tconf, layer_ids, d2t, t2d,
                             torch.zeros(vocab, ht, dtype=torch.bfloat16))
@@ -447,7 +448,8 @@ def ahead_bytes(cfg) -> int:
     dtype_bytes = torch.finfo(target.pick_dtype(cfg.target, dev)).bits // 8
     tgt = capture.estimate_gpu_bytes(tconf, dtype_bytes, cfg.extract.batch_tokens,
                                      len(capture.resolve_layer_ids(cfg.extract.layer_ids,
-                                                                   target.num_layers(tconf))))
+                                                                   target.num_layers(tconf),
+                                                                   capture.layer_count(cfg))))
     return tgt["total"] + 2 * train_bytes(cfg, tconf)
 
 
