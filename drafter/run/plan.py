@@ -53,7 +53,7 @@ from drafter.run.counts import (
     param_counts,
     target_config,
 )
-from drafter.train.memory import drafter_shape, train_gpu_bytes
+from drafter.train.memory import drafter_shape, passes, train_gpu_bytes
 
 log = logging.getLogger("drafter")
 
@@ -328,7 +328,7 @@ def times(cfg, f: dict) -> list[dict]:
         "tokenize": TOKENIZE_TOKENS_PER_S_PER_WORKER * (cfg.tokenize.workers
                                                         or min(8, os.cpu_count() or 1)),
         "extract": 1 / (2 * params["flop_params"] / flops + stored / (p.store_gbps * 1e9)),
-        "train": flops / (6 * tc.ttt_steps * f["drafter"]["trainable"]
+        "train": flops / (6 * passes(tc) * f["drafter"]["trainable"]
                           + (2 * params["flop_params"] if online else 0)),
         "evaluate": decode_tokens_per_s(p, cfg.evaluate.batch_size, params, f["w"],
                                         gpus if cfg.extract.tp else 1),

@@ -171,14 +171,18 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, ctx_kv, mask):
         """x [B, Q, H] block queries; ctx_kv (k, v) [B, nkv, P, hd]; mask bool
-        [B, 1, Q, P+Q] (True = attend) or None (all) -> [B, Q, H]."""
+        [B, 1, Q, P+Q] (True = attend), None (all), or a function (q, k, v) -> o that attends
+        (training's FlexAttention) -> [B, Q, H]."""
         B, Q, _ = x.shape
         q = self.q(x, cos, sin)
         k, v = self.kv(x, cos, sin)
         k = torch.cat([ctx_kv[0].to(k.dtype), k], dim=2)                     # [B, nkv, P+Q, hd]
         v = torch.cat([ctx_kv[1].to(v.dtype), v], dim=2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           enable_gqa=self.nh != self.nkv)   # [B, nh, Q, hd]
+        if callable(mask):
+            o = mask(q, k, v)                                                # [B, nh, Q, hd]
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                               enable_gqa=self.nh != self.nkv)
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.nh * self.hd))  # [B, Q, H]
 
 
@@ -290,7 +294,8 @@ class DSpark(nn.Module):
     def block(self, x: torch.Tensor, position_ids: torch.Tensor, ctx_kv: list[tuple],
               mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, Q, H] query embeddings, position_ids [B, Q], ctx_kv from `context`, mask bool
-        [B, 1, Q, P+Q] or None -> hn [B, Q, H] (after the final norm)."""
+        [B, 1, Q, P+Q], None, or an attention function (Attention.forward) -> hn [B, Q, H]
+        (after the final norm)."""
         cos, sin = self.rotary(x, position_ids)
         for layer, kv in zip(self.layers, ctx_kv, strict=True):
             x = layer(x, cos, sin, kv, mask)

@@ -95,6 +95,38 @@ def block_mask(seq_id: torch.Tensor, anchors: torch.Tensor, Q: int) -> torch.Ten
     return torch.cat([ctx, own], dim=-1)[:, None]                            # [B, 1, AQ, T+AQ]
 
 
+_FLEX = {}
+
+
+def flex_block_attention(seq_id: torch.Tensor, anchors: torch.Tensor, Q: int,
+                         compiled: bool = True):
+    """block_mask as FlexAttention's mask_mod, its block mask built once a batch and shared by
+    the layers: -> (q [B, nh, A·Q, hd], k, v [B, nkv, T + A·Q, hd]) -> o. The fast GPU path: no
+    [A·Q, T + A·Q] grid, and the context blocks after each anchor skipped (uncompiled it is a
+    slow reference, forward-only on the CPU)."""
+    from torch.nn.attention import flex_attention as fa
+
+    B, T = seq_id.shape
+    AQ = anchors.shape[1] * Q
+    a_q = anchors.repeat_interleave(Q, dim=1)                               # [B, AQ]
+    sid_q = seq_id.gather(1, a_q.clamp(min=0))
+
+    def mask_mod(b, h, qi, kv):
+        kc = kv.clamp(max=T - 1)
+        ctx = (kv < T) & (kv < a_q[b, qi]) & (seq_id[b, kc] == sid_q[b, qi]) & (a_q[b, qi] >= 0)
+        return ctx | ((kv >= T) & ((kv - T) // Q == qi // Q))
+    bm = fa.create_block_mask(mask_mod, B, None, AQ, T + AQ, device=seq_id.device)
+    if compiled and "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(fa.flex_attention, dynamic=False)
+    fn = _FLEX["fn"] if compiled else fa.flex_attention
+
+    def attend(q, k, v):
+        with torch.autocast(q.device.type, enabled=False):
+            return fn(q, k.to(q.dtype), v.to(q.dtype), block_mask=bm,
+                      enable_gqa=q.shape[1] != k.shape[1])
+    return attend
+
+
 def _tv_grad(z: torch.Tensor, ids, tl: torch.Tensor) -> torch.Tensor:
     """d(1 - Σ min(p, q))/dz for q = softmax(z): -(1[q < p]·q - q·Σ_{q<p} q). z [c, Vd] float32;
     the teacher as _chunk_stats reads it (dense, or top-k with the rest spread evenly)."""
@@ -136,8 +168,10 @@ class BlockTrain(nn.Module):
       loss (differentiable), ce (the row losses), correct, accept [N], and with a confidence
       head conf_err [N] (|sigmoid(logit) - accept|)."""
 
-    def __init__(self, model: DSpark, fused: bool = False, loss_chunk: int = 0):
+    def __init__(self, model: DSpark, fused: bool = False, loss_chunk: int = 0,
+                 flex: bool = False):
         super().__init__()
+        self.flex = flex
         self.cfg = model.cfg
         self.drafter = (model,)  # a tuple: not registered, its table stays where it is
         for name in TRAINED:
@@ -160,7 +194,9 @@ class BlockTrain(nn.Module):
                       dim=2).reshape(B, A * Q, H)                            # [B, A·Q, H]
         pos = (position_ids.gather(1, a)[..., None]
                + torch.arange(Q, device=a.device)).reshape(B, A * Q)         # [B, A·Q]
-        hn = m.block(x, pos, ctx, block_mask(seq_id, anchors, Q))           # [B, A·Q, H]
+        mask = flex_block_attention(seq_id, anchors, Q) if self.flex \
+            else block_mask(seq_id, anchors, Q)
+        hn = m.block(x, pos, ctx, mask)                                      # [B, A·Q, H]
         hn = m.draft_rows(hn.view(B, A, Q, H)).reshape(B * A * K, H)[rows]   # [N, H]
         head_w = m.lm_head.weight
         me = m.markov_embed(input_ids.reshape(-1)[trows])                   # [N, r] or None

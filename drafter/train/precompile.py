@@ -77,6 +77,8 @@ def applies(cfg, device) -> str | None:
         return "extract.precompile=false"
     if not cfg.train.compile:
         return "train.compile=false"
+    if cfg.train.method != "eagle3":
+        return f"train.method={cfg.train.method} trains without compiled pieces"
     if getattr(device, "type", str(device)) != "cuda":
         return "train compiles only on a GPU"
     return None

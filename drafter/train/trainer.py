@@ -220,7 +220,8 @@ def setup_model(drafter: Drafter, tc, dist: Dist, attention: str, saved: str = "
     if tc.fsdp:
         saved = "off"
     if isinstance(drafter, DSpark):
-        ttt = BlockTrain(drafter, fused=attention == "flex", loss_chunk=tc.loss_chunk).to(dev)
+        ttt = BlockTrain(drafter, fused=attention == "flex", loss_chunk=tc.loss_chunk,
+                         flex=attention == "flex").to(dev)
     else:
         ttt = TTT(drafter, attention=attention, compile=tc.compile and cuda,
                   loss_chunk=tc.loss_chunk, saved=saved).to(dev)
