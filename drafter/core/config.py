@@ -177,8 +177,7 @@ class TokenizeConfig:
     max_loop_tokens: int | None = doc(64, "cut a conversation inside an answer after this "
                                       "many tokens of a repetition loop (a 16-token window "
                                       "seen earlier in the answer); None keeps loops whole. "
-                                      "64: tau +4% at equal steps on SmolLM2 (BENCHMARKS.md)",
-                                      user=True)
+                                      "64: tau +4% at equal steps on SmolLM2 (BENCHMARKS.md)")
     loop_copies: int = doc(3, "a passage's copy from which its tokens count as a loop (3: said "
                            "twice is not a loop, e.g. code restated after a fix)")
     enable_thinking: bool | None = doc(None, "passed to chat templates that take it (Qwen3)",
@@ -216,7 +215,7 @@ class ExtractConfig:
     batch_tokens: int = doc(16384, "tokens per prefill batch (sorted by length)", user=True)
     shard_tokens: int = doc(65536, "tokens per shard file (a shard is held in memory while it "
                             "is written: Ht=7168 bf16+hidden is 3.8 GB)")
-    tp: bool = doc(False, "tensor-parallel target (transformers tp_plan) under torchrun", user=True)
+    tp: bool = doc(False, "tensor-parallel target (transformers tp_plan) under torchrun")
     preflight: Literal["refuse", "warn", "off"] = doc(
         "refuse", "when GPU memory is held by other processes: refuse, warn, or skip the check")
     max_disk_gib: float | None = doc(
@@ -237,15 +236,14 @@ class ExtractConfig:
 @dataclass
 class BlockDrafterConfig:
     block_size: int = doc(8, "tokens a block drafts (vLLM's num_speculative_tokens)", user=True)
-    layers: int = doc(5, "draft layers of the parallel backbone", user=True)
+    layers: int = doc(5, "draft layers of the parallel backbone")
     target_layers: int = doc(5, "target layers read when extract.layer_ids is unset (spread "
-                             "from the second to the fourth-last)", user=True)
+                             "from the second to the fourth-last)")
     markov_rank: int = doc(64, "dspark: rank r of the Markov head (the previous token's bias "
-                           "on each draft)", user=True)
+                           "on each draft)")
     confidence_head: bool = doc(True, "dspark: the per-draft acceptance head adaptive "
                                 "verification reads")
-    anchors: int = doc(256, "blocks trained per packed row (anchors drawn along it)",
-                       user=True)
+    anchors: int = doc(256, "blocks trained per packed row (anchors drawn along it)")
     mask_token_id: int | None = doc(None, "the token whose (frozen) embedding fills a block's "
                                     "masked queries; default: the target vocab's last id")
 
