@@ -52,8 +52,11 @@
 #   chunks-cost   model,data ~4 min  extract + train of 120 conversations stored, then within a
 #                                    4 MiB budget (extract_throughput.py --chunks 4)
 #   dspark-train  -          ~5 min  the block drafters' train step at the Kimi shape, DSpark
-#                                    then DFlash (train_throughput.py --shape kimi --method
-#                                    dspark|dflash: FlexAttention over the block mask, the
+#                                    then DFlash, two backbone layers (five: 3.6B trainable
+#                                    parameters, 58 GB of AdamW state, FSDP over a node, as
+#                                    configs/kimi-k2.5-dspark.yaml trains them)
+#                                    (train_throughput.py --shape kimi --method dspark|dflash
+#                                    --draft-layers 2: FlexAttention over the block mask, the
 #                                    fused loss, its check against the exact path)
 #
 # OUT_DIR receives (at most a handful of files, as a device call returns them): gpu-runs.tar.gz
@@ -295,7 +298,7 @@ mla_train() {  # the two draft layers at one shape, on one machine, SpecForge le
 }
 
 dspark_train() {  # the block drafters at the Kimi drafter's shape, one after the other
-  local method size=(--shape kimi)
+  local method size=(--shape kimi --draft-layers 2)
   [ "$TINY" = 1 ] && size=(--tiny --steps 2 --warmup 1)
   for method in dspark dflash; do
     run dspark-train "$PY" benchmarks/train_throughput.py "${size[@]}" --teacher topk \
