@@ -463,8 +463,9 @@ def main(argv=None) -> int:
             t = dec.time_forwards(P, tree, batch=B, context=a.prompt_tokens)
             row(f"  prefill of {a.prompt_tokens} tokens x {B} (the target and the drafter)",
                 round(pre, 3), "ms")
-            row(f"  target forward 1 token / verify {tree.nodes + 1} tokens / drafter forward "
-                f"{tree.topk} tokens" + (" / a Markov position" if "markov_ms" in t else ""),
+            row(f"  target forward 1 token / verify {tree.nodes + 1} tokens / "
+                + ("the block's forward / a Markov position" if "markov_ms" in t else
+                   f"drafter forward {tree.topk} tokens"),
                 " / ".join(f"{t[k]:.3f}" for k in ("target_ms", "verify_ms", "draft_ms",
                                                    "markov_ms") if k in t), "ms")
             drafting = draft_parts(t, tree.depth)
