@@ -234,6 +234,20 @@ def test_a_cut_needs_a_confidence_head(trained):
     assert DSparkDraft(trained["drafters"]["dflash"]).stats_shape(K) is None
 
 
+def test_the_float32_recheck_decodes_a_block_drafter(trained):
+    """measure.lossless's recheck of a 16-bit mismatch decodes a block drafter with its own
+    step (and its cut): planted mismatches whose float32 decodings agree become drift."""
+    from drafter.measure.lossless import recheck_float32
+
+    m, target = trained["drafters"]["dspark"], trained["model"]
+    checks = [{"ids": p, "drafter": m, "tree": TreeSpec.chain(K), "cut": cut,
+               "divergence": {"verdict": "mismatch"}}
+              for p, cut in zip(trained["prompts"][:2], (None, 0.5))]
+    assert recheck_float32(target, checks, 12, []) == 2
+    assert all(c["divergence"] == {"verdict": "drift", "float32": {"verdict": "identical"}}
+               for c in checks)
+
+
 def _smol_dspark(tc, seed=0):
     """A random DSpark drafter of SmolLM2's shape (one layer) over a draft vocab of 2048 ids,
     the target's embeddings, block 3, a Markov head and a confidence head."""

@@ -38,7 +38,8 @@ which nodes enter the tree then never depends on the identity of a node still to
 The drafter is an interface (`DraftModel`: observe/score), so that tests plug in oracle and always-
 wrong drafters; `EagleDraft` wraps drafter.train.model.Drafter with its own static cache. The
 drafting half (tree building, verification, `DraftModel`, `EagleDraft`) lives in
-drafter.decoding.tree.
+drafter.decoding.tree. A proposer with a `step` of its own, a block drafter (DSpark, DFlash:
+drafter.decoding.dspark), runs the whole speculative step of a chain over this state.
 """
 from __future__ import annotations
 
