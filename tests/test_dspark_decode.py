@@ -326,3 +326,19 @@ def test_block_steps_in_cuda_graphs_give_the_eager_tokens(smollm2_dir):
     outs = graphed.generate(prompts, 16, proposer=DSparkDraft(dr), tree=TreeSpec.chain(3),
                             temperature=0.8)
     assert all(1 <= len(o.tokens) <= 16 for o in outs) and graphed.graphs.enabled
+
+
+def test_settings_a_block_drafter_cannot_run_are_refused_before_decoding(trained):
+    from drafter.decoding.block import verify_chain_block
+    from drafter.decoding.tree import DecodeError
+
+    m, target = trained["drafters"]["dspark"], trained["model"]
+    dec, p = Decoder(target, max_batch=2), trained["prompts"][:2]
+    with pytest.raises(DecodeError, match="drafts a chain, not a tree"):
+        dec.generate(p, 4, proposer=DSparkDraft(m), tree=TreeSpec(2, 2, 3))
+    with pytest.raises(DecodeError, match=f"drafts {K} tokens a block"):
+        dec.generate(p, 4, proposer=DSparkDraft(m), tree=TreeSpec.chain(K + 1))
+    dec.chain_verify = verify_chain_block
+    with pytest.raises(DecodeError, match="block verification tests a whole chain"):
+        dec.generate(p, 4, proposer=DSparkDraft(m, cut=0.5), tree=TreeSpec.chain(K),
+                     temperature=1.0)

@@ -323,6 +323,8 @@ class Decoder:
         Vd = proposer.vocab_size if spec else 0
         stats = tree_stats and spec and temperature == 0 and not tree.is_chain
         own = getattr(proposer, "stats_shape", None) if spec else None
+        if spec and hasattr(proposer, "check"):  # before any capture: what it cannot run
+            proposer.check(self, tree, temperature)
         st = self._state(B, round_up(max_new + D + 2, 64), D, Vd, max(1, len(stop_ids)),
                          tree.nodes if stats else 0, own(D) if own else None)
         for t in st.tensors():
@@ -730,8 +732,6 @@ class Decoder:
     def _spec_step(self, st, span, P, tree: TreeSpec, temperature):
         own = getattr(P, "step", None)  # a block drafter's step (drafter.decoding.dspark)
         if own is not None:
-            if not tree.is_chain:
-                raise DecodeError(f"{type(P).__name__} drafts a chain, not a {tree.label()}")
             return own(self, st, span, tree.depth, temperature)
         if tree.is_chain and self.fast_chain:
             return self._chain_step(st, span, P, tree.depth, temperature)

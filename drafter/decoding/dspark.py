@@ -184,15 +184,21 @@ class DSparkDraft:
                 torch.stack(lses, 1) if lses else None, torch.stack(conf, 1) if conf else None)
 
     # -------------------------------------------------------------------------------- the step
-    def step(self, dec, st, span: int, k: int, temperature: float) -> None:
-        """One speculative step of decoder `dec` over its state `st` (module doc): draft,
-        verify k drafts as a chain, write the verified positions' context, commit."""
-        if k > self.block_size:
-            raise DecodeError(f"chain K={k}: this {self.m.cfg.method} drafter drafts "
+    def check(self, dec, tree, temperature: float) -> None:
+        """What the decoder asks of this drafter before its steps run (Decoder._begin)."""
+        if not tree.is_chain:
+            raise DecodeError(f"a {self.m.cfg.method} drafter drafts a chain, not a "
+                              f"{tree.label()}")
+        if tree.depth > self.block_size:
+            raise DecodeError(f"chain K={tree.depth}: this {self.m.cfg.method} drafter drafts "
                               f"{self.block_size} tokens a block (verify at most that many)")
         if self.cut is not None and temperature > 0 and dec.chain_verify is not None:
             raise DecodeError("a confidence cut verifies each row's own number of drafts; "
                               "block verification tests a whole chain: use one of the two")
+
+    def step(self, dec, st, span: int, k: int, temperature: float) -> None:
+        """One speculative step of decoder `dec` over its state `st` (module doc): draft,
+        verify k drafts as a chain, write the verified positions' context, commit."""
         tgt, dev = dec.target, dec.device
         L, start = st.L, st.start
         d_ids, z, lse, conf = self.draft(st.pending, L, start, span, k, temperature)
