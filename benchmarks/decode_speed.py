@@ -25,6 +25,10 @@ prompt lengths, graphed and eager. Other uses:
     python benchmarks/decode_speed.py --random-target --batches 1,64 --prefill-lengths 0 \
         --temperature 1                       # the sampling steps (rejection sampling) against
                                               # the same parts as the greedy ones
+    python benchmarks/decode_speed.py --random-target --batches 1,64 --prefill-lengths 0 \
+        --kind dspark --k 7                   # a block drafter's step (a random DSpark of the
+                                              # recipe's shape, block 7: one forward, the Markov
+                                              # head, the chain verified) against its parts
 
 Measures, on whatever device the target loads to (CUDA graphs on when there is a GPU):
   - plain decode step at batch 1 (ms per token);
@@ -59,7 +63,13 @@ from op_count import OpCount  # noqa: E402
 
 from drafter.core.config import EvaluateConfig, TargetConfig  # noqa: E402
 from drafter.core.target import load_model  # noqa: E402
-from drafter.decoding.decode import Decoder, EagleDraft, TreeSpec, acceptance_stats  # noqa: E402
+from drafter.decoding.decode import (  # noqa: E402
+    Decoder,
+    TreeSpec,
+    acceptance_stats,
+    draft_parts,
+)
+from drafter.decoding.dspark import proposer_for  # noqa: E402
 
 
 def tiny_target(out: Path) -> str:
@@ -100,6 +110,18 @@ def random_drafter(config, draft_vocab: int):
     torch.manual_seed(0)
     return Drafter(DrafterConfig.from_target(config, draft_vocab,
                                              default_layer_ids(num_layers(config))))
+
+
+def random_block_drafter(config, draft_vocab: int, method: str, block: int):
+    """A random DSpark (or DFlash) drafter of the published recipe's shape: 5 draft layers
+    reading 5 target layers, a Markov head of rank 64 and a confidence head (DSpark)."""
+    from drafter.core.target import default_block_layer_ids, num_layers, vocab_size
+    from drafter.train.dspark import DSpark, DSparkConfig
+
+    torch.manual_seed(0)
+    return DSpark(DSparkConfig.from_target(
+        config, method, draft_vocab, default_block_layer_ids(num_layers(config), 5), block,
+        vocab_size(config) - 1, layers=5, markov_rank=64, confidence_head=True))
 
 
 def step_parts(dec, P) -> list[tuple]:
@@ -288,7 +310,8 @@ def eval_rows(model, P, a, row, graphs: bool, fold) -> None:
         for label, prop, tree, gaps in [  # plain as evaluate times it, and its recording pass
                 ("plain", None, None, False), ("plain recording runners-up", None, None, True),
                 ("chain", P, TreeSpec.chain(a.k), False),
-                ("tree", P, TreeSpec(depth, topk, tokens), False)]:
+                ("tree", P, TreeSpec(depth, topk, tokens), False)][:4 if a.kind == "eagle3"
+                                                                   else 3]:
             per = {}
             for n, pr in prompts.items():
                 outs, stats = _decode(dec, pr, pr.rounds or None, a.new_tokens, stop, 0.0,
@@ -318,7 +341,9 @@ def main(argv=None) -> int:
                     "files needed; the step times are the real model's, tau is not)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--k", type=int, default=5, help="chain length K")
+    ap.add_argument("--k", type=int, default=5, help="chain length K (a block drafter's block)")
+    ap.add_argument("--kind", choices=["eagle3", "dspark", "dflash"], default="eagle3",
+                    help="the random drafter's kind (a block drafter: chains only)")
     ap.add_argument("--tree", default="6,8,48", help="depth,topk,tokens")
     ap.add_argument("--batches", default="1", help="rows decoded together, e.g. 1,64")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -379,10 +404,20 @@ def main(argv=None) -> int:
     dev, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     if a.drafter:
         from drafter.export.enginedir import load_drafter_dir
+        from drafter.train.dspark import is_block_config
+        from drafter.train.dspark import load_model as load_block
 
-        dr = load_drafter_dir(a.drafter, device=dev, dtype=dtype)
+        own = Path(a.drafter) / "drafter_config.json"
+        dr = load_block(a.drafter, device=dev, dtype=dtype) \
+            if own.exists() and is_block_config(json.loads(own.read_text())) \
+            else load_drafter_dir(a.drafter, device=dev, dtype=dtype)
+    elif a.kind != "eagle3":
+        dr = random_block_drafter(model.config, 32000 if not a.tiny else 1024, a.kind, a.k)
     else:
         dr = random_drafter(model.config, 32000 if not a.tiny else 1024)
+    a.kind = getattr(dr.cfg, "method", "eagle3")
+    if a.kind != "eagle3" and (a.ops or a.profile):
+        ap.error("--ops and --profile mark an EAGLE-3 step's parts: not a block drafter's")
     V = model.config.get_text_config().vocab_size
     torch.manual_seed(1)
     prompt = torch.randint(100, V, (a.prompt_tokens,)).tolist()
@@ -393,7 +428,7 @@ def main(argv=None) -> int:
                      "ok": ok})
 
     # -- plain and speculative steps at each batch size (every row decodes the same prompt)
-    P = EagleDraft(dr)
+    P = proposer_for(dr)
     n1 = a.new_tokens
     if a.eval_sets:
         eval_rows(model, P, a, row, graphs, fold)
@@ -414,7 +449,8 @@ def main(argv=None) -> int:
         # prompt's prefill is spread over that prompt's steps only
         row(f"  prefill of {a.prompt_tokens} tokens x {B} (plain)",
             round(1000 * dec.last["prefill_seconds"], 3), "ms")
-        for tree in (TreeSpec.chain(a.k), TreeSpec(depth, topk, tokens)):
+        for tree in (TreeSpec.chain(a.k), TreeSpec(depth, topk, tokens))[
+                :2 if a.kind == "eagle3" else 1]:
             dec.generate(prompts, 8, proposer=P, tree=tree, temperature=T)
             outs = dec.generate(prompts, n1, proposer=P, tree=tree, temperature=T)
             step = 1000 * (dec.last["seconds"] - dec.last["prefill_seconds"]) \
@@ -427,12 +463,15 @@ def main(argv=None) -> int:
             t = dec.time_forwards(P, tree, batch=B, context=a.prompt_tokens)
             row(f"  prefill of {a.prompt_tokens} tokens x {B} (the target and the drafter)",
                 round(pre, 3), "ms")
-            row(f"  target forward 1 token / verify {tree.nodes + 1} tokens / drafter forward "
-                f"{tree.topk} tokens", " / ".join(f"{t[k]:.3f}" for k in
-                                                  ("target_ms", "verify_ms", "draft_ms")), "ms")
-            parts = t["verify_ms"] + tree.depth * t["draft_ms"]
-            row("  c = drafter / verification; step / (verify + depth x drafter); tau",
-                f"{t['draft_ms'] / t['verify_ms']:.4f}; {step / parts:.2f}; {tau:.2f}", "")
+            row(f"  target forward 1 token / verify {tree.nodes + 1} tokens / "
+                + ("the block's forward / a Markov position" if "markov_ms" in t else
+                   f"drafter forward {tree.topk} tokens"),
+                " / ".join(f"{t[k]:.3f}" for k in ("target_ms", "verify_ms", "draft_ms",
+                                                   "markov_ms") if k in t), "ms")
+            drafting = draft_parts(t, tree.depth)
+            parts = t["verify_ms"] + drafting
+            row("  c = drafting / verification; step / (verify + drafting); tau",
+                f"{drafting / t['verify_ms']:.4f}; {step / parts:.2f}; {tau:.2f}", "")
             at = dec.parts_ms(P, tree, spans)["parts_ms"]
             row("  step / its parts at the spans its steps ran at (evaluate's x parts)",
                 f"{step / at:.3f}", "")

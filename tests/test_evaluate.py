@@ -236,6 +236,66 @@ def test_evaluate_end_to_end(steady_speed, smollm2_dir, shared_data, tmp_path):
     assert cli.returncode == 0 and cli.stdout == report
 
 
+def test_a_block_drafter_evaluates(steady_speed, smollm2_dir, tmp_path, caplog):
+    """A DSpark checkpoint (drafter.train.dspark: random weights for a tiny target with
+    SmolLM2's tokenizer): its chain is its whole block (K = 3, evaluate.k aside), lossless at
+    T=0, sampled and block-verified at T=1, no tree (logged); its step against its parts (the
+    block forward and the Markov positions timed), the confidence head's calibration in the
+    metrics and the report, and the tuner's settings served as vLLM's dspark method."""
+    from transformers import AutoConfig
+
+    from drafter.core.target import default_block_layer_ids
+    from drafter.train.dspark import DSpark, DSparkConfig
+    from tests.tiny import make_tiny
+
+    target = make_tiny("llama", tmp_path, tokenizer_dir=smollm2_dir)
+    tc = AutoConfig.from_pretrained(target)
+    torch.manual_seed(0)
+    dr = DSpark(DSparkConfig.from_target(tc, "dspark", 1024, default_block_layer_ids(6, 3), 3,
+                                         tc.vocab_size - 1, layers=1, markov_rank=8,
+                                         confidence_head=True, intermediate_size=128))
+    save_drafter(dr, tmp_path / "ckpt")
+    cfg = C.load(None, [
+        f"run_dir={tmp_path / 'run'}", f"target.model={target}",
+        f"evaluate.drafter={tmp_path / 'ckpt'}", "evaluate.max_new_tokens=8",
+        "evaluate.methods=[chain, tree, block]", "evaluate.temperatures=[0.0, 1.0]",
+        "evaluate.batch_size=2",
+        "evaluate.datasets=[{name: humaneval, path: 'builtin:humaneval', max_prompts: 2}]"])
+    res = E.main(cfg)
+    assert res["lossless"] is True and res["counts"]["mismatches"] == 0
+    assert caplog.text.count("drafts a chain: no tree run for it") == 1
+    m = json.loads(Run.of(cfg).eval_metrics().read_text())
+    assert [(r["method"], r["temperature"], r["k"]) for r in m["runs"][:3]] == \
+        [("chain", 0.0, 3), ("chain", 1.0, 3), ("block", 1.0, 3)]
+    for r in m["runs"]:
+        assert r["kind"] == "dspark" and "depth" not in r
+        t, ov = r["timing"], r["datasets"]["overall"]
+        assert t["markov_ms"] > 0 and t["c"] == pytest.approx(
+            (t["draft_ms"] + r["k"] * t["markov_ms"]) / t["verify_ms"], rel=0.05)
+        assert ov["x_parts"] > 0 and ov["parts_ms"] > 0
+        c = ov["confidence"]
+        assert len(c["predicted"]) == r["k"]
+        if r.get("cut") is None:  # (a cut run tests the positions its cut lets through)
+            assert c["tested"][0] == ov["steps"]
+            assert c["measured"] == pytest.approx(ov["acceptance_conditional"])
+        assert all(0 < p < 1 for p in c["predicted_unconditional"])
+    report = Run.of(cfg).eval_report().read_text()
+    assert "## Confidence head" in report and "a Markov position" in report
+    rec = m["settings"]["recommended"]["by_temperature"]
+    assert set(rec) == {"0.0", "1.0"}
+    for x in (x for r in rec.values() for x in r["by_batch"].values()):
+        assert {row["k"] for row in x["settings"]} >= {1, 2, 3}
+        assert '"method": "dspark"' in x["flags"]["vllm"] and x["flags"]["sglang"] is None
+        cut = [row for row in x["settings"] if row.get("cut") is not None]
+        assert len(cut) == 1 and cut[0]["estimated"] and cut[0]["verified"] <= cut[0]["k"]
+    # the best setting at the batch evaluated, decoded: a cut one with a cut proposer
+    for T, r in rec.items():
+        best = r["by_batch"][str(r["calibration"]["batch"])]["best"]
+        run = next(x for x in m["runs"] if x["name"] == r["measured"]["run"])
+        assert run["name"] == f"drafter: {best}, T={float(T):g}" and run.get("recommended")
+        assert run.get("cut") == (float(best.split("cut=")[1]) if "cut=" in best else None)
+
+
 def test_continuous_and_static_batches_give_the_same_decodings(smollm2_dir, shared_data,
                                                                tmp_path, monkeypatch):
     """evaluate.continuous (the default): 5 prompts at batch_size 2 decode with rows refilled

@@ -253,3 +253,106 @@ def test_speculative_sampling_follows_the_target_on_the_gpu(pair, method):
     stat, limit = chi_square(draws(model.cuda(), gpu, spec, graphs=True).cpu(), joint)
     model.cpu()
     assert stat < limit, f"{method} on the GPU: chi-square {stat:.1f} over {limit:.1f}"
+
+
+# Block drafters (drafter.decoding.dspark): their own step drafts the chain (one forward, the
+# Markov bias left to right, q the biased distribution drawn from) and verifies it as a chain;
+# a confidence cut verifies each row's drafts only while the confidences' product holds
+def block_drafter(method: str, seed: int = 4):
+    """A DSpark (or DFlash) drafter of the pair's target over the draft vocab T_IDS, block 2,
+    its weights drawn wide: a distribution far from the target's, a Markov bias that moves it,
+    confidences that differ from draft to draft."""
+    from drafter.train.dspark import DSpark, DSparkConfig
+
+    dspark_ = method == "dspark"
+    cfg = DSparkConfig(method=method, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=V,
+                       draft_vocab_size=len(T_IDS), target_hidden_size=16,
+                       target_layer_ids=[0, 1], block_size=2, mask_token_id=V - 1,
+                       markov_rank=4 if dspark_ else 0, confidence_head=dspark_,
+                       anchor_predicts=dspark_)
+    torch.manual_seed(seed)
+    m = DSpark(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.7)
+        if m.markov_head is not None:
+            m.markov_head.markov_w2.weight.normal_(0.0, 2.0)
+            m.confidence_head.proj.weight.normal_(0.0, 1.5)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[T_IDS] = True
+    m.set_vocab(torch.tensor(T_IDS) - torch.arange(len(T_IDS)), t2d)
+    return m
+
+
+BLOCK_CASES = [("dspark", None, None), ("dflash", None, None),
+               ("dspark", block.verify_chain_block, None), ("dspark", None, 0.6)]
+
+
+@pytest.mark.parametrize("method,verify,cut", BLOCK_CASES,
+                         ids=["dspark", "dflash", "dspark block verification", "dspark cut"])
+def test_block_drafters_sample_the_target(pair, method, verify, cut):
+    from drafter.decoding.dspark import DSparkDraft
+
+    model, _, joint = pair
+    P = DSparkDraft(block_drafter(method), cut)
+    stat, limit = chi_square(draws(model, P, CHAIN, verify=verify), joint)
+    assert stat < limit, f"{method}: chi-square {stat:.1f} over {limit:.1f}"
+    # drafts accepted and rejected both, and a cut that cuts some rows and not others
+    dec = Decoder(model, max_batch=256, cuda_graphs=False, span_bucket=16)
+    outs = dec.generate([PROMPT] * 256, 3, temperature=TEMPERATURE, proposer=P, tree=CHAIN)
+    hist = torch.tensor([o.hist for o in outs]).sum(0)
+    assert hist[0] > 0 and hist[1:].sum() > 0
+    if cut is not None:
+        tested = torch.tensor([o.stats[1] for o in outs]).sum(0)        # per position
+        assert 0 < tested[1] < hist[1:].sum()     # draft 2 reached, tested at some steps only
+
+
+def _block_bias_dropped():
+    from drafter.decoding import dspark
+
+    # q read without the Markov bias: the drafts were drawn from the biased distribution
+    return planted(dspark.DSparkDraft.draft, ("zs.append(z)", "zs.append(base[:, i])"),
+                   module=dspark)
+
+
+def _cut_after_the_walk():
+    from drafter.decoding import dspark
+
+    # the cut applied to the count of a walk over the whole chain, as greedy decoding may:
+    # the last token then comes from a later node, not from p at the cut
+    return planted(dspark.DSparkDraft.step, ("live = j[None] < kcut[:, None]",
+                                             "live = j[None] < k + 0 * kcut[:, None]"),
+                   module=dspark)
+
+
+DSPARK_PLANTS = [("dspark: q without the Markov bias", "draft", _block_bias_dropped, None),
+                 ("dspark: the cut after an uncut walk", "step", _cut_after_the_walk, 0.6)]
+
+
+@pytest.mark.parametrize("name,attr,make,cut", DSPARK_PLANTS, ids=[p[0] for p in DSPARK_PLANTS])
+def test_a_planted_bias_fails_the_block_drafter(pair, monkeypatch, name, attr, make, cut):
+    from drafter.decoding.dspark import DSparkDraft
+
+    model, _, joint = pair
+    monkeypatch.setattr(DSparkDraft, attr, make())
+    stat, limit = chi_square(draws(model, DSparkDraft(block_drafter("dspark"), cut), CHAIN),
+                             joint)
+    assert stat > limit, f"{name}: chi-square {stat:.1f}, not over {limit:.1f}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cut", [None, 0.6], ids=["dspark", "dspark cut"])
+def test_block_drafters_sample_the_target_on_the_gpu(pair, cut):
+    """The block drafter's chi-square check with its steps captured in CUDA graphs, the walk
+    (a chain, or each row's own up to its cut) and the drafts' Gumbel draws in Triton."""
+    pytest.importorskip("triton")
+    from drafter.decoding.dspark import DSparkDraft
+
+    model, _, joint = pair
+    P = DSparkDraft(block_drafter("dspark"), cut)      # allocate() moves it to the GPU
+    stat, limit = chi_square(draws(model.cuda(), P, CHAIN, graphs=True).cpu(), joint)
+    model.cpu()
+    assert stat < limit, f"block drafter on the GPU: chi-square {stat:.1f} over {limit:.1f}"

@@ -41,6 +41,48 @@ def test_recommend_picks_short_chains_when_drafting_costs_and_long_ones_when_it_
     assert "--speculative-num-draft-tokens 49" in r["flags"]["sglang"]
 
 
+def test_a_block_drafter_chooses_its_length_and_its_confidence_cut():
+    """A block drafter's step: verify(k+1) + one forward + k Markov positions, so long chains
+    cost little drafting; its chains k <= K from the per-position acceptance; the best cut from
+    the counts of what each threshold accepted and verified, its verification at the mean
+    drafts verified; its flags are vLLM's dspark method, adaptive verification for a cut."""
+    t = {"target_ms": 3.0, "verify_ms": 4.0, "draft_ms": 0.5, "markov_ms": 0.05}
+    assert chain_step_ms(t, 4, 4) == pytest.approx(4.0 + 0.5 + 4 * 0.05)
+    assert chain_step_ms(t, 2, 4) == pytest.approx(3.5 + 0.5 + 2 * 0.05)
+    assert chain_step_ms(t, 4, 4, verified=1.0) == pytest.approx(3.25 + 0.5 + 4 * 0.05)
+    calib = {"spec_ratio": 1.0, "plain_ratio": 1.0}
+    alpha = [0.9, 0.8, 0.3, 0.2]
+    steps = 100
+    # threshold 0.5 verifies 1.2 drafts a step and keeps 80 of the 100 first acceptances;
+    # threshold 0.1 verifies nearly all and accepts what the chain does
+    cuts = {"steps": steps, "thresholds": [0.5, 0.1],
+            "accepted": [[80, 80, 80, 80], [90, 162, 180, 185]],
+            "verified": [[100, 120, 120, 120], [100, 200, 290, 380]]}
+    r = recommend(alpha, {1: t}, 4, calib, method="dspark", cuts=cuts)["1"]
+    rows = {x["setting"]: x for x in r["settings"]}
+    assert [x["k"] for x in r["settings"][:4]] == [1, 2, 3, 4]
+    cut = [x for x in r["settings"] if x.get("cut") is not None]
+    assert len(cut) == 1 and cut[0]["estimated"]
+    # every (threshold, k) weighed: the best of them listed
+    best = max(((c, k) for c in (0, 1) for k in range(1, 5)), key=lambda ck: (
+        1 + cuts["accepted"][ck[0]][ck[1] - 1] / steps) * 3.0 / chain_step_ms(
+        t, ck[1], 4, cuts["verified"][ck[0]][ck[1] - 1] / steps))
+    c, k = best
+    assert cut[0]["setting"] == f"chain K={k} cut={cuts['thresholds'][c]:g}"
+    assert cut[0]["expected_tau"] == pytest.approx(1 + cuts["accepted"][c][k - 1] / steps)
+    assert cut[0]["verified"] == pytest.approx(cuts["verified"][c][k - 1] / steps)
+    assert rows["chain K=2"]["expected_tau"] == pytest.approx(1 + 0.9 + 0.72)
+    flags = r["flags"]["vllm"]
+    assert '"method": "dspark"' in flags and r["flags"]["sglang"] is None
+    assert ('"enable_adaptive_verification": true' in flags) == (r["best"] == cut[0]["setting"])
+    # a cut that cannot pay (drafts free, every draft accepted): the full chain wins
+    free = {**t, "verify_ms": 3.0}
+    sure = recommend([1.0] * 4, {1: free}, 4, calib, method="dspark", cuts={
+        **cuts, "accepted": [[100, 200, 300, 400]] * 2, "verified": [[100, 200, 300, 400]] * 2})
+    assert sure["1"]["best"] == "chain K=4"
+    assert "enable_adaptive_verification" not in sure["1"]["flags"]["vllm"]
+
+
 def test_smaller_tree_shapes_compete_with_their_counted_taus():
     """A tree run's counts by smaller (depth, tokens): each shape that enough steps stand for
     gets tau 1 + accepted / steps and the tree's step model at its size; the best size at each

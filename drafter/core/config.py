@@ -342,7 +342,8 @@ class EvaluateConfig:
     max_new_tokens: int = doc(128, "new tokens per prompt", user=True)
     methods: list[str] = doc(["chain"], "chain, tree and/or block (the chain verified as a "
                              "block at temperatures above 0)", user=True)
-    k: int = doc(5, "chain: tokens drafted per step", user=True)
+    k: int = doc(5, "chain: tokens drafted per step (EAGLE-3; a DSpark or DFlash drafter's "
+                 "chain is its block)", user=True)
     tree_depth: int = doc(6, "tree: drafting depth", user=True)
     tree_topk: int = doc(8, "tree: children per node", user=True)
     tree_tokens: int = doc(48, "tree: total draft tokens verified per step", user=True)

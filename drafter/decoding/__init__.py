@@ -4,4 +4,5 @@ verification and the drafter behind them (tree), sampled verification on the dra
 support (rejection), the Triton kernels of the trees' expansions and of that verification
 (tree_kernels) with the pieces they share, search keys and Gumbel noise (triton_helpers), the
 sampling noise as the PyTorch forms draw it and the numbers the kernels share with them (noise),
-block verification of a sampled chain (block), and the decoding loop evaluate measures (decode)."""
+block verification of a sampled chain (block), a block drafter's (DSpark, DFlash) context cache
+and its step (dspark), and the decoding loop evaluate measures (decode)."""

@@ -38,7 +38,8 @@ which nodes enter the tree then never depends on the identity of a node still to
 The drafter is an interface (`DraftModel`: observe/score), so that tests plug in oracle and always-
 wrong drafters; `EagleDraft` wraps drafter.train.model.Drafter with its own static cache. The
 drafting half (tree building, verification, `DraftModel`, `EagleDraft`) lives in
-drafter.decoding.tree.
+drafter.decoding.tree. A proposer with a `step` of its own, a block drafter (DSpark, DFlash:
+drafter.decoding.dspark), runs the whole speculative step of a chain over this state.
 """
 from __future__ import annotations
 
@@ -97,6 +98,8 @@ class Output:
     # greedy trees with tree_stats: [accepted, valid] [2][D][N], summed over the steps: what a
     # (depth D', same topk, N' nodes) tree would have accepted (tree.shape_acceptance)
     shapes: list | None = None
+    # a proposer's own records of its steps (a block drafter's confidences: dspark.DSparkDraft)
+    stats: list | None = None
 
 
 NEAR = 8   # runners-up recorded per token for the lossless check (bf16 logits tie several ways)
@@ -117,7 +120,8 @@ def runners_up(lg: Tensor, picked: Tensor) -> tuple[Tensor, Tensor]:
 class _State:
     """Persistent per-batch tensors (updated in place: captured graphs read them)."""
 
-    def __init__(self, B: int, W: int, D: int, Vd: int, n_stop: int, dev, N: int = 0):
+    def __init__(self, B: int, W: int, D: int, Vd: int, n_stop: int, dev, N: int = 0,
+                 stats: tuple | None = None):
         z = dict(dtype=torch.long, device=dev)
         self.B, self.W = B, W
         self.start, self.L = torch.zeros(B, **z), torch.zeros(B, **z)
@@ -131,11 +135,13 @@ class _State:
         self.root = torch.zeros(B, max(Vd, 1), dtype=torch.float32, device=dev)
         # tree_stats: [B, 2, D, N] accepted and valid steps by smaller (depth, nodes)
         self.shapes = torch.zeros(B, 2, D, N, **z) if N else None
+        # the proposer's per-row records (its stats_shape), summed over the steps
+        self.stats = torch.zeros(B, *stats, dtype=torch.float32, device=dev) if stats else None
 
     def tensors(self) -> list[Tensor]:
         return [self.start, self.L, self.pending, self.n_out, self.steps, self.out, self.second,
                 self.gap, self.finished, self.hist, self.root] \
-            + ([self.shapes] if self.shapes is not None else [])
+            + [t for t in (self.shapes, self.stats) if t is not None]
 
 
 class Decoder:
@@ -211,7 +217,8 @@ class Decoder:
         if proposer is None:
             return 1
         D, k, N = tree.depth, tree.topk, tree.nodes
-        return max(N + 1, (D - 1) * k, D + 1)
+        # (a block drafter's queries write scratch slots past the sequence: extra_slots)
+        return max(N + 1, (D - 1) * k, D + 1, getattr(proposer, "extra_slots", 0))
 
     def _slots(self, Tp: int, max_new: int, proposer, tree) -> int:
         """Cache slots a batch of prompts up to Tp tokens needs for max_new new tokens."""
@@ -238,10 +245,10 @@ class Decoder:
         Tb = round_up(Tp, PREFILL_BUCKET)
         return Tb if self._graphed(B, Tb) else Tp
 
-    def _state(self, B, W, D, Vd, n_stop, N=0) -> _State:
-        key = (B, W, D, Vd, n_stop, N)
+    def _state(self, B, W, D, Vd, n_stop, N=0, stats=None) -> _State:
+        key = (B, W, D, Vd, n_stop, N, stats)
         if key not in self._states:
-            self._states[key] = _State(B, W, D, Vd, n_stop, self.device, N)
+            self._states[key] = _State(B, W, D, Vd, n_stop, self.device, N, stats)
         return self._states[key]
 
     # -- public
@@ -315,8 +322,11 @@ class Decoder:
         self.target.set_aux(proposer.aux_layer_ids if spec else None)
         Vd = proposer.vocab_size if spec else 0
         stats = tree_stats and spec and temperature == 0 and not tree.is_chain
+        own = getattr(proposer, "stats_shape", None) if spec else None
+        if spec and hasattr(proposer, "check"):  # before any capture: what it cannot run
+            proposer.check(self, tree, temperature)
         st = self._state(B, round_up(max_new + D + 2, 64), D, Vd, max(1, len(stop_ids)),
-                         tree.nodes if stats else 0)
+                         tree.nodes if stats else 0, own(D) if own else None)
         for t in st.tensors():
             t.zero_()
         st.max_new.fill_(max_new)
@@ -455,10 +465,14 @@ class Decoder:
 
         fns = {"target_ms": target_fn(1)}
         if proposer is not None:
-            ids_d, slots_d, vis_d = inputs(k)
             fns["verify_ms"] = target_fn(N + 1)
-            fns["draft_ms"] = lambda: proposer.score(1, ids_d, torch.zeros_like(ids_d), slots_d,
-                                                     slots_d, vis_d)
+            own = getattr(proposer, "time_fns", None)  # a block drafter: draft_ms, markov_ms
+            if own is not None:
+                fns.update(own(B, span, context, tree.depth))
+            else:
+                ids_d, slots_d, vis_d = inputs(k)
+                fns["draft_ms"] = lambda: proposer.score(1, ids_d, torch.zeros_like(ids_d),
+                                                         slots_d, slots_d, vis_d)
         return {name: _time_ms(fn, self.graphs.enabled, repeats) for name, fn in fns.items()}
 
     def parts_ms(self, proposer: DraftModel | None, tree: TreeSpec | None,
@@ -480,7 +494,7 @@ class Decoder:
                 B, S = (int(x) for x in at.split("x"))
                 t = self.time_forwards(proposer, tree, batch=B, span=S, repeats=repeats)
                 self._parts[key] = round(t["target_ms"] if proposer is None else
-                                         t["verify_ms"] + tree.depth * t["draft_ms"], 4)
+                                         t["verify_ms"] + draft_parts(t, tree.depth), 4)
             ms = self._parts[key]
             by[at] = [steps, ms]
             total, n = total + steps * ms, n + steps
@@ -493,6 +507,7 @@ class Decoder:
         idx = torch.as_tensor(list(rows), device=self.device)
         n_out, out, steps = (t[idx].tolist() for t in (st.n_out, st.out, st.steps))
         hist = st.hist[idx].tolist() if spec else None
+        stats = st.stats[idx].tolist() if spec and st.stats is not None else None
         shapes = st.shapes[idx].tolist() if spec and st.shapes is not None else None
         gaps, second = (st.gap[idx].tolist(), st.second[idx].tolist()) if record_gaps else \
             (None, None)
@@ -506,7 +521,8 @@ class Decoder:
             res.append(Output(toks, "stop" if cut is not None else "length", steps[j],
                               hist[j] if spec else None, gaps[j][:n] if record_gaps else None,
                               second[j][:n] if record_gaps else None,
-                              shapes[j] if shapes is not None else None))
+                              shapes[j] if shapes is not None else None,
+                              stats[j] if stats is not None else None))
         return res
 
     def _padded(self, prompts, Tp) -> tuple[Tensor, Tensor]:
@@ -714,6 +730,9 @@ class Decoder:
         self._commit(st, emitted, n_acc, bonus, root)
 
     def _spec_step(self, st, span, P, tree: TreeSpec, temperature):
+        own = getattr(P, "step", None)  # a block drafter's step (drafter.decoding.dspark)
+        if own is not None:
+            return own(self, st, span, tree.depth, temperature)
         if tree.is_chain and self.fast_chain:
             return self._chain_step(st, span, P, tree.depth, temperature)
         dev, tgt = self.device, self.target
@@ -811,6 +830,14 @@ def _time_ms(fn, graphs: bool, repeats: int | None) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return (time.perf_counter() - t) * 1000 / repeats
+
+
+def draft_parts(t: dict, depth: int) -> float:
+    """A step's drafting from time_forwards' figures t: depth drafter forwards, or a block
+    drafter's one forward and depth Markov positions."""
+    if "markov_ms" in t:
+        return t["draft_ms"] + depth * t["markov_ms"]
+    return depth * t["draft_ms"]
 
 
 def acceptance_stats(hist: Sequence[int]) -> dict:

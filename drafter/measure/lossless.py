@@ -3,6 +3,7 @@ of the target token for token; a 16-bit mismatch is decoded again in float32 to 
 drift from a real divergence.
     v, info = compare(plain_out, spec_out, tie_tolerance)     # identical | tie | mismatch
     recheck_float32(model, checks, max_new, stop_ids)   # mismatch -> drift where float32 agrees
+    drift = recheck_runs(model, runs, parts, rounds, max_new, stop_ids)   # evaluate's runs
 
 In float32 any difference is a mismatch. In 16-bit the verification forward (N+1 tokens) and the
 plain one (1 token) round differently, so a near-tie can flip the argmax, and once one token
@@ -44,10 +45,45 @@ def compare(plain, spec, tol: float) -> tuple[str, dict | None]:
     return "mismatch", info
 
 
+def lossless_sum(items: list[dict]) -> dict:
+    return {k: sum(d["lossless"][k] for d in items)
+            for k in ("compared", "identical", "tie", "drift", "mismatch")}
+
+
+def recheck_runs(model, runs: list[dict], parts: list[tuple], rounds: dict, max_new: int,
+                 stop_ids) -> int:
+    """Every 16-bit mismatch of evaluate's greedy runs (parts: each run's (drafter, tree);
+    rounds: per dataset its prompt rounds, [(record, ids)] a round) decoded again in float32:
+    a drift moves from the mismatch count to the drift count, the overall sums follow.
+    Returns the drifts."""
+    checks = []
+    for r, (dr, tree) in zip(runs, parts):
+        if r["temperature"] != 0:
+            continue
+        for name, d in r["datasets"].items():
+            if name == "overall" or not d["lossless"]["mismatch"]:
+                continue
+            ids = {(i, t): x for t, batch in enumerate(rounds[name]) for i, x in batch}
+            checks += [{"ids": ids[(x["record"], x["turn"] - 1)], "drafter": dr, "tree": tree,
+                        "cut": r.get("cut"), "divergence": x, "counts": d["lossless"]}
+                       for x in d["lossless"]["divergences"] if x["verdict"] == "mismatch"]
+    drift = recheck_float32(model, checks, max_new, stop_ids)
+    for c in checks:
+        if c["divergence"]["verdict"] == "drift":
+            c["counts"]["mismatch"] -= 1
+            c["counts"]["drift"] += 1
+    for r in runs:
+        if r["temperature"] == 0:
+            items = [d for n, d in r["datasets"].items() if n != "overall"]
+            r["datasets"]["overall"]["lossless"] = lossless_sum(items)
+    return drift
+
+
 def recheck_float32(model, checks: list[dict], max_new: int, stop_ids, max_batch: int = 64
                     ) -> int:
     """checks: [{"ids": prompt token ids, "drafter": its Drafter, "tree": its TreeSpec,
-    "divergence": the divergence dict compare() described}], every one a 16-bit mismatch.
+    "divergence": the divergence dict compare() described, optionally "cut": a block drafter's
+    confidence cut}], every one a 16-bit mismatch.
     Decodes the prompts again in float32, plainly (each prompt once) and speculatively (per
     drafter and method), in batches of up to `max_batch` with CUDA graphs on a GPU: in float32
     a row's tokens do not depend on the rows beside it (tests/test_decode.py). Sets
@@ -57,7 +93,7 @@ def recheck_float32(model, checks: list[dict], max_new: int, stop_ids, max_batch
     import torch
 
     from drafter.decoding.decode import Decoder
-    from drafter.decoding.tree import EagleDraft
+    from drafter.decoding.dspark import proposer_for
 
     if not checks:
         return 0
@@ -75,9 +111,9 @@ def recheck_float32(model, checks: list[dict], max_new: int, stop_ids, max_batch
                                                record_gaps=True, continuous=True)))
         groups: dict[tuple, list[dict]] = {}
         for c in checks:
-            groups.setdefault((id(c["drafter"]), c["tree"]), []).append(c)
-        for (key, tree), group in groups.items():
-            proposer = EagleDraft(drafters[key])               # allocate() makes it float32
+            groups.setdefault((id(c["drafter"]), c["tree"], c.get("cut")), []).append(c)
+        for (key, tree, cut), group in groups.items():
+            proposer = proposer_for(drafters[key], cut)        # allocate() makes it float32
             specs = dec.generate([c["ids"] for c in group], max_new, stop_ids=stop_ids,
                                  temperature=0.0, proposer=proposer, tree=tree, continuous=True)
             for c, spec in zip(group, specs):

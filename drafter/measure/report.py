@@ -62,7 +62,8 @@ def render_report(m: dict) -> str:
                                                   for n in names) + " |")
     L += ["", "## Speed", "",
           "Wall-clock tokens/s on this machine, plain decoding of the same prompts in the same "
-          "batches as the reference. c = one drafter forward / one verification forward. "
+          "batches as the reference. c = one drafter forward / one verification forward (a "
+          "block drafter: its forward and its Markov positions / the verification). "
           "step ms: the seconds over the decode steps, prefills included; decode ms: without "
           "them (the time of a step itself); decode speedup: the speedup without the prefills "
           "(the steps alone). An untimed warm-up decoding ran first.", "",
@@ -84,15 +85,17 @@ def render_report(m: dict) -> str:
           "|---|---|---|---|---|"]
     for r in runs:
         t = r["timing"]
+        markov = f" (+ {_fmt(t['markov_ms'], 3)} a Markov position)" if "markov_ms" in t else ""
         L.append(f"| {r['name']} | {_fmt(t['target_ms'])} | {_fmt(t['verify_ms'])} | "
-                 f"{_fmt(t['draft_ms'])} | {_fmt(t['c'], 3)} |")
+                 f"{_fmt(t['draft_ms'])}{markov} | {_fmt(t['c'], 3)} |")
     plain0 = m["plain"].get("0.0", {}).get("overall", {})
     steps = [("plain, T=0", plain0)] + [(r["name"], r["datasets"]["overall"]) for r in runs]
     if any(d.get("x_parts") for _, d in steps):
         L += ["", "The decode step against what it must run, at the rows and attention spans "
               "its steps ran at (each shape's forwards timed on their own, weighted by its "
               "steps): a plain step's target forward; a speculative step's verification and "
-              "depth x one drafter forward. x parts is the step's own logic and the host's gaps "
+              "depth x one drafter forward (a block drafter: one forward and depth Markov "
+              "positions). x parts is the step's own logic and the host's gaps "
               "between replays; GPU ms is the GPU's time in the replays alone.", "",
               "| run | decode ms | GPU ms | parts ms | x parts | GPU x parts |",
               "|---|---|---|---|---|---|"]
@@ -118,6 +121,7 @@ def render_report(m: dict) -> str:
             L.append(f"| {n} (cond.) | " + " | ".join(_fmt(x) for x in d["acceptance_conditional"])
                      + " |")
         L.append("")
+    L += _confidence(runs)
     L += ["## Counts", "", "| run | dataset | steps | drafted | accepted | accept rate | "
           "new tokens | lossless (identical / ties / drift / mismatches) |",
           "|---|---|---|---|---|---|---|---|"]
@@ -131,6 +135,32 @@ def render_report(m: dict) -> str:
                      f"{_fmt(d['accept_rate'], 3)} | {d['new_tokens']} | {ll} |")
     L += ["", "![per-position acceptance](acceptance.png)", "", "![tau per dataset](tau.png)", ""]
     return "\n".join(L)
+
+
+def _confidence(runs: list[dict]) -> list[str]:
+    """A block drafter's confidence head: predicted against measured acceptance per position,
+    over all datasets (drafter.decoding.dspark.calibration)."""
+    have = [(r["name"], r["datasets"]["overall"]["confidence"]) for r in runs
+            if r["datasets"]["overall"].get("confidence")]
+    if not have:
+        return []
+    L = ["## Confidence head", "",
+         "The drafter's confidence in each draft against what verification accepted, all "
+         "datasets. Conditional: the mean confidence at position i over the steps that tested "
+         "it (its drafts before all accepted, not cut), and the share of those tests accepted. "
+         "Unconditional: the mean running product of confidences over every step, and the "
+         "share of steps that accepted position i.", ""]
+    for name, c in have:
+        D = len(c["predicted"])
+        L += [f"**{name}**", "", "| | " + " | ".join(str(i) for i in range(1, D + 1)) + " |",
+              "|---|" + "---|" * D]
+        for label, key in (("predicted", "predicted"), ("measured", "measured"),
+                           ("tested", "tested"),
+                           ("predicted (uncond.)", "predicted_unconditional"),
+                           ("measured (uncond.)", "measured_unconditional")):
+            L.append(f"| {label} | " + " | ".join(_fmt(x) for x in c[key]) + " |")
+        L.append("")
+    return L
 
 
 def _speed_check(checks: dict, runs: list[dict]) -> list[str]:

@@ -14,7 +14,7 @@ GPU's time in the steps' replays; None off the GPU).
 """
 from __future__ import annotations
 
-from drafter.measure.lossless import compare
+from drafter.measure.lossless import compare, lossless_sum
 
 
 def _r(x, n=3):
@@ -76,6 +76,9 @@ def summarize(outs, stats: dict, tree=None, plain_outs=None, tol=0.0, records=No
         shapes = [o.shapes for _, _, o in outs if o.shapes is not None]
         if shapes and len(shapes) == len(outs):
             m["tree_shapes"] = sum_shapes([{"accepted": x[0], "valid": x[1]} for x in shapes])
+        stats = [o.stats for _, _, o in outs if o.stats is not None]
+        if stats and len(stats) == len(outs):
+            m.update(confidence(_sum(stats), m["steps"]))
     if plain_outs is not None:
         verdicts = {"identical": 0, "tie": 0, "drift": 0, "mismatch": 0}
         details = []
@@ -91,6 +94,23 @@ def summarize(outs, stats: dict, tree=None, plain_outs=None, tol=0.0, records=No
                                             default=None),
                          "divergences": details}  # all until evaluate's finish keeps the first 20
     return m
+
+
+def _sum(xs: list[list]) -> list:
+    """Elementwise sums of equally shaped nested lists."""
+    if isinstance(xs[0], list):
+        return [_sum([x[i] for x in xs]) for i in range(len(xs[0]))]
+    return sum(xs)
+
+
+def confidence(stats: list, steps: int) -> dict:
+    """A block drafter's confidence records (Output.stats summed: drafter.decoding.dspark) ->
+    {"block_stats": them, "confidence": predicted against measured acceptance per position,
+    with the counts of the cuts at its thresholds (the tuner's `cuts`)}."""
+    from drafter.decoding.dspark import calibration, cut_counts
+
+    return {"block_stats": stats, "confidence": {**calibration(stats, steps),
+                                                 "cuts": {**cut_counts(stats), "steps": steps}}}
 
 
 def with_plain(m: dict, plain: dict) -> dict:
@@ -128,11 +148,6 @@ def sum_shapes(parts: list[dict]) -> dict:
                   for d in range(len(parts[0][key]))] for key in ("accepted", "valid")}
 
 
-def lossless_sum(items: list[dict]) -> dict:
-    return {k: sum(d["lossless"][k] for d in items)
-            for k in ("compared", "identical", "tie", "drift", "mismatch")}
-
-
 def overall(per: dict, tree) -> dict:
     """Sums over datasets (τ from summed counts, not an average of τs)."""
     items = [d for n, d in per.items() if n != "overall"]
@@ -156,6 +171,8 @@ def overall(per: dict, tree) -> dict:
                              for a in range(tree.depth + 1)], tree))
         if all("tree_shapes" in d for d in items):
             m["tree_shapes"] = sum_shapes([d["tree_shapes"] for d in items])
+        if all("block_stats" in d for d in items):
+            m.update(confidence(_sum([d["block_stats"] for d in items]), m["steps"]))
         if all("lossless" in d for d in items):
             m["lossless"] = lossless_sum(items)
     return m
@@ -170,14 +187,15 @@ def recommend_setting(runs: list[dict], plain: dict, batch: int, drafter_dir: st
     steps ran at (costs timed at more rows than the steps ran at, e.g. a batch_size 64 run
     whose batches held 21 rows, would calibrate its steps too fast; BENCHMARKS.md, The user's
     path: "x parts"); from each tree run at that temperature, its own tau, and
-    from a greedy one those of its smaller shapes (counted at temperature 0 only). At `batch`
+    from a greedy one those of its smaller shapes (counted at temperature 0 only); a block
+    drafter's chain run (its `kind`) brings its vLLM method and its confidence cuts. At `batch`
     each setting also gets the speedups evaluate would measure for it (tuning.as_evaluated:
     evaluate's batches and prefills in). None without a chain run at that temperature."""
     from drafter.measure.tuning import chain_step_ms, recommend, tree_step_ms
 
     T = float(temperature)
     chain = next((r for r in runs if r["drafter"] == "drafter" and r["method"] == "chain"
-                  and r["temperature"] == T), None)
+                  and r["temperature"] == T and r.get("cut") is None), None)
     if chain is None or not chain["datasets"]["overall"].get("step_ms"):
         return None
     o, k = chain["datasets"]["overall"], chain["k"]
@@ -215,7 +233,9 @@ def recommend_setting(runs: list[dict], plain: dict, batch: int, drafter_dir: st
         calib["evaluated"] = {"batch": batch, "efficiency": eff, "plain_seconds": po["seconds"],
                               "plain_prefill_seconds": po["prefill_seconds"],
                               "prefill_seconds": o["prefill_seconds"]}
-    rec = recommend(o["acceptance_conditional"], t, k, calib, trees, drafter_dir, blocks, T)
+    cuts = (o.get("confidence") or {}).get("cuts")  # a block drafter's confidence head
+    rec = recommend(o["acceptance_conditional"], t, k, calib, trees, drafter_dir, blocks, T,
+                    chain.get("kind", "eagle3"), cuts)
     return {"temperature": T,
             "calibration": {"batch": batch, "spec_ratio": round(spec_ratio, 3),
                             "plain_ratio": round(plain_ratio, 3),

@@ -32,6 +32,18 @@ longer than the measured K are not extrapolated (their acceptance is unmeasured)
 competes with its own measured tau and modelled step: verify(tokens+1) + depth + 1 drafter
 forwards, calibrated on its own measured step when it has one.
 
+A block drafter (DSpark, DFlash: drafter/decoding/dspark.py; its timings carry `markov_ms`)
+drafts its K in one forward and a Markov pass per draft, so its step is
+  chain step(k) = verify(k+1 tokens) + drafter forward + k x Markov position
+(the drafter forward: the context of the verified positions and the block), for k <= K of its
+block. Its confidence head can cut each row's chain where the running product of confidences
+falls below a threshold (vLLM's `enable_adaptive_verification` ranks drafts by the same
+product); from the chain run's counts of what each threshold of dspark.CUTS would have accepted
+and verified at each k (`cuts`: exact per step, the first drafts' acceptance not depending on
+the later ones), the best (k, threshold) competes with tau 1 + accepted / steps and its step at
+the mean drafts verified (an engine packs each row's own number of tokens into one forward),
+marked estimated.
+
 Block verification (drafter/decoding/block.py, evaluate's method `block`, temperatures above 0):
 its acceptance at a shorter K is not the chain's truncated (the last position's test differs),
 so a block run competes at its measured K only, with its measured tau and the chain's step
@@ -64,27 +76,38 @@ def verify_ms(t: dict, n_draft: int, n_measured: int) -> float:
     return t["target_ms"] + (t["verify_ms"] - t["target_ms"]) * n_draft / n_measured
 
 
-def chain_step_ms(t: dict, k: int, k_measured: int) -> float:
-    return verify_ms(t, k, k_measured) + (k + 1) * t["draft_ms"]
+def chain_step_ms(t: dict, k: int, k_measured: int, verified: float | None = None) -> float:
+    """A chain step of k drafts: EAGLE-3's k + 1 drafter forwards, or a block drafter's one
+    forward and k Markov positions (`markov_ms` in t); `verified` drafts verified of the k
+    (a confidence cut; default k)."""
+    v = verify_ms(t, k if verified is None else verified, k_measured)
+    if "markov_ms" in t:
+        return v + t["draft_ms"] + k * t["markov_ms"]
+    return v + (k + 1) * t["draft_ms"]
 
 
 def flags(drafter_dir: str, k: int | None = None, tree: dict | None = None,
-          temperature: float = 0.0, block: bool = False) -> dict:
+          temperature: float = 0.0, block: bool = False, method: str = "eagle3",
+          adaptive: bool = False) -> dict:
     """Engine flags for one setting: a chain of k (vLLM, SGLang), with block verification
     (vLLM only), or an EAGLE-2 tree (SGLang only); at a temperature above 0 the drafts sampled
     as evaluate's were (measure.serving: vLLM's `draft_sample_method`, SGLang's rejection
     sampling). SGLang's draft tokens count the root (the last verified token): a chain of K is
     K + 1 of them, a tree of N drafted nodes N + 1 (its build_tree selects num_draft_tokens - 1
-    nodes)."""
+    nodes). A block drafter (`method` dspark or dflash) is vLLM's alone; `adaptive`: its
+    confidence cut, vLLM's adaptive verification."""
     if tree is not None:
         return {"sglang": sglang_flags(drafter_dir, tree=tree), "vllm": None}
-    cfg = {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": k}
+    cfg = {"method": method, "model": drafter_dir, "num_speculative_tokens": k}
     if temperature > 0:
         cfg["draft_sample_method"] = "probabilistic"
     if block:
         cfg["rejection_sample_method"] = "block"
+    if adaptive:
+        cfg["enable_adaptive_verification"] = True
     return {"vllm": vllm_flag(cfg),
-            "sglang": None if block else sglang_flags(drafter_dir, k, temperature=temperature)}
+            "sglang": None if block or method != "eagle3" else
+            sglang_flags(drafter_dir, k, temperature=temperature)}
 
 
 def tree_step_ms(t: dict, depth: int, tokens: int, tokens_measured: int) -> float:
@@ -115,9 +138,25 @@ def as_evaluated(speedup: float, evaluated: dict) -> dict:
             "decode_speedup": round(dec, 3)}
 
 
+def cut_rows(cuts: dict, t: dict, k_measured: int, ratio: float, plain: float) -> list[dict]:
+    """The best confidence cut (module doc) at one batch size's costs t: [row] or []."""
+    steps, best = cuts.get("steps"), None
+    for c, acc, ver in zip(cuts["thresholds"], cuts["accepted"], cuts["verified"]):
+        for k in range(1, len(acc) + 1):
+            tau, v = 1 + acc[k - 1] / steps, ver[k - 1] / steps
+            step = ratio * chain_step_ms(t, k, k_measured, v)
+            row = {"setting": f"chain K={k} cut={c:g}", "k": k, "cut": c, "estimated": True,
+                   "verified": round(v, 3), "expected_tau": round(tau, 3),
+                   "step_ms": round(step, 3), "speedup": round(tau * plain / step, 3)}
+            if best is None or row["speedup"] > best["speedup"]:
+                best = row
+    return [best] if steps and best else []
+
+
 def recommend(alpha_cond: list, timings: dict, k_measured: int, calib: dict,
               trees: list | None = None, drafter_dir: str = "DRAFTER",
-              blocks: list | None = None, temperature: float = 0.0) -> dict:
+              blocks: list | None = None, temperature: float = 0.0, method: str = "eagle3",
+              cuts: dict | None = None) -> dict:
     """Per batch size (the keys of `timings`: {batch: {target_ms, verify_ms, draft_ms}}), every
     chain K <= k_measured, each measured tree and, for a tree with `shapes`, the best number of
     nodes at each smaller depth, each measured block-verified chain (`blocks`: {label, k, tau,
@@ -125,7 +164,9 @@ def recommend(alpha_cond: list, timings: dict, k_measured: int, calib: dict,
     speedup; the best one and its flags at `temperature`. A tree's `ratio` (measured step /
     modelled) calibrates its shapes; else spec_ratio. With calib["evaluated"] (as_evaluated's
     figures and the `batch` they were measured at), the settings at that batch also get
-    `as_evaluated` (evaluate's speedup and decode speedup)."""
+    `as_evaluated` (evaluate's speedup and decode speedup). A block drafter: `method` (its
+    vLLM method) and `cuts` (dspark.cut_counts of the chain run plus its `steps`): the best
+    confidence cut (cut_rows)."""
     out = {}
     ev = calib.get("evaluated")
     for batch, t in sorted(timings.items(), key=lambda kv: int(kv[0])):
@@ -156,6 +197,8 @@ def recommend(alpha_cond: list, timings: dict, k_measured: int, calib: dict,
                 if d not in best_at or row["speedup"] > best_at[d]["speedup"]:
                     best_at[d] = row
             rows += [best_at[d] for d in sorted(best_at)]
+        if cuts:
+            rows += cut_rows(cuts, t, k_measured, calib["spec_ratio"], plain)
         for bl in blocks or []:  # block verification: its own tau, the chain's step model
             tt = bl.get("timings", {}).get(batch, t)
             step = (bl.get("ratio") or calib["spec_ratio"]) * chain_step_ms(tt, bl["k"], bl["k"])
@@ -166,7 +209,8 @@ def recommend(alpha_cond: list, timings: dict, k_measured: int, calib: dict,
         out[str(batch)] = {"plain_step_ms": round(plain, 3), "settings": rows,
                            "best": best["setting"], "expected_speedup": best["speedup"],
                            "flags": flags(drafter_dir, best.get("k"), best.get("tree"),
-                                          temperature, bool(best.get("block")))}
+                                          temperature, bool(best.get("block")), method,
+                                          best.get("cut") is not None)}
         if ev and str(ev["batch"]) == str(batch):
             for r in rows:
                 r["as_evaluated"] = as_evaluated(r["speedup"], ev)

@@ -1,9 +1,10 @@
 """The evaluate step: speculative decoding against the real target, with the acceptance length τ
 measured the way engines measure it, losslessness verified, and the speedup over plain decoding.
 
-Reads   the drafter (evaluate.drafter: `export` = this run's export/native/, or a checkpoint,
-        train, native or speculators dir), an optional baseline drafter, the prompt sets
-        (evaluate.datasets: MT-bench with both turns, HumanEval, GSM8K, any prompt file)
+Reads   the drafter (evaluate.drafter: `export` = this run's export/native/, or a checkpoint of
+        any kind, EAGLE-3, DSpark or DFlash, a train, native or speculators dir), an optional
+        baseline drafter, the prompt sets (evaluate.datasets: MT-bench with both turns,
+        HumanEval, GSM8K, any prompt file)
 Writes  evaluate/metrics.json, evaluate/report.md, evaluate/acceptance.png, evaluate/tau.png
 Command drafter evaluate CONFIG            (`drafter report RUN_DIR` prints the report)
 
@@ -11,7 +12,8 @@ For each temperature, the target first decodes every prompt plainly (static cach
 the same size, continuous by default): the reference for the lossless check, the baseline for
 tokens/s, and the source of MT-bench's second turn (the model's own first answer goes back into
 the conversation). Then each drafter x method (chain K, tree depth/topk/tokens) decodes the same
-prompts speculatively.
+prompts speculatively (a block drafter, DSpark or DFlash: its own step, its chain its whole
+block; docs/evaluate.md, "Block drafters").
 
 τ = tokens per target forward after the prefill, the bonus token counted (plain decoding: 1.0) =
 1 + accepted / verification steps, over the raw accepted counts (as vLLM and SGLang count them).
@@ -36,14 +38,13 @@ from pathlib import Path
 
 from drafter import DrafterError
 from drafter.core.rundir import Run, atomic_json, atomic_write, read_json
-from drafter.measure.lossless import recheck_float32
+from drafter.measure.lossless import recheck_runs
 from drafter.measure.report import plots, render_report
 from drafter.measure.speedcheck import check as speed_check
 from drafter.measure.speedcheck import interleaved, mark
 from drafter.measure.summary import (
     best_row,
     best_tree,
-    lossless_sum,
     measured,
     overall,
     recommend_setting,
@@ -63,9 +64,10 @@ class EvaluateError(DrafterError):
 
 # ------------------------------------------------------------------------------------ the inputs
 def _load_drafter(spec: str, what: str, run: Run, cfg, device, dtype):
-    """-> (Drafter, resolved path)."""
+    """-> (Drafter or a block drafter, DSpark, resolved path)."""
     from drafter.export.enginedir import load_drafter_dir
     from drafter.export.engines import target_info
+    from drafter.train.dspark import is_block_config, load_model
 
     if spec == "export":
         path = run.require(run.export("native"), "export")
@@ -77,9 +79,13 @@ def _load_drafter(spec: str, what: str, run: Run, cfg, device, dtype):
     ckpts = sorted(p for p in path.glob("step_[0-9]*") if (p / "COMPLETE").exists())
     if ckpts and not any((path / f).exists() for f in ("config.json", "drafter_config.json")):
         path = ckpts[-1]  # a train dir: its latest complete checkpoint
+    own = path / "drafter_config.json"
     try:
-        model = load_drafter_dir(path, device=device, dtype=dtype,
-                                 target=target_info(cfg.target.model, cfg.target))
+        if own.exists() and is_block_config(read_json(own)):  # a DSpark or DFlash checkpoint
+            model = load_model(path, device=device, dtype=dtype)
+        else:
+            model = load_drafter_dir(path, device=device, dtype=dtype,
+                                     target=target_info(cfg.target.model, cfg.target))
     except DrafterError:
         raise
     except (OSError, KeyError, ValueError, RuntimeError) as e:
@@ -97,9 +103,9 @@ def _check_drafter(dr, model, what: str, path) -> None:
     if c.target_hidden_size != hidden_size(tc):
         problems.append(f"target_hidden_size {c.target_hidden_size} != the target's "
                         f"{hidden_size(tc)}")
-    n = num_layers(tc)
-    if any(not 0 <= k <= n for k in c.aux_layer_ids):
-        problems.append(f"aux layer ids {c.aux_layer_ids} outside 0..{n}")
+    n, ids = num_layers(tc), getattr(c, "aux_layer_ids", None) or c.target_layer_ids
+    if any(not 0 <= k <= n for k in ids):
+        problems.append(f"aux layer ids {ids} outside 0..{n}")
     if problems:
         raise EvaluateError(f"evaluate.{what} ({path}) was not trained for this target "
                             f"({tc.name_or_path}): " + "; ".join(problems))
@@ -142,6 +148,20 @@ def _methods(ev):
     if not out:
         raise EvaluateError("evaluate.methods is empty (chain, tree and/or block)")
     return out
+
+
+def _drafter_methods(methods, dr, what: str):
+    """One drafter's methods: a block drafter (DSpark, DFlash) drafts one chain, its block (K
+    its block size, not evaluate.k: the tuner weighs every k <= K); no tree for it."""
+    from drafter.decoding.decode import TreeSpec
+
+    K = getattr(dr.cfg, "block_size", None)
+    if K is None:
+        return methods
+    if any(m == "tree" for m, _ in methods):
+        log.warning("evaluate: %s is a %s drafter, which drafts a chain: no tree run for it",
+                    what, dr.cfg.method)
+    return [(m, TreeSpec.chain(K)) for m, _ in methods if m != "tree"]
 
 
 # ----------------------------------------------------------------------------------- decoding
@@ -292,7 +312,8 @@ def main(cfg) -> dict:
 
     from drafter.core.target import load_model, load_tokenizer, pick_device, pick_dtype, text_config
     from drafter.decoding.block import verify_chain_block
-    from drafter.decoding.decode import Decoder, EagleDraft, stop_ids_of
+    from drafter.decoding.decode import Decoder, draft_parts, stop_ids_of
+    from drafter.decoding.dspark import proposer_for
 
     ev, run = cfg.evaluate, Run.of(cfg)
     if ev.engine == "vllm":
@@ -322,7 +343,8 @@ def main(cfg) -> dict:
     # decoding steps replayed from CUDA graphs on a GPU (the Decoder's default): a step of a
     # small target is kernel launches, not GPU work (BENCHMARKS.md#decoding)
     dec = Decoder(model, max_batch=ev.batch_size, prefill_graph_tokens=ev.prefill_graph_tokens)
-    proposers = [(what, EagleDraft(dr), path) for what, dr, path in drafters]
+    proposers = [(what, proposer_for(dr), path, _drafter_methods(methods, dr, what))
+                 for what, dr, path in drafters]
 
     runs, plain_all, ds_info, timings, checks = [], {}, {}, {}, {}
     warm = _warm_up(dec, _Prompts(tok, datasets[0][2], max_len, ev.max_new_tokens), stop) \
@@ -338,7 +360,9 @@ def main(cfg) -> dict:
     def method_run(what, prop, dr, path, method, tree, T, plain, ps, prompts) -> dict:
         """One drafter x method x temperature over every dataset (its passes resumable)."""
         key = (what, tree)
-        label = tree.label() + (" block" if method == "block" else "")
+        cut = getattr(prop, "cut", None)  # a block drafter's confidence cut
+        label = tree.label() + (" block" if method == "block" else "") \
+            + (f" cut={cut:g}" if cut is not None else "")
         verify = verify_chain_block if method == "block" else None
         if key not in timings:
             # c at batch min(B, 8); the costs at batch 1 and at the batch evaluated for the
@@ -346,8 +370,9 @@ def main(cfg) -> dict:
             small = min(ev.batch_size, 8)
             by = {b: {k: _r(v) for k, v in dec.time_forwards(prop, tree, batch=b).items()}
                   for b in sorted({1, small, cal, ev.batch_size})}
-            t = by[small]
-            timings[key] = {**t, "c": _r(t["draft_ms"] / t["verify_ms"], 4),
+            t = by[small]  # c: the drafting's share (a block drafter's forward and Markov pass)
+            timings[key] = {**t, "c": _r(draft_parts(t, tree.depth if "markov_ms" in t else 1)
+                                         / t["verify_ms"], 4),
                             "by_batch": {b: by[b] for b in sorted({1, cal, ev.batch_size})}}
         per = {}
         for name, _, _ in datasets:
@@ -372,8 +397,9 @@ def main(cfg) -> dict:
         name = f"{what}: {label}, T={T:g}"
         turns.append((name, prop, tree, verify))
         return {"name": name, "drafter": what, "path": str(path), "method": method,
-                "temperature": T, **_tree_settings(tree), "timing": timings[key],
-                "datasets": per}
+                "kind": getattr(dr.cfg, "method", "eagle3"), "temperature": T,
+                **_tree_settings(tree), **({"cut": cut} if cut is not None else {}),
+                "timing": timings[key], "datasets": per}
 
     for T in [float(t) for t in ev.temperatures]:
         plain, prompts = {}, {}
@@ -399,8 +425,8 @@ def main(cfg) -> dict:
             rows = ps["overall"].get("rows_per_step")
             cal = max(1, round(rows)) if rows else ev.batch_size
         turns = []  # (run name, proposer, tree, chain_verify) of this temperature's runs
-        for (what, prop, path), (_, dr, _) in zip(proposers, drafters):
-            for method, tree in methods:
+        for (what, prop, path, mine), (_, dr, _) in zip(proposers, drafters):
+            for method, tree in mine:
                 if method == "block" and T == 0:  # greedy: block verification is the chain's
                     continue
                 runs.append(method_run(what, prop, dr, path, method, tree, T, plain, ps,
@@ -424,22 +450,26 @@ def main(cfg) -> dict:
         rec = recommend_setting(runs, plain_all, cal, str(drafters[0][2]), T)
         best = best_tree(rec, cal) if rec else None
         if best is not None and ev.run_recommended:
-            method = "block" if best_row(rec, cal).get("block") else \
-                "chain" if best.is_chain else "tree"
+            row = best_row(rec, cal)
+            method = "block" if row.get("block") else "chain" if best.is_chain else "tree"
             same = next((r for r, (_, tree) in zip(runs, run_parts) if r["drafter"] == "drafter"
                          and r["temperature"] == T and tree == best
-                         and (r["method"] == "block") == (method == "block")), None)
+                         and (r["method"] == "block") == (method == "block")
+                         and r.get("cut") == row.get("cut")), None)
             if same is None:
                 log.info("evaluate: the recommended setting at batch %d, T=%g: %s", cal, T,
-                         best.label())
-                same = method_run("drafter", proposers[0][1], drafters[0][1], drafters[0][2],
+                         row["setting"])
+                prop = proposers[0][1] if row.get("cut") is None else \
+                    proposer_for(drafters[0][1], row["cut"])
+                same = method_run("drafter", prop, drafters[0][1], drafters[0][2],
                                   method, best, T, *decoded[T])
                 runs.append(same)
             same["recommended"] = True
             rec["measured"] = measured(rec, same)
         if rec:
             recs[str(T)] = rec
-    drift = _recheck(model, runs, run_parts, greedy[2], ev.max_new_tokens, stop) \
+    drift = recheck_runs(model, runs, run_parts, {n: p.rounds for n, p in greedy[2].items()},
+                         ev.max_new_tokens, stop) \
         if dtype != torch.float32 else 0
     primary = runs[0]
     settings = {
@@ -485,33 +515,6 @@ def main(cfg) -> dict:
                        "drift": metrics["drift"]},
             "tau": {n: _r(d.get("tau"), 4) for n, d in primary["datasets"].items()},
             "lossless": metrics["lossless"]}
-
-
-def _recheck(model, runs: list[dict], parts: list[tuple], prompts: dict, max_new: int,
-             stop) -> int:
-    """Every 16-bit mismatch of the greedy runs decoded again in float32 (measure.lossless): a
-    drift leaves the mismatch count for the drift count. Returns the drifts."""
-    checks = []
-    for r, (dr, tree) in zip(runs, parts):
-        if r["temperature"] != 0:
-            continue
-        for name, d in r["datasets"].items():
-            if name == "overall" or not d["lossless"]["mismatch"]:
-                continue
-            ids = {(i, t): x for t, batch in enumerate(prompts[name].rounds) for i, x in batch}
-            checks += [{"ids": ids[(x["record"], x["turn"] - 1)], "drafter": dr, "tree": tree,
-                        "divergence": x, "counts": d["lossless"]}
-                       for x in d["lossless"]["divergences"] if x["verdict"] == "mismatch"]
-    drift = recheck_float32(model, checks, max_new, stop)
-    for c in checks:
-        if c["divergence"]["verdict"] == "drift":
-            c["counts"]["mismatch"] -= 1
-            c["counts"]["drift"] += 1
-    for r in runs:
-        if r["temperature"] == 0:
-            items = [d for n, d in r["datasets"].items() if n != "overall"]
-            r["datasets"]["overall"]["lossless"] = lossless_sum(items)
-    return drift
 
 
 def finish(run: Run, settings: dict, runs: list[dict], plain: dict,
