@@ -226,14 +226,6 @@ def chunk_mode(cfg) -> str | None:
     return "spool" if cfg.extract.spool else "one process"
 
 
-def kind(cfg, dshape: dict) -> str:
-    """The drafter trained, in a few words: EAGLE-3's draft layer, or the block drafter."""
-    if cfg.train.method == "eagle3":
-        return f"{dshape['draft_layer']} draft layer"
-    return (f"{cfg.train.method}: {dshape['draft_layers']} layers, blocks of "
-            f"{cfg.train.dspark.block_size}, {len(dshape['layer_ids'])} target layers")
-
-
 def where_steps_run(cfg, draft_layer: str = "llama draft layer") -> dict:
     """Where each step runs, for the plan's reader (train: which drafter)."""
     s = cfg.generate.server
@@ -455,8 +447,7 @@ def make_plan(cfg) -> dict:
     f = {"config": config, "meta": meta, "params": params, "nbytes": nbytes,
          "gguf_bytes": gguf_bytes, "w": w, "weights": w["bytes"], "ht": info["hidden_size"],
          "vd": min(cfg.vocab.draft_vocab_size, info["vocab_size"]),
-         "n_aux": len(dshape["layer_ids"]),
-         "data": data_counts(cfg, run), "drafter": dshape,
+         "n_aux": len(dshape["layer_ids"]), "data": data_counts(cfg, run), "drafter": dshape,
          "gpus": gpus, "gpu_memory": gpu_mem, "measured": measured_throughputs(run),
          # vLLM / SGLang shard the target over the GPUs (--tensor-parallel-size in extra_args);
          # transformers serve and the data engine use one device; an external server none here
@@ -483,7 +474,7 @@ def make_plan(cfg) -> dict:
         "data": f["data"], "storage": st, "disk": dk, "drafter": f["drafter"],
         "gpus": {"count": gpus, "memory": gpu_mem, "memory_source": gpu_mem_src},
         "gpu_memory": mem, "time": tm, "chunks": ch,
-        "runs_in": where_steps_run(cfg, kind(cfg, f["drafter"])),
+        "runs_in": where_steps_run(cfg, f["drafter"]["describe"]),
         "total_seconds": sum(t["total_seconds"] for t in tm if t["total_seconds"] is not None),
         "refused": refused, "warnings": warnings,
     }

@@ -43,7 +43,8 @@ def drafter_shape(cfg, config) -> dict:
     return {"trainable": trainable, "total": total, "hidden_size": dc.hidden_size,
             "intermediate_size": dc.intermediate_size, "draft_vocab_size": dc.draft_vocab_size,
             "layer_ids": ids, "embed_bytes": embed_dtype_bytes(config),
-            "draft_layer": dc.draft_layer, "attention_values": attention_values(dc)}
+            "draft_layer": dc.draft_layer, "attention_values": attention_values(dc),
+            "describe": f"{dc.draft_layer} draft layer"}
 
 
 def _block_shape(cfg, config, ids) -> dict:
@@ -65,7 +66,9 @@ def _block_shape(cfg, config, ids) -> dict:
             "intermediate_size": dc.intermediate_size, "draft_vocab_size": dc.draft_vocab_size,
             "layer_ids": ids, "embed_bytes": embed_dtype_bytes(config), "draft_layer": "qwen3",
             "attention_values": 4 * dc.hidden_size, "method": cfg.train.method,
-            "draft_layers": dc.num_hidden_layers}
+            "draft_layers": dc.num_hidden_layers,
+            "describe": f"{cfg.train.method}: {dc.num_hidden_layers} layers, blocks of "
+                        f"{dc.block_size}, {len(ids)} target layers"}
 
 
 def passes(tc) -> float:
