@@ -382,3 +382,19 @@ def test_stored_five_layer_features_train_the_same_drafter_as_online(tmp_path, s
     for k in w_off:  # online capture rounds some features differently (test_train's note)
         d = (w_off[k].float() - w_on[k].float()).abs()
         assert d.max() < 2e-3 and (d > 1e-5).float().mean() < 1e-2, k
+
+
+def test_a_block_drafter_redoes_extract_for_its_layers(tmp_path):
+    """The block drafters read other target layers than EAGLE-3: their layer count is in
+    extract's fingerprint (an EAGLE-3 store is not reused), and nothing else of them (DFlash
+    and DSpark share a store; the backbone's shape leaves extract done)."""
+    from drafter.run import pipeline
+
+    def h(*over):
+        return pipeline.config_hash(C.load(None, [f"run_dir={tmp_path}", *over]), "extract")
+    eagle = h()
+    assert h("train.method=dspark") != eagle
+    assert h("train.method=dspark") != h("train.method=dspark", "train.dspark.target_layers=4")
+    assert h("train.method=dspark") == h("train.method=dspark", "train.dspark.layers=2")
+    assert h("train.method=dflash") == h("train.method=dspark")
+    assert h("train.dspark.target_layers=4") == eagle  # EAGLE-3 reads its three

@@ -87,6 +87,9 @@ NEUTRAL: dict[str, object] = {
     # to mla to retrain those (docs/train.md)
     "train.draft_layer": "auto",
     "train.mla": {},
+    "train.method": "eagle3",
+    "train.dspark": {"block_size": 8, "layers": 5, "target_layers": 5, "markov_rank": 64,
+                     "confidence_head": True, "anchors": 256, "mask_token_id": None},
 }
 
 # Fields removed after runs existed (config.REMOVED), with the value they held (what drafter now

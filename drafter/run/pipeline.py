@@ -99,6 +99,8 @@ def config_hash(cfg, step: str) -> str:
     for dotted in UNHASHED:
         section, key = dotted.split(".")
         parts.get(section, {}).pop(key, None)
+    if step == "extract" and cfg.train.method != "eagle3":  # the block drafters' own layers
+        parts["train.dspark.target_layers"] = cfg.train.dspark.target_layers
     if parts.get("extract", {}).get("max_disk_gib") is not None:  # chunks of any size store
         parts["extract"]["max_disk_gib"] = True  # the same features: whether there are chunks
     for dotted, value in NEUTRAL.items():  # new fields at their neutral value: as if absent
