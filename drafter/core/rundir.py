@@ -349,6 +349,10 @@ class Run:
     def eval_plot(self, name: str) -> Path:
         return self.step_dir("evaluate") / f"{name}.png"
 
+    def eval_passes(self) -> Path:
+        """The decoding passes an interrupted evaluate keeps (one JSON file each)."""
+        return self.step_dir("evaluate") / "passes"
+
     def eval_tuned(self) -> Path:
         """What the tuned section of the export READMEs was written from (drafter.measure.tuned)."""
         return self.step_dir("evaluate") / "tuned.json"

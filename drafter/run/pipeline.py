@@ -60,7 +60,7 @@ from drafter.core.rundir import (
     sealed,
     step_inputs,
 )
-from drafter.run import chunked, gpu_release
+from drafter.run import chunked, gpu_release, lifecycle
 from drafter.run.lifecycle import install_signal_handlers, lock_holder, run_lock, signalled
 from drafter.run.preflight import preflight
 from drafter.train import precompile  # light: torch is imported where a child starts
@@ -325,6 +325,8 @@ def _lead(cfg, run: Run, step: str, force: bool, world: int, **kw) -> dict:
         if isinstance(e, Damaged) and e.step in STEPS and e.step != step:
             _mark_damaged(run, e)
         _write_failed(run, step, e)
+        if isinstance(e, KeyboardInterrupt) or signalled() is not None:  # where a rerun starts
+            log.info("%s: stopped; %s", step, lifecycle.resume_point(cfg, run, step))
         raise
     finally:
         _release_memory()
