@@ -87,6 +87,8 @@ NEUTRAL: dict[str, object] = {
     # to mla to retrain those (docs/train.md)
     "train.draft_layer": "auto",
     "train.mla": {},
+    "prepare.sources.field": None,   # through a list: in each source (holders)
+    "evaluate.datasets.field": None,
 }
 
 # Fields removed after runs existed (config.REMOVED), with the value they held (what drafter now
@@ -101,6 +103,17 @@ RETIRED: dict[str, tuple[object, object]] = {
     "extract.engine": ("drafter", "transformers"),
     "generate.server.engine": ("drafter", "local"),
 }
+
+def holders(parts: dict, dotted: str) -> list[tuple[dict, str]]:
+    """(dict, key) of each place a NEUTRAL or RETIRED key names in a config's sections (`parts`:
+    {section: its dict}); through a list, in every item (`prepare.sources.field`)."""
+    section, *path = dotted.split(".")
+    ds = [parts.get(section)]
+    for key in path[:-1]:
+        ds = [x for d in ds if isinstance(d, dict)
+              for x in (d.get(key) if isinstance(d.get(key), list) else [d.get(key)])]
+    return [(d, path[-1]) for d in ds if isinstance(d, dict) and path]
+
 
 # Fields no step's output depends on, left out of every hash: where the chunks of a run pass
 # (drafter/features/spool.py) changes nothing they hold.

@@ -118,7 +118,7 @@ def _datasets(ev) -> list[tuple[str, str, list[dict]]]:
             raise EvaluateError(f"evaluate.datasets[{i}].name '{name}' is used twice (or is "
                                 f"reserved): give each dataset its own name")
         seen.add(name)
-        recs = load_prompts(ds.path, ds.max_prompts)
+        recs = load_prompts(ds.path, ds.max_prompts, field=ds.field)
         out.append((name, ds.path, recs))
     if not out:
         raise EvaluateError("evaluate.datasets is empty")
