@@ -10,6 +10,7 @@ under a probe that lists the threads still alive when the interpreter exits (dae
 the ones nothing joined)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -68,25 +69,27 @@ def write_cfg(path: Path, run_dir: Path, model: Path, **over) -> Path:
     return path
 
 
-def start(cfg: Path, log: Path, until: str | None) -> subprocess.Popen:
+@contextlib.contextmanager
+def running(cfg: Path, log: Path, until: str | None):
     """`drafter run CONFIG [--until STEP]` under the probe, in a session of its own (what a
-    terminal or a scheduler would signal)."""
+    terminal or a scheduler would signal); killed with its group if the test leaves it."""
     with open(log, "ab") as f:
-        return subprocess.Popen(
+        p = subprocess.Popen(
             [sys.executable, "-c", PROBE, "run", str(cfg), *(["--until", until] if until else [])],
             cwd=REPO, env=ENV, stdout=f, stderr=f, start_new_session=True)
+    try:
+        yield p
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def finish(cfg: Path, log: Path, until: str | None) -> str:
     """Rerun the same command to its end; -> what this run logged."""
     at = log.stat().st_size if log.exists() else 0
-    p = start(cfg, log, until)
-    try:
+    with running(cfg, log, until) as p:
         rc = p.wait(timeout=600)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
     text = log.read_text(errors="replace")[at:]
     assert rc == 0, text[-4000:]
     return text
@@ -112,9 +115,8 @@ def stop_at(cfg: Path, run: Run, step: str, ready, log: Path, sig: int = signal.
     of its group left, the step's failed.json. -> {"log": this run's output, "children": the
     command lines of its children at the signal}."""
     at = log.stat().st_size if log.exists() else 0
-    p = start(cfg, log, until or step)
     deadline = time.time() + 600
-    try:
+    with running(cfg, log, until or step) as p:
         while not (run.started(step).exists() and not run.manifest(step).exists() and ready()):
             assert p.poll() is None, f"finished before the stop: {log.read_text()[-3000:]}"
             assert time.time() < deadline, log.read_text()[-3000:]
@@ -126,10 +128,6 @@ def stop_at(cfg: Path, run: Run, step: str, ready, log: Path, sig: int = signal.
         else:
             os.kill(p.pid, sig)
         rc = p.wait(timeout=180)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
     text = log.read_text(errors="replace")[at:]
     assert rc == 128 + sig, text[-4000:]
     assert "terminate called" not in text and "Aborted" not in text, text[-4000:]
