@@ -9,7 +9,7 @@
     drafter plan CONFIG [--json]                    tokens, disk, memory, time, before any load
     drafter precompile CONFIG [--device D]          compile train's graphs into Inductor's cache
     drafter doctor [CONFIG] [--json]                the machine: versions, GPUs, disk, engines
-    drafter check DIR [--target M] [--trust-remote-code] [--json]
+    drafter check DIR [--target M] [--trust-remote-code] [--strict] [--json]
                                                     lint an EAGLE-3 checkpoint directory
     drafter report RUN_DIR                          print the evaluation report
 
@@ -255,6 +255,8 @@ def build_parser(advanced: bool = False) -> argparse.ArgumentParser:
     sp.add_argument("--trust-remote-code", action="store_true", help="let a target that ships "
                     "its own model code (config.json auto_map) run it, as "
                     "target.trust_remote_code does for the steps; off by default")
+    sp.add_argument("--strict", action="store_true", help="exit 1 on warnings too, not only "
+                    "on failures (a CI gate; skipped checks never count)")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(fn=cmd_check)
 

@@ -69,3 +69,4 @@ def steady_speed(monkeypatch):
 
     for name in ("SPREAD", "PLAIN_X_MAX", "DISAGREE"):
         monkeypatch.setattr(speedcheck, name, float("inf"))
+    monkeypatch.setattr(speedcheck, "PLAIN_X_MIN", 0.0)

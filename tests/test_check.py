@@ -659,3 +659,118 @@ def test_sampled_requests_served_with_greedy_drafts_warn(good, tmp_path):
     assert c.status == WARN and "every serving command in README.md drafts greedily" in c.reason
     (d / "README.md").unlink()
     assert NAME not in {c.name for c in run_checks(d).checks}
+
+
+def _t1(command: str) -> str:
+    """A README whose one serving command is for temperature 1."""
+    return f"# D\n\n### Temperature 1\n\n```bash\n{command}\n```\n"
+
+
+SPEC = '{"method": "eagle3", "model": "D", "num_speculative_tokens": 3%s}'
+SAMPLED = ', "draft_sample_method": "probabilistic"'
+# every way vLLM's parser (vllm/utils/argparse_utils.py) takes a speculative config, sampled
+FORMS = {
+    "dash": f"vllm serve T --speculative-config '{SPEC % SAMPLED}'",
+    "underscore": f"vllm serve T --speculative_config '{SPEC % SAMPLED}'",
+    "equals": f"vllm serve T --speculative-config='{SPEC % SAMPLED}'",
+    "short": f"vllm serve T -sc '{SPEC % SAMPLED}'",
+    "escaped": "vllm serve T --speculative-config " + (SPEC % SAMPLED).replace(" ", "")
+    .replace('"', '\\"'),
+    "dotted": "vllm serve T --speculative-config.method eagle3 --speculative_config.model=D "
+              "--speculative-config.draft_sample_method probabilistic",
+    "spec flags": "vllm serve T --spec-method eagle3 --spec-model D --spec-tokens 3 "
+                  "--speculative-config.draft_sample_method=probabilistic",
+    "json dashes": f"vllm serve T --speculative-config '{SPEC % SAMPLED.replace('_', '-')}'",
+    "continued": f"vllm serve T \\\n  --max-model-len 4096 \\\n  --speculative_config "
+                 f"'{SPEC % SAMPLED}'",
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_sampled_drafts_reads_every_form_vllm_takes(good, tmp_path, form):
+    """`--speculative_config`, `--speculative-config=`, `-sc`, an escaped bare JSON, dotted keys,
+    `--spec-*` flags, dashed keys and a command continued over lines are read as vLLM reads
+    them: sampled, the rule passes; the same command drafting greedily warns (it used to pass
+    unread)."""
+    from drafter.export.readme_check import NAME, commands
+
+    d = copy(good, E.NATIVE, tmp_path)
+    text = _t1(FORMS[form])
+    (cmd,) = commands(text)
+    assert cmd["engine"] == "vLLM" and cmd["temperature"] == 1.0 and cmd["line"] == 6
+    assert cmd["samples"] and cmd["refused"] is None, cmd
+    assert cmd["config"]["method"] == "eagle3" and str(cmd["config"]["model"]) == "D"
+    (d / "README.md").write_text(text)
+    c = next(c for c in run_checks(d).checks if c.name == NAME)
+    assert c.status == PASS, c.reason
+    greedy = text.replace("probabilistic", "greedy")
+    (d / "README.md").write_text(greedy)
+    c = next(c for c in run_checks(d).checks if c.name == NAME)
+    assert c.status == WARN and "the vLLM command for temperature 1 drafts greedily" in c.reason
+
+
+TYPO = SPEC % ', "draft_sample_method": "probabilistc"'
+UNKNOWN = SPEC % ', "draft_sampling_method": "greedy"'
+REFUSED = {  # what vLLM would not start: the command, what the warning must say
+    "typo": (f"vllm serve T --speculative-config '{TYPO}'", "draft_sample_method='probabilistc'"),
+    "unknown key": (f"vllm serve T --speculative_config '{UNKNOWN}'",
+                    "unknown key 'draft_sampling_method'"),
+    "out of range": ("vllm serve T --speculative-config '{\"method\": \"eagle3\", "
+                     "\"num_speculative_tokens\": 0}'", "num_speculative_tokens=0"),
+    "bad json": ("vllm serve T --speculative-config '{\"method\": \"eagle3\",}'",
+                 "is not a JSON object"),
+    "unquoted": ("vllm serve T --speculative-config {\"method\": \"eagle3\"}",
+                 "is not a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_speculative_config_vllm_refuses_is_reported_as_refused(good, tmp_path, case):
+    """A misspelt `draft_sample_method`, an unknown key, a value out of range and JSON the shell
+    or json.loads breaks are what vLLM refuses (checked against the installed vLLM's
+    SpeculativeConfig): the warning says so, never that the command drafts greedily."""
+    import importlib.util
+
+    from drafter.export.readme_check import NAME
+
+    command, want = REFUSED[case]
+    if importlib.util.find_spec("vllm") is None and case in ("unknown key", "out of range"):
+        pytest.skip("the keys and ranges of its fields are vLLM's to know")
+    d = copy(good, E.NATIVE, tmp_path)
+    (d / "README.md").write_text(_t1(command))
+    c = next(c for c in run_checks(d).checks if c.name == NAME)
+    assert c.status == WARN and "vLLM refuses this command's speculative config" in c.reason
+    assert want in c.reason and "line 6" in c.reason
+    assert "greedily" not in c.reason
+
+
+def test_refusals_without_vllm_come_from_the_values_drafter_knows(monkeypatch):
+    """Without vLLM installed the known literal sets decide: a misspelt draft_sample_method or
+    rejection_sample_method is refused; what only vLLM knows is not judged."""
+    from drafter.export import readme_check as R
+
+    monkeypatch.setattr(R, "_vllm_fields", lambda: None)
+    assert "is not one of 'greedy', 'probabilistic'" in R.refusal(
+        {"method": "eagle3", "draft_sample_method": "probabilistc"})
+    assert "rejection_sample_method" in R.refusal({"rejection_sample_method": "strict"})
+    assert R.refusal({"method": "eagle3", "draft_sample_method": "probabilistic",
+                      "anything": 1}) is None
+
+
+def test_cli_strict_exits_non_zero_on_warnings(good, tiny_target, tmp_path):
+    """`drafter check --strict` (a CI gate) exits 1 when a check warns, where plain `drafter
+    check` exits 0; a dir with no warning passes both."""
+    d = copy(good, E.NATIVE, tmp_path)
+    args = (str(d), "--target", str(tiny_target), "--no-smoke", "--json")
+    p = _cli(*args, "--strict")
+    out = json.loads(p.stdout)
+    assert out["strict"] is True and out["counts"]["fail"] == 0, p.stdout
+    assert p.returncode == (1 if out["counts"]["warn"] else 0), p.stdout
+    text = (d / "README.md").read_text()
+    (d / "README.md").write_text(text.replace(',"draft_sample_method":"probabilistic"', ""))
+    p = _cli(*args)
+    assert p.returncode == 0 and json.loads(p.stdout)["counts"]["warn"] >= 1, p.stdout
+    p = _cli(*args, "--strict")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert any(c["name"] == "sampled_drafts" and c["status"] == WARN
+               for c in json.loads(p.stdout)["checks"])

@@ -570,14 +570,16 @@ def test_a_bfloat16_only_divergence_passes_as_drift(smollm2_dir, tmp_path, monke
     assert "Lossless: PASS" in text and "bf16 drift" in text
 
 
-@pytest.mark.parametrize("plant", ["every plain step", "the chain's pass"])
+@pytest.mark.parametrize("plant", ["every plain step", "the chain's pass", "plain's forward"])
 def test_a_planted_slowdown_is_reported_instead_of_a_speedup(smollm2_dir, tmp_path, monkeypatch,
                                                              plant):
     """A load planted on one method: a sleep in every plain step (plain decoding slowed
-    throughout: its step runs many times its forward), or in the chain's steps during its pass
-    only (a load that came and went: the pass and the same chain timed in turns disagree). The
-    report says the speedups are unreliable and why instead of printing them, the tuner
-    recommends nothing, and the export README carries no expected speedup."""
+    throughout: its step runs many times its forward), in the chain's steps during its pass
+    only (a load that came and went: the pass and the same chain timed in turns disagree), or
+    in plain's target forward while it is timed on its own (its parts: the plain step then runs
+    faster than its own forward). The report says the speedups are unreliable and why instead
+    of printing them, the tuner recommends nothing, and the export README carries no expected
+    speedup."""
     import time
 
     from drafter.decoding.decode import Decoder
@@ -594,6 +596,23 @@ def test_a_planted_slowdown_is_reported_instead_of_a_speedup(smollm2_dir, tmp_pa
             time.sleep(0.1)
             return real(self, *a, **kw)
         monkeypatch.setattr(Decoder, "_plain_step", slowed)
+    elif plant == "plain's forward":
+        real_parts = Decoder.parts_ms
+
+        def loaded(self, proposer, *a, **kw):  # another job while plain's parts are timed
+            if proposer is not None:
+                return real_parts(self, proposer, *a, **kw)
+            real = self.target.forward
+
+            def slow(*x, **y):
+                time.sleep(0.05)
+                return real(*x, **y)
+            self.target.forward = slow
+            try:
+                return real_parts(self, proposer, *a, **kw)
+            finally:
+                del self.target.forward
+        monkeypatch.setattr(Decoder, "parts_ms", loaded)
     else:
         real_decode, real_chain = E._decode, Decoder._chain_step
         in_pass = []
@@ -621,8 +640,9 @@ def test_a_planted_slowdown_is_reported_instead_of_a_speedup(smollm2_dir, tmp_pa
     m = json.loads(run.eval_metrics().read_text())
     check = m["settings"]["speed_check"]["0.0"]
     assert m["lossless"] and not check["reliable"]
-    want = "waited on something else" if plant == "every plain step" else \
-        "drafter: chain K=2, T=0: its pass ran at"
+    want = {"every plain step": "waited on something else",
+            "the chain's pass": "drafter: chain K=2, T=0: its pass ran at",
+            "plain's forward": "was timed under a load the steps did not see"}[plant]
     assert any(want in r for r in check["reasons"]), check["reasons"]
     assert "recommended" not in m["settings"]
     assert m["runs"][0]["datasets"]["overall"]["speed_reliable"] is False

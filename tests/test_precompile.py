@@ -337,6 +337,41 @@ def test_pipeline_stops_the_child_when_the_run_fails_before_train(ahead, tiny, t
     assert precompile._ahead is None
 
 
+def test_sigterm_while_train_waits_for_the_child_stops_it(ahead, tiny, tmp_path, monkeypatch):
+    """A SIGTERM while train waits for the child started ahead of it (finish): the child is
+    stopped at once, nothing is left for a later train, and train's failed.json says it was
+    interrupted, naming the signal."""
+    import signal
+    import threading
+
+    from drafter.run import lifecycle
+
+    monkeypatch.setenv("_TEST_NAP", "60")
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.getsignal(s) for s in sigs}
+    run = Run(tmp_path / "run")
+
+    def term_in_train():  # once train waits for the child
+        t_end = time.time() + 60
+        while not run.started("train").exists() and time.time() < t_end:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=term_in_train, daemon=True).start()
+    t = time.perf_counter()
+    try:
+        with pytest.raises(lifecycle.Interrupted):
+            pipeline.run_all(cfg_for(tiny, run_dir=run.root))
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        lifecycle._SIGNALLED.clear()
+    assert ahead.calls[-1] == "train" and ahead.children[0].poll() is not None
+    assert time.perf_counter() - t < 30 and precompile._ahead is None
+    f = read_json(run.failed("train"))
+    assert f["interrupted"] is True and "SIGTERM" in f["error"]
+
+
 # --------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_online_run_trains_with_the_graphs_precompiled_ahead(smollm2_dir, shared_data, tmp_path):

@@ -94,11 +94,12 @@ def test_new_fields_at_their_neutral_value_keep_fingerprints(tmp_path, monkeypat
             section, *path = name.split(".")
             if section not in parts:
                 continue
-            d = parts[section]
-            for key in path[:-1]:
-                d = d[key]
-            assert d[path[-1]] == value      # the default is the neutral value
-            del d[path[-1]]
+            ds = [parts[section]]
+            for key in path[:-1]:  # through a list (prepare.sources.field): every item's
+                ds = [x for d in ds for x in (d[key] if isinstance(d[key], list) else [d[key]])]
+            for d in ds:
+                assert d[path[-1]] == value  # the default is the neutral value
+                del d[path[-1]]
         before = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
         assert pipeline.config_hash(cfg, step) == before
         value = NEUTRAL[dotted]
@@ -107,7 +108,11 @@ def test_new_fields_at_their_neutral_value_keep_fingerprints(tmp_path, monkeypat
                  "train.dspark": "{block_size: 4}"}.get(dotted) or (
             "[0.5]" if isinstance(value, list) else "true" if value is False else
             "false" if value is True else "1")
-        assert pipeline.config_hash(cfg_for(tmp_path, f"{dotted}={other}"), step) != before
+        section, *path = dotted.split(".")
+        over = f"{dotted}={other}"
+        if len(path) == 2 and isinstance(C.to_dict(getattr(cfg, section)).get(path[0]), list):
+            over = f"{section}.{path[0]}[0].{path[1]}=Instruction"  # a key of a list's items
+        assert pipeline.config_hash(cfg_for(tmp_path, over), step) != before, over
 
 
 # Keys a config held before they were removed, and values spelled otherwise then (config.REMOVED,
@@ -158,11 +163,13 @@ def test_a_snapshot_from_before_keys_were_retired_keeps_its_fingerprints(tmp_pat
         for dotted, value in {**NEUTRAL, **NEUTRAL_BEFORE}.items():
             section, *path = dotted.split(".")
             if section in parts and path:
-                d = parts[section]
-                for key in path[:-1]:
-                    d = d[key]
-                if d.get(path[-1], not value) == value:
-                    del d[path[-1]]
+                ds = [parts[section]]
+                for key in path[:-1]:  # through a list: every item's
+                    ds = [x for d in ds for x in (d[key] if isinstance(d[key], list)
+                                                  else [d[key]])]
+                for d in ds:
+                    if d.get(path[-1], not value) == value:
+                        del d[path[-1]]
         then = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
         assert pipeline.config_hash(cfg, step) == then, step
 

@@ -217,3 +217,64 @@ def test_hf_dataset_folder(tmp_path):
     assert len(recs) == 4 and bad == [] and recs[3]["id"] == "mine:000003"
     with pytest.raises(SourceError, match="no split 'test'"):
         read(tmp_path / "ds", split="test")
+
+
+def test_a_field_of_ones_own_is_read_where_the_format_reads_its_prompt(tmp_path):
+    """A prompt file whose prompt is `Instruction` (capitalised, as in a public test set): refused
+    with a message naming `field`, read through `field: Instruction` (format auto or prompt)
+    without rewriting the file; a record without it is a reject naming the key. `field` also
+    names a list of turns or of messages, and the instruction of an alpaca record."""
+    rows = [{"Instruction": "Name a prime.", "id": 7}, {"Instruction": "Name a colour."},
+            {"Prompt": "no Instruction here"}]
+    p = write_jsonl(tmp_path / "test_set.jsonl", rows)
+    with pytest.raises(SourceError, match="`field` to the field that holds the prompt"):
+        read(p)
+    for fmt in ("auto", "prompt"):
+        recs, bad, stats = read(p, field="Instruction", format=fmt)
+        assert stats["format"] == "prompt"
+        assert [r["messages"] for r in recs] == [[{"role": "user", "content": "Name a prime."}],
+                                                 [{"role": "user", "content": "Name a colour."}]]
+        assert recs[0]["meta"] == {"orig_id": 7}
+        assert [(b.reason, b.line) for b in bad] == [("missing_field", 3)]
+        assert "no 'Instruction' field (the source's `field`" in bad[0].detail
+    turns = write_jsonl(tmp_path / "turns.jsonl", [{"Turns": ["q1", "q2"], "turns": ["x"]}])
+    recs, _, _ = read(turns, field="Turns")
+    assert [m["content"] for m in recs[0]["messages"]] == ["q1", "q2"]
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"dialog": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}])
+    recs, _, stats = read(chat, field="dialog")
+    assert stats["format"] == "openai" and [m["role"] for m in recs[0]["messages"]] == \
+        ["user", "assistant"]
+    alp = write_jsonl(tmp_path / "alp.jsonl", [{"Question": "Add 2 and 3.", "input": "",
+                                                "output": "5"}])
+    recs, _, _ = read(alp, field="Question", format="alpaca")
+    assert recs[0]["messages"] == [{"role": "user", "content": "Add 2 and 3."},
+                                   {"role": "assistant", "content": "5"}]
+
+
+def test_the_field_key_reaches_prepare_and_evaluate(tmp_path):
+    """`field` is a typed key of a prepare source and of an evaluate dataset (the same reader),
+    given in YAML; an unknown key beside it is still an error."""
+    import yaml
+
+    from drafter.core import config as C
+    from drafter.steps.evaluate import _datasets
+
+    p = write_jsonl(tmp_path / "test_set.jsonl", [{"Instruction": f"Q{i}"} for i in range(3)])
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "run_dir": str(tmp_path / "run"),
+        "prepare": {"sources": [{"path": str(p), "field": "Instruction"}]},
+        "evaluate": {"datasets": [{"name": "set", "path": str(p), "field": "Instruction",
+                                   "max_prompts": 2}]}}))
+    cfg = C.load(cfg_path)
+    src = cfg.prepare.sources[0]
+    assert src.field == "Instruction"
+    recs = [r for r in read_source(src) if not isinstance(r, Reject)]
+    assert [r["messages"][0]["content"] for r in recs] == ["Q0", "Q1", "Q2"]
+    ((name, _, got),) = _datasets(cfg.evaluate)
+    assert name == "set" and [r["messages"][0]["content"] for r in got] == ["Q0", "Q1"]
+    cfg_path.write_text(cfg_path.read_text().replace("field: Instruction", "feld: Instruction",
+                                                     1))
+    with pytest.raises(C.ConfigError, match="feld"):
+        C.load(cfg_path)

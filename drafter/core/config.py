@@ -95,6 +95,9 @@ class SourceConfig:
                     user=True)
     format: Literal["auto", "sharegpt", "openai", "alpaca", "prompt"] = doc(
         "auto", "record format; auto detects it from the fields of the first records")
+    field: str | None = doc(None, "the record field to read where the format reads its prompt "
+                            "(e.g. Instruction): the prompt text or turns, the messages "
+                            "(openai), the conversation (sharegpt) or the instruction (alpaca)")
     split: str = doc("train", "split of a HF dataset", user=True)
     subset: str | None = doc(None, "config name of a HF dataset")
     max_samples: int | None = doc(None, "keep at most this many records from this source",
@@ -329,6 +332,8 @@ class EvalDatasetConfig:
     name: str = doc("", "name used in the report", user=True)
     path: str = doc("", "JSONL(.gz) file or builtin:humaneval", user=True)
     max_prompts: int | None = doc(None, "use the first N prompts", user=True)
+    field: str | None = doc(None, "the record field holding the prompt (e.g. Instruction), as "
+                            "prepare's sources take it")
 
 
 @dataclass

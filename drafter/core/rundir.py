@@ -90,6 +90,8 @@ NEUTRAL: dict[str, object] = {
     "train.method": "eagle3",
     "train.dspark": {"block_size": 8, "layers": 5, "target_layers": 5, "markov_rank": 64,
                      "confidence_head": True, "anchors": 256, "mask_token_id": None},
+    "prepare.sources.field": None,   # through a list: in each source (holders)
+    "evaluate.datasets.field": None,
 }
 
 # Fields removed after runs existed (config.REMOVED), with the value they held (what drafter now
@@ -104,6 +106,17 @@ RETIRED: dict[str, tuple[object, object]] = {
     "extract.engine": ("drafter", "transformers"),
     "generate.server.engine": ("drafter", "local"),
 }
+
+def holders(parts: dict, dotted: str) -> list[tuple[dict, str]]:
+    """(dict, key) of each place a NEUTRAL or RETIRED key names in a config's sections (`parts`:
+    {section: its dict}); through a list, in every item (`prepare.sources.field`)."""
+    section, *path = dotted.split(".")
+    ds = [parts.get(section)]
+    for key in path[:-1]:
+        ds = [x for d in ds if isinstance(d, dict)
+              for x in (d.get(key) if isinstance(d.get(key), list) else [d.get(key)])]
+    return [(d, path[-1]) for d in ds if isinstance(d, dict) and path]
+
 
 # Fields no step's output depends on, left out of every hash: where the chunks of a run pass
 # (drafter/features/spool.py) changes nothing they hold.
@@ -351,6 +364,10 @@ class Run:
 
     def eval_plot(self, name: str) -> Path:
         return self.step_dir("evaluate") / f"{name}.png"
+
+    def eval_passes(self) -> Path:
+        """The decoding passes an interrupted evaluate keeps (one JSON file each)."""
+        return self.step_dir("evaluate") / "passes"
 
     def eval_tuned(self) -> Path:
         """What the tuned section of the export READMEs was written from (drafter.measure.tuned)."""

@@ -14,7 +14,8 @@ Record formats, detected from the first records unless `SourceConfig.format` nam
   prompt    {"turns": [...]} (MT-bench: successive user turns), or one of "prompt", "question",
             "instruction" (+ "input"), "query"
 Messages may use from/value or role/content in either list format. Content given as a list of
-text parts is joined.
+text parts is joined. `SourceConfig.field` names a field of the user's own (`Instruction`), read
+where the format reads its prompt (`pick_field`).
 """
 from __future__ import annotations
 
@@ -71,6 +72,35 @@ def detect_format(objs: list, where: str, fields_hint: str = "") -> str:
                       f"records (count): {fields}. Expected 'conversations' (sharegpt), "
                       f"'messages' (openai), 'instruction'+'output' (alpaca) or one of "
                       f"{', '.join(PROMPT_FIELDS)} (prompt){fields_hint}")
+
+
+# --------------------------------------------------------------------------- a field of one's own
+# Where each format reads what a source's `field` names (prompt: `prompt`, or `turns` for a list
+# of strings). The other names any format reads first go, so that the named field is the one read.
+FIELD_AS = {"openai": "messages", "sharegpt": "conversations", "alpaca": "instruction"}
+_READ_FIRST = (*PROMPT_FIELDS, "messages", "conversations", "conversation")
+
+
+def pick_field(obj: Any, field: str, fmt: str) -> Any:
+    """The record with `field` (SourceConfig.field) under the name `fmt` reads: the prompt
+    (format prompt; a list of strings: its turns; a list of messages: them), the messages
+    (openai), the conversation (sharegpt) or the instruction (alpaca); auto: by its value (text:
+    prompt, a list of strings: turns, a list of objects: messages). Raises BadRecord when the
+    record lacks it."""
+    if not isinstance(obj, dict):
+        return obj  # to_messages says what it is
+    if field not in obj:
+        raise BadRecord("missing_field", f"no '{field}' field (the source's `field`; fields: "
+                        f"{', '.join(map(str, obj))})")
+    v = obj[field]
+    listed = isinstance(v, list) and bool(v)
+    key = FIELD_AS.get(fmt) or (
+        "turns" if listed and all(isinstance(x, str) for x in v) else
+        "messages" if fmt == "auto" and listed and all(isinstance(x, dict) for x in v) else
+        "prompt")
+    out = {k: x for k, x in obj.items() if k != field and k not in _READ_FIRST}
+    out[key] = v
+    return out
 
 
 # --------------------------------------------------------------------------- records to messages
@@ -203,7 +233,8 @@ def to_messages(obj: Any, fmt: str) -> tuple[list[dict], list | None]:
             key = next((k for k in PROMPT_FIELDS if k in obj), None)
             if key is None:
                 raise BadRecord("missing_field", f"none of {', '.join(PROMPT_FIELDS)} "
-                                f"(fields: {', '.join(map(str, obj))})")
+                                f"(fields: {', '.join(map(str, obj))}; the source's `field` "
+                                f"names another)")
             x = obj[key]
             if isinstance(x, list) and x and all(isinstance(m, dict) and
                                                  ("role" in m or "from" in m) for m in x):

@@ -36,6 +36,7 @@ from drafter.data.formats import (
     SourceError,
     check_conversation,
     detect_format,
+    pick_field,
     record_meta,
     to_messages,
 )
@@ -302,6 +303,9 @@ def read_source(src, require_assistant: bool = False, stats: dict | None = None,
         return
     raw = iter_raw(src)
     fmt = src.format
+    if getattr(src, "field", None):  # the user's own name for what the format reads first
+        raw = ((f, n, o if isinstance(o, BadRecord) else _picked(o, src.field, fmt))
+               for f, n, o in raw)
     head: list = []
     if fmt == "auto":
         for item in raw:
@@ -311,7 +315,8 @@ def read_source(src, require_assistant: bool = False, stats: dict | None = None,
         if not head:
             raise SourceError(f"{src.path}: no records")
         fmt = detect_format([o for _, _, o in head if not isinstance(o, BadRecord)], src.path,
-                            " (or set the source's `format`)")
+                            " (or set the source's `format`, and `field` to the field that holds "
+                            "the prompt or the messages)")
         log.info("source %s: format %s (detected)", name, fmt)
     stats["format"] = fmt  # type: ignore[assignment]  (a note for the caller, not a count)
 
@@ -341,14 +346,23 @@ def read_source(src, require_assistant: bool = False, stats: dict | None = None,
         raise SourceError(f"{src.path}: no records")
 
 
-def load_prompts(path: str, max_n: int | None = None, format: str = "auto") -> list[dict]:
+def _picked(obj, field: str, fmt: str):
+    try:
+        return pick_field(obj, field, fmt)
+    except BadRecord as e:  # a Reject of this record, as unreadable JSON is
+        return e
+
+
+def load_prompts(path: str, max_n: int | None = None, format: str = "auto",
+                 field: str | None = None) -> list[dict]:
     """The first `max_n` prompts of an evaluation set, as canonical records holding only their
     system and user turns (MT-bench: both turns, in order; answers in the file are dropped).
-    Malformed records are skipped with a warning naming file:line."""
+    `field`: the record field holding the prompt (SourceConfig.field). Malformed records are
+    skipped with a warning naming file:line."""
     from drafter.core.config import SourceConfig
 
     out, bad = [], []
-    for item in read_source(SourceConfig(path=path, format=format)):
+    for item in read_source(SourceConfig(path=path, format=format, field=field)):
         if isinstance(item, Reject):
             bad.append(item)
             continue

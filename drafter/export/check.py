@@ -1,7 +1,8 @@
-"""`drafter check DIR [--target MODEL_OR_CONFIG] [--trust-remote-code] [--json]`: lint any EAGLE-3
-directory (ours or a published one, native or speculators layout) for the known acceptance
-killers (ENGINES.md, "Why drafters accept less in an engine than offline"). Each check is named
-and ends pass, warn or fail with a one-line reason; the exit code is 1 when any check fails.
+"""`drafter check DIR [--target MODEL_OR_CONFIG] [--trust-remote-code] [--strict] [--json]`: lint
+any EAGLE-3 directory (ours or a published one, native or speculators layout) for the known
+acceptance killers (ENGINES.md, "Why drafters accept less in an engine than offline"). Each check
+is named and ends pass, warn or fail with a one-line reason; the exit code is 1 when any check
+fails, and with --strict (a CI gate, as yamllint's and mkdocs's --strict) when any warns too.
 The static checks are in drafter/export/rules.py; this module runs them, runs the acceptance
 smoke test and reports.
 
@@ -257,12 +258,13 @@ def format_report(r: Report) -> str:
 
 
 def main(args) -> int:
-    """CLI entry: args.dir, args.target, args.json, args.no_smoke, args.trust_remote_code.
-    Returns 1 when any check fails."""
+    """CLI entry: args.dir, args.target, args.json, args.no_smoke, args.trust_remote_code,
+    args.strict. Returns 1 when any check fails, or (strict) warns."""
     report = run_checks(args.dir, args.target, smoke=not getattr(args, "no_smoke", False),
                         trust_remote_code=getattr(args, "trust_remote_code", False))
+    strict = getattr(args, "strict", False)
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        print(json.dumps({**report.to_dict(), "strict": strict}, indent=2))
     else:
         print(format_report(report))
-    return 0 if report.ok else 1
+    return 0 if report.ok and not (strict and report.counts[WARN]) else 1

@@ -29,6 +29,7 @@ formula (`drafter plan` uses it too); the reference EAGLE-3 layout stores 8*Ht +
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import logging
@@ -328,6 +329,21 @@ class ShardWriter:
             t.join()
         self._raise()
         return self.entries
+
+    def stop(self) -> None:
+        """After an error or a signal: the shards being written finish (each is complete or
+        absent), those waiting are dropped, and the threads end here: a thread still in torch
+        when the interpreter exits aborts the process instead of its exit status."""
+        self.error = self.error or _Stopped()  # the threads take the queued jobs, unwritten
+        for t in self.threads:
+            while t.is_alive():
+                with contextlib.suppress(queue.Full):
+                    self.q.put_nowait(None)
+                t.join(0.05)
+
+
+class _Stopped(Exception):
+    """ShardWriter.stop: the jobs still queued are not written."""
 
 
 # ---------------------------------------------------------------------------------- the index

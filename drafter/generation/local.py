@@ -6,6 +6,7 @@ thread; the static decoder for models the paged generator does not support.
     gen.generate(prompts, 512, temperature=0.0, top_p=1.0, seed=0)   # [(token_ids, finish)]
     feed = gen.start(on_result, max_len, max_new)    # an open stream: feed.put(...) while
     feed.close(); feed.join()                          # the generators decode (Feed)
+    feed.stop()                                        # or: abort, and wait for them to end
 """
 from __future__ import annotations
 
@@ -195,6 +196,14 @@ class Feed:
 
     def abort(self) -> None:
         self.stream.abort()
+
+    def stop(self, timeout: float = 120.0) -> None:
+        """Abort, and wait for the generators' thread to end (each ends its step in hand): a
+        thread still in torch when the interpreter exits aborts the process ("terminate called
+        without an active exception") instead of its exit status."""
+        self.stream.abort()
+        if self.thread is not None:
+            self.thread.join(timeout)
 
     def join(self) -> None:
         self.stream.close()

@@ -22,6 +22,9 @@ A temperature's speed figures are unreliable, and the tuner recommends nothing f
   work (docs/evaluate.md, "A step against its parts"; BENCHMARKS.md#decoding) and some more for
   a tiny target on a CPU, whose forward is a few milliseconds of Python; a step many times its
   forward is waiting on something else;
+- a plain step took less than PLAIN_X_MIN times its parts: a plain step runs that forward and
+  more, so the forward, timed on its own after the passes, ran under a load the steps did not
+  see (or the steps under less), and every figure divided by it is that load's;
 - a setting's pass ran at a step time more than DISAGREE times off the one it ran at in turns
   (either way; both having run MIN_STEPS decode steps): the pass, one after the other, saw a
   machine the turns did not (the turns decode the first prompts only, at the rows the passes
@@ -37,6 +40,7 @@ REPEATS = 3        # interleaved repeats of every setting
 MIN_SECONDS = 0.25  # a repeat decodes the prompts again until its steps took this long
 SPREAD = 0.5       # a setting's repeats: max / min - 1 above this is unstable
 PLAIN_X_MAX = 5.0  # a plain step over its target forward (x_parts) above this is not its own
+PLAIN_X_MIN = 0.8  # ... below this, the forward was timed under another load than the steps
 DISAGREE = 2.0     # a pass's step time against the turns': a ratio beyond this either way
 MIN_STEPS = 16     # ... compared only when the pass ran this many decode steps
 
@@ -90,6 +94,11 @@ def check(runs: list[dict], plain: dict, timing: dict, plain_name: str = "plain"
                        f"{plain['parts_ms']:.2f} ms of its target forward ({x:.2f}x, above "
                        f"{PLAIN_X_MAX:g}x): a plain step is that forward plus one token's "
                        "sampling and commit, so it waited on something else")
+    elif x and x < PLAIN_X_MIN:
+        reasons.append(f"plain's decode step took {plain['decode_step_ms']:.2f} ms against the "
+                       f"{plain['parts_ms']:.2f} ms of its target forward ({x:.2f}x, below "
+                       f"{PLAIN_X_MIN:g}x): a plain step runs that forward and more, so the "
+                       "forward was timed under a load the steps did not see")
     p_med = (timing.get(plain_name) or {}).get("median")
     for name, o in [(plain_name, plain)] + [(r["name"], r["datasets"]["overall"]) for r in runs]:
         med = (timing.get(name) or {}).get("median")
@@ -103,7 +112,8 @@ def check(runs: list[dict], plain: dict, timing: dict, plain_name: str = "plain"
                            "between the passes")
     return {"reliable": not reasons, "reasons": reasons, "interleaved": timing,
             "limits": {"repeats": REPEATS, "spread": SPREAD, "plain_x_max": PLAIN_X_MAX,
-                       "disagree": DISAGREE, "min_steps": MIN_STEPS}}
+                       "plain_x_min": PLAIN_X_MIN, "disagree": DISAGREE,
+                       "min_steps": MIN_STEPS}}
 
 
 def mark(runs: list[dict], verdict: dict) -> None:

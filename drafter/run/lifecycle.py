@@ -1,7 +1,8 @@
 """A drafter process's life in a run dir: one process per run dir at a time (an flock on
 RUN_DIR/.lock, released by the kernel even on kill -9), and SIGTERM and SIGHUP unwinding a step
-like Ctrl-C, so that servers stop and the step's folder stays resumable. drafter/run/pipeline.py
-takes the lock around its steps and installs the handlers before each step runs.
+like Ctrl-C, so that servers stop and the step's folder stays resumable, and what a rerun of a
+stopped step resumes from (`resume_point`, the stop's log line). drafter/run/pipeline.py takes
+the lock around its steps and installs the handlers before each step runs.
 """
 from __future__ import annotations
 
@@ -48,6 +49,41 @@ def install_signal_handlers() -> None:
             signal.signal(sig, handler)
         except ValueError:  # not the main thread (tests calling steps from threads)
             pass
+
+
+def resume_point(cfg, run: Run, step: str) -> str:
+    """What a rerun of a stopped step starts from, for the log line of the stop: train's
+    checkpoint, the answers, shards or decoding passes the step keeps, else that it redoes."""
+    if step == "train":
+        from drafter.train.checkpoint import checkpoint_step, verify_checkpoint
+
+        tc = cfg.train
+        if tc.resume in ("off", False):
+            return "train.resume is off: the rerun starts train over"
+        if tc.resume not in ("auto", True):
+            return f"the rerun resumes from train.resume ({tc.resume})"
+        ckpt = next((p for p in reversed(run.checkpoints())  # sizes only: the stop is no time
+                     if verify_checkpoint(p, full=False) is None), None)  # to hash GBs
+        return f"the rerun resumes from checkpoint {ckpt} (step {checkpoint_step(ckpt)})" \
+            if ckpt is not None else "no checkpoint yet: the rerun starts train over"
+    if step == "generate":
+        p = run.conversations("generate")
+        n = p.read_bytes().count(b"\n") if p.exists() else 0
+        return f"the rerun keeps {_n(n, 'conversation')} answered in {p}, answers the rest"
+    if step == "extract":
+        n = sum(1 for split in ("train", "val") if run.shards(split).is_dir()
+                for _ in run.shards(split).glob("shard_*.safetensors"))
+        return f"the rerun keeps {_n(n, 'shard')} written in {run.step_dir(step)} (those that " \
+               f"verify), extracts the rest"
+    if step == "evaluate":
+        n = len(list(run.eval_passes().glob("*.json"))) if run.eval_passes().is_dir() else 0
+        return f"the rerun keeps {_n(n, 'decoding pass')} finished in {run.eval_passes()}, " \
+               f"decodes the rest"
+    return "the rerun redoes it"
+
+
+def _n(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "es" if what.endswith("s") else "s")
 
 
 # ------------------------------------------------------------------------------------ locking

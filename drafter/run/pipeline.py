@@ -55,12 +55,13 @@ from drafter.core.rundir import (
     atomic_json,
     atomic_write,
     dir_bytes,
+    holders,
     read_json,
     remove_dir,
     sealed,
     step_inputs,
 )
-from drafter.run import chunked, gpu_release
+from drafter.run import chunked, gpu_release, lifecycle
 from drafter.run.lifecycle import install_signal_handlers, lock_holder, run_lock, signalled
 from drafter.run.preflight import preflight
 from drafter.train import precompile  # light: torch is imported where a child starts
@@ -104,19 +105,13 @@ def config_hash(cfg, step: str) -> str:
     if parts.get("extract", {}).get("max_disk_gib") is not None:  # chunks of any size store
         parts["extract"]["max_disk_gib"] = True  # the same features: whether there are chunks
     for dotted, value in NEUTRAL.items():  # new fields at their neutral value: as if absent
-        section, *path = dotted.split(".")
-        d = parts.get(section)
-        for key in path[:-1]:
-            d = d.get(key) if isinstance(d, dict) else None
-        if isinstance(d, dict) and path and path[-1] in d and d[path[-1]] == value:
-            del d[path[-1]]
+        for d, key in holders(parts, dotted):
+            if key in d and d[key] == value:
+                del d[key]
     for dotted, (now, before) in RETIRED.items():  # removed fields, renamed values: as before
-        section, *path = dotted.split(".")
-        d = parts.get(section)
-        for key in path[:-1]:
-            d = d.get(key) if isinstance(d, dict) else None
-        if isinstance(d, dict) and path and d.get(path[-1]) == now:
-            d[path[-1]] = before
+        for d, key in holders(parts, dotted):
+            if d.get(key) == now:
+                d[key] = before
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -327,6 +322,8 @@ def _lead(cfg, run: Run, step: str, force: bool, world: int, **kw) -> dict:
         if isinstance(e, Damaged) and e.step in STEPS and e.step != step:
             _mark_damaged(run, e)
         _write_failed(run, step, e)
+        if isinstance(e, KeyboardInterrupt) or signalled() is not None:  # where a rerun starts
+            log.info("%s: stopped; %s", step, lifecycle.resume_point(cfg, run, step))
         raise
     finally:
         _release_memory()

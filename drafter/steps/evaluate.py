@@ -124,7 +124,7 @@ def _datasets(ev) -> list[tuple[str, str, list[dict]]]:
             raise EvaluateError(f"evaluate.datasets[{i}].name '{name}' is used twice (or is "
                                 f"reserved): give each dataset its own name")
         seen.add(name)
-        recs = load_prompts(ds.path, ds.max_prompts)
+        recs = load_prompts(ds.path, ds.max_prompts, field=ds.field)
         out.append((name, ds.path, recs))
     if not out:
         raise EvaluateError("evaluate.datasets is empty")
@@ -285,7 +285,7 @@ def _pass(run: Run, key: str, prompts: _Prompts, fn):
     from drafter.decoding.decode import Output
 
     name = hashlib.sha256(key.encode()).hexdigest()[:16]
-    p = run.step_dir("evaluate") / "passes" / f"{name}.json"
+    p = run.eval_passes() / f"{name}.json"
     if p.exists():
         d = read_json(p)
         if d.get("key") == key and "stats" in d:
@@ -508,7 +508,7 @@ def main(cfg) -> dict:
     try:
         metrics = finish(run, settings, runs, plain_all, in_vllm)
     finally:
-        shutil.rmtree(run.step_dir("evaluate") / "passes", ignore_errors=True)
+        shutil.rmtree(run.eval_passes(), ignore_errors=True)
     return {"counts": {"prompts": sum(d["prompts"] for d in ds_info.values()), "runs": len(runs),
                        "new_tokens": primary["datasets"]["overall"]["new_tokens"],
                        "mismatches": metrics["mismatches"], "ties": metrics["ties"],

@@ -347,6 +347,10 @@ def _write_shards(cap, info: dict, tables, todo: list[Shard], ec, writes: bool, 
             _extract_shard(cap, tables[s.split], s, ec, writer, bar)
         if writer is not None:
             written = writer.close()
+    except BaseException:  # an error or a signal: the writer's threads end with the step
+        if writer is not None:
+            writer.stop()
+        raise
     finally:
         bar.close()
     return written, time.time() - t0

@@ -543,7 +543,7 @@ def _stream_local(loc: _Local, records: Iterator[dict]) -> None:
                 put(loc.finish(done))
         feed.join()
     except BaseException:
-        feed.abort()
+        feed.stop()  # no generator thread outlives the step (a signal's stop included)
         raise
     finally:
         sys.setswitchinterval(interval)

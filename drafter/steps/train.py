@@ -338,7 +338,9 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     finally:
         if gc_clock is not None:
             gc_clock.close()
-        feed.close()
+        if chunks is not None:  # a loader waiting for a chunk stops waiting
+            chunks.close()
+        feed.close()  # its threads end here, not at the interpreter's exit
         if metrics:
             metrics.close()
         if tb:

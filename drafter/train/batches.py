@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import math
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,8 @@ import torch
 
 from drafter.features import store
 from drafter.train.dspark_objective import anchor_seed, block_align
+
+log = logging.getLogger("drafter")
 
 
 class Source:
@@ -310,6 +314,11 @@ def model_inputs(d: dict) -> dict:
                               "weights", "teacher")}
 
 
+# How long Prefetch.close waits for its threads: the job in hand (online, a target forward over
+# online_group micro-batches) ends first. A second signal meanwhile ends the process at once.
+CLOSE_TIMEOUT_S = 120.0
+
+
 class Prefetch:
     """Builds batches on a thread, in order; errors surface in next(). `make(job)` returns a
     list of batches (several micro-batches from one capture call online: host_batches), queued
@@ -325,7 +334,8 @@ class Prefetch:
     default, one per core): a building thread's ops otherwise start a team of threads per core,
     which take the cores the training step's own host work needs; one intra-op thread each
     builds as fast and leaves the step's host work its cores (BENCHMARKS.md, Figures behind
-    design choices)."""
+    design choices). close() ends the threads: a run stopped by a signal leaves none running
+    (docs/internals.md, Stops)."""
 
     def __init__(self, make, jobs, depth: int = 2, device=None, threads: int = 1,
                  intra_op: int = 1):
@@ -364,15 +374,16 @@ class Prefetch:
                         yield pending.popleft().result()
                 while pending:
                     yield pending.popleft().result()
-            finally:
-                pool.shutdown(wait=False, cancel_futures=True)
+            finally:  # the jobs being built end first (close() waits for this thread)
+                pool.shutdown(wait=True, cancel_futures=True)
 
         def loop():
             if stream is not None:
                 torch.cuda.set_device(device)
             own_threads()  # the one that builds when threads == 1
+            each = built()
             try:
-                for items, done in built():
+                for items, done in each:
                     for item in items:
                         if self.stop:
                             return
@@ -380,7 +391,10 @@ class Prefetch:
                     if self.stop:
                         return
             except BaseException as e:  # noqa: BLE001 - handed to the main thread
-                self.q.put((None, None, e))
+                if not self.stop:
+                    self.q.put((None, None, e))
+            finally:
+                each.close()
         self.thread = threading.Thread(target=loop, name="train-prefetch", daemon=True)
         self.thread.start()
 
@@ -396,8 +410,19 @@ class Prefetch:
                     v.record_stream(here)
         return item
 
-    def close(self):
+    def close(self, timeout: float = CLOSE_TIMEOUT_S):
+        """Stop building and wait for the threads to end (the jobs in hand finish: online, a
+        target forward). A thread still in torch when the interpreter exits aborts the process
+        ("terminate called without an active exception") instead of its exit status."""
         self.stop = True
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self.q.get_nowait()
+        end = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(queue.Empty):  # a thread blocked on a full queue goes on
+                while True:
+                    self.q.get_nowait()
+            self.thread.join(0.05)
+            if not self.thread.is_alive():
+                return
+            if time.monotonic() > end:
+                log.warning("train: the batch loader still runs %.0f s after the stop", timeout)
+                return
