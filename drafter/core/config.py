@@ -235,6 +235,18 @@ class ExtractConfig:
 
 # -------------------------------------------------------------------------------------------- train
 @dataclass
+class LossTermConfig:
+    kind: Literal["kl", "ce", "tv", "nla", "lk"] = doc(
+        "kl", "kl (soft cross-entropy to the teacher), ce (to its argmax), tv (1 - acceptance "
+        "at the temperature), nla (-log acceptance), lk (KL/TV blend): docs/train.md", user=True)
+    weight: float = doc(1.0, "this term's weight in the sum", user=True)
+    temperature: float | None = doc(None, "the serving temperature the term compares draft and "
+                                    "target at (0: greedy's surrogate); default 1, ce 0",
+                                    user=True)
+    eta: float = doc(3.0, "lk: the KL share is exp(-eta x acceptance)")
+
+
+@dataclass
 class TrainConfig:
     online: bool = doc(False, "run the target beside the drafter; store no hidden states",
                        user=True)
@@ -243,6 +255,21 @@ class TrainConfig:
                             "the features of about 3x this many micro-batches sit on the GPU")
     ttt_steps: int = doc(7, "training-time-test unroll length", user=True)
     ttt_decay: float = doc(0.8, "loss weight decay per TTT step (weight 0.8**i)")
+    loss: list[LossTermConfig] = doc(
+        [LossTermConfig()], "the loss: terms summed by weight, e.g. [{kind: kl, weight: 0.1}, "
+        "{kind: tv, weight: 0.9, temperature: 1}] (docs/train.md, The loss)", user=True)
+    position_weight: Literal["decay", "dpace"] = doc(
+        "decay", "weight of TTT step i: decay (ttt_decay**i), or dpace (the expected accepted "
+        "tokens that need step i accepted, from the rows' acceptance; one more lm_head pass)")
+    dpace_alpha: float = doc(0.5, "dpace: each step's acceptance a is smoothed to "
+                             "(1 - alpha)·a + alpha")
+    noise: float = doc(0.0, "Gaussian noise on the captured aux states while training, std = "
+                       "this x each state's RMS; 0 = off", user=True)
+    optimizer: Literal["adamw", "muon"] = doc(
+        "adamw", "adamw, or muon (torch.optim.Muon on the 2-D weights, AdamW on the rest and "
+        "lm_head)", user=True)
+    muon_lr: float | None = doc(None, "muon: peak learning rate of the Muon matrices (their "
+                                "steps scaled to AdamW's RMS); default train.lr")
     intermediate_size: int | None = doc(None, "drafter MLP size; default: the target's")
     norm_before_residual: bool = doc(False, "norm h before the residual (SGLang supports only "
                                      "false)")

@@ -380,6 +380,19 @@ def check_values(cfg, where: Where | None = None) -> None:
     if tr.batch_tokens < tr.max_length:
         bad("train.batch_tokens", tr.batch_tokens, f"must be at least train.max_length "
             f"({tr.max_length}): a micro-batch holds whole rows")
+    if not tr.loss:
+        bad("train.loss", tr.loss, "must list at least one term, e.g. [{kind: kl}]")
+    for i, term in enumerate(tr.loss):
+        k = f"train.loss[{i}]"
+        gt(f"{k}.weight", term.weight, 0)
+        ge(f"{k}.temperature", term.temperature, 0)
+        ge(f"{k}.eta", term.eta, 0)
+        if term.kind == "ce" and term.temperature not in (None, 0):
+            bad(f"{k}.temperature", term.temperature, "must be left out for ce (the teacher's "
+                "argmax: temperature 0); kl at a temperature is the soft cross-entropy there")
+    within("train.dpace_alpha", tr.dpace_alpha, 0, 1)
+    ge("train.noise", tr.noise, 0)
+    gt("train.muon_lr", tr.muon_lr, 0)
     if isinstance(tr.resume, str) and not tr.resume.strip():
         bad("train.resume", tr.resume, "must be auto, off, or a checkpoint path")
 

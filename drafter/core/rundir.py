@@ -87,6 +87,13 @@ NEUTRAL: dict[str, object] = {
     # to mla to retrain those (docs/train.md)
     "train.draft_layer": "auto",
     "train.mla": {},
+    # the loss and optimizer choices at today's behaviour (drafter/train/losses.py)
+    "train.loss": [{"kind": "kl", "weight": 1.0, "temperature": None, "eta": 3.0}],
+    "train.position_weight": "decay",
+    "train.dpace_alpha": 0.5,
+    "train.noise": 0.0,
+    "train.optimizer": "adamw",
+    "train.muon_lr": None,
 }
 
 # Fields removed after runs existed (config.REMOVED), with the value they held (what drafter now
