@@ -150,9 +150,10 @@ class GenerateConfig:
     server: ServerConfig = doc(ServerConfig(), "the generation server")
     concurrency: int = doc(16, "requests in flight per server", user=True)
     temperature: float = doc(0.0, "sampling temperature", user=True)
-    extra_temperatures: list[float] = doc(
+    extra_temperatures: list[float] | Literal["evaluate"] = doc(
         [], "answer every conversation again at each of these temperatures (id ID@tT): [0.8] "
-        "beside greedy answers trains on sampled contexts too (docs/generate.md)", user=True)
+        "beside greedy answers trains on sampled contexts too; evaluate: at each of "
+        "evaluate.temperatures, the ones you serve (docs/generate.md)", user=True)
     top_p: float = doc(1.0, "nucleus sampling threshold")
     max_tokens: int = doc(512, "max new tokens per answer", user=True)
     seed: int = doc(0, "sampling seed sent with each request")
@@ -238,11 +239,10 @@ class ExtractConfig:
 class LossTermConfig:
     kind: Literal["kl", "ce", "tv", "nla", "lk"] = doc(
         "kl", "kl (soft cross-entropy to the teacher), ce (to its argmax), tv (1 - acceptance "
-        "at the temperature), nla (-log acceptance), lk (KL/TV blend): docs/train.md", user=True)
-    weight: float = doc(1.0, "this term's weight in the sum", user=True)
+        "at the temperature), nla (-log acceptance), lk (KL/TV blend): docs/train.md")
+    weight: float = doc(1.0, "this term's weight in the sum")
     temperature: float | None = doc(None, "the serving temperature the term compares draft and "
-                                    "target at (0: greedy's surrogate); default 1, ce 0",
-                                    user=True)
+                                    "target at (0: greedy's surrogate); default 1, ce 0")
     eta: float = doc(3.0, "lk: the KL share is exp(-eta x acceptance)")
 
 
@@ -257,17 +257,17 @@ class TrainConfig:
     ttt_decay: float = doc(0.8, "loss weight decay per TTT step (weight 0.8**i)")
     loss: list[LossTermConfig] = doc(
         [LossTermConfig()], "the loss: terms summed by weight, e.g. [{kind: kl, weight: 0.1}, "
-        "{kind: tv, weight: 0.9, temperature: 1}] (docs/train.md, The loss)", user=True)
+        "{kind: tv, weight: 0.9, temperature: 1}] (docs/train.md, The loss)")
     position_weight: Literal["decay", "dpace"] = doc(
         "decay", "weight of TTT step i: decay (ttt_decay**i), or dpace (the expected accepted "
         "tokens that need step i accepted, from the rows' acceptance; one more lm_head pass)")
     dpace_alpha: float = doc(0.5, "dpace: each step's acceptance a is smoothed to "
                              "(1 - alpha)·a + alpha")
     noise: float = doc(0.0, "Gaussian noise on the captured aux states while training, std = "
-                       "this x each state's RMS; 0 = off", user=True)
+                       "this x each state's RMS; 0 = off")
     optimizer: Literal["adamw", "muon"] = doc(
         "adamw", "adamw, or muon (torch.optim.Muon on the 2-D weights, AdamW on the rest and "
-        "lm_head)", user=True)
+        "lm_head)")
     muon_lr: float | None = doc(None, "muon: peak learning rate of the Muon matrices (their "
                                 "steps scaled to AdamW's RMS); default train.lr")
     intermediate_size: int | None = doc(None, "drafter MLP size; default: the target's")
@@ -502,10 +502,22 @@ def load(path: str | Path | None = None, overrides: list[str] = (),
         except ConfigError as e:
             raise ConfigError(str(e)) from None
         where.overrides[".".join(keys)] = text
+    served_temperatures(cfg)
     if validate:
         check_values(cfg, where)
     cfg._where = where  # type: ignore[attr-defined]  (not a field: equality ignores it)
     return cfg
+
+
+def served_temperatures(cfg: Config) -> None:
+    """generate.extra_temperatures: evaluate -> every temperature of evaluate.temperatures but
+    generate.temperature's, in their order: computed once, after the overrides, so that the
+    run dir's snapshot and generate's fingerprint hold the list itself."""
+    g = cfg.generate
+    if g.extra_temperatures == "evaluate":
+        own = f"{g.temperature:g}"
+        g.extra_temperatures = [float(t) for t in dict.fromkeys(
+            f"{t:g}" for t in cfg.evaluate.temperatures) if t != own]
 
 
 def where(cfg: Config, key: str) -> str:
