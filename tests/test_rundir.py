@@ -102,7 +102,9 @@ def test_new_fields_at_their_neutral_value_keep_fingerprints(tmp_path, monkeypat
         before = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
         assert pipeline.config_hash(cfg, step) == before
         value = NEUTRAL[dotted]
-        other = {"train.draft_layer": "mla", "train.mla": "{v_head_dim: 64}"}.get(dotted) or (
+        other = {"train.draft_layer": "mla", "train.mla": "{v_head_dim: 64}",
+                 "train.loss": "[{kind: tv}]", "train.position_weight": "dpace",
+                 "train.optimizer": "muon"}.get(dotted) or (
             "[0.5]" if isinstance(value, list) else "true" if value is False else
             "false" if value is True else "1")
         assert pipeline.config_hash(cfg_for(tmp_path, f"{dotted}={other}"), step) != before
