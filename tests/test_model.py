@@ -423,7 +423,8 @@ def test_loss_is_zero_gradient_at_the_teacher():
 
 # ---------------------------------------------------------------------------- compiled path
 @pytest.mark.slow  # inductor compiles for about a minute on a small CPU
-def test_compiled_pieces_match_eager(head):
+@pytest.mark.parametrize("obj", [DEFAULT, MIXED], ids=["kl", "mixed-dpace"])
+def test_compiled_pieces_match_eager(head, obj):
     """torch.compile of the layer pieces, the LSE merge and the loss chunk (the GPU fast path)
     gives the eager numbers and gradients (inductor on CPU; flex itself stays eager here)."""
     T = 24
@@ -431,7 +432,7 @@ def test_compiled_pieces_match_eager(head):
     outs = {}
     for comp in (False, True):
         d = make_drafter()
-        ttt = TTT(d, attention="flex", compile=comp)
+        ttt = TTT(d, attention="flex", compile=comp, obj=obj)
         out = run_ttt(ttt, d, b, part0=emulated_flex(b["seq_id"]))
         out["loss"].backward()
         outs[comp] = out["loss"].detach(), [p.grad for p in ttt.parameters()]
@@ -494,12 +495,14 @@ def varied_batches(n: int, T: int, K: int, head, chunk: int) -> list[dict]:
     return out
 
 
-def test_compiled_path_compiles_once_for_any_loss_rows(head):
+@pytest.mark.parametrize("obj", [DEFAULT, Objective(MIXED.terms, temperatures=(0.7,))],
+                         ids=["kl", "mixed"])
+def test_compiled_path_compiles_once_for_any_loss_rows(head, obj):
     """Real batches differ in their loss rows N, so the loss's last chunk has any size. Through
     AdamW steps on batches of different N and packings, the compiled path (dynamo with
     aot_eager: the guards and graphs inductor gets, no kernels to build on a CPU) compiles
     during the first batch and never again, one graph a piece, and trains as the eager path
-    does."""
+    does; for today's loss and for a sum of every kind at several temperatures."""
     import torch._dynamo
     torch._dynamo.reset()
     T, K, chunk = 24, 3, 16
@@ -509,7 +512,8 @@ def test_compiled_path_compiles_once_for_any_loss_rows(head):
     models = {}
     for comp in (False, True):
         d = make_drafter()
-        ttt = TTT(d, attention="flex", compile=comp, backend="aot_eager", loss_chunk=chunk)
+        ttt = TTT(d, attention="flex", compile=comp, backend="aot_eager", loss_chunk=chunk,
+                  obj=obj)
         opt = torch.optim.AdamW([p for p in ttt.parameters() if p.requires_grad], lr=1e-2)
         models[comp] = d, ttt, opt
     graphs, losses, g0 = [], {False: [], True: []}, _graphs()
