@@ -51,6 +51,13 @@
 #   block-b1      model,data ~5 min  the same at batch 1, 10 records a set
 #   chunks-cost   model,data ~4 min  extract + train of 120 conversations stored, then within a
 #                                    4 MiB budget (extract_throughput.py --chunks 4)
+#   dspark-train  -          ~5 min  the block drafters' train step at the Kimi shape, DSpark
+#                                    then DFlash, two backbone layers (five: 3.6B trainable
+#                                    parameters, 58 GB of AdamW state, FSDP over a node, as
+#                                    configs/kimi-k2.5-dspark.yaml trains them)
+#                                    (train_throughput.py --shape kimi --method dspark|dflash
+#                                    --draft-layers 2: FlexAttention over the block mask, the
+#                                    fused loss, its check against the exact path)
 #
 # OUT_DIR receives (at most a handful of files, as a device call returns them): gpu-runs.tar.gz
 # (the state folder: every step's log, figures, manifests, reports and junit XML; a few MB),
@@ -70,7 +77,7 @@ set -f  # no globbing: overrides such as prepare.sources[0].max_samples=4 stay a
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 ALL="kimi-extract kimi-train quality-data quality-train quality-b64 quality-b1 tests-decode
-tests-rest decode-b1 tree-profile mla-train kimi-eval chunks-cost block-b64 block-b1"
+tests-rest decode-b1 tree-profile mla-train kimi-eval chunks-cost block-b64 block-b1 dspark-train"
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2; }
 
 PY=${PYTHON:-python3}
@@ -290,6 +297,16 @@ mla_train() {  # the two draft layers at one shape, on one machine, SpecForge le
   done
 }
 
+dspark_train() {  # the block drafters at the Kimi drafter's shape, one after the other
+  local method size=(--shape kimi --draft-layers 2)
+  [ "$TINY" = 1 ] && size=(--tiny --steps 2 --warmup 1)
+  for method in dspark dflash; do
+    run dspark-train "$PY" benchmarks/train_throughput.py "${size[@]}" --teacher topk \
+      --no-anchor --memory-peak --method "$method" --json "$STATE/dspark-train-$method.json" \
+      || return
+  done
+}
+
 do_step() {  # do_step NAME: the step's work; 0 when it finished
   case "$1" in
     kimi-extract) kimi "$1" slice,extract && [ -f "$STATE/kimi/plan.json" ] ;;
@@ -308,6 +325,7 @@ do_step() {  # do_step NAME: the step's work; 0 when it finished
       --ignore=tests/test_kimi_shape.py --ignore=tests/test_gpu.py ;;
     decode-b1) decode_b1 ;;
     mla-train) mla_train ;;
+    dspark-train) dspark_train ;;
     tree-profile) tree_profile ;;
     chunks-cost) run "$1" "$PY" benchmarks/extract_throughput.py --chunks 4 \
       --samples "$([ "$TINY" = 1 ] && echo 12 || echo 120)" --json "$STATE/chunks-cost.json" ;;
@@ -320,7 +338,7 @@ estimate() {  # seconds a step is expected to take on one H200 (the header's est
   case "$1" in
     quality-data|quality-train) echo 60 ;;
     kimi-extract) echo 360 ;;
-    kimi-train|tests-*|quality-b1|block-b1|mla-train) echo 300 ;;
+    kimi-train|tests-*|quality-b1|block-b1|mla-train|dspark-train) echo 300 ;;
     block-b64|chunks-cost) echo 240 ;;
     tree-profile) echo 180 ;;
     quality-b64) echo 360 ;;

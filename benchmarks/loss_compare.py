@@ -33,7 +33,7 @@ VARIANTS = {
     "lk": ["train.loss=[{kind: lk}]"],
     "ce-tv": ["train.loss=[{kind: ce, weight: 0.1}, {kind: tv, weight: 0.9}]"],
     "dpace": ["train.position_weight=dpace"],
-    "noise": ["train.noise=0.1"],
+    "noise": ["train.noise=0.05"],
     "muon": ["train.optimizer=muon"],
 }
 

@@ -9,6 +9,7 @@ EAGLE-3 model and step at the same shape, in the same process, on one H200:
     python benchmarks/train_throughput.py --shape llama8b --seq 4096 --teacher topk,hidden
     python benchmarks/train_throughput.py --shape kimi --teacher topk,hidden
     python benchmarks/train_throughput.py --shape kimi --teacher topk --draft-layer mla
+    python benchmarks/train_throughput.py --shape kimi --teacher topk --method dspark
 
 It prints one line per run (tokens/s, ms a step, warm-up, the fast path's loss against the exact
 path's), SpecForge's line, then a markdown table: tokens/s, step ms, GFLOP/token, MFU, peak GiB,
@@ -118,6 +119,7 @@ from drafter.train import (
     trainer,
 )
 from drafter.train import merge as merge_mod  # noqa: E402
+from drafter.train.dspark import DSpark, DSparkConfig  # noqa: E402
 from drafter.train.metrics import throughput  # noqa: E402
 from drafter.train.model import Drafter, DrafterConfig, param_count  # noqa: E402
 
@@ -191,6 +193,41 @@ def flops_per_token(c: DrafterConfig, T: int, K: int, teacher: str, keys: float 
     return model, (2 * Ht * c.draft_vocab_size if teacher == "hidden" else 0.0)
 
 
+def block_flops_per_token(d: DSparkConfig, T: int, anchors: int, teacher: str):
+    """(model FLOPs, teacher FLOPs) per trained token of a block drafter (forward + backward,
+    6 per multiply-add of a weight): fc and every layer's context keys and values once a
+    token; anchors · Q / T block queries a token, each through every layer (projections, MLP,
+    attention over about half a row of context plus its block); anchors · K / T drafts a token
+    through lm_head (and the Markov columns)."""
+    H, nh, nkv, hd, I = (d.hidden_size, d.num_attention_heads, d.num_key_value_heads,
+                         d.head_dim, d.intermediate_size)
+    n = len(d.layers) if hasattr(d, "layers") else d.num_hidden_layers
+    ctx = 6 * H * d.target_hidden_size * len(d.target_layer_ids) + n * 6 * H * 2 * nkv * hd
+    q_per_tok, drafts = anchors * d.queries / T, anchors * d.block_size / T
+    layer = 6 * (H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I)
+    attn = 6 * 2 * nh * hd * (T / 2 + d.queries)
+    model = ctx + q_per_tok * n * (layer + attn) \
+        + 6 * (H + d.markov_rank) * d.draft_vocab_size * drafts
+    return model, (2 * d.target_hidden_size * d.draft_vocab_size * drafts
+                   if teacher == "hidden" else 0.0)
+
+
+def block_config(c: DrafterConfig, args) -> DSparkConfig:
+    """The block drafter --method trains at a shape: its heads and sizes, five target layers,
+    train.dspark's defaults unless the command says otherwise."""
+    bc = C.BlockDrafterConfig()
+    return DSparkConfig(
+        method=args.method, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=args.draft_layers or bc.layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim, vocab_size=c.vocab_size, draft_vocab_size=c.draft_vocab_size,
+        target_hidden_size=c.target_hidden_size, target_layer_ids=[2, 4, 6, 8, 10],
+        block_size=args.block_size or bc.block_size, mask_token_id=c.vocab_size - 1,
+        markov_rank=bc.markov_rank if args.method == "dspark" else 0,
+        confidence_head=args.method == "dspark", anchor_predicts=args.method == "dspark",
+        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings)
+
+
 def mfu(model_flops: float, tok_s: float | None, tflops: float, world: int, on: bool):
     return model_flops * tok_s / (tflops * 1e12 * world) if on and tok_s else None
 
@@ -215,14 +252,16 @@ def setup(c: DrafterConfig, B: int, T: int, K: int, args, dist, attention: str) 
     """The drafter, a random draft-vocab head, and the model and optimizer as train sets them
     up (drafter/train/trainer.py)."""
     cuda = dist.device.type == "cuda"
-    cfg = C.load(None, [f"train.ttt_steps={K}", f"train.max_length={T}",
+    block = [f"train.method={args.method}", f"train.dspark.anchors={args.anchors}"]
+    cfg = C.load(None, [*(block if args.method != "eagle3" else ()),
+                        f"train.ttt_steps={K}", f"train.max_length={T}",
                         f"train.batch_tokens={B * T}", f"train.attention={attention}",
                         f"train.compile={str(not args.no_compile).lower()}",
                         f"train.loss_chunk={args.loss_chunk}", f"extract.topk={args.topk}"])
     tc = cfg.train
     attention = trainer.pick_attention(tc, dist.device)
     torch.manual_seed(0)
-    drafter = Drafter(c)
+    drafter = Drafter(c) if args.method == "eagle3" else DSpark(block_config(c, args))
     drafter.embed_tokens.to(torch.bfloat16)
     head = Head((torch.randn(c.draft_vocab_size, c.target_hidden_size) * 0.05)
                 .to(torch.bfloat16)).to(dist.device)
@@ -244,8 +283,10 @@ def plan_bytes(S: dict, teacher: str, online: bool, world: int) -> dict:
     cfg.train.online, cfg.extract.teacher = online, teacher
     shape = {"trainable": sum(p.numel() for p in d.parameters() if p.requires_grad),
              "total": sum(p.numel() for p in d.parameters()), "hidden_size": c.hidden_size,
-             "intermediate_size": c.intermediate_size, "draft_vocab_size": c.draft_vocab_size}
-    return train_gpu_bytes(cfg, shape, world, c.target_hidden_size, len(c.aux_layer_ids))
+             "intermediate_size": c.intermediate_size, "draft_vocab_size": c.draft_vocab_size,
+             "draft_layers": getattr(c, "num_hidden_layers", 1)}
+    ids = c.target_layer_ids if isinstance(c, DSparkConfig) else c.aux_layer_ids
+    return train_gpu_bytes(cfg, shape, world, c.target_hidden_size, len(ids))
 
 
 def row(name: str, args, dist, S: dict, B, T, K, teacher: str, tok_s, model_f,
@@ -266,7 +307,8 @@ def row(name: str, args, dist, S: dict, B, T, K, teacher: str, tok_s, model_f,
 
 
 # ------------------------------------------------------------- fixed rows: one sample per row
-def random_samples(c: DrafterConfig, B: int, T: int, teacher: str, k: int, seed: int):
+def random_samples(c: DrafterConfig, B: int, T: int, teacher: str, k: int, seed: int,
+                   n_aux: int = 3):
     """B per-sample dicts (docs/internals.md) of T tokens with random features."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -274,7 +316,8 @@ def random_samples(c: DrafterConfig, B: int, T: int, teacher: str, k: int, seed:
         s = {"input_ids": torch.randint(0, c.vocab_size, (T,), generator=g),
              "loss_mask": torch.ones(T, dtype=torch.long),
              "in_vocab": torch.ones(T, dtype=torch.bool),
-             "aux": torch.randn(T, 3, c.target_hidden_size, generator=g).to(torch.bfloat16)}
+             "aux": torch.randn(T, n_aux, c.target_hidden_size, generator=g)
+             .to(torch.bfloat16)}
         if teacher == "hidden":
             s["teacher_hidden"] = torch.randn(T, c.target_hidden_size, generator=g) \
                 .to(torch.bfloat16)
@@ -304,8 +347,9 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
                                 threads=args.loader_threads)
         next_host = feed.next
     else:
+        n_aux = len(drafter.cfg.target_layer_ids) if args.method != "eagle3" else 3
         src = batches.Source.memory(random_samples(c, B, T, teacher, args.topk,
-                                                   seed=dist.rank))
+                                                   seed=dist.rank, n_aux=n_aux))
         hb = batches.host_batch(src, [[i] for i in range(B)], B, T, tc,
                                 drafter.embed_tokens.weight)
         next_host = lambda: hb  # noqa: E731
@@ -318,12 +362,15 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
 
     check = None
     if fused and not args.no_check:  # the fast path against the exact one, same batch, no grad
+        from drafter.train.dspark_objective import BlockTrain
         from drafter.train.ttt import TTT
         hb = next_host()
+        exact = TTT(drafter, attention="sdpa") if args.method == "eagle3" else \
+            BlockTrain(drafter)
         with torch.no_grad(), S["amp"]:
             fast = S["model"](**batches.model_inputs(batches.device_batch(hb, dist.device, head,
                                                                           True)))
-            exact = TTT(drafter, attention="sdpa").to(dist.device)(
+            exact = exact.to(dist.device)(
                 **batches.model_inputs(batches.device_batch(hb, dist.device, head, False)))
         check = float((fast["loss"] - exact["loss"]).abs() / exact["loss"].abs())
 
@@ -356,8 +403,9 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
         prof.close()
     if args.memory_peak and cuda:  # after the timed steps too: the peak's owners, one step
         print(f"{name} {teacher} T{T}: " + memory_peak(step, dist.device), flush=True)
-    r = row(name, args, dist, S, B, T, K, "real" if args.data else teacher, tok_s,
-            flops_per_token(c, T, K, teacher)[0])
+    flops = flops_per_token(c, T, K, teacher)[0] if args.method == "eagle3" else \
+        block_flops_per_token(drafter.cfg, T, args.anchors, teacher)[0]
+    r = row(name, args, dist, S, B, T, K, "real" if args.data else teacher, tok_s, flops)
     return {**r, "step_ms": 1e3 * dt / args.steps, "warmup_s": warm_s, "check": check,
             "gc_s": gc_s}
 
@@ -780,6 +828,13 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="the tiny shape (CPU check)")
     p.add_argument("--draft-layer", choices=["llama", "mla"], default="llama",
                    help="the draft layer's attention (kimi and tiny shapes; train.draft_layer)")
+    p.add_argument("--method", choices=["eagle3", "dflash", "dspark"], default="eagle3",
+                   help="the drafter kind (train.method); dflash and dspark: five target "
+                   "layers, train.dspark's shape unless the next three say otherwise")
+    p.add_argument("--block-size", type=int, help="dflash/dspark: tokens a block drafts")
+    p.add_argument("--draft-layers", type=int, help="dflash/dspark: backbone layers")
+    p.add_argument("--anchors", type=int, default=C.BlockDrafterConfig().anchors,
+                   help="dflash/dspark: blocks trained per row")
     p.add_argument("--seq", type=int, help="tokens per row (default: the shape's)")
     p.add_argument("--batch", type=int, help="rows per micro-batch (default: the shape's)")
     p.add_argument("--ttt", type=int, help="TTT steps (default: the shape's)")

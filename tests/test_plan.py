@@ -455,3 +455,24 @@ def test_kimi_node_config_fits_8_gpus_of_96gb_inside_vllm():
     assert "from the stored shards" in runs["train"]
     chosen = [o for o in plan["storage"]["options"] if o["chosen"]]
     assert chosen[0]["aux_dtype"] == "fp8" and chosen[0]["teacher"] == "topk"
+
+
+def test_kimi_dspark_config_plans_its_block_drafter_on_the_node():
+    """configs/kimi-k2.5-dspark.yaml: the node run with a DSpark drafter: nothing refused, five
+    target layers stored (their bytes counted), the drafter's shape and train's memory within
+    a 96 GB GPU under FSDP, and no warning but the disk's (a property of this machine)."""
+    import json as _json
+    import subprocess as _sp
+
+    p = _sp.run([sys.executable, "-m", "drafter.cli", "plan", "configs/kimi-k2.5-dspark.yaml",
+                 "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    plan = _json.loads(p.stdout)
+    assert plan["refused"] == []
+    assert plan["storage"]["n_aux"] == 5
+    chosen = [o for o in plan["storage"]["options"] if o["chosen"]][0]
+    # EAGLE-3's 21,778 B a token (three fp8 layers + top-64) plus two fp8 layers and their scales
+    assert chosen["bytes_per_token"] == 21_778 + 2 * (7168 + 4)
+    assert "dspark: 5 layers, blocks of 8, 5 target layers" in plan["runs_in"]["train"]
+    assert plan["gpu_memory"]["train"]["total"] <= 89.4 * 2**30
+    assert [w for w in plan["warnings"] if not w.startswith("disk")] == []

@@ -30,6 +30,7 @@ from drafter.core.configload import (
     apply_override,
     build,
     check_values,
+    derive,
     parse_override,
     retire,
 )
@@ -178,8 +179,7 @@ class TokenizeConfig:
     max_loop_tokens: int | None = doc(64, "cut a conversation inside an answer after this "
                                       "many tokens of a repetition loop (a 16-token window "
                                       "seen earlier in the answer); None keeps loops whole. "
-                                      "64: tau +4% at equal steps on SmolLM2 (BENCHMARKS.md)",
-                                      user=True)
+                                      "64: tau +4% at equal steps on SmolLM2 (BENCHMARKS.md)")
     loop_copies: int = doc(3, "a passage's copy from which its tokens count as a loop (3: said "
                            "twice is not a loop, e.g. code restated after a fix)")
     enable_thinking: bool | None = doc(None, "passed to chat templates that take it (Qwen3)",
@@ -217,7 +217,7 @@ class ExtractConfig:
     batch_tokens: int = doc(16384, "tokens per prefill batch (sorted by length)", user=True)
     shard_tokens: int = doc(65536, "tokens per shard file (a shard is held in memory while it "
                             "is written: Ht=7168 bf16+hidden is 3.8 GB)")
-    tp: bool = doc(False, "tensor-parallel target (transformers tp_plan) under torchrun", user=True)
+    tp: bool = doc(False, "tensor-parallel target (transformers tp_plan) under torchrun")
     preflight: Literal["refuse", "warn", "off"] = doc(
         "refuse", "when GPU memory is held by other processes: refuse, warn, or skip the check")
     max_disk_gib: float | None = doc(
@@ -237,17 +237,36 @@ class ExtractConfig:
 # -------------------------------------------------------------------------------------------- train
 @dataclass
 class LossTermConfig:
-    kind: Literal["kl", "ce", "tv", "nla", "lk"] = doc(
-        "kl", "kl (soft cross-entropy to the teacher), ce (to its argmax), tv (1 - acceptance "
-        "at the temperature), nla (-log acceptance), lk (KL/TV blend): docs/train.md")
-    weight: float = doc(1.0, "this term's weight in the sum")
-    temperature: float | None = doc(None, "the serving temperature the term compares draft and "
-                                    "target at (0: greedy's surrogate); default 1, ce 0")
+    kind: Literal["kl", "ce", "tv", "nla", "lk"] = doc("kl", "the term (docs/train.md, The loss)")
+    weight: float = doc(1.0, "its weight in the sum")
+    temperature: float | None = doc(None, "serving temperature it compares at; default 1, ce 0")
     eta: float = doc(3.0, "lk: the KL share is exp(-eta x acceptance)")
 
 
 @dataclass
+class BlockDrafterConfig:
+    block_size: int = doc(8, "tokens a block drafts (vLLM's num_speculative_tokens)", user=True)
+    layers: int = doc(5, "draft layers of the parallel backbone")
+    target_layers: int = doc(5, "target layers read when extract.layer_ids is unset (spread "
+                             "from the second to the fourth-last)")
+    markov_rank: int = doc(64, "dspark: rank r of the Markov head (the previous token's bias "
+                           "on each draft)")
+    confidence_head: bool = doc(True, "dspark: the per-draft acceptance head adaptive "
+                                "verification reads")
+    anchors: int = doc(256, "blocks trained per packed row (anchors drawn along it)")
+    mask_token_id: int | None = doc(None, "the token whose (frozen) embedding fills a block's "
+                                    "masked queries; default: the target vocab's last id")
+
+
+@dataclass
 class TrainConfig:
+    method: Literal["eagle3", "dflash", "dspark"] = doc(
+        "eagle3", "the drafter kind: eagle3 (one layer, drafts token by token), or the "
+        "parallel block drafters dflash and dspark (a block of train.dspark.block_size tokens "
+        "in one forward; dspark adds a Markov and a confidence head): docs/train.md", user=True)
+    dspark: BlockDrafterConfig = doc(BlockDrafterConfig(), "the block drafters' shape (dflash "
+                                     "reads block_size, layers, target_layers, anchors, "
+                                     "mask_token_id)")
     online: bool = doc(False, "run the target beside the drafter; store no hidden states",
                        user=True)
     online_group: int = doc(4, "online: micro-batches whose samples one call of the target "
@@ -255,21 +274,16 @@ class TrainConfig:
                             "the features of about 3x this many micro-batches sit on the GPU")
     ttt_steps: int = doc(7, "training-time-test unroll length", user=True)
     ttt_decay: float = doc(0.8, "loss weight decay per TTT step (weight 0.8**i)")
-    loss: list[LossTermConfig] = doc(
-        [LossTermConfig()], "the loss: terms summed by weight, e.g. [{kind: kl, weight: 0.1}, "
-        "{kind: tv, weight: 0.9, temperature: 1}] (docs/train.md, The loss)")
+    loss: list[LossTermConfig] | None = doc(
+        None, "terms summed by weight, e.g. [{kind: kl, weight: 0.1}, {kind: tv, weight: 0.9}]; "
+        "null: [{kind: kl}] for eagle3, that example for dflash, dspark (docs/train.md)")
     position_weight: Literal["decay", "dpace"] = doc(
-        "decay", "weight of TTT step i: decay (ttt_decay**i), or dpace (the expected accepted "
-        "tokens that need step i accepted, from the rows' acceptance; one more lm_head pass)")
-    dpace_alpha: float = doc(0.5, "dpace: each step's acceptance a is smoothed to "
-                             "(1 - alpha)·a + alpha")
-    noise: float = doc(0.0, "Gaussian noise on the captured aux states while training, std = "
-                       "this x each state's RMS; 0 = off")
+        "decay", "step i's weight: ttt_decay**i, or dpace (from the rows' acceptance)")
+    dpace_alpha: float = doc(0.5, "dpace: step acceptance a smoothed to (1 - alpha)·a + alpha")
+    noise: float = doc(0.0, "Gaussian noise on the aux states while training, x their RMS")
     optimizer: Literal["adamw", "muon"] = doc(
-        "adamw", "adamw, or muon (torch.optim.Muon on the 2-D weights, AdamW on the rest and "
-        "lm_head)")
-    muon_lr: float | None = doc(None, "muon: peak learning rate of the Muon matrices (their "
-                                "steps scaled to AdamW's RMS); default train.lr")
+        "adamw", "adamw, or muon (torch.optim.Muon on 2-D weights, AdamW on the rest, lm_head)")
+    muon_lr: float | None = doc(None, "muon: the Muon matrices' peak lr; default train.lr")
     intermediate_size: int | None = doc(None, "drafter MLP size; default: the target's")
     norm_before_residual: bool = doc(False, "norm h before the residual (SGLang supports only "
                                      "false)")
@@ -502,22 +516,11 @@ def load(path: str | Path | None = None, overrides: list[str] = (),
         except ConfigError as e:
             raise ConfigError(str(e)) from None
         where.overrides[".".join(keys)] = text
-    served_temperatures(cfg)
+    derive(cfg)
     if validate:
         check_values(cfg, where)
     cfg._where = where  # type: ignore[attr-defined]  (not a field: equality ignores it)
     return cfg
-
-
-def served_temperatures(cfg: Config) -> None:
-    """generate.extra_temperatures: evaluate -> every temperature of evaluate.temperatures but
-    generate.temperature's, in their order: computed once, after the overrides, so that the
-    run dir's snapshot and generate's fingerprint hold the list itself."""
-    g = cfg.generate
-    if g.extra_temperatures == "evaluate":
-        own = f"{g.temperature:g}"
-        g.extra_temperatures = [float(t) for t in dict.fromkeys(
-            f"{t:g}" for t in cfg.evaluate.temperatures) if t != own]
 
 
 def where(cfg: Config, key: str) -> str:

@@ -88,7 +88,7 @@ NEUTRAL: dict[str, object] = {
     "train.draft_layer": "auto",
     "train.mla": {},
     # the loss and optimizer choices at today's behaviour (drafter/train/losses.py)
-    "train.loss": [{"kind": "kl", "weight": 1.0, "temperature": None, "eta": 3.0}],
+    "train.loss": None,
     "train.position_weight": "decay",
     "train.dpace_alpha": 0.5,
     "train.noise": 0.0,

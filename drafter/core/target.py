@@ -173,6 +173,18 @@ def default_layer_ids(n_layers: int) -> list[int]:
     return list(range(n_layers))
 
 
+def default_block_layer_ids(n_layers: int, count: int) -> list[int]:
+    """The block drafters' default (DSpark, DFlash): `count` layers spread from the second to
+    the fourth-last, in the HS[k] meaning: the DFlash recipe's layer outputs
+    round(1 + i·(N-4)/(count-1)) (36 layers, 5: outputs 1, 9, 17, 25, 33), each + 1 (the output
+    of layer k enters layer k+1)."""
+    if count <= 1:
+        return [min(2, n_layers - 1)]
+    end = max(n_layers - 3, 2)
+    outs = sorted({round(1 + i * (end - 1) / (count - 1)) for i in range(count)})
+    return [min(o + 1, n_layers - 1) for o in outs]
+
+
 def load_tokenizer(tcfg):
     from transformers import AutoTokenizer
 

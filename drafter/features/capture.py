@@ -155,11 +155,20 @@ class Head:
         return Head(self.weight.to(device), self.scale, self.softcap)
 
 
-def resolve_layer_ids(layer_ids: Sequence[int] | None, n_layers: int) -> list[int]:
-    """Configured ids (HS[k] convention), or the default [2, N//2, N-3]; checked."""
-    from drafter.core.target import default_layer_ids
+def layer_count(cfg) -> int | None:
+    """How many target layers the configured drafter kind reads when extract.layer_ids is
+    unset: train.dspark.target_layers for the block drafters, None for EAGLE-3's three."""
+    return None if cfg.train.method == "eagle3" else cfg.train.dspark.target_layers
 
-    ids = list(layer_ids) if layer_ids else default_layer_ids(n_layers)
+
+def resolve_layer_ids(layer_ids: Sequence[int] | None, n_layers: int,
+                      count: int | None = None) -> list[int]:
+    """Configured ids (HS[k] convention), or the default: [2, N//2, N-3], or with `count`
+    (layer_count) the block drafters' `count` layers; checked."""
+    from drafter.core.target import default_block_layer_ids, default_layer_ids
+
+    ids = list(layer_ids) if layer_ids else (
+        default_layer_ids(n_layers) if count is None else default_block_layer_ids(n_layers, count))
     bad = [k for k in ids if not 0 <= k < n_layers]
     if bad:
         raise CaptureError(f"extract.layer_ids: {bad} out of range for a {n_layers}-layer target "
@@ -207,7 +216,7 @@ class Capture:
     def __init__(self, model: nn.Module, layer_ids: Sequence[int] | None, d2t: torch.Tensor,
                  t2d: torch.Tensor, teacher: str = "hidden", topk: int = 64,
                  out_dtype: torch.dtype | None = torch.bfloat16, packing: str = "auto",
-                 batch_tokens: int = 16384):
+                 batch_tokens: int = 16384, layer_count: int | None = None):
         from drafter.core.target import hidden_size, vocab_size
 
         if teacher not in ("hidden", "topk"):
@@ -217,7 +226,7 @@ class Capture:
         self.model = model
         self.layers = decoder_layers(model)
         self.num_layers = len(self.layers)
-        self.layer_ids = resolve_layer_ids(layer_ids, self.num_layers)
+        self.layer_ids = resolve_layer_ids(layer_ids, self.num_layers, layer_count)
         self.hidden_size = hidden_size(model.config)
         self.vocab_size = vocab_size(model.config)
         self.decoder = text_decoder(model)
@@ -466,7 +475,8 @@ def load_capture(cfg, model: nn.Module | None = None, device: str | None = None,
         model = target.load_model(cfg.target, device=device, **load_kw)
     ec = cfg.extract
     return Capture(model, ec.layer_ids, d2t, t2d, teacher=ec.teacher, topk=ec.topk,
-                   out_dtype=out_dtype, batch_tokens=ec.batch_tokens)
+                   out_dtype=out_dtype, batch_tokens=ec.batch_tokens,
+                   layer_count=layer_count(cfg))
 
 
 # ---------------------------------------------------------------------------- memory estimate

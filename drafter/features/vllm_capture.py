@@ -53,6 +53,7 @@ from drafter.features.capture import (
     CaptureError,
     _transform,
     host_samples,
+    layer_count,
     logit_transform,
     resolve_layer_ids,
 )
@@ -146,7 +147,7 @@ class VllmCapture(Capture):
         self.model_dtype = vllm_dtype(tcfg, str(self.device))
         self.out_dtype = out_dtype or self.model_dtype
         self.num_layers = target.num_layers(config)
-        self.layer_ids = resolve_layer_ids(ec.layer_ids, self.num_layers)
+        self.layer_ids = resolve_layer_ids(ec.layer_ids, self.num_layers, layer_count(cfg))
         self.hidden_size = target.hidden_size(config)
         self.vocab_size = target.vocab_size(config)
         self.scale, self.softcap = logit_transform(config)

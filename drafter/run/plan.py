@@ -53,7 +53,7 @@ from drafter.run.counts import (
     param_counts,
     target_config,
 )
-from drafter.train.memory import drafter_shape, train_gpu_bytes
+from drafter.train.memory import drafter_shape, passes, train_gpu_bytes
 
 log = logging.getLogger("drafter")
 
@@ -226,8 +226,16 @@ def chunk_mode(cfg) -> str | None:
     return "spool" if cfg.extract.spool else "one process"
 
 
-def where_steps_run(cfg, draft_layer: str = "llama") -> dict:
-    """Where each step runs, for the plan's reader (train: with which draft layer)."""
+def kind(cfg, dshape: dict) -> str:
+    """The drafter trained, in a few words: EAGLE-3's draft layer, or the block drafter."""
+    if cfg.train.method == "eagle3":
+        return f"{dshape['draft_layer']} draft layer"
+    return (f"{cfg.train.method}: {dshape['draft_layers']} layers, blocks of "
+            f"{cfg.train.dspark.block_size}, {len(dshape['layer_ids'])} target layers")
+
+
+def where_steps_run(cfg, draft_layer: str = "llama draft layer") -> dict:
+    """Where each step runs, for the plan's reader (train: which drafter)."""
     s = cfg.generate.server
     eng = vllm_gpus(cfg)
     return {"generate": "skipped" if not cfg.generate.enabled else "drafter's data engine"
@@ -236,7 +244,7 @@ def where_steps_run(cfg, draft_layer: str = "llama") -> dict:
             f"vLLM over {eng} GPU(s)" if cfg.extract.engine == "vllm" else
             "drafter's capture (transformers)" + (" (tp under torchrun)" if cfg.extract.tp
                                                   else ""),
-            "train": f"drafter, {draft_layer} draft layer" + (
+            "train": f"drafter, {draft_layer}" + (
                 " beside the target in transformers" if cfg.train.online
                 else ", a chunk at a time" if chunk_mode(cfg) else ", from the stored shards"),
             "evaluate": {"vllm": f"vLLM over {eng} GPU(s)", "both": "drafter's evaluator and "
@@ -328,7 +336,7 @@ def times(cfg, f: dict) -> list[dict]:
         "tokenize": TOKENIZE_TOKENS_PER_S_PER_WORKER * (cfg.tokenize.workers
                                                         or min(8, os.cpu_count() or 1)),
         "extract": 1 / (2 * params["flop_params"] / flops + stored / (p.store_gbps * 1e9)),
-        "train": flops / (6 * tc.ttt_steps * f["drafter"]["trainable"]
+        "train": flops / (6 * passes(tc) * f["drafter"]["trainable"]
                           + (2 * params["flop_params"] if online else 0)),
         "evaluate": decode_tokens_per_s(p, cfg.evaluate.batch_size, params, f["w"],
                                         gpus if cfg.extract.tp else 1),
@@ -443,11 +451,12 @@ def make_plan(cfg) -> dict:
     dname, nbytes = dtype_bytes(cfg, on_gpu)
     w = weight_bytes(config, nbytes, meta)
     engine = cfg.generate.server.engine
+    dshape = drafter_shape(cfg, config)
     f = {"config": config, "meta": meta, "params": params, "nbytes": nbytes,
          "gguf_bytes": gguf_bytes, "w": w, "weights": w["bytes"], "ht": info["hidden_size"],
-         "n_aux": len(cfg.extract.layer_ids) if cfg.extract.layer_ids else 3,
          "vd": min(cfg.vocab.draft_vocab_size, info["vocab_size"]),
-         "data": data_counts(cfg, run), "drafter": drafter_shape(cfg, config),
+         "n_aux": len(dshape["layer_ids"]),
+         "data": data_counts(cfg, run), "drafter": dshape,
          "gpus": gpus, "gpu_memory": gpu_mem, "measured": measured_throughputs(run),
          # vLLM / SGLang shard the target over the GPUs (--tensor-parallel-size in extra_args);
          # transformers serve and the data engine use one device; an external server none here
@@ -474,7 +483,7 @@ def make_plan(cfg) -> dict:
         "data": f["data"], "storage": st, "disk": dk, "drafter": f["drafter"],
         "gpus": {"count": gpus, "memory": gpu_mem, "memory_source": gpu_mem_src},
         "gpu_memory": mem, "time": tm, "chunks": ch,
-        "runs_in": where_steps_run(cfg, f["drafter"]["draft_layer"]),
+        "runs_in": where_steps_run(cfg, kind(cfg, f["drafter"])),
         "total_seconds": sum(t["total_seconds"] for t in tm if t["total_seconds"] is not None),
         "refused": refused, "warnings": warnings,
     }

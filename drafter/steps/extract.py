@@ -111,7 +111,7 @@ def _info(cfg, tconf, d2t: torch.Tensor, device: str) -> dict:
     vd = d2t.numel()
     dtype = vllm_dtype(cfg.target, device) if ec.engine == "vllm" \
         else target.pick_dtype(cfg.target, device)
-    return {"layer_ids": C.resolve_layer_ids(ec.layer_ids, n), "num_layers": n,
+    return {"layer_ids": C.resolve_layer_ids(ec.layer_ids, n, C.layer_count(cfg)), "num_layers": n,
             "hidden_size": target.hidden_size(tconf), "vocab_size": target.vocab_size(tconf),
             "draft_vocab_size": vd, "teacher": ec.teacher,
             "topk": min(ec.topk, vd) if ec.teacher == "topk" else None,

@@ -100,6 +100,7 @@ from drafter.train.trainer import (
     compiles_hold,
     device_setup,
     pick_attention,
+    positions,
     setup_model,
     sync_device,
     train_step,
@@ -151,7 +152,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     amp = device_setup(tc, dev)
     attention = pick_attention(tc, dev)
     fused = attention == "flex"
-    K, T = tc.ttt_steps, tc.max_length
+    K, T = positions(tc), tc.max_length
     B = tc.batch_tokens // T
     head = head.to(dev)
     setup.tick("device")  # the head on the device
@@ -409,7 +410,7 @@ def evaluate(model, src: Source, dist: Dist, drafter, head, tc, B, T, fused, aut
     every rank runs the same number of forwards (FSDP needs it), the spare ones empty."""
     rows = pack(src.lengths, T, tc.seed)
     mbs = [rows[a:a + B] for a in range(0, len(rows), B)][:tc.eval_batches or None]
-    meter = Meter(tc.ttt_steps, dist.device, obj)
+    meter = Meter(positions(tc), dist.device, obj)
     for j in range(math.ceil(len(mbs) / dist.world)):
         i = j * dist.world + dist.rank  # past the end: a repeat whose numbers are dropped
         hb = host_batch(src, mbs[min(i, len(mbs) - 1)], B, T, tc, drafter.embed_tokens.weight)
@@ -491,7 +492,7 @@ def _main(cfg, dist: Dist, produce=None, chunk: int | None = None) -> dict:
     # from the target's files in both modes: the same table
     embeddings = target_embeddings(cfg.target)
     setup.tick("embeddings")
-    drafter = build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings)
+    drafter = build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings, head)
     setup.tick("drafter")
     try:
         with compiles_hold(cap.lock) if tc.online else contextlib.nullcontext():

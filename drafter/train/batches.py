@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from drafter.features import store
+from drafter.train.dspark_objective import anchor_seed, block_align
 
 
 class Source:
@@ -231,8 +232,13 @@ def host_batches(src: Source, jobs: list[list[list[int]]], B: int, T: int, tc,
         if dev.type == "cuda":
             for k in HOST_KEYS:
                 hb[k] = hb[k].to(dev, non_blocking=True)
-        hb.update(align(hb["seq_id"], hb["loss_mask"], hb["in_vocab"], tc.ttt_steps,
-                        tc.ttt_decay))
+        if tc.method == "eagle3":
+            hb.update(align(hb["seq_id"], hb["loss_mask"], hb["in_vocab"], tc.ttt_steps,
+                            tc.ttt_decay))
+        else:  # a block drafter's anchors (drafter/train/dspark_objective.py)
+            hb.update(block_align(hb["seq_id"], hb["position_ids"], hb["loss_mask"],
+                                  hb["in_vocab"], tc.dspark.block_size, tc.dspark.anchors,
+                                  tc.ttt_decay, anchor_seed(tc.seed, rows)))
         out.append(hb)
     return out
 
@@ -298,7 +304,9 @@ def device_batch(hb: dict, device, head, fused: bool) -> dict:
 
 
 def model_inputs(d: dict) -> dict:
-    return {k: d[k] for k in ("aux", "emb", "position_ids", "seq_id", "src", "rows", "trows",
+    """The training forward's arguments: TTT's, or with anchors a block drafter's."""
+    keys = ("input_ids", "anchors") if "anchors" in d else ("src",)
+    return {k: d[k] for k in ("aux", "emb", "position_ids", "seq_id", *keys, "rows", "trows",
                               "weights", "teacher")}
 
 

@@ -4,6 +4,7 @@ the metrics, and lm_head fused with it over any rows (`head_loss`). Nothing here
 unroll: drafter/train/ttt.py calls `head_loss` on its rows; a block drafter calls it on its own.
 
     obj = objective(cfg)                 # train.loss, position weighting, metric temperatures
+    obj = Objective((Term("kl", 0.1), Term("tv", 0.9)))     # or built directly (BLOCK)
     out = head_loss(hn, lm_head.weight, teacher, trows, w, fused, chunk, obj)   # a dict
     g, value, ce, correct, accept, accept_t = chunk_stats(z, ids, tl, w, torch.float32, obj.key)
 
@@ -95,17 +96,24 @@ class Objective:
 
 
 DEFAULT = Objective()
+# The published block-drafter recipes' mixture (DSpark, DFlash: REFERENCES.md): the soft
+# cross-entropy and total variation at T = 1, 0.1 and 0.9 (drafter/train/dspark_objective.py).
+BLOCK = Objective((Term("kl", 0.1), Term("tv", 0.9)))
 
 
 def objective(cfg) -> Objective:
-    """The Objective of a config (train.loss, train.position_weight, train.dpace_alpha; metrics
-    at evaluate.temperatures and each term's temperature). The config's checks
+    """The Objective of a config (train.loss, or when it is null the method's: DEFAULT for
+    eagle3, BLOCK for the block drafters; train.position_weight, train.dpace_alpha; metrics at
+    evaluate.temperatures and each term's temperature). The config's checks
     (drafter/core/configload.py) have already refused what this cannot build."""
     tc = cfg.train
-    terms = tuple(Term(t.kind, float(t.weight),
-                       0.0 if t.kind == "ce" else float(1.0 if t.temperature is None
-                                                        else t.temperature),
-                       float(t.eta)) for t in tc.loss)
+    if tc.loss is None:
+        terms = (DEFAULT if tc.method == "eagle3" else BLOCK).terms
+    else:
+        terms = tuple(Term(t.kind, float(t.weight),
+                           0.0 if t.kind == "ce" else float(1.0 if t.temperature is None
+                                                            else t.temperature),
+                           float(t.eta)) for t in tc.loss)
     temps = {float(x) for x in cfg.evaluate.temperatures} | {t.temperature for t in terms}
     return Objective(terms, tc.position_weight, float(tc.dpace_alpha),
                      tuple(sorted(t for t in temps if t not in (0.0, 1.0))))

@@ -25,10 +25,12 @@ def drafter_shape(cfg, config) -> dict:
     frozen ones are the embedding table [V, H], held at `embed_bytes` per value."""
     import torch
 
-    from drafter.features.capture import resolve_layer_ids
+    from drafter.features.capture import layer_count, resolve_layer_ids
     from drafter.train.model import Drafter, DrafterConfig, draft_layer_for
 
-    ids = resolve_layer_ids(cfg.extract.layer_ids, target.num_layers(config))
+    ids = resolve_layer_ids(cfg.extract.layer_ids, target.num_layers(config), layer_count(cfg))
+    if cfg.train.method != "eagle3":
+        return _block_shape(cfg, config, ids)
     dc = DrafterConfig.from_target(config, cfg.vocab.draft_vocab_size, ids,
                                    draft_layer=draft_layer_for(cfg.train.draft_layer, config),
                                    mla=cfg.train.mla,
@@ -42,6 +44,38 @@ def drafter_shape(cfg, config) -> dict:
             "intermediate_size": dc.intermediate_size, "draft_vocab_size": dc.draft_vocab_size,
             "layer_ids": ids, "embed_bytes": embed_dtype_bytes(config),
             "draft_layer": dc.draft_layer, "attention_values": attention_values(dc)}
+
+
+def _block_shape(cfg, config, ids) -> dict:
+    """drafter_shape of a DSpark / DFlash drafter (meta device)."""
+    import torch
+
+    from drafter.train.dspark import DSpark, DSparkConfig
+
+    bc = cfg.train.dspark
+    dc = DSparkConfig.from_target(config, cfg.train.method,
+                                  min(cfg.vocab.draft_vocab_size, target.vocab_size(config)),
+                                  ids, bc.block_size, 0, bc.layers, markov_rank=bc.markov_rank,
+                                  confidence_head=bc.confidence_head,
+                                  intermediate_size=cfg.train.intermediate_size)
+    with torch.device("meta"):
+        d = DSpark(dc)
+    return {"trainable": sum(p.numel() for p in d.parameters() if p.requires_grad),
+            "total": sum(p.numel() for p in d.parameters()), "hidden_size": dc.hidden_size,
+            "intermediate_size": dc.intermediate_size, "draft_vocab_size": dc.draft_vocab_size,
+            "layer_ids": ids, "embed_bytes": embed_dtype_bytes(config), "draft_layer": "qwen3",
+            "attention_values": 4 * dc.hidden_size, "method": cfg.train.method,
+            "draft_layers": dc.num_hidden_layers}
+
+
+def passes(tc) -> float:
+    """The drafter's forwards a trained token costs, per layer: EAGLE-3's ttt_steps; a block
+    drafter's block queries per row token (anchors × queries / max_length; the context's keys
+    and values, made once a token, are small beside them), at least one."""
+    if tc.method == "eagle3":
+        return float(tc.ttt_steps)
+    q = tc.dspark.block_size + (tc.method == "dflash")
+    return max(1.0, tc.dspark.anchors * q / tc.max_length)
 
 
 def attention_values(dc) -> int:
@@ -79,7 +113,8 @@ def train_gpu_bytes(cfg, dshape: dict, gpus: int, ht: int, n_aux: int = 3) -> di
     host_embedding = (dshape["total"] - dshape["trainable"]) * emb_bytes
     H, I = dshape["hidden_size"], dshape["intermediate_size"]
     attn = dshape.get("attention_values", 4 * H)   # MLA: its own (attention_values)
-    act = tc.batch_tokens * (tc.ttt_steps * (6 * H + attn + 3 * I) + 3 * ht) * 2 \
+    layers = dshape.get("draft_layers", 1)
+    act = tc.batch_tokens * (passes(tc) * layers * (6 * H + attn + 3 * I) + n_aux * ht) * 2 \
         + tc.batch_tokens * H * emb_bytes
     teacher = tc.batch_tokens * dshape["draft_vocab_size"] * 4
     features = 0

@@ -77,6 +77,8 @@ def applies(cfg, device) -> str | None:
         return "extract.precompile=false"
     if not cfg.train.compile:
         return "train.compile=false"
+    if cfg.train.method != "eagle3":
+        return f"train.method={cfg.train.method} trains without compiled pieces"
     if getattr(device, "type", str(device)) != "cuda":
         return "train compiles only on a GPU"
     return None
@@ -171,7 +173,8 @@ def setup(cfg, dev) -> dict:
     tc = cfg.train
     tconf = target.load_config(cfg.target)
     d2t, t2d = shape_vocab(cfg, tconf)
-    layer_ids = capture.resolve_layer_ids(cfg.extract.layer_ids, target.num_layers(tconf))
+    layer_ids = capture.resolve_layer_ids(cfg.extract.layer_ids, target.num_layers(tconf),
+                                         capture.layer_count(cfg))
     ht, vocab, vd = target.hidden_size(tconf), target.vocab_size(tconf), d2t.numel()
     drafter = build_drafter(cfg, tconf, layer_ids, d2t, t2d,
                             torch.zeros(vocab, ht, dtype=torch.bfloat16))
@@ -449,7 +452,8 @@ def ahead_bytes(cfg) -> int:
     dtype_bytes = torch.finfo(target.pick_dtype(cfg.target, dev)).bits // 8
     tgt = capture.estimate_gpu_bytes(tconf, dtype_bytes, cfg.extract.batch_tokens,
                                      len(capture.resolve_layer_ids(cfg.extract.layer_ids,
-                                                                   target.num_layers(tconf))))
+                                                                   target.num_layers(tconf),
+                                                                   capture.layer_count(cfg))))
     return tgt["total"] + 2 * train_bytes(cfg, tconf)
 
 

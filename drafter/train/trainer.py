@@ -20,6 +20,8 @@ from drafter.core.config import ConfigError
 from drafter.core.dist import Dist, all_sum
 from drafter.train import optim
 from drafter.train.batches import model_inputs
+from drafter.train.dspark import DSpark, DSparkConfig
+from drafter.train.dspark_objective import BlockTrain
 from drafter.train.losses import DEFAULT, Objective
 from drafter.train.model import Drafter, DrafterConfig, draft_layer_for
 from drafter.train.ttt import TTT
@@ -32,10 +34,14 @@ WARMUP_STEPS = 10
 LOADER_THREADS = 4
 
 
-def build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings) -> Drafter:
-    """The drafter shaped from the target (DrafterConfig.from_target), seeded init, the target's
-    embeddings (frozen, kept at the target's dtype) and the vocab maps."""
+def build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings, head=None):
+    """The drafter train.method names, shaped from the target (DrafterConfig.from_target, or
+    DSparkConfig.from_target for dflash / dspark), seeded init, the target's embeddings
+    (frozen, kept at the target's dtype) and the vocab maps; a block drafter's lm_head starts
+    from `head`, the target's rows of the draft vocab, where the widths match."""
     tc = cfg.train
+    if tc.method != "eagle3":
+        return _build_block(cfg, target_config, layer_ids, d2t, t2d, embeddings, head)
     dcfg = DrafterConfig.from_target(
         target_config, draft_vocab_size=d2t.numel(), aux_layer_ids=list(layer_ids),
         draft_layer=draft_layer_for(tc.draft_layer, target_config), mla=tc.mla,
@@ -50,6 +56,35 @@ def build_drafter(cfg, target_config, layer_ids, d2t, t2d, embeddings) -> Drafte
     drafter.set_embeddings(embeddings)
     drafter.set_vocab(d2t, t2d)
     return drafter
+
+
+def _build_block(cfg, target_config, layer_ids, d2t, t2d, embeddings, head) -> DSpark:
+    bc = cfg.train.dspark
+    vocab = embeddings.shape[0]
+    mask = bc.mask_token_id if bc.mask_token_id is not None else vocab - 1
+    if not 0 <= mask < vocab:
+        raise ConfigError(f"train.dspark.mask_token_id: {mask} is outside the target vocab "
+                          f"(0..{vocab - 1})")
+    dcfg = DSparkConfig.from_target(
+        target_config, cfg.train.method, d2t.numel(), list(layer_ids), bc.block_size, mask,
+        bc.layers, markov_rank=bc.markov_rank, confidence_head=bc.confidence_head,
+        intermediate_size=cfg.train.intermediate_size)
+    if tuple(embeddings.shape) != (dcfg.vocab_size, dcfg.hidden_size):
+        raise DrafterError(f"target embeddings are {tuple(embeddings.shape)}, expected "
+                           f"({dcfg.vocab_size}, {dcfg.hidden_size}) from its config")
+    torch.manual_seed(cfg.train.seed)
+    model = DSpark(dcfg)
+    model.embed_tokens.to(embeddings.dtype)
+    model.set_embeddings(embeddings)
+    model.set_vocab(d2t, t2d)
+    if head is not None:
+        model.set_head(head.weight)
+    return model
+
+
+def positions(tc) -> int:
+    """The draft positions the metrics count: TTT steps (eagle3), or a block's drafts."""
+    return tc.ttt_steps if tc.method == "eagle3" else tc.dspark.block_size
 
 
 def sync_device(device) -> None:
@@ -190,8 +225,12 @@ def setup_model(drafter: Drafter, tc, dist: Dist, attention: str, saved: str = "
     dev, cuda = dist.device, dist.device.type == "cuda"
     if tc.fsdp:
         saved = "off"
-    ttt = TTT(drafter, attention=attention, compile=tc.compile and cuda,
-              loss_chunk=tc.loss_chunk, saved=saved, obj=obj, noise=tc.noise).to(dev)
+    if isinstance(drafter, DSpark):
+        ttt = BlockTrain(drafter, fused=attention == "flex", loss_chunk=tc.loss_chunk,
+                         flex=attention == "flex", obj=obj, noise=tc.noise).to(dev)
+    else:
+        ttt = TTT(drafter, attention=attention, compile=tc.compile and cuda,
+                  loss_chunk=tc.loss_chunk, saved=saved, obj=obj, noise=tc.noise).to(dev)
     if dist.world > 1 and tc.fsdp:
         # One unit: the one layer runs K times forward and backward, so its weights stay
         # gathered for the whole step (ZeRO-2); gradients and AdamW state are sharded.
