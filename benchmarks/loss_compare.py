@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--no-evaluate", action="store_true")
     ap.add_argument("overrides", nargs="*", help="key=value for every run")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     base = out / "base"

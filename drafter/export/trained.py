@@ -49,8 +49,8 @@ def readme_section(rec: dict, val: dict | None, step=None) -> list[str]:
     validation's simulated τ at each temperature it was measured at."""
     obj = rec.get("objective") or {}
     if obj:
-        how = ["TTT steps weighted by D-PACE" if obj.get("position_weight") == "dpace"
-               else f"TTT step i weighted {obj.get('ttt_decay', 0.8):g}**i",
+        how = ["draft positions weighted by D-PACE" if obj.get("position_weight") == "dpace"
+               else f"draft position i weighted {obj.get('ttt_decay', 0.8):g}**i",
                f"optimizer {obj.get('optimizer', 'adamw')}"]
         if obj.get("noise"):
             how.append(f"noise {obj['noise']:g} x the aux states' RMS")
