@@ -116,7 +116,8 @@ _TTT = """
 import json, sys, torch
 from drafter.train.aot import report
 from drafter.train.trainer import compile_stats
-from drafter.train.ttt import TTT, head_loss
+from drafter.train.losses import head_loss
+from drafter.train.ttt import TTT
 from tests.test_model import batch_of, make_drafter, packed_rows, run_ttt
 mode = sys.argv[1]
 d = make_drafter()
@@ -130,7 +131,7 @@ head = torch.randn(40, 32, generator=g)
 teacher = {"ids": torch.randint(0, 40, (30, 4), generator=g),
            "logp": torch.randn(30, 4, generator=g).log_softmax(-1) - 0.5}
 trows, w = torch.randint(0, 30, (23,), generator=g), torch.rand(23, generator=g)
-loss = head_loss(hn, head, teacher, trows, w, fused=True, chunk=5, stats_fn=ttt.stats_fn)[0]
+loss = head_loss(hn, head, teacher, trows, w, fused=True, chunk=5, stats_fn=ttt.stats_fn)["loss"]
 (out["loss"] + loss).backward()
 grads = {n: p.grad.double().sum().item() for n, p in d.named_parameters() if p.grad is not None}
 c = compile_stats()

@@ -14,12 +14,10 @@ from drafter.core.dist import Dist
 from drafter.core.rundir import Run, read_jsonl
 from drafter.core.target import default_block_layer_ids
 from drafter.steps import train
-from drafter.train import batches
+from drafter.train import batches, losses
 from drafter.train.dspark import DSpark, DSparkConfig, load_model
 from drafter.train.dspark_objective import (
     BlockTrain,
-    _block_stats,
-    _tv_grad,
     anchor_seed,
     block_align,
     block_mask,
@@ -96,23 +94,6 @@ def test_block_mask_sees_the_context_before_the_anchor_and_its_own_block():
     assert own.tolist() == [[j // 2 == i // 2 for j in range(6)] for i in range(6)]
 
 
-@pytest.mark.parametrize("topk", [False, True])
-def test_total_variations_gradient_is_autograds(topk):
-    g = torch.Generator().manual_seed(0)
-    z = torch.randn(5, 40, generator=g, dtype=torch.float64)
-    logp = torch.randn(5, 40, generator=g, dtype=torch.float64).log_softmax(-1)
-    ids = None
-    if topk:  # the top-k form: k stored log-probs, the rest spread evenly over the others
-        tl, ids = logp.topk(6, dim=-1)
-        rest = (1 - tl.exp().sum(-1, keepdim=True)) / 34
-        p = rest.expand(5, 40).scatter(-1, ids, tl.exp())
-    else:
-        tl, p = logp, logp.exp()
-    zz = z.clone().requires_grad_(True)
-    (1 - torch.minimum(p, zz.softmax(-1)).sum()).backward()
-    assert torch.allclose(_tv_grad(z, ids, tl), zz.grad, atol=1e-12)
-
-
 def _batch(cfg: DSparkConfig, B=2, T=20, seed=0, topk=0):
     g = torch.Generator().manual_seed(seed)
     L = len(cfg.target_layer_ids)
@@ -173,13 +154,17 @@ def test_fused_top_k_loss_reads_the_teacher_as_the_dense_form():
     assert torch.allclose(a["loss"], b["loss"], rtol=1e-5)
 
 
-def test_block_stats_mix_cross_entropy_and_total_variation():
+def test_block_loss_mixes_cross_entropy_and_total_variation():
+    """The block drafters' default loss (train.loss null: losses.BLOCK) is the recipes' 0.1 ·
+    soft cross-entropy + 0.9 · total variation per draft (every kind's gradient is checked
+    against autograd in tests/test_losses.py)."""
     z = torch.randn(4, 10)
     tl = torch.randn(4, 10).log_softmax(-1)
     w = torch.ones(4)
-    _, row, _, accept = _block_stats(z, None, tl, w)
+    _, row, _, _, accept, _ = losses.chunk_stats(z, None, tl, w, torch.float32, losses.BLOCK.key)
     ce = -(tl.exp() * z.log_softmax(-1)).sum(-1)
     assert torch.allclose(row, 0.1 * ce + 0.9 * (1 - accept), atol=1e-6)
+    assert losses.objective(C.load(None, ["train.method=dflash"])) == losses.BLOCK
 
 
 @pytest.mark.parametrize("method", ["dspark", "dflash"])

@@ -213,3 +213,50 @@ def test_export_after_the_real_pipeline(smollm2_dir, shared_data, tmp_path):
         loaded = load_drafter_dir(run.export(fmt))
         for a, b in zip(draft_logits(trained), draft_logits(loaded)):
             assert torch.equal(a, b)
+
+
+def test_export_says_how_the_drafter_was_trained_and_check_warns_on_greedy_only(tiny_target,
+                                                                                tmp_path):
+    """drafter.json's `training` and the README's "How it was trained" name the loss (the
+    checkpoint's state.json), the temperatures the answers were generated at (generate's
+    manifest) and the validation's simulated τ at each temperature. `drafter check` passes a
+    drafter trained on greedy answers only until its README serves a temperature above 0 (a
+    tuned "### Temperature 1" section): then it warns; trained on sampled answers too, it
+    passes."""
+    cfg, run = make_run(tmp_path, tiny_target, "export.dtype=float32")
+    obj = {"loss": [{"kind": "ce", "weight": 0.1, "temperature": 0.0},
+                    {"kind": "tv", "weight": 0.9, "temperature": 1.0}],
+           "position_weight": "decay", "describe": "0.1·ce + 0.9·tv@T1", "ttt_decay": 0.8,
+           "noise": 0.05, "optimizer": "muon"}
+    state_path = run.checkpoint(20) / "state.json"
+    state = json.loads(state_path.read_text())
+    state.update(objective=obj, val={"sim_tau": 1.6, "sim_tau_p": 1.3, "acc": [0.5, 0.3],
+                                     "sim_tau_t": {"0": 1.6, "0.7": 1.45, "1": 1.3}})
+    atomic_json(state_path, state)
+    atomic_json(run.manifest("generate"), {"enabled": True, "sampling": {
+        "temperature": 0.0, "extra_temperatures": []}})
+    export.main(cfg)
+    d = run.export("native")
+    rec = json.loads((d / "drafter.json").read_text())["training"]
+    assert rec == {"objective": obj, "answers": "generated", "answer_temperatures": [0.0]}
+    text = (d / "README.md").read_text()
+    sec = text[text.index("## How it was trained"):text.index("## Aux layer ids")]
+    assert "0.1·ce + 0.9·tv@T1" in sec and "optimizer muon" in sec and "noise 0.05" in sec
+    assert "written by the target at temperature 0 " in sec
+    assert "1.60 at T=0, 1.45 at T=0.7, 1.30 at T=1" in sec
+    assert "Trained on greedy answers only" in sec
+
+    def rule(path):
+        return [c for c in run_checks(path, str(tiny_target)).checks
+                if c.name == "answer_temperatures"]
+    assert [c.status for c in rule(d)] == [PASS]
+    (d / "README.md").write_text(text.replace("## Aux layer ids", "## Tuned serving settings\n\n"
+                                              "### Temperature 0 (greedy)\n\n### Temperature 1\n"
+                                              "\n## Aux layer ids"))
+    (warn,) = rule(d)
+    assert warn.status == WARN and "temperature 1" in warn.reason and "line" in warn.reason
+    # answers at 0 and 0.8: the same README passes
+    meta = json.loads((d / "drafter.json").read_text())
+    meta["training"]["answer_temperatures"] = [0.0, 0.8]
+    (d / "drafter.json").write_text(json.dumps(meta))
+    assert [c.status for c in rule(d)] == [PASS]

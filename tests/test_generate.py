@@ -658,6 +658,27 @@ def test_extra_temperatures_answer_every_conversation_again(tmp_path, smollm2_di
     assert generate.request_body(g, "m", [], 0, temperature=1.5)["temperature"] == 1.5
 
 
+def test_the_served_temperatures_through_an_http_server(fake, tmp_path):
+    """generate.extra_temperatures: evaluate answers every conversation once per served
+    temperature (evaluate.temperatures) besides generate.temperature's, through an HTTP
+    server: each copy's requests carry its own temperature, the manifest the list it resolved
+    to, and one dataset holds them all (the copies in input order, the same split)."""
+    records = [conv(0, "a"), conv(1, "b", "c")]
+    cfg = fake_cfg(tmp_path, records, [fake.url], **{
+        "generate.extra_temperatures": "evaluate", "evaluate.temperatures": [0.0, 0.7, 1.0, 0.7]})
+    assert cfg.generate.extra_temperatures == [0.7, 1.0]
+    m = pipeline.run_step(cfg, "generate")
+    assert m["sampling"]["extra_temperatures"] == [0.7, 1.0]
+    out = output(cfg)
+    assert [r["id"] for r in out] == ["t:000", "t:000@t0.7", "t:000@t1", "t:001", "t:001@t0.7",
+                                      "t:001@t1"]
+    by_t = {}
+    for b in fake.requests:
+        by_t.setdefault(b["temperature"], []).append(b["messages"][-1]["content"])
+    assert {t: sorted(v) for t, v in by_t.items()} == {t: ["a", "b", "c"]
+                                                       for t in (0.0, 0.7, 1.0)}
+
+
 def test_extra_temperatures_must_differ(tmp_path):
     with pytest.raises(C.ConfigError, match="extra_temperatures"):
         make_run(tmp_path, [conv(0, "q")], **{"generate.extra_temperatures": [0.0]})

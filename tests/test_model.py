@@ -15,6 +15,7 @@ import torch
 
 from drafter.features import store
 from drafter.train.batches import align, collate
+from drafter.train.losses import DEFAULT, Objective, Term, head_loss
 from drafter.train.merge import merge_diagonal
 from drafter.train.model import (
     Drafter,
@@ -23,7 +24,7 @@ from drafter.train.model import (
     load_drafter,
     save_drafter,
 )
-from drafter.train.ttt import TTT, dense_mask, doc_causal, flex_part0, head_loss
+from drafter.train.ttt import TTT, dense_mask, doc_causal, flex_part0
 
 V, VD, HT = 96, 40, 24
 
@@ -213,12 +214,23 @@ def test_ttt_equals_drafting_step_by_step(packed, head, norm_output, layer):
 
 
 # ---------------------------------------------------------------- exact path == fast path
-@pytest.mark.parametrize("teacher, layer", [("hidden", "llama"), ("topk", "llama"),
-                                            ("hidden", "mla")])
-def test_sdpa_and_fast_path_same_loss_and_grads(head, teacher, layer):
+# a loss of every kind at several temperatures, D-PACE weighted (drafter/train/losses.py)
+MIXED = Objective((Term("ce", 0.1, 0.0), Term("tv", 0.9, 0.7), Term("lk", 0.5, 1.0),
+                   Term("nla", 0.3, 1.5)), position="dpace", temperatures=(0.7,))
+
+
+@pytest.mark.parametrize("teacher, layer, obj", [("hidden", "llama", DEFAULT),
+                                                 ("topk", "llama", DEFAULT),
+                                                 ("hidden", "mla", DEFAULT),
+                                                 ("hidden", "llama", MIXED),
+                                                 ("topk", "llama", MIXED)],
+                         ids=["hidden-llama", "topk-llama", "hidden-mla", "hidden-mixed",
+                              "topk-mixed"])
+def test_sdpa_and_fast_path_same_loss_and_grads(head, teacher, layer, obj):
     """The exact path (all keys, dense mask, materialised logits) and the fast path (step-0
     attention by the flex part + diagonal merged by log-sum-exp, fused chunked loss, top-k teacher
-    never densified) give the same loss, per-row metrics and gradients."""
+    never densified) give the same loss, per-row metrics and gradients; for today's loss and
+    for a sum of every kind under D-PACE's weights."""
     K, T = 4, 24
     packed = packed_rows(teacher)
     b = batch_of(packed, T, K=K, teacher=teacher, head=head)
@@ -228,14 +240,14 @@ def test_sdpa_and_fast_path_same_loss_and_grads(head, teacher, layer):
     res = {}
     for path in ("sdpa", "flex"):
         d = make_drafter(fc_norm=True, **LAYERS[layer])
-        ttt = TTT(d, attention=path, loss_chunk=7)  # several chunks, a ragged last one
+        ttt = TTT(d, attention=path, loss_chunk=7, obj=obj)  # chunks, a ragged last one
         bt = dict(b, teacher=dense if path == "sdpa" else b["teacher"])
         out = run_ttt(ttt, d, bt, part0=emulated_flex(b["seq_id"]) if path == "flex" else None)
         out["loss"].backward()
         res[path] = out, {n: p.grad for n, p in ttt.named_parameters()}
     (a, ga), (f, gf) = res["sdpa"], res["flex"]
     assert torch.allclose(a["loss"], f["loss"], rtol=1e-5)
-    for key in ("ce", "accept"):
+    for key in ("value", "ce", "accept", "accept_t"):
         assert torch.allclose(a[key], f[key], atol=1e-4), key
     assert torch.equal(a["correct"], f["correct"])
     assert ga.keys() == gf.keys() and len(ga) == (14 if layer == "llama" else 17)
@@ -380,17 +392,18 @@ def test_fused_loss_equals_plain_loss(teacher):
     t = dense if teacher == "dense" else {"ids": i, "logp": topk["teacher_topk_logp"]}
     trows, w = torch.randint(0, M, (N,), generator=g), torch.rand(N, generator=g)
     ref = head_loss(hn, w_head, dense, trows, w, fused=False)
-    gref = torch.autograd.grad(ref[0] * 2.5, [hn, w_head])
+    gref = torch.autograd.grad(ref["loss"] * 2.5, [hn, w_head])
     got = head_loss(hn, w_head, t, trows, w, fused=True, chunk=8)
-    ggot = torch.autograd.grad(got[0] * 2.5, [hn, w_head])
-    assert torch.allclose(ref[0], got[0], rtol=1e-6)
-    for a, b in zip(ref[1:], got[1:]):
-        assert torch.allclose(a, b, atol=1e-5)
+    ggot = torch.autograd.grad(got["loss"] * 2.5, [hn, w_head])
+    assert torch.allclose(ref["loss"], got["loss"], rtol=1e-6)
+    for key in ("value", "ce", "correct", "accept"):
+        assert torch.allclose(ref[key], got[key], atol=1e-5), key
     for a, b in zip(gref, ggot):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
     with torch.no_grad():  # the no-grad (validation) branch gives the same numbers
         nog = head_loss(hn, w_head, t, trows, w, fused=True, chunk=8)
-    assert torch.allclose(nog[0], got[0]) and torch.equal(nog[2], got[2])
+    assert torch.allclose(nog["loss"], got["loss"]) and torch.equal(nog["correct"],
+                                                                    got["correct"])
 
 
 def test_loss_is_zero_gradient_at_the_teacher():
@@ -400,9 +413,9 @@ def test_loss_is_zero_gradient_at_the_teacher():
     H = VD  # identity head: logits = hn
     tl = (2 * torch.randn(6, VD, generator=g)).log_softmax(-1)
     hn = tl.clone().requires_grad_(True)
-    loss, ce, correct, accept = head_loss(hn, torch.eye(H), {"logp": tl}, torch.arange(6),
-                                          torch.ones(6), fused=True)
-    (gr,) = torch.autograd.grad(loss, [hn])
+    out = head_loss(hn, torch.eye(H), {"logp": tl}, torch.arange(6), torch.ones(6), fused=True)
+    ce, correct, accept = out["ce"], out["correct"], out["accept"]
+    (gr,) = torch.autograd.grad(out["loss"], [hn])
     assert gr.abs().max() < 1e-6
     assert torch.allclose(ce, -(tl.exp() * tl).sum(-1), atol=1e-5)   # = teacher entropy
     assert correct.all() and torch.allclose(accept, torch.ones(6), atol=1e-5)
@@ -410,7 +423,8 @@ def test_loss_is_zero_gradient_at_the_teacher():
 
 # ---------------------------------------------------------------------------- compiled path
 @pytest.mark.slow  # inductor compiles for about a minute on a small CPU
-def test_compiled_pieces_match_eager(head):
+@pytest.mark.parametrize("obj", [DEFAULT, MIXED], ids=["kl", "mixed-dpace"])
+def test_compiled_pieces_match_eager(head, obj):
     """torch.compile of the layer pieces, the LSE merge and the loss chunk (the GPU fast path)
     gives the eager numbers and gradients (inductor on CPU; flex itself stays eager here)."""
     T = 24
@@ -418,7 +432,7 @@ def test_compiled_pieces_match_eager(head):
     outs = {}
     for comp in (False, True):
         d = make_drafter()
-        ttt = TTT(d, attention="flex", compile=comp)
+        ttt = TTT(d, attention="flex", compile=comp, obj=obj)
         out = run_ttt(ttt, d, b, part0=emulated_flex(b["seq_id"]))
         out["loss"].backward()
         outs[comp] = out["loss"].detach(), [p.grad for p in ttt.parameters()]
@@ -481,12 +495,14 @@ def varied_batches(n: int, T: int, K: int, head, chunk: int) -> list[dict]:
     return out
 
 
-def test_compiled_path_compiles_once_for_any_loss_rows(head):
+@pytest.mark.parametrize("obj", [DEFAULT, Objective(MIXED.terms, temperatures=(0.7,))],
+                         ids=["kl", "mixed"])
+def test_compiled_path_compiles_once_for_any_loss_rows(head, obj):
     """Real batches differ in their loss rows N, so the loss's last chunk has any size. Through
     AdamW steps on batches of different N and packings, the compiled path (dynamo with
     aot_eager: the guards and graphs inductor gets, no kernels to build on a CPU) compiles
     during the first batch and never again, one graph a piece, and trains as the eager path
-    does."""
+    does; for today's loss and for a sum of every kind at several temperatures."""
     import torch._dynamo
     torch._dynamo.reset()
     T, K, chunk = 24, 3, 16
@@ -496,7 +512,8 @@ def test_compiled_path_compiles_once_for_any_loss_rows(head):
     models = {}
     for comp in (False, True):
         d = make_drafter()
-        ttt = TTT(d, attention="flex", compile=comp, backend="aot_eager", loss_chunk=chunk)
+        ttt = TTT(d, attention="flex", compile=comp, backend="aot_eager", loss_chunk=chunk,
+                  obj=obj)
         opt = torch.optim.AdamW([p for p in ttt.parameters() if p.requires_grad], lr=1e-2)
         models[comp] = d, ttt, opt
     graphs, losses, g0 = [], {False: [], True: []}, _graphs()
@@ -613,7 +630,7 @@ def test_half_precision_products_accumulate_in_float32(device):
     """The lm_head gradient's sum over loss chunks (FusedHeadLoss): float32 += bf16 @ bf16, one
     GEMM into the sum on a GPU whose torch has addmm's float32 output, the product and an add
     otherwise; either way the float64 sum of the same products, to bf16 rounding."""
-    from drafter.train import ttt
+    from drafter.train import losses
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -623,13 +640,13 @@ def test_half_precision_products_accumulate_in_float32(device):
     for _ in range(3):
         a = torch.randn(64, 96).bfloat16().to(device).T      # a transposed view, as g.T is
         b = torch.randn(64, 80).bfloat16().to(device)
-        ttt._accumulate(acc, a, b)
+        losses._accumulate(acc, a, b)
         ref += a.cpu().double() @ b.cpu().double()
     assert acc.dtype == torch.float32
     err = (acc.cpu().double() - ref).abs().max() / ref.abs().max()
     assert err < 2e-2
     if device == "cuda":   # which way it went on this torch, for the record
-        print("float32-output addmm:", ttt._ADDMM_F32[acc.device])
+        print("float32-output addmm:", losses._ADDMM_F32[acc.device])
 
 
 def test_auto_draft_layer_is_mla_only_where_an_engine_serves_it():

@@ -104,8 +104,9 @@ def test_new_fields_at_their_neutral_value_keep_fingerprints(tmp_path, monkeypat
         assert pipeline.config_hash(cfg, step) == before
         value = NEUTRAL[dotted]
         other = {"train.draft_layer": "mla", "train.mla": "{v_head_dim: 64}",
-                 "train.method": "dspark",
-                 "train.dspark": "{block_size: 4}"}.get(dotted) or (
+                 "train.method": "dspark", "train.dspark": "{block_size: 4}",
+                 "train.loss": "[{kind: tv}]", "train.position_weight": "dpace",
+                 "train.optimizer": "muon"}.get(dotted) or (
             "[0.5]" if isinstance(value, list) else "true" if value is False else
             "false" if value is True else "1")
         section, *path = dotted.split(".")

@@ -370,13 +370,17 @@ def test_tensorboard_is_optional(world, tmp_path):
         assert list(Run(tmp_path).tensorboard().glob("events.out.tfevents.*"))
 
 
-def test_resume_reproduces_the_uninterrupted_run(world, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["train.optimizer=muon", "train.noise=0.05"]],
+                         ids=["adamw", "muon-noise"])
+def test_resume_reproduces_the_uninterrupted_run(world, tmp_path, extra):
     """Run 8 steps (4 per epoch) with a checkpoint at step 3; then, in a second run directory
     holding only that checkpoint and the first run's full metrics file, resume: steps 4..8
-    (mid-epoch, then across the epoch boundary) give the same losses and the same weights."""
+    (mid-epoch, then across the epoch boundary) give the same losses and the same weights.
+    With Muon (its momentum and AdamW's moments in one optimizer.pt) and noise on the aux
+    states (drawn from the RNG the checkpoint restores) too."""
     a, b = tmp_path / "a", tmp_path / "b"
     over = ["train.epochs=2", "train.save_every=3", "train.keep_checkpoints=5",
-            "train.batch_tokens=192"]
+            "train.batch_tokens=192", *extra]
     fit(world, cfg_for(world, a, *over), n_train=20)
     assert len(losses(a)) == 8 and Run(a).checkpoints()[0].name == "step_000003"
     Run(b).step_dir("train").mkdir(parents=True)
@@ -389,6 +393,92 @@ def test_resume_reproduces_the_uninterrupted_run(world, tmp_path):
     wa = load_file(str(Run(a).checkpoint(8) / "model.safetensors"))
     wb = load_file(str(Run(b).checkpoint(8) / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_muon_takes_the_matrices_and_adamw_the_rest(world, tmp_path):
+    """train.optimizer=muon: torch's Muon on the layer's and fc's 2-D weights, AdamW on the
+    norms and lm_head, in one optimizer whose state_dict round-trips (resume) and whose groups
+    the LR schedule drives; muon_lr sets the Muon groups' peak."""
+    from drafter.train import trainer
+
+    cfg = cfg_for(world, tmp_path, "train.optimizer=muon", "train.muon_lr=0.02")
+    ttt, _, opt = trainer.setup_model(drafter_for(world, cfg), cfg.train, Dist(), "sdpa")
+    names = {id(p): n for n, p in ttt.named_parameters()}
+    muon = {names[id(p)] for g in opt.muon.param_groups for p in g["params"]}
+    adamw = {names[id(p)] for g in opt.adamw.param_groups for p in g["params"]}
+    trainable = {n for n, p in ttt.named_parameters() if p.requires_grad}
+    assert muon | adamw == trainable and not muon & adamw
+    assert "fc.weight" in muon and "lm_head.weight" in adamw and "norm.weight" in adamw
+    assert all(ttt.get_parameter(n).ndim == 2 for n in muon)
+    assert {g["lr"] for g in opt.muon.param_groups} == {0.02}
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+    assert {g["lr"] for g in opt.muon.param_groups} == {0.01}       # the schedule reaches it
+    for p in ttt.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    assert sum("momentum_buffer" in v for v in sd["state"].values()) == len(muon)
+    assert sum("exp_avg" in v for v in sd["state"].values()) == len(adamw)
+    _, _, opt2 = trainer.setup_model(drafter_for(world, cfg), cfg.train, Dist(), "sdpa")
+    opt2.load_state_dict(sd)
+    assert opt2.muon.state is opt2.state and opt2.muon.param_groups[0] is opt2.param_groups[0]
+    assert sched.get_last_lr()[0] == 0.01
+
+
+def test_noise_reaches_training_only(world, tmp_path):
+    """train.noise perturbs the aux states in training forwards (grad enabled), by its level
+    times each state's RMS; validation (no grad) sees them as captured."""
+    from drafter.train import trainer
+    from drafter.train.ttt import noisy
+
+    aux = torch.randn(2, 5, 3, 16).bfloat16() * torch.tensor([1.0, 10.0, 100.0])[:, None]
+    rel = ((noisy(aux, 0.1) - aux).float().pow(2).mean((0, 1, 3)).sqrt()
+           / aux.float().pow(2).mean((0, 1, 3)).sqrt())
+    assert torch.allclose(rel, torch.full((3,), 0.1), rtol=0.25)   # relative, per layer
+    out = {}
+    for level in (0.0, 0.5):
+        cfg = cfg_for(world, tmp_path / str(level), f"train.noise={level}")
+        ttt, _, _ = trainer.setup_model(drafter_for(world, cfg), cfg.train, Dist(), "sdpa")
+        d = batches.device_batch(batches.host_batch(
+            batches.Source.memory(world.captured["train"]), [[0], [1]], 2, 64, cfg.train,
+            world.model.get_input_embeddings().weight.detach()), torch.device("cpu"),
+            world.cap.head, False)
+        torch.manual_seed(0)
+        train_loss = ttt(**batches.model_inputs(d))["loss"]
+        with torch.no_grad():
+            val_loss = ttt(**batches.model_inputs(d))["loss"]
+        out[level] = float(train_loss.detach()), float(val_loss)
+    assert out[0.5][0] != out[0.0][0] and out[0.5][1] == out[0.0][1] == out[0.0][0]
+
+
+def test_train_log_shows_acceptance_at_each_served_temperature(world, tmp_path, caplog):
+    """With evaluate.temperatures [0, 0.7, 1] and a loss at T = 0.5, every train and val record
+    holds the acceptance per TTT step at 0.5 and 0.7 and the simulated tau at each temperature
+    (0 and 1 being acc and accept, as before); the log line shows them; the checkpoints and the
+    manifest say what the drafter was trained with."""
+    import logging
+    cfg = cfg_for(world, tmp_path, "train.max_steps=4", "train.eval_every=2",
+                  "evaluate.temperatures=[0.0, 0.7, 1.0]",
+                  "train.loss=[{kind: kl, weight: 0.1}, {kind: tv, temperature: 0.5}]")
+    with caplog.at_level(logging.INFO, logger="drafter"):
+        out = fit(world, cfg)
+    recs = read_jsonl(Run(tmp_path).train_metrics())
+    assert {r["split"] for r in recs} == {"train", "val"}
+    for r in recs:
+        assert list(r["accept_t"]) == ["0.5", "0.7"] and all(len(x) == 3
+                                                             for x in r["accept_t"].values())
+        assert list(r["sim_tau_t"]) == ["0", "0.5", "0.7", "1"]
+        assert r["sim_tau_t"]["0"] == r["sim_tau"] and r["sim_tau_t"]["1"] == r["sim_tau_p"]
+        assert all(0 <= x <= 1 for x in r["accept_t"]["0.5"])
+    assert "| T=0.5 accept " in caplog.text and "| T=0.7 accept " in caplog.text
+    want = {"loss": [{"kind": "kl", "weight": 0.1, "temperature": 1.0},
+                     {"kind": "tv", "weight": 1.0, "temperature": 0.5}],
+            "position_weight": "decay", "optimizer": "adamw", "noise": 0.0}
+    for got in (out["objective"], read_json(Run(tmp_path).checkpoint(4) / "state.json")
+                ["objective"]):
+        assert {k: got[k] for k in want} == want
+        assert got["describe"] == "0.1·kl@T1 + tv@T0.5"
 
 
 # ------------------------------------------------------------------ ranks, online and offline

@@ -30,6 +30,7 @@ from drafter.core.configload import (
     apply_override,
     build,
     check_values,
+    derive,
     parse_override,
     retire,
 )
@@ -153,9 +154,10 @@ class GenerateConfig:
     server: ServerConfig = doc(ServerConfig(), "the generation server")
     concurrency: int = doc(16, "requests in flight per server", user=True)
     temperature: float = doc(0.0, "sampling temperature", user=True)
-    extra_temperatures: list[float] = doc(
+    extra_temperatures: list[float] | Literal["evaluate"] = doc(
         [], "answer every conversation again at each of these temperatures (id ID@tT): [0.8] "
-        "beside greedy answers trains on sampled contexts too (docs/generate.md)", user=True)
+        "beside greedy answers trains on sampled contexts too; evaluate: at each of "
+        "evaluate.temperatures, the ones you serve (docs/generate.md)", user=True)
     top_p: float = doc(1.0, "nucleus sampling threshold")
     max_tokens: int = doc(512, "max new tokens per answer", user=True)
     seed: int = doc(0, "sampling seed sent with each request")
@@ -237,6 +239,14 @@ class ExtractConfig:
 
 # -------------------------------------------------------------------------------------------- train
 @dataclass
+class LossTermConfig:
+    kind: Literal["kl", "ce", "tv", "nla", "lk"] = doc("kl", "the term (docs/train.md, The loss)")
+    weight: float = doc(1.0, "its weight in the sum")
+    temperature: float | None = doc(None, "serving temperature it compares at; default 1, ce 0")
+    eta: float = doc(3.0, "lk: the KL share is exp(-eta x acceptance)")
+
+
+@dataclass
 class BlockDrafterConfig:
     block_size: int = doc(8, "tokens a block drafts (vLLM's num_speculative_tokens)", user=True)
     layers: int = doc(5, "draft layers of the parallel backbone")
@@ -267,6 +277,16 @@ class TrainConfig:
                             "the features of about 3x this many micro-batches sit on the GPU")
     ttt_steps: int = doc(7, "training-time-test unroll length", user=True)
     ttt_decay: float = doc(0.8, "loss weight decay per TTT step (weight 0.8**i)")
+    loss: list[LossTermConfig] | None = doc(
+        None, "terms summed by weight, e.g. [{kind: kl, weight: 0.1}, {kind: tv, weight: 0.9}]; "
+        "null: [{kind: kl}] for eagle3, that example for dflash, dspark (docs/train.md)")
+    position_weight: Literal["decay", "dpace"] = doc(
+        "decay", "step i's weight: ttt_decay**i, or dpace (from the rows' acceptance)")
+    dpace_alpha: float = doc(0.5, "dpace: step acceptance a smoothed to (1 - alpha)·a + alpha")
+    noise: float = doc(0.0, "Gaussian noise on the aux states while training, x their RMS")
+    optimizer: Literal["adamw", "muon"] = doc(
+        "adamw", "adamw, or muon (torch.optim.Muon on 2-D weights, AdamW on the rest, lm_head)")
+    muon_lr: float | None = doc(None, "muon: the Muon matrices' peak lr; default train.lr")
     intermediate_size: int | None = doc(None, "drafter MLP size; default: the target's")
     norm_before_residual: bool = doc(False, "norm h before the residual (SGLang supports only "
                                      "false)")
@@ -502,6 +522,7 @@ def load(path: str | Path | None = None, overrides: list[str] = (),
         except ConfigError as e:
             raise ConfigError(str(e)) from None
         where.overrides[".".join(keys)] = text
+    derive(cfg)
     if validate:
         check_values(cfg, where)
     cfg._where = where  # type: ignore[attr-defined]  (not a field: equality ignores it)

@@ -5,6 +5,7 @@
   types (`_coerce` follows the annotations: unions, Literal, list, dict, nested sections).
 - `retire`: keys removed and values renamed, each an error naming what drafter does now.
 - `parse_override`, `apply_override`: dotted overrides (`train.lr=3e-4`, `prepare.sources[0].x=1`).
+- `derive`: values computed from others (generate.extra_temperatures: evaluate).
 - `check_values`: every value's range and the rules between fields.
 
 It knows the schema only through the dataclasses it is handed and the dotted keys its rules
@@ -230,6 +231,17 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def derive(cfg) -> None:
+    """Values derived from others, computed once after the overrides (the run dir's snapshot
+    and the steps' fingerprints hold the result): generate.extra_temperatures: evaluate ->
+    every temperature of evaluate.temperatures but generate.temperature's, in their order."""
+    g = cfg.generate
+    if g.extra_temperatures == "evaluate":
+        own = f"{g.temperature:g}"
+        g.extra_temperatures = [float(t) for t in dict.fromkeys(
+            f"{t:g}" for t in cfg.evaluate.temperatures) if t != own]
+
+
 # --------------------------------------------------------------------------- ranges and cross-field
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 _DEVICE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d+)?")
@@ -380,6 +392,20 @@ def check_values(cfg, where: Where | None = None) -> None:
     if tr.batch_tokens < tr.max_length:
         bad("train.batch_tokens", tr.batch_tokens, f"must be at least train.max_length "
             f"({tr.max_length}): a micro-batch holds whole rows")
+    if tr.loss is not None and not tr.loss:
+        bad("train.loss", tr.loss, "must list at least one term, e.g. [{kind: kl}], or be null "
+            "for the method's")
+    for i, term in enumerate(tr.loss or []):
+        k = f"train.loss[{i}]"
+        gt(f"{k}.weight", term.weight, 0)
+        ge(f"{k}.temperature", term.temperature, 0)
+        ge(f"{k}.eta", term.eta, 0)
+        if term.kind == "ce" and term.temperature not in (None, 0):
+            bad(f"{k}.temperature", term.temperature, "must be left out for ce (the teacher's "
+                "argmax: temperature 0); kl at a temperature is the soft cross-entropy there")
+    within("train.dpace_alpha", tr.dpace_alpha, 0, 1)
+    ge("train.noise", tr.noise, 0)
+    gt("train.muon_lr", tr.muon_lr, 0)
     if isinstance(tr.resume, str) and not tr.resume.strip():
         bad("train.resume", tr.resume, "must be auto, off, or a checkpoint path")
 

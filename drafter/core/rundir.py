@@ -92,6 +92,13 @@ NEUTRAL: dict[str, object] = {
                      "confidence_head": True, "anchors": 256, "mask_token_id": None},
     "prepare.sources.field": None,   # through a list: in each source (holders)
     "evaluate.datasets.field": None,
+    # the loss and optimizer choices at today's behaviour (drafter/train/losses.py)
+    "train.loss": None,
+    "train.position_weight": "decay",
+    "train.dpace_alpha": 0.5,
+    "train.noise": 0.0,
+    "train.optimizer": "adamw",
+    "train.muon_lr": None,
 }
 
 # Fields removed after runs existed (config.REMOVED), with the value they held (what drafter now

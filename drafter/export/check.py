@@ -17,7 +17,9 @@ that is a local folder.
 Not checkable from a dir (say so in docs/export.md): whether the teacher used the final norm, the
 chat template at serving, and the algorithm flag of the serving command (EAGLE vs EAGLE3). The
 README's serving commands are read for one thing: whether those for sampled requests sample
-their drafts (drafter/export/readme_check.py, a warning).
+their drafts (drafter/export/readme_check.py, a warning). drafter.json's training record is read
+for one thing: whether a drafter trained on greedy answers only is served at T > 0
+(drafter/export/trained.py, a warning).
 
 With --target naming a model (not a config.json), the `acceptance` rule also runs the drafter:
 the target writes a few greedy answers to builtin prompts, and the drafter, teacher-forced on
@@ -43,6 +45,7 @@ from drafter.export.enginedir import EngineDir, read_dir
 from drafter.export.readme_check import c_sampled_drafts
 from drafter.export.rules import CHECKS, FAIL, PASS, WARN, Check, Ctx, c_target
 from drafter.export.support import SKIP, c_engine_support
+from drafter.export.trained import c_greedy_answers
 
 
 @dataclass
@@ -230,6 +233,7 @@ def run_checks(path, target: E.TargetInfo | str | None = None,
             checks.append(Check(fn.__name__[2:], FAIL, f"could not be checked: "
                                 f"{type(e).__name__}: {e}"))
     checks += c_sampled_drafts(path)
+    checks += c_greedy_answers(path, ed.meta)
     if engines:
         checks += c_engine_support(target)
     if smoke and spec is not None:

@@ -448,8 +448,9 @@ def speculators_config(c: DrafterConfig, dtype: torch.dtype, max_position_embedd
 
 # ------------------------------------------------------------------------------------ README
 def readme(fmt: str, out_dir: Path, c: DrafterConfig, target: TargetInfo, k: int,
-           chat_template: str | None = None) -> str:
-    """The exact serving commands and the layer ids in each meaning."""
+           chat_template: str | None = None, trained: list[str] = ()) -> str:
+    """The exact serving commands, `trained` (lines: how it was trained, export/trained.py) and
+    the layer ids in each meaning."""
     d = str(Path(out_dir).resolve())
     native_dir = str(Path(out_dir).resolve().parent / NATIVE)
     tgt = target.name_or_path
@@ -520,6 +521,7 @@ def readme(fmt: str, out_dir: Path, c: DrafterConfig, target: TargetInfo, k: int
                 f"llama-server -m target.gguf -md draft.gguf --spec-type draft-eagle3{tmpl_l}",
                 "```", ""]
     lines += [
+        *trained,
         "## Aux layer ids",
         "",
         f"The target has N = {N} decoder layers. HS[k] is the residual stream entering layer k "
@@ -564,7 +566,7 @@ def write_dir(model: Drafter, out_dir: Path, fmt: str, *, target: TargetInfo,
               dtype: torch.dtype = torch.bfloat16, max_position_embeddings: int | None = None,
               speculative_tokens: int = 3, embed_tokens: bool = True,
               chat_template: str | None = None, final_dir: Path | None = None,
-              meta: dict | None = None) -> dict:
+              meta: dict | None = None, trained: list[str] = ()) -> dict:
     """Write one engine layout into `out_dir` (an existing, empty dir; the export step builds it
     under a temp name and renames it to `final_dir`). Returns the config.json written."""
     from drafter.core.rundir import atomic_json, atomic_write, safe_save_file
@@ -584,7 +586,8 @@ def write_dir(model: Drafter, out_dir: Path, fmt: str, *, target: TargetInfo,
            else speculators_config(c, dtype, mpe, target, speculative_tokens))
     atomic_json(out_dir / CONFIG_FILE, cfg)
     atomic_write(out_dir / README_FILE,
-                 readme(fmt, final_dir or out_dir, c, target, speculative_tokens, chat_template))
+                 readme(fmt, final_dir or out_dir, c, target, speculative_tokens, chat_template,
+                        trained))
     atomic_json(out_dir / META_FILE, {
         "format": fmt, "aux_layer_ids_hs": list(c.aux_layer_ids),
         "aux_layer_ids": {m: from_hs(c.aux_layer_ids, m) for m in ("vllm", "sglang", "llama_cpp")},

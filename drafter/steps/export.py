@@ -25,6 +25,7 @@ from drafter.core.rundir import MissingInput, Run, atomic_dir, dir_bytes, read_j
 from drafter.export import engines as E
 from drafter.export.check import format_report, run_checks
 from drafter.export.support import c_engine_support
+from drafter.export.trained import readme_section, record
 from drafter.measure import tuned
 from drafter.train.checkpoint import intact, verify_checkpoint
 from drafter.train.model import load_drafter, param_count
@@ -95,7 +96,9 @@ def main(cfg) -> dict:
     meta = {"checkpoint": str(ckpt.resolve()), "step": state.get("step"),
             "val": state.get("val"), "chat_template": template,
             "max_position_embeddings_source": ("export.max_position_embeddings"
-                                               if ec.max_position_embeddings else "target")}
+                                               if ec.max_position_embeddings else "target"),
+            "training": record(state, run.read_manifest("generate"))}
+    trained = readme_section(meta["training"], state.get("val"), state.get("step"))
     dtype = E.DTYPES[ec.dtype]
     log.info("export: %s (step %s, val sim_tau %s) for %s", ckpt.name, state.get("step"),
              (state.get("val") or {}).get("sim_tau"), target.name_or_path)
@@ -109,7 +112,7 @@ def main(cfg) -> dict:
         with atomic_dir(final) as tmp:
             E.write_dir(model, tmp, fmt, target=target, dtype=dtype, max_position_embeddings=mpe,
                         speculative_tokens=ec.speculative_tokens, embed_tokens=ec.embed_tokens,
-                        chat_template=template, final_dir=final, meta=meta)
+                        chat_template=template, final_dir=final, meta=meta, trained=trained)
             # the engine rule judges the machine's engines, not the dir: said below, never
             # a reason to withhold the export (SGLang may serve what vLLM cannot)
             report = run_checks(tmp, target, serving_context=mpe, engines=False)

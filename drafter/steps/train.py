@@ -79,6 +79,7 @@ from drafter.train.checkpoint import (
     tokens_seen,
 )
 from drafter.train.chunks import Chunks, conduct, plan_run, trains_apart
+from drafter.train.losses import objective
 from drafter.train.metrics import (
     Meter,
     atomic_json_lines,
@@ -103,6 +104,7 @@ from drafter.train.trainer import (
     setup_model,
     sync_device,
     train_step,
+    trained_with,
 )
 
 log = logging.getLogger("drafter")
@@ -188,7 +190,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     setup.tick("loader")
     metrics, tb, gc_clock, compiled = None, None, None, None
     try:
-        ttt, model, opt = setup_model(drafter, tc, dist, attention)
+        obj = objective(cfg)  # the loss and the temperatures its metrics show (losses.py)
+        ttt, model, opt = setup_model(drafter, tc, dist, attention, obj=obj)
         params = [p for p in ttt.parameters() if p.requires_grad]
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, total))
         setup.tick("model")
@@ -212,7 +215,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                      "(%d/epoch), world %d%s", f"{param_count(drafter):,}",
                      drafter.cfg.hidden_size, drafter.cfg.draft_vocab_size, K, attention, B, T,
                      n_micro, total, steps_per_epoch, dist.world, " fsdp" if fsdp else "")
-        meter, val, last_val, last_train = Meter(K, dev), None, None, None
+        meter, val, last_val, last_train = Meter(K, dev, obj), None, None, None
         autocast = torch.autocast(dev.type, dtype=amp) if amp else contextlib.nullcontext()
         setup.tick("resume")
         # an online run's precompile, started by the pipeline before generate (engine drafter),
@@ -311,7 +314,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                 sync_device(dev)
             t_aside = time.perf_counter()
             if evaluating:
-                val = evaluate(model, val_src, dist, drafter, head, tc, B, T, fused, autocast)
+                val = evaluate(model, val_src, dist, drafter, head, tc, B, T, fused, autocast,
+                               obj)
                 val.update(step=step, split="val", time=time.time())
                 last_val = val
                 if dist.main:
@@ -325,7 +329,8 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                          "val": val if val is not None and val["step"] == step else None,
                          "train": last_train, "scheduler": sched.state_dict(),
                          "world_size": dist.world, "grad_accum": tc.grad_accum,
-                         "drafter_config": drafter.cfg.to_dict(),  # + tokens not logged yet:
+                         "drafter_config": drafter.cfg.to_dict(),
+                         "objective": trained_with(tc, obj),  # + tokens not logged yet:
                          "tokens_seen": seen0 + tokens_total + int(all_sum(
                              meter.sums[5, 0].clone(), dist))}
                 save_checkpoint(run, dist, step, drafter, ttt, opt, fsdp, state)
@@ -364,6 +369,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         "warmup_gc": gc_warmup, "gc": gc_clock.summary(), "setup_s": round(setup_s, 3),
         "setup_parts_s": setup_parts,
         "drafter_config": drafter.cfg.to_dict(), "attention": attention,
+        "objective": trained_with(tc, obj),
         "world_size": dist.world, "fsdp": fsdp, **({"precompile": compiled} if compiled else {}),
         "last_checkpoint": str(run.checkpoints()[-1]) if run.checkpoints() else None,
         "best_checkpoint": str(best) if best else None,
@@ -400,12 +406,13 @@ def log_warmup(seconds: float, steps: list[float], c: dict | None, first: dict,
 
 
 @torch.no_grad()
-def evaluate(model, src: Source, dist: Dist, drafter, head, tc, B, T, fused, autocast) -> dict:
+def evaluate(model, src: Source, dist: Dist, drafter, head, tc, B, T, fused, autocast,
+             obj) -> dict:
     """Metrics over the validation split (capped by train.eval_batches), spread over ranks;
     every rank runs the same number of forwards (FSDP needs it), the spare ones empty."""
     rows = pack(src.lengths, T, tc.seed)
     mbs = [rows[a:a + B] for a in range(0, len(rows), B)][:tc.eval_batches or None]
-    meter = Meter(positions(tc), dist.device)
+    meter = Meter(positions(tc), dist.device, obj)
     for j in range(math.ceil(len(mbs) / dist.world)):
         i = j * dist.world + dist.rank  # past the end: a repeat whose numbers are dropped
         hb = host_batch(src, mbs[min(i, len(mbs) - 1)], B, T, tc, drafter.embed_tokens.weight)

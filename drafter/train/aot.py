@@ -12,7 +12,8 @@ A `Piece` stands where TTT called a torch.compile'd function (the layer's pre an
 the loss chunk's statistics). Its first call in a process describes its arguments
 (`signature`: shapes (the loss chunk's rows left out), strides, dtypes, grad mode, autocast, the
 modules the function reads and their parameters, the torch and Python versions, the device's
-compute capability and the source of drafter/train/model.py, ttt.py and merge.py) and:
+compute capability and the source of drafter/train/model.py, ttt.py, merge.py and losses.py)
+and:
 
 - mode "save" (the precompile process): compiles the function ahead of time for these
   arguments and saves it as `<Inductor's cache dir>/drafter-aot/<name>-<signature>.bin`;
@@ -45,7 +46,7 @@ log = logging.getLogger("drafter")
 
 MODES = ("off", "load", "save")
 _REPORT: list[dict] = []  # what each piece's first call did in this process, in order
-_SOURCES = ("model.py", "ttt.py", "merge.py")
+_SOURCES = ("model.py", "ttt.py", "merge.py", "losses.py")
 
 
 def inductor_cache_dir() -> str:
@@ -140,7 +141,7 @@ class Piece:
     `modules`: the modules fn reads (its closure's), passed by name to the save and the load.
     dynamic_rows: dim 0 of every tensor argument varies from call to call (the loss chunk's
     rows): saved with it dynamic, and out of the key. The saved function is called with the
-    tensors as they come: unmarked (ttt._rows_dynamic; `jit` marks them itself)."""
+    tensors as they come: unmarked (losses._rows_dynamic; `jit` marks them itself)."""
 
     def __init__(self, name: str, fn: Callable, jit: Callable, modules: dict, mode: str,
                  dynamic_rows: bool = False):

@@ -11,9 +11,10 @@ distribution over token a+m), counts when token a+m is an assistant token of the
 the teacher's argmax is in the draft vocab, with weight decay^(m-1); DSpark's Markov bias for
 draft m comes from token a+m-1 (the data's, teacher forcing).
 
-Loss (the published recipes): ce_weight · soft cross-entropy + tv_weight · total variation
-(1 - Σ min(p, q): one minus the chance rejection sampling accepts the draft), through the fused
-lm_head loss of drafter/train/ttt.py (the Markov bias rides along as extra columns:
+Loss: train.loss, by default the published recipes' 0.1 · soft cross-entropy + 0.9 · total
+variation (1 - Σ min(p, q): one minus the chance rejection sampling accepts the draft;
+losses.BLOCK), through the fused lm_head loss of drafter/train/losses.py, as EAGLE-3's (the
+Markov bias rides along as extra columns:
 [hn, markov_w1[prev]] @ [lm_head; markov_w2]ᵀ = lm_head(hn) + markov_w2(markov_w1[prev])); plus,
 with a confidence head, binary cross-entropy of its logit against each draft's Σ min(p, q),
 the head reading detached states (a probe of the drafter, not a pull on it).
@@ -27,10 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafter.train.dspark import DSpark
-from drafter.train.ttt import _chunk_stats, head_loss
-
-# The published block-drafter recipes' mixture (DSpark, DFlash: REFERENCES.md).
-CE_WEIGHT, TV_WEIGHT = 0.1, 0.9
+from drafter.train.losses import BLOCK, Objective, head_loss
+from drafter.train.ttt import noisy
 
 
 def anchor_seed(seed: int, rows: list[list[int]]) -> int:
@@ -127,30 +126,6 @@ def flex_block_attention(seq_id: torch.Tensor, anchors: torch.Tensor, Q: int,
     return attend
 
 
-def _tv_grad(z: torch.Tensor, ids, tl: torch.Tensor) -> torch.Tensor:
-    """d(1 - Σ min(p, q))/dz for q = softmax(z): -(1[q < p]·q - q·Σ_{q<p} q). z [c, Vd] float32;
-    the teacher as _chunk_stats reads it (dense, or top-k with the rest spread evenly)."""
-    q = z.softmax(-1)
-    p = tl.exp()
-    if ids is None:
-        below = q < p
-    else:
-        vd, k = z.shape[-1], ids.shape[-1]
-        rest = (1.0 - p.sum(-1, keepdim=True)).clamp_min(0.0)
-        pt = rest.clamp_min(torch.finfo(torch.float32).tiny) / max(vd - k, 1)
-        below = (q < pt).scatter(-1, ids, q.gather(-1, ids) < p)
-    qb = q * below
-    return -(qb - q * qb.sum(-1, keepdim=True))
-
-
-def _block_stats(z, ids, tl, w, grad_dtype=torch.float32):
-    """_chunk_stats' contract for the mixture: -> grad_z, row loss (ce_weight·ce +
-    tv_weight·tv), correct, accept."""
-    g, ce, correct, accept = _chunk_stats(z, ids, tl, w)
-    g = CE_WEIGHT * g + TV_WEIGHT * _tv_grad(z.float(), ids, tl) * w[:, None]
-    return g.to(grad_dtype), CE_WEIGHT * ce + TV_WEIGHT * (1 - accept), correct, accept
-
-
 # DSpark's modules BlockTrain registers under their own names (its state dict is the
 # drafter's, less the frozen table): all but embed_tokens.
 TRAINED = ("fc", "hidden_norm", "layers", "norm", "lm_head", "markov_head", "confidence_head",
@@ -165,13 +140,15 @@ class BlockTrain(nn.Module):
 
     forward(aux [B, T, L, Ht], emb [B, T, H], position_ids, seq_id, input_ids [B, T],
             anchors [B, A], rows [N], trows [N], weights [N], teacher) -> dict
-      loss (differentiable), ce (the row losses), correct, accept [N], and with a confidence
-      head conf_err [N] (|sigmoid(logit) - accept|)."""
+      losses.head_loss's dict (loss differentiable; value, ce, correct, accept [N], accept_t
+      [N, m]), and with a confidence head conf_err [N] (|sigmoid(logit) - accept|).
+    obj: the loss (losses.BLOCK by default; D-PACE chains are the anchors' blocks); noise: as
+    TTT's, on the aux states while training."""
 
     def __init__(self, model: DSpark, fused: bool = False, loss_chunk: int = 0,
-                 flex: bool = False):
+                 flex: bool = False, obj: Objective = BLOCK, noise: float = 0.0):
         super().__init__()
-        self.flex = flex
+        self.flex, self.obj, self.noise = flex, obj, noise
         self.cfg = model.cfg
         self.drafter = (model,)  # a tuple: not registered, its table stays where it is
         for name in TRAINED:
@@ -185,6 +162,8 @@ class BlockTrain(nn.Module):
         m, cfg = self.drafter[0], self.cfg
         B, T = seq_id.shape
         A, Q, K = anchors.shape[1], cfg.queries, cfg.block_size
+        if self.noise > 0 and self.training and torch.is_grad_enabled():
+            aux = noisy(aux, self.noise)
         cn = m.fuse(aux)                                                     # [B, T, H]
         H = cn.shape[-1]
         ctx = m.context(cn, position_ids)
@@ -204,17 +183,10 @@ class BlockTrain(nn.Module):
         if me is not None:
             hx = torch.cat([hn, me.to(hn.dtype)], dim=-1)                    # [N, H+r]
             head_w = torch.cat([head_w, m.markov_head.markov_w2.weight], dim=1)  # [Vd, H+r]
-        loss, ce, correct, accept = head_loss(hx, head_w, teacher, trows, weights,
-                                              fused=self.fused, chunk=self.loss_chunk,
-                                              stats_fn=_block_stats)
-        if not self.fused:  # the exact path computes the plain cross-entropy: mix it here
-            q = F.linear(hx, head_w).float().softmax(-1)
-            p = teacher["logp"][trows].float().exp()
-            accept = torch.minimum(p, q).sum(-1)
-            loss = CE_WEIGHT * loss + TV_WEIGHT * (weights * (1 - accept)).sum()
-            ce = CE_WEIGHT * ce + TV_WEIGHT * (1 - accept.detach())
-            accept = accept.detach()
-        out = {"loss": loss, "ce": ce, "correct": correct, "accept": accept}
+        chains = (rows // K, rows % K, B * A, K) if self.obj.position == "dpace" else None
+        out = head_loss(hx, head_w, teacher, trows, weights, fused=self.fused,
+                        chunk=self.loss_chunk, obj=self.obj, chains=chains)
+        loss, accept = out["loss"], out["accept"]
         if m.confidence_head is not None:
             logit = m.confidence_logit(hn.detach(), None if me is None else me.detach())
             bce = F.binary_cross_entropy_with_logits(logit, accept, reduction="none")

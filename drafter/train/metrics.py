@@ -1,6 +1,7 @@
 """Training metrics: per-TTT-step sums over the ranks (`Meter`), their summary (loss, ce, acc,
-accept, sim_tau, oov: defined in docs/train.md), the log line for people, train/metrics.jsonl
-rewritten on resume, and TensorBoard scalars.
+accept, sim_tau, oov, and acceptance and sim_tau at each served temperature: defined in
+docs/train.md), the log line for people, train/metrics.jsonl rewritten on resume, and
+TensorBoard scalars.
 """
 from __future__ import annotations
 
@@ -13,18 +14,21 @@ import torch
 from drafter import DrafterError
 from drafter.core.dist import Dist, all_sum
 from drafter.core.rundir import Run
+from drafter.train.losses import DEFAULT, Objective
 
 
 class Meter:
     """Per-TTT-step sums on the device (no host sync until `read`): ce, correct, accept,
-    n_valid, n_lm [5, K], and real tokens."""
+    n_valid, n_lm, real tokens (in [5, 0]), the objective's per-row value, the loss (in [7, 0])
+    and accept at each of obj.temperatures [8 + m, K]."""
 
-    def __init__(self, K: int, device):
-        self.K, self.device = K, device
+    def __init__(self, K: int, device, obj: Objective = DEFAULT):
+        self.K, self.device, self.obj = K, device, obj
         self.reset()
 
     def reset(self):
-        self.sums = torch.zeros(6, self.K, dtype=torch.float64, device=self.device)
+        self.sums = torch.zeros(8 + len(self.obj.temperatures), self.K, dtype=torch.float64,
+                                device=self.device)
 
     def add(self, out: dict, d: dict):
         idx = d["row_step"]
@@ -33,27 +37,46 @@ class Meter:
         self.sums[3] += d["n_valid"]
         self.sums[4] += d["n_lm"]
         self.sums[5, 0] += d["tokens_t"]
+        self.sums[6].index_add_(0, idx, out.get("value", out["ce"]).detach().double())
+        self.sums[7, 0] += out["loss"].detach().double()
+        if self.obj.temperatures:
+            self.sums[8:].index_add_(1, idx, out["accept_t"].detach().double().T)
 
     def read(self, dist: Dist, decay: float) -> dict:
         s = all_sum(self.sums.clone(), dist).tolist()
         self.reset()
-        return summarize(s, decay)
+        return summarize(s, None if self.obj.position == "dpace" else decay,
+                         self.obj.temperatures)
 
 
-def summarize(s: list[list[float]], decay: float) -> dict:
+def tau(a: list[float]) -> float:
+    """1 + Σ_i Π_{j<=i} a_j: the acceptance length of a chain whose draft j is accepted with
+    probability a_j given the earlier ones."""
+    out, run_prod = 1.0, 1.0
+    for x in a:
+        run_prod *= x
+        out += run_prod
+    return out
+
+
+def summarize(s: list[list[float]], decay: float | None,
+              temperatures: tuple[float, ...] = ()) -> dict:
+    """The sums of a Meter -> the metrics record. decay: the loss is Σ_i decay^i·value_i over
+    the step-0 positions (the rows' weights as align makes them); None (dpace weights): the
+    loss's own sum."""
     ce, cor, acc_sum, nv, nl = s[:5]
     acc = [c / max(n, 1) for c, n in zip(cor, nl)]
     accept = [a / max(n, 1) for a, n in zip(acc_sum, nl)]
-
-    def tau(a):
-        out, run_prod = 1.0, 1.0
-        for x in a:
-            run_prod *= x
-            out += run_prod
-        return out
-    return {"loss": sum(decay ** i * c for i, c in enumerate(ce)) / max(nv[0], 1),
+    value = s[6] if len(s) > 6 else ce
+    loss = (sum(decay ** i * c for i, c in enumerate(value)) if decay is not None
+            else s[7][0]) / max(nv[0], 1)
+    accept_t = {f"{t:g}": [a / max(n, 1) for a, n in zip(row, nl)]
+                for t, row in zip(temperatures, s[8:])}
+    sim_tau_t = {"0": tau(acc), **{t: tau(a) for t, a in accept_t.items()}, "1": tau(accept)}
+    return {"loss": loss,
             "ce": [c / max(n, 1) for c, n in zip(ce, nv)], "acc": acc, "accept": accept,
-            "sim_tau": tau(acc), "sim_tau_p": tau(accept),
+            "sim_tau": tau(acc), "sim_tau_p": tau(accept), "accept_t": accept_t,
+            "sim_tau_t": dict(sorted(sim_tau_t.items(), key=lambda kv: float(kv[0]))),
             "oov": 1 - nv[0] / nl[0] if nl[0] else 0.0, "positions": int(nv[0]),
             "tokens": int(s[5][0])}
 
@@ -76,8 +99,11 @@ def throughput(tokens: int, seconds: float, rates: list[float],
 
 def fmt_line(split: str, step: int, total: int, m: dict, extra: str = "") -> str:
     acc = " ".join(f"{a:.2f}" for a in m["acc"])
+    served = "".join(f" | T={t} accept {' '.join(f'{a:.2f}' for a in acc_t)} tau "
+                     f"{m['sim_tau_t'][t]:.2f}" for t, acc_t in m.get("accept_t", {}).items())
     return (f"train: {split} step {step}/{total} | loss {m['loss']:.4f} | acc {acc} | "
-            f"tau {m['sim_tau']:.2f} (p {m['sim_tau_p']:.2f}) | oov {m['oov']:.1%}{extra}")
+            f"tau {m['sim_tau']:.2f} (p {m['sim_tau_p']:.2f}){served} | oov {m['oov']:.1%}"
+            f"{extra}")
 
 
 def atomic_json_lines(path: Path, records: list[dict]) -> None:
@@ -101,3 +127,8 @@ def tb_write(tb, split: str, step: int, m: dict) -> None:
     for key in ("acc", "accept", "ce"):
         for i, x in enumerate(m[key]):
             tb.add_scalar(f"{split}/{key}_{i}", x, step)
+    for t, x in m.get("sim_tau_t", {}).items():
+        tb.add_scalar(f"{split}/sim_tau_T{t}", x, step)
+    for t, xs in m.get("accept_t", {}).items():
+        for i, x in enumerate(xs):
+            tb.add_scalar(f"{split}/accept_T{t}_{i}", x, step)

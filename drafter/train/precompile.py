@@ -167,6 +167,7 @@ def setup(cfg, dev) -> dict:
     from drafter.core import target
     from drafter.core.dist import Dist
     from drafter.features import capture
+    from drafter.train.losses import objective
     from drafter.train.trainer import build_drafter, device_setup, pick_attention, setup_model
 
     tc = cfg.train
@@ -180,7 +181,8 @@ def setup(cfg, dev) -> dict:
     dist = Dist(device=dev)
     amp = device_setup(tc, dev)
     attention = pick_attention(tc, dev)
-    ttt, model, opt = setup_model(drafter, tc, dist, attention, saved="save")
+    ttt, model, opt = setup_model(drafter, tc, dist, attention, saved="save",
+                                  obj=objective(cfg))  # train's loss chunk: the same key
     # the target's own head: its rows' dtype, its logit scale and softcap (capture.Head)
     head = capture.Head(torch.zeros(vd, ht, dtype=target.pick_dtype(cfg.target, str(dev))),
                         *capture.logit_transform(tconf))

@@ -1,8 +1,9 @@
 """One optimizer step of the drafter, and what it needs: the drafter shaped from the target
 (`build_drafter`: train and drafter/train/precompile.py build it alike), the attention path for a
-device (`pick_attention`), the TTT module on the device wrapped for the ranks with its AdamW
-(`setup_model`), and the step itself (`train_step`: forward and backward over the micro-batches,
-gradients scaled to the step's loss positions, clipped, AdamW). The train step's loop
+device (`pick_attention`), the TTT module on the device wrapped for the ranks with its optimizer
+(`setup_model`: AdamW or Muon, drafter/train/optim.py), and the step itself (`train_step`:
+forward and backward over the micro-batches, gradients scaled to the step's loss positions,
+clipped, the optimizer's step). The train step's loop
 (drafter/steps/train.py) and benchmarks/train_throughput.py both call these, so the benchmark
 times exactly what training runs.
 """
@@ -17,9 +18,11 @@ import torch
 from drafter import DrafterError
 from drafter.core.config import ConfigError
 from drafter.core.dist import Dist, all_sum
+from drafter.train import optim
 from drafter.train.batches import model_inputs
 from drafter.train.dspark import DSpark, DSparkConfig
 from drafter.train.dspark_objective import BlockTrain
+from drafter.train.losses import DEFAULT, Objective
 from drafter.train.model import Drafter, DrafterConfig, draft_layer_for
 from drafter.train.ttt import TTT
 
@@ -209,9 +212,12 @@ def pick_attention(tc, device) -> str:
     return tc.attention
 
 
-def setup_model(drafter: Drafter, tc, dist: Dist, attention: str, saved: str = "load"):
+def setup_model(drafter: Drafter, tc, dist: Dist, attention: str, saved: str = "load",
+                obj: Objective = DEFAULT):
     """The trainable modules on the device (the embeddings stay on the CPU), wrapped for the
-    ranks (DDP, or FSDP2 with train.fsdp), and AdamW over them. -> (ttt, model, optimizer).
+    ranks (DDP, or FSDP2 with train.fsdp), and train.optimizer over them (drafter/train/optim.py).
+    obj: the loss (drafter/train/losses.objective); train.noise on the aux states while
+    training. -> (ttt, model, optimizer).
     saved: what the compiled pieces do with the saved whole graphs (drafter/train/aot.py): "load"
     (train), "save" (precompile); "off" under train.fsdp (sharded parameters are not what a
     single-GPU precompile traced: precompile then fills Inductor's cache for the pieces as
@@ -221,10 +227,10 @@ def setup_model(drafter: Drafter, tc, dist: Dist, attention: str, saved: str = "
         saved = "off"
     if isinstance(drafter, DSpark):
         ttt = BlockTrain(drafter, fused=attention == "flex", loss_chunk=tc.loss_chunk,
-                         flex=attention == "flex").to(dev)
+                         flex=attention == "flex", obj=obj, noise=tc.noise).to(dev)
     else:
         ttt = TTT(drafter, attention=attention, compile=tc.compile and cuda,
-                  loss_chunk=tc.loss_chunk, saved=saved).to(dev)
+                  loss_chunk=tc.loss_chunk, saved=saved, obj=obj, noise=tc.noise).to(dev)
     if dist.world > 1 and tc.fsdp:
         # One unit: the one layer runs K times forward and backward, so its weights stay
         # gathered for the whole step (ZeRO-2); gradients and AdamW state are sharded.
@@ -235,10 +241,17 @@ def setup_model(drafter: Drafter, tc, dist: Dist, attention: str, saved: str = "
         model = DDP(ttt, device_ids=[dev.index] if cuda else None)
     else:
         model = ttt
-    params = [p for p in ttt.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay,
-                            fused=cuda and not (tc.fsdp and dist.world > 1))
+    opt = optim.build(ttt.named_parameters(), tc,
+                      fused=cuda and not (tc.fsdp and dist.world > 1))
     return ttt, model, opt
+
+
+def trained_with(tc, obj: Objective) -> dict:
+    """What the drafter was trained to minimise and how: checkpoints' state.json and train's
+    manifest ("objective"); export names it in the READMEs and drafter.json."""
+    return {**obj.to_dict(), "ttt_decay": tc.ttt_decay, "noise": tc.noise,
+            "optimizer": tc.optimizer,
+            **({"muon_lr": tc.muon_lr or tc.lr} if tc.optimizer == "muon" else {})}
 
 
 def train_step(model, params, opt, micro, tc, dist: Dist, autocast, meter=None,

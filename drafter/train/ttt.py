@@ -22,7 +22,8 @@ implementations:
           The loss is fused with lm_head in row chunks: logits never exist for the whole
           batch, and their gradients are formed in the forward.
 
-Both give the same loss and gradients (tests/test_model.py).
+Both give the same loss and gradients (tests/test_model.py). The loss itself (its kinds, the
+fused lm_head pass, D-PACE weighting) is drafter/train/losses.py, called on the unroll's rows.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from drafter.train import losses
+from drafter.train.losses import DEFAULT, MarkedRows, Objective, head_loss
 from drafter.train.merge import merge_diagonal
 from drafter.train.model import Drafter, DrafterConfig, fuse
 
@@ -114,176 +117,12 @@ def flex_part0(seq_id: torch.Tensor, compiled: bool = True) -> Callable:
     return part0
 
 
-# -------------------------------------------------------------------------------- the loss
-def _teacher_rows(teacher: dict, rows: torch.Tensor):
-    """Teacher log-probs of the given flat rows: dense [n, Vd], or top-k (ids, logp) [n, k]."""
-    if "ids" in teacher:
-        return teacher["ids"][rows], teacher["logp"][rows].float()
-    return None, teacher["logp"][rows].float()
-
-
-def _chunk_stats(z, ids, tl, w, grad_dtype=torch.float32):
-    """One chunk of rows. z [c, Vd] fp32 drafter logits; w [c] row weights; teacher log-probs
-    tl: dense [c, Vd], or top-k [c, k] at draft ids [c, k], read as store.teacher_logprobs
-    reads them: the rest of the mass, 1 - Σ exp(tl), spread evenly over the other Vd - k ids.
-    Soft cross-entropy against p with total mass P (≈ 1): ce = P·lse(z) - Σ p·z, dce/dz = P·q - p.
-    -> grad_z [c, Vd] (times w, in grad_dtype), ce [c], correct [c] (argmax match), accept [c]
-    (Σ min(p, q): the chance that a draft sampled from q is accepted by rejection sampling
-    against p). Compiled on GPU: one pass over z instead of a dozen."""
-    z = z.float()
-    lse = z.logsumexp(-1, keepdim=True)                                      # [c, 1]
-    q = (z - lse).exp()                                                      # [c, Vd]
-    p = tl.exp()
-    if ids is None:
-        P = p.sum(-1, keepdim=True)
-        ce = (P * lse).squeeze(-1) - (p * z).sum(-1)
-        grad = (P * q - p) * w[:, None]
-        t_arg = tl.argmax(-1)
-        accept = torch.minimum(p, q).sum(-1)
-    else:  # never builds the dense [c, Vd] teacher: only z-sized work
-        vd, k = z.shape[-1], ids.shape[-1]
-        rest = (1.0 - p.sum(-1, keepdim=True)).clamp_min(0.0)               # [c, 1]
-        pt = rest.clamp_min(torch.finfo(torch.float32).tiny) / max(vd - k, 1)   # [c, 1]
-        zk, qk = z.gather(-1, ids), q.gather(-1, ids)                        # [c, k]
-        P = p.sum(-1, keepdim=True) + (vd - k) * pt
-        pz = (p * zk).sum(-1) + pt.squeeze(-1) * (z.sum(-1) - zk.sum(-1))
-        ce = (P * lse).squeeze(-1) - pz
-        grad = ((P * q - pt) * w[:, None]).scatter_add(-1, ids, -(p - pt) * w[:, None])
-        t_arg = ids.gather(-1, tl.argmax(-1, keepdim=True)).squeeze(-1)
-        accept = (torch.minimum(q, pt).sum(-1) - torch.minimum(qk, pt).sum(-1)
-                  + torch.minimum(qk, p).sum(-1))
-    return grad.to(grad_dtype), ce, (z.argmax(-1) == t_arg).float(), accept
-
-
-def _rows_dynamic(*ts) -> None:
-    """Mark dim 0 (rows) of a loss chunk dynamic. The rows in the loss differ from batch to
-    batch, so a batch's last chunk has any size, and a compiled stats_fn specialised on each one
-    recompiled until dynamo's recompile_limit ("tensor 'w' size mismatch at index 0. expected
-    2097, actual 1357"), and the first steps ran several times slower than steady. Every
-    chunk is marked: dynamo would run full chunks through the dynamic graph anyway once it
-    exists (it checks the newest graph first), so one graph serves all from the first batch,
-    and a static one would only add a compile. No padding: the numbers are the eager ones.
-    TTT's compiled stats function marks its arguments itself (_MarkedRows); a function loaded
-    whole (drafter/train/aot.py) takes them unmarked: its guards refuse a marking it was not saved
-    with."""
-    import torch._dynamo
-
-    for t in ts:
-        if t is not None:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-
-
-class _MarkedRows:
-    """A compiled loss-chunk function that marks its tensors' rows dynamic before each call."""
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-
-    def __call__(self, z, ids, tl, w, *rest):
-        _rows_dynamic(z, ids, tl, w)
-        return self.fn(z, ids, tl, w, *rest)
-
-
-def loss_chunks(N: int, chunk: int) -> list[tuple[int, int]]:
-    """The loss's row ranges: `chunk` rows each and the rest last, where a rest of 1 row joins
-    the chunk before it. Dynamo specialises a size of 1, so a 1-row chunk (about one batch in
-    `chunk` has one) would compile one more graph mid-run, after the warm-up."""
-    ends = list(range(chunk, N, chunk)) + [N] if N > 0 else []
-    if len(ends) > 1 and ends[-1] - ends[-2] == 1:
-        del ends[-2]
-    return list(zip([0] + ends[:-1], ends))
-
-
-_ADDMM_F32: dict = {}  # device -> whether torch.addmm takes out_dtype=float32 with a float32 sum
-
-
-def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, acc float32 and a, b half precision. On a GPU whose torch has addmm's
-    float32 output (cuBLAS's C += A·B, accumulated in float32), one GEMM into acc; otherwise the
-    product, rounded to a's dtype, then an add: a [m, n] temporary and one more pass over acc
-    (at the Llama-8B shape, each loss chunk's [32000, 4096] lm_head gradient). Older torch
-    refuses a float32
-    `self` for bf16 inputs: probed once."""
-    if acc.is_cuda and a.dtype != acc.dtype and _ADDMM_F32.get(acc.device) is not False:
-        try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-            _ADDMM_F32[acc.device] = True
-            return
-        except (RuntimeError, TypeError):  # checked before any work: acc is untouched
-            _ADDMM_F32[acc.device] = False
-    acc.add_(a @ b)
-
-
-class FusedHeadLoss(torch.autograd.Function):
-    """lm_head + soft cross-entropy in row chunks; the gradients are formed in the forward, so
-    [N, Vd] logits never exist (EAGLE training is dominated by them at small H)."""
-
-    @staticmethod
-    def forward(ctx, hn, weight, w, teacher_ids, teacher_logp, trows, chunk, stats_fn,
-                need_grad):
-        N, dt = hn.shape[0], hn.dtype
-        wc = weight.to(dt)                                          # [Vd, H] at compute dtype
-        grad_hn = torch.empty_like(hn) if need_grad else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if need_grad else None
-        teacher = {"logp": teacher_logp} if teacher_ids is None else \
-            {"ids": teacher_ids, "logp": teacher_logp}
-        # Per chunk only its three matmuls and the compiled stats (the step waits on the
-        # host): a top-k teacher's rows gathered once ([N, k], small; a dense one's [c, Vd]
-        # stay per chunk), grad_hn written in place, the per-row stats joined once at the end.
-        # -> 3 kernels a chunk besides the stats, not 10 (counted on the CPU).
-        topk = None if teacher_ids is None else _teacher_rows(teacher, trows)
-        stats = []
-        for s, e in loss_chunks(N, chunk):
-            z = hn[s:e] @ wc.T                                               # [c, Vd]
-            ids, tl = _teacher_rows(teacher, trows[s:e]) if topk is None else \
-                (topk[0][s:e], topk[1][s:e])
-            g, *st = stats_fn(z, ids, tl, w[s:e], dt)
-            stats.append(st)
-            if need_grad:
-                torch.mm(g, wc, out=grad_hn[s:e])                            # [c, H]
-                _accumulate(grad_w, g.T, hn[s:e])                            # [Vd, H]
-        if stats:
-            ce, correct, accept = (torch.cat(c) for c in zip(*stats))        # [N] each
-        else:  # no row in the loss
-            ce, correct, accept = (hn.new_empty(0, dtype=torch.float32) for _ in range(3))
-        ctx.save_for_backward(grad_hn, grad_w)
-        ctx.weight_dtype = weight.dtype
-        loss = (w * ce).sum()
-        ctx.mark_non_differentiable(ce, correct, accept)
-        return loss, ce, correct, accept
-
-    @staticmethod
-    def backward(ctx, g_loss, *_):
-        grad_hn, grad_w = ctx.saved_tensors
-        # scaled in place and handed over: autograd adopts them as the .grad, no second copy
-        grad_hn.mul_(g_loss.to(grad_hn.dtype))
-        grad_w.mul_(g_loss)
-        return (grad_hn, grad_w.to(ctx.weight_dtype), None, None, None, None, None, None, None)
-
-
-def head_loss(hn, weight, teacher: dict, trows, w, fused: bool, chunk: int = 0,
-              stats_fn: Callable = _chunk_stats):
-    """hn [N, H] post-norm states of the rows in the loss; weight [Vd, H] (lm_head); teacher
-    {"logp": [M, Vd]} (store.teacher_logprobs) or, fused only, the top-k form {"ids": [M, k],
-    "logp": [M, k]} over M teacher rows; trows [N] which teacher row each row learns; w [N] row
-    weights (ttt_decay**step).
-    -> (Σ w·ce, ce [N], correct [N], accept [N]); the last three carry no gradient."""
-    if fused:
-        chunk = chunk or max(256, (256 << 20) // (4 * weight.shape[0]))  # fp32 logits <= 256 MiB
-        need_grad = torch.is_grad_enabled() and (hn.requires_grad or weight.requires_grad)
-        return FusedHeadLoss.apply(hn, weight, w, teacher.get("ids"), teacher["logp"], trows,
-                                   chunk, stats_fn, need_grad)
-    if "ids" in teacher:
-        raise ValueError("the exact loss takes a dense teacher (store.teacher_logprobs)")
-    z = F.linear(hn, weight).float()                                         # [N, Vd]
-    logq = z.log_softmax(-1)
-    p = teacher["logp"][trows].float().exp()                                 # [N, Vd]
-    ce = -(p * logq).sum(-1)
-    t_arg = teacher["logp"][trows].argmax(-1)
-    accept = torch.minimum(p, logq.exp()).sum(-1)
-    correct = (z.argmax(-1) == t_arg).float()
-    return (w * ce).sum(), ce.detach(), correct, accept.detach()
+def noisy(aux: torch.Tensor, level: float) -> torch.Tensor:
+    """aux [B, T, n, Ht] plus Gaussian noise of std level × each state's RMS over Ht (the
+    residual stream's scale differs by layer and model, so a relative level carries over), in
+    aux's dtype (a float32 copy of Kimi-sized aux would be GBs)."""
+    rms = aux.float().pow(2).mean(-1, keepdim=True).sqrt()                   # [B, T, n, 1]
+    return aux + torch.randn_like(aux) * (level * rms).to(aux.dtype)
 
 
 # ------------------------------------------------------------------------------- the unroll
@@ -348,7 +187,12 @@ class TTT(nn.Module):
       src[i, b, t]: the token position that step i embeds at (b, t); rows: flat indices into
       [K, B, T] of the positions in the loss; trows: their teacher rows in [B·T]; weights: their
       loss weights; teacher: {"logp": [B·T, Vd]} or {"ids", "logp": [B·T, k]}.
-      Returns loss = Σ weights·ce (differentiable) and per-row ce, correct, accept [N].
+      Returns losses.head_loss's dict: loss = Σ weights·value (differentiable), per row value,
+      ce, correct, accept [N] and accept_t [N, m].
+    obj: the loss (drafter/train/losses.py; default the soft cross-entropy at T = 1); under its
+    D-PACE weighting a row's chain is its token position, its place the TTT step.
+    noise: while training (grad enabled), Gaussian noise on the aux states, std = noise × each
+    state's RMS (per token and layer); 0 leaves them as captured.
     compile: torch.compile the layer pieces and the loss chunk with `backend` (inductor; tests
     count dynamo's graphs with aot_eager, which builds no kernels); the merge runs eagerly.
     saved: with Inductor, "load" the layer pieces and the loss chunk compiled whole where a
@@ -362,7 +206,8 @@ class TTT(nn.Module):
     """
 
     def __init__(self, drafter: "Drafter", attention: str = "sdpa", compile: bool = False,
-                 loss_chunk: int = 0, backend: str = "inductor", saved: str = "off"):
+                 loss_chunk: int = 0, backend: str = "inductor", saved: str = "off",
+                 obj: Objective = DEFAULT, noise: float = 0.0):
         super().__init__()
         if attention not in ("sdpa", "flex"):
             raise ValueError(f"attention must be sdpa or flex, got {attention!r}")
@@ -370,6 +215,7 @@ class TTT(nn.Module):
         self.fc_norm, self.fc, self.midlayer = drafter.fc_norm, drafter.fc, drafter.midlayer
         self.norm, self.lm_head, self.rotary = drafter.norm, drafter.lm_head, drafter.rotary
         self.attention, self.loss_chunk, self.compiled = attention, loss_chunk, compile
+        self.obj, self.noise = obj, noise
         self.scale = attention_scale(self.cfg)
         # MLA: DeepSeek's score scale, given to the attention explicitly (a llama layer's is the
         # default, hd^-1/2), and on the flex path keys and values padded to one width
@@ -382,7 +228,7 @@ class TTT(nn.Module):
         def post(ws, *a):
             return functional_call(pieces[1], ws, a)
 
-        self.pre_fn, self.post_fn, self.stats_fn = pre, post, _chunk_stats
+        self.pre_fn, self.post_fn, self.stats_fn = pre, post, losses.chunk_stats
         if compile:
             # Static shapes: rows are padded to max_length and micro-batches to B rows, so the
             # layer pieces see one shape per run; the loss rows vary per batch, so the loss
@@ -403,14 +249,16 @@ class TTT(nn.Module):
                 aot_config.autograd_cache_allow_custom_autograd_functions = True
             stable_memory_format_pickles()
             jit = [torch.compile(f, dynamic=False, backend=backend) for f in (pre, post)]
-            jit.append(_MarkedRows(torch.compile(_chunk_stats, dynamic=False, backend=backend)))
+            jit.append(MarkedRows(torch.compile(losses.chunk_stats, dynamic=False,
+                                                backend=backend)))
             if saved != "off" and backend == "inductor":  # only Inductor's output is saved
                 # the pieces whole, dynamo's tracing included: drafter/train/aot.py
                 from drafter.train.aot import Piece
                 mods = {"pre": pieces[0], "post": pieces[1]}
                 jit = [Piece(n, f, j, m, saved, dynamic_rows=n == "chunk_stats")
                        for n, f, j, m in zip(("pre", "post", "chunk_stats"),
-                                             (pre, post, _chunk_stats), jit, (mods, mods, {}))]
+                                             (pre, post, losses.chunk_stats), jit,
+                                             (mods, mods, {}))]
             self.pre_fn, self.post_fn, self.stats_fn = jit
 
     def cast_layer(self, device_type: str) -> dict:
@@ -426,6 +274,8 @@ class TTT(nn.Module):
     def forward(self, aux, emb, position_ids, seq_id, src, rows, trows, weights, teacher,
                 part0: Callable | None = None):
         K = src.shape[0]
+        if self.noise > 0 and self.training and torch.is_grad_enabled():
+            aux = noisy(aux, self.noise)
         h = fuse(self.fc_norm, self.fc, aux)                                 # [B, T, H]
         B, T, H = h.shape
         pos = position_ids[:, None, :] + torch.arange(K, device=h.device)[None, :, None]
@@ -455,7 +305,8 @@ class TTT(nn.Module):
             outs.append(hn.reshape(B * T, H))
             h = hn if self.cfg.norm_output else h_out  # = Drafter.feedback(h_out), norm reused
         hn_rows = torch.cat(outs, 0)[rows]                                   # [N, H]
-        loss, ce, correct, accept = head_loss(
-            hn_rows, self.lm_head.weight, teacher, trows, weights,
-            fused=self.attention == "flex", chunk=self.loss_chunk, stats_fn=self.stats_fn)
-        return {"loss": loss, "ce": ce, "correct": correct, "accept": accept}
+        chains = (rows % (B * T), rows // (B * T), B * T, K) \
+            if self.obj.position == "dpace" else None
+        return head_loss(hn_rows, self.lm_head.weight, teacher, trows, weights,
+                         fused=self.attention == "flex", chunk=self.loss_chunk, obj=self.obj,
+                         chains=chains, stats_fn=self.stats_fn)
