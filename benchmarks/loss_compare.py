@@ -35,6 +35,10 @@ VARIANTS = {
     "dpace": ["train.position_weight=dpace"],
     "noise": ["train.noise=0.05"],
     "muon": ["train.optimizer=muon"],
+    # the drafter kinds (benchmarks/kinds-cpu.yaml): eagle3 is "kl" under its own name
+    "eagle3": [],
+    "dflash": ["train.method=dflash"],
+    "dspark": ["train.method=dspark"],
 }
 
 
