@@ -350,7 +350,7 @@ def train_briefly(target: Path, steps: int = 8) -> tuple[Drafter, list[float]]:
     cap = Capture(model, drafter.cfg.aux_layer_ids, d2t, t2d, teacher="hidden",
                   out_dtype=torch.float32)
     src = Source.memory(cap([{"input_ids": s, "loss_mask": [1] * len(s)} for s in seqs]))
-    tc = SimpleNamespace(ttt_steps=3, ttt_decay=0.8)
+    tc = SimpleNamespace(method="eagle3", ttt_steps=3, ttt_decay=0.8)
     batch = device_batch(host_batch(src, [[i] for i in range(len(src))], len(src),
                                     max(src.lengths), tc, drafter.embed_tokens.weight),
                          torch.device("cpu"), cap.head, fused=False)

@@ -118,7 +118,7 @@ def test_offline_batches_carry_the_stored_dtypes_and_widen_to_the_decoded_batch(
     r = store.Reader(run, "train")
     stored = batches.Source.offline(r)
     decoded = batches.Source(r.ids, r.lengths, lambda idx: [r[j] for j in idx])
-    tc, emb = SimpleNamespace(ttt_steps=3, ttt_decay=0.8), torch.randn(1000, 16)
+    tc, emb = SimpleNamespace(method="eagle3", ttt_steps=3, ttt_decay=0.8), torch.randn(1000, 16)
     rows = [[0, 1, 2], [3, 6], [5, 4]]                        # padding in rows 1 and 2
     a = batches.host_batch(stored, rows, 3, 24, tc, emb)
     b = batches.host_batch(decoded, rows, 3, 24, tc, emb)

@@ -263,7 +263,8 @@ def test_loss_falls_when_overfitting(world, tmp_path):
     assert list(first) == ["batch", "forward", "backward", "optimizer"]
     # the batch part is rounded to 1 ms and is under 0.5 ms when the loader is ahead
     assert first["batch"] >= 0 and min(first[k] for k in ("forward", "backward", "optimizer")) > 0
-    assert 0.5 * steps[0] < sum(first.values()) <= steps[0] + 1e-3
+    # the parts lie within the step (a busy machine may spend the rest between them)
+    assert 0 < sum(first.values()) <= steps[0] + 1e-3
     assert out["avg_tokens_per_s"] == pytest.approx(
         sum(r["tokens"] for r in recs) / elapsed[-1], rel=1e-2)
     assert out["avg_over_steady"] == pytest.approx(

@@ -132,7 +132,7 @@ def acceptance(path, spec: str, k: int = 3, prompts: int = SMOKE_PROMPTS,
                   teacher="hidden", out_dtype=torch.float32)
     src = Source.memory(cap(samples))
     T_max = max(src.lengths)
-    tc = SimpleNamespace(ttt_steps=k, ttt_decay=1.0)
+    tc = SimpleNamespace(method="eagle3", ttt_steps=k, ttt_decay=1.0)
     hb = host_batch(src, [[i] for i in range(len(src))], len(src), T_max, tc,
                     drafter.embed_tokens.weight)
     d = device_batch(hb, torch.device(device), cap.head, fused=False)
