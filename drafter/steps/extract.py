@@ -29,7 +29,7 @@ Resume: a shard that exists and verifies (its sha256 in the index, else its own 
 and the planned sample ids and options) is kept; a missing or corrupt one is (re)done; temp files
 of a killed write are removed. The index is written last. train.online=true: nothing is stored.
 
-extract.max_disk_gib (docs/extract.md, "Bounded disk"): the step stores val and the head only;
+max_disk_gib (docs/extract.md, "Bounded disk"): the step stores val and the head only;
 the train split goes a chunk of train's own steps at a time (drafter/train/chunks.py plans them,
 drafter/features/spool.py is where they pass): ChunkProducer makes a chunk, in train's process
 (`drafter run`) or, with extract.spool, after the step, for a train elsewhere
@@ -140,12 +140,12 @@ def _clean_temp(folders: list[Path], shards: list[Shard], rank: int) -> None:
 
 
 def main(cfg) -> dict:
-    """Extract every split; with extract.max_disk_gib, val and the head only: the train split
+    """Extract every split; with max_disk_gib, val and the head only: the train split
     is extracted a chunk at a time (ChunkProducer, `produce`)."""
     t_main = time.perf_counter()
     run = Run.of(cfg)
     ec = cfg.extract
-    splits = ("val",) if ec.max_disk_gib is not None else SPLITS
+    splits = ("val",) if cfg.max_disk_gib is not None else SPLITS
     if cfg.train.online:
         log.info("extract: train.online=true, the target runs beside the drafter: nothing stored")
         return {"counts": {"online": 1, "samples": 0, "tokens": 0, "shards": 0, "bytes": 0},
@@ -239,7 +239,7 @@ def main(cfg) -> dict:
     out = _result(info, indexes, stats, d, ec, check)
     if compiled is not None:
         out["precompile"] = compiled
-    if ec.max_disk_gib is not None:  # the train split: a chunk at a time (ChunkProducer)
+    if cfg.max_disk_gib is not None:  # the train split: a chunk at a time (ChunkProducer)
         out["mode"] = "chunked"
     return out
 
@@ -421,7 +421,7 @@ def _result(info, indexes, stats, d: Dist, ec, check) -> dict:
     return out
 
 
-# ------------------------------------------------------------------ chunks (extract.max_disk_gib)
+# ------------------------------------------------------------------ chunks (max_disk_gib)
 def vllm_sleep_mode() -> bool:
     """vLLM keeps its weights in host memory while it sleeps (LLM(enable_sleep_mode=True),
     sleep(level=1), wake_up()) on the platforms that have it: its CUDA, ROCm and XPU builds;

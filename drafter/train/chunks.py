@@ -1,4 +1,4 @@
-"""Train's side of features stored in chunks (extract.max_disk_gib): the chunk plan, and every
+"""Train's side of features stored in chunks (max_disk_gib): the chunk plan, and every
 step's samples read from the chunk that step belongs to.
 
 The plan (`make_plan`). Train's data order is a pure function of the token files, the config and
@@ -7,11 +7,13 @@ consecutive optimizer steps; its samples are those its steps train on, each stor
 chunk. A sample that two epochs train on inside one chunk is extracted once, in two chunks
 twice: with E epochs the train split is extracted about E times (the disk could not keep it
 between epochs: that is why there are chunks). Chunks are cut greedily, step by step, as large as
-the budget allows: extract.max_disk_gib less extract's val shards and head (spool.stored_bytes),
-all of it when train makes each chunk itself (`window` 1: one process, a chunk at a time), half
+the budget allows: max_disk_gib less extract's val shards and head (spool.stored_bytes) and
+the rest the run keeps (data, checkpoints, export, logs: budget.held), all of it when train
+makes each chunk itself (`window` 1: one process, a chunk at a time), half
 of it when another process fills the spool (`window` 2: the next chunk is written while this one
-trains). The learning-rate schedule and the step count come from the whole plan: a chunked run
-trains the same batches in the same order as one with every shard stored.
+trains); a budget whose room holds no single optimizer step is a BudgetError naming the
+value that does. The learning-rate schedule and the step count come from the whole plan: a
+chunked run trains the same batches in the same order as one with every shard stored.
 
 Reading (`Chunks`). The loop's jobs name sample i of chunk c as c·N + i (`tag`), so the loader
 reads each step's samples from that step's chunk: a sample in two chunks is read from the right
@@ -36,19 +38,21 @@ from drafter import DrafterError
 from drafter.core.dist import Dist, all_gather, barrier
 from drafter.features import spool, store
 from drafter.train.batches import DataPlan
+from drafter.train.budget import BudgetError, data_bytes, describe, gib_at_least, held
 
 log = logging.getLogger("drafter")
 
 
 def make_plan(ids: list[str], lengths: list[int], dp: DataPlan, budget: int, stored: int,
-              bytes_per_token: int, shard_tokens: int, window: int) -> dict:
+              bytes_per_token: int, shard_tokens: int, window: int, held: dict) -> dict:
     """The chunks of the run (`ids`, `lengths`: the train samples in id order, as train's
-    Source has them): {"id", "budget", "stored", "reserve" (the spool's own files), "window",
-    "limit" (bytes a chunk may take), "bytes_per_token", "total", "world", "grad_accum",
-    "chunks": [{"index", "start", "end", "ids" (first use first), "tokens", "bytes"
-    (spool.chunk_bytes, a bound)}]}."""
+    Source has them): {"id", "budget", "stored" (extract's val and head), "held" (the rest the
+    run keeps: budget.held), "reserve" (the spool's own files), "window", "limit" (bytes a
+    chunk may take), "bytes_per_token", "total", "world", "grad_accum", "chunks": [{"index",
+    "start", "end", "ids" (first use first), "tokens", "bytes" (spool.chunk_bytes, a bound)}]}.
+    BudgetError when one optimizer step's samples do not fit a chunk."""
     reserve = spool.plan_bytes(ids, dp.total, -(-dp.total // dp.steps_per_epoch))
-    limit = (budget - stored - reserve) // window
+    limit = (budget - stored - held["total"] - reserve) // window
     chunks: list[dict] = []
     cur: dict[int, None] = {}
     tok = chars = 0
@@ -73,18 +77,21 @@ def make_plan(ids: list[str], lengths: list[int], dp: DataPlan, budget: int, sto
             new = step
             t, ch = sum(lengths[i] for i in new), sum(len(ids[i]) for i in new)
         if bound(t, len(new), ch) > limit and not cur:
-            half = " halved (a chunk trains while the next is made)" if window > 1 else ""
-            raise DrafterError(
-                f"extract.max_disk_gib: {spool.size(budget)} less extract's val shards and "
-                f"head ({spool.size(stored)}) and the spool's own files "
-                f"({spool.size(reserve)}){half} leaves {spool.size(max(limit, 0))} for a "
-                f"chunk; optimizer step {s} alone needs {spool.size(bound(t, len(new), ch))}: "
-                f"raise the budget, or lower train.batch_tokens or prepare.val_fraction")
+            least = stored + held["total"] + reserve + window * largest_step(
+                ids, lengths, dp, bytes_per_token, shard_tokens)
+            half = ", halved (a chunk trains while the next is made)" if window > 1 else ""
+            raise BudgetError(
+                f"max_disk_gib: {describe(budget, stored, held, reserve)}{half}, leaving "
+                f"{spool.size(max(limit, 0))} for a chunk; optimizer step {s} alone needs "
+                f"{spool.size(bound(t, len(new), ch))}: set max_disk_gib="
+                f"{gib_at_least(least)} or more (its largest step fits then), or lower "
+                f"train.batch_tokens or train.keep_checkpoints")
         cur.update(dict.fromkeys(new))
         tok, chars = t, ch
     if dp.total:
         close(dp.total)
-    plan = {"budget": budget, "stored": stored, "reserve": reserve, "window": window,
+    plan = {"budget": budget, "stored": stored, "held": held, "reserve": reserve,
+            "window": window,
             "limit": limit,
             "bytes_per_token": bytes_per_token, "total": dp.total, "world": dp.world,
             "grad_accum": dp.grad_accum, "chunks": chunks}
@@ -92,21 +99,40 @@ def make_plan(ids: list[str], lengths: list[int], dp: DataPlan, budget: int, sto
     return plan
 
 
-def plan_run(cfg, run, info: dict, world: int, window: int) -> tuple[dict, list, list]:
+def largest_step(ids: list[str], lengths: list[int], dp: DataPlan, bytes_per_token: int,
+                 shard_tokens: int) -> int:
+    """The bound (spool.chunk_bytes) of the largest chunk of one optimizer step alone."""
+    def one(s: int) -> int:
+        new = list(dict.fromkeys(dp.step_samples(s)))
+        return spool.chunk_bytes(sum(lengths[i] for i in new), len(new),
+                                 sum(len(ids[i]) for i in new), bytes_per_token, shard_tokens)
+    return max((one(s) for s in range(dp.total)), default=0)
+
+
+def plan_run(cfg, run, info: dict, world: int, window: int,
+             stored: int | None = None) -> tuple[dict, list, list]:
     """(the plan, sample ids, lengths) of this run: the train samples in id order as train's
     Source takes them (extract skips empty ones), its DataPlan for `world` ranks, the budget
-    less what extract stores up front, and bytes per token from extract's own info."""
+    less what extract stores up front (`stored`, else measured: spool.stored_bytes) and what
+    the run keeps besides (budget.held), and bytes per token from extract's info (or the
+    same keys from the config: layer_ids, hidden_size, aux_dtype, teacher, topk,
+    draft_vocab_size)."""
+    from drafter.core import target
     from drafter.data import tokens
     from drafter.train.batches import data_plan
+    from drafter.train.memory import drafter_shape
 
     ids, lengths = tokens.ids_and_lengths(run.require(run.tokens("train"), "tokenize"))
     pairs = sorted((i, n) for i, n in zip(ids, lengths) if n > 0)
     ids, lengths = [i for i, _ in pairs], [n for _, n in pairs]
     bpt = store.bytes_per_token(info["hidden_size"], len(info["layer_ids"]), info["aux_dtype"],
                                 info["teacher"], info["topk"] or 0, info["draft_vocab_size"])
-    plan = make_plan(ids, lengths, data_plan(lengths, cfg.train, world),
-                     int(cfg.extract.max_disk_gib * spool.GiB), spool.stored_bytes(run), bpt,
-                     cfg.extract.shard_tokens, window)
+    dp = data_plan(lengths, cfg.train, world)
+    h = held(cfg, drafter_shape(cfg, target.load_config(cfg.target)), data_bytes(run), dp.total,
+             info["hidden_size"])
+    plan = make_plan(ids, lengths, dp, int(cfg.max_disk_gib * spool.GiB),
+                     spool.stored_bytes(run) if stored is None else stored, bpt,
+                     cfg.extract.shard_tokens, window, h)
     return plan, ids, lengths
 
 
@@ -156,6 +182,7 @@ class Chunks:
         self.made: set[int] = {only} if only is not None else set()
         self.closed = False
         self._open: dict[int, Future] = {}
+        self._needed: set[int] = set()  # chunks the loader waits for (else opened ahead)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="chunk-open")
 
@@ -206,6 +233,11 @@ class Chunks:
             spool.remove_chunk(self.run, c)
             log.info("train: chunk %d of %d trained (steps %d-%d) and deleted", c, self.n,
                      self.plan["chunks"][c]["start"], step - 1)
+            if c + 1 < self.n and self.produce is None:  # the spool's: said while it waits
+                nxt = self.plan["chunks"][c + 1]
+                log.info("train: training chunk %d of %d (steps %d-%d)%s", c + 1, self.n,
+                         nxt["start"], nxt["end"] - 1, "" if spool.complete(
+                             self.run, c + 1, self.pid) else " as soon as the producer makes it")
         if c + 1 < self.n:
             self._make(c + 1)
 
@@ -229,6 +261,7 @@ class Chunks:
         """(store.Reader of chunk c, {sample id: its position}), waited for and checked once;
         chunk c+1 is then opened in the background."""
         with self._lock:
+            self._needed.add(c)
             fut = self._open.get(c)
             if fut is None:
                 fut = self._open[c] = self._pool.submit(self._ready, c)
@@ -239,13 +272,23 @@ class Chunks:
         return fut.result()
 
     def _ready(self, c: int):
-        run, wait = self.run, spool.Wait("train")
+        """Chunk c's reader once it is whole. The wait is logged only while the loader needs
+        the chunk (the steps before it are trained meanwhile: opened ahead, it says nothing)
+        and where another process makes it."""
+        run, wait, since = self.run, spool.Wait("train"), None
         while spool.complete(run, c, self.pid) is None:
             if self.closed:
                 raise DrafterError("train: stopped while waiting for a chunk")
+            quiet = self.produce is not None or c not in self._needed
+            if not quiet and since is None:
+                since = time.monotonic()
+                wait.done()  # its clock from here: the time train waits, not the time ahead
             wait(f"chunk {c} of {self.n} is not in {run.spool()} yet (made by `drafter extract "
-                 f"CONFIG` where the target runs, with the same extract.spool)",
-                 quiet=self.produce is not None)
+                 f"CONFIG` where the target runs, with the same extract.spool)", quiet=quiet)
+        if since is not None:
+            log.info("train: chunk %d is in the spool after %.0f s of waiting: training its "
+                     "steps %d-%d", c, time.monotonic() - since, self.plan["chunks"][c]["start"],
+                     self.plan["chunks"][c]["end"] - 1)
         reader = store.Reader(run, "train", chunk=c)
         keep = ("layer_ids", "hidden_size", "teacher", "topk", "aux_dtype", "draft_vocab_size")
         if {k: reader.info.get(k) for k in keep} != {k: self.info.get(k) for k in keep}:
