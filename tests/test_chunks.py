@@ -85,15 +85,10 @@ def train_losses(run: Run) -> list:
 def held(ref: Run) -> dict:
     """What the runs copied from the reference keep besides val, the head and the spool: their
     data, checkpoints, export and logs (drafter/train/budget.py)."""
-    from drafter.core import target
     from drafter.train import budget
-    from drafter.train.memory import drafter_shape
 
-    cfg = C.load(ref.config_snapshot())
-    tconf = target.load_config(cfg.target)
-    return budget.held(cfg, drafter_shape(cfg, tconf), budget.data_bytes(ref),
-                       read_json(ref.manifest("train"))["counts"]["steps"],
-                       target.hidden_size(tconf))
+    return budget.held_of(C.load(ref.config_snapshot()), ref,
+                          read_json(ref.manifest("train"))["counts"]["steps"])
 
 
 def budget_gib(ref: Run, chunk_bytes: int, window: int = 1) -> float:
@@ -455,6 +450,16 @@ def test_killed_chunked_run_resumes_to_the_same_drafter(world, tmp_path):
     assert_same_drafter(weights(run), world["weights"])
     text = log.read_text()
     assert "shards kept" in text and "resumed from" in text
+    # the manifest holds every invocation up to its checkpoint, one after the other, and sums
+    m = read_json(run.manifest("train"))
+    runs = m["invocations"]
+    assert len(runs) >= 2 and runs[0]["from_step"] == 0 and runs[-1]["to_step"] == STEPS
+    assert all(a["to_step"] == b["from_step"] for a, b in zip(runs, runs[1:]))
+    assert m["totals"]["tokens"] == sum(r["tokens"] for r in runs) == m["counts"]["tokens_seen"]
+    # each kill loses at most the record of the chunk made after its invocation's last
+    # checkpoint (the next invocation finds it whole)
+    assert m["totals"]["chunks_made"] == sum(r["chunks_made"] for r in runs) >= len(
+        spool.read_plan(run)["chunks"]) - len(landed)
     assert spool.present(run) == [] and not list(run.spool().glob(".old-*"))
     assert not list(run.root.rglob(".tmp-*"))
 
@@ -497,6 +502,21 @@ def test_spool_producer_and_consumer_with_kills(world, tmp_path):
     text = plog.read_text()
     assert "waiting" in text and "the spool's producer is done" in text
     assert "resumed from" in tlog.read_text()
+    assert_waits_only_when_waiting(tlog.read_text(), plan)
+
+
+def assert_waits_only_when_waiting(text: str, plan: dict) -> None:
+    """The consumer says it waits for chunk c only once it has trained every step before c
+    (its loader opens chunks ahead, which is no wait of train's), never while it trains the
+    chunk before; and says when the chunk came."""
+    step, waits = 0, 0
+    for line in text.splitlines():
+        if m := re.search(r"train: train step (\d+)/", line):
+            step = int(m.group(1))
+        elif m := re.search(r"train: waiting.*chunk (\d+) of", line):
+            waits += 1
+            assert step >= plan["chunks"][int(m.group(1))]["start"], (line, step)
+    assert waits == 0 or "of waiting: training its steps" in text
 
 
 @pytest.mark.slow
@@ -702,6 +722,27 @@ def test_every_suggestion_in_the_plan_plans_without_its_warning(tmp_path, monkey
             again = [x for x in after["warnings"] + after["refused"] if kind(x) == kind(w)]
             assert again == [], (w, change, again)
     print(said)
+
+
+def test_chunk_end_checkpoints_go_once_a_newer_one_is_written(tmp_path):
+    """Checkpoints saved only at a chunk's end (for a resume) are pruned once a newer one is
+    complete; train.keep_checkpoints counts the others, the best stays, and so does the one a
+    train resumed from."""
+    from drafter.train.checkpoint import prune_checkpoints
+
+    run = Run(tmp_path / "run")
+    taus = {3: None, 5: 1.9, 7: None, 10: 1.2, 12: None, 15: 1.3, 16: None}
+    for step, tau in taus.items():
+        d = run.checkpoint(step)
+        d.mkdir(parents=True)
+        (d / "state.json").write_text(json.dumps({"step": step, "val": tau and {"sim_tau": tau}}))
+        (d / "COMPLETE").write_text("ok\n")
+    prune_checkpoints(run, 1, transient={3, 7, 12, 16}, also=run.checkpoint(7))
+    # 15: the newest regular one; 5: the best; 16: the newest (a resume's); 7: resumed from
+    assert [p.name for p in run.checkpoints()] == [
+        "step_000005", "step_000007", "step_000015", "step_000016"]
+    prune_checkpoints(run, 1, transient={3, 7, 12, 16})
+    assert [p.name for p in run.checkpoints()] == ["step_000005", "step_000015", "step_000016"]
 
 
 def test_chunk_bound_covers_the_headers():

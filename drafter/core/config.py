@@ -390,7 +390,7 @@ class Config:
         None, "the run's disk budget (GiB): its data, extract's val and head, train's "
         "checkpoints, the export and the train split's features, which then pass a chunk of "
         "train's own steps at a time, each trained and deleted before the next; null stores "
-        "every shard at once (docs/extract.md, Bounded disk)", user=True)
+        "every shard at once (docs/extract.md, Bounded disk)")
     target: TargetConfig = doc(TargetConfig(), "the target model")
     prepare: PrepareConfig = doc(PrepareConfig(), "prepare step")
     generate: GenerateConfig = doc(GenerateConfig(), "generate step")

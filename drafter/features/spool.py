@@ -278,13 +278,16 @@ def _step_of(run) -> str:
 
 
 def status(run, budget_gib: float | None) -> dict | None:
-    """The spool for `drafter status`: chunks made, trained and present, bytes used."""
+    """The spool for `drafter status`: chunks made, trained and present, bytes used (`used`:
+    the run dir and the spool, what the budget holds)."""
     plan = read_plan(run)
     if plan is None and not run.spool().exists():
         return None
+    inside = run.root.resolve() in run.spool().resolve().parents
     out = {"spool": str(run.spool()), "bytes": used_bytes(run) if run.spool().exists() else 0,
            "stored_bytes": stored_bytes(run), "budget": int(budget_gib * GiB)
            if budget_gib else None, "present": present(run)}
+    out["used"] = dir_bytes(run.root) + (0 if inside else out["bytes"])  # what the budget holds
     if plan is not None:
         out.update(chunks=len(plan["chunks"]), next=read_progress(run, plan["id"]),
                    complete=[c for c in out["present"] if complete(run, c, plan["id"])],

@@ -48,6 +48,26 @@ def train_tokens(cfg, data: dict, gpus: int) -> int:
         tc.max_steps * tc.batch_tokens * tc.grad_accum * gpus
 
 
+def vllm_gpus(cfg) -> int:
+    """GPUs vLLM spreads the target over where a step runs it (extract.engine /
+    evaluate.engine: vllm): tensor x pipeline parallel sizes of target.engine_args."""
+    a = cfg.target.engine_args
+    return max(1, int(a.get("tensor_parallel_size", 1))) * \
+        max(1, int(a.get("pipeline_parallel_size", 1)))
+
+
+def dur(s: float | None) -> str:
+    if s is None:
+        return "?"
+    if s < 90:
+        return f"{s:.0f}s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
 def figures(cfg, f: dict, st: dict, tm: list[dict] | None, mode: str) -> dict:
     """The budget-independent figures of a run in chunks of this `mode` (module docstring)."""
     ec, tc, data, gpus = cfg.extract, cfg.train, f["data"], f["gpus"]
@@ -74,8 +94,6 @@ def figures(cfg, f: dict, st: dict, tm: list[dict] | None, mode: str) -> dict:
     val = spool.chunk_bytes(vt, vn, val_ids, bpt, ec.shard_tokens) if vt else 0
     head = budget.head_bound(f["vd"], f["ht"])
     held = budget.held(cfg, f["drafter"], data_bytes, steps, f["ht"])
-    from drafter.run.plan import vllm_gpus
-
     vllm = ec.engine == "vllm"
     eng = vllm_gpus(cfg) if vllm else 1
     p = cfg.plan
@@ -162,7 +180,6 @@ def chunks(cfg, f: dict, st: dict, tm: list[dict], warnings: list[str],
     what extract refuses before anything loads (a spool that cannot be written, a budget whose
     room holds no optimizer step: run/preflight.py); warns when reloads take over RELOAD_SHARE,
     naming the budget that keeps them under it."""
-    from drafter.run.plan import _dur
     from drafter.run.preflight import spool_problem
 
     mode = chunk_mode(cfg)
@@ -211,10 +228,10 @@ def chunks(cfg, f: dict, st: dict, tm: list[dict], warnings: list[str],
     elif mode == "one process" and a["reload_share"] > RELOAD_SHARE:
         good = for_reloads(fig)
         warnings.append(
-            f"chunks: {a['reloads']} engine loads of {_dur(fig['load_s'])} take "
+            f"chunks: {a['reloads']} engine loads of {dur(fig['load_s'])} take "
             f"{100 * a['reload_share']:.1f}% of extract + train (over "
             f"{100 * RELOAD_SHARE:.0f}%)" + (f": max_disk_gib={good:,} keeps them under it"
                                              if good else ": even one chunk's load does")
             + (f"; with vLLM's sleep mode (its CUDA builds) they are wakes of "
-               f"~{_dur(fig['wake_s'])}" if a["with_sleep_mode_seconds"] else ""))
+               f"~{dur(fig['wake_s'])}" if a["with_sleep_mode_seconds"] else ""))
     return out

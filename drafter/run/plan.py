@@ -45,7 +45,8 @@ from drafter.core.rundir import Run, cache_dir
 from drafter.core.weights import weight_bytes
 from drafter.features import capture, store
 from drafter.run import chunkplan
-from drafter.run.chunkplan import chunk_mode, train_tokens
+from drafter.run.chunkplan import chunk_mode, train_tokens, vllm_gpus
+from drafter.run.chunkplan import dur as _dur
 from drafter.run.counts import (
     CHARS_PER_TOKEN,
     data_counts,
@@ -250,14 +251,6 @@ def storage_hint(cfg, f: dict, st: dict, extract_room: float, room: float) -> st
         f"{texts[-1]}."
 
 
-def vllm_gpus(cfg) -> int:
-    """GPUs vLLM spreads the target over where a step runs it (extract.engine /
-    evaluate.engine: vllm): tensor x pipeline parallel sizes of target.engine_args."""
-    a = cfg.target.engine_args
-    return max(1, int(a.get("tensor_parallel_size", 1))) * \
-        max(1, int(a.get("pipeline_parallel_size", 1)))
-
-
 def where_steps_run(cfg, draft_layer: str = "llama") -> dict:
     """Where each step runs, for the plan's reader (train: with which draft layer)."""
     s = cfg.generate.server
@@ -460,18 +453,6 @@ def _size(n: float | None) -> str:
 
 def _count(n: int) -> str:
     return f"{n / 1e9:,.1f} B" if n >= 1e9 else f"{n / 1e6:,.1f} M"
-
-
-def _dur(s: float | None) -> str:
-    if s is None:
-        return "?"
-    if s < 90:
-        return f"{s:.0f}s"
-    if s < 5400:
-        return f"{s / 60:.0f} min"
-    if s < 3 * 86400:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} days"
 
 
 def render(plan: dict) -> str:

@@ -94,6 +94,16 @@ def held(cfg, dshape: dict, data: int, steps: int, ht: int) -> dict:
     return out
 
 
+def held_of(cfg, run, steps: int) -> dict:
+    """`held` of this config's run: its drafter's shape from the target's config, its data
+    folders as they are."""
+    from drafter.core import target
+    from drafter.train.memory import drafter_shape
+
+    tconf = target.load_config(cfg.target)
+    return held(cfg, drafter_shape(cfg, tconf), data_bytes(run), steps, target.hidden_size(tconf))
+
+
 def head_bound(draft_vocab: int, hidden: int) -> int:
     """At most head.safetensors: the draft vocab's lm_head rows (float32 at most) and its
     header."""

@@ -38,7 +38,7 @@ from drafter import DrafterError
 from drafter.core.dist import Dist, all_gather, barrier
 from drafter.features import spool, store
 from drafter.train.batches import DataPlan
-from drafter.train.budget import BudgetError, data_bytes, describe, gib_at_least, held
+from drafter.train.budget import BudgetError, describe, gib_at_least, held_of
 
 log = logging.getLogger("drafter")
 
@@ -117,10 +117,8 @@ def plan_run(cfg, run, info: dict, world: int, window: int,
     the run keeps besides (budget.held), and bytes per token from extract's info (or the
     same keys from the config: layer_ids, hidden_size, aux_dtype, teacher, topk,
     draft_vocab_size)."""
-    from drafter.core import target
     from drafter.data import tokens
     from drafter.train.batches import data_plan
-    from drafter.train.memory import drafter_shape
 
     ids, lengths = tokens.ids_and_lengths(run.require(run.tokens("train"), "tokenize"))
     pairs = sorted((i, n) for i, n in zip(ids, lengths) if n > 0)
@@ -128,8 +126,7 @@ def plan_run(cfg, run, info: dict, world: int, window: int,
     bpt = store.bytes_per_token(info["hidden_size"], len(info["layer_ids"]), info["aux_dtype"],
                                 info["teacher"], info["topk"] or 0, info["draft_vocab_size"])
     dp = data_plan(lengths, cfg.train, world)
-    h = held(cfg, drafter_shape(cfg, target.load_config(cfg.target)), data_bytes(run), dp.total,
-             info["hidden_size"])
+    h = held_of(cfg, run, dp.total)
     plan = make_plan(ids, lengths, dp, int(cfg.max_disk_gib * spool.GiB),
                      spool.stored_bytes(run) if stored is None else stored, bpt,
                      cfg.extract.shard_tokens, window, h)
@@ -182,7 +179,7 @@ class Chunks:
         self.made: set[int] = {only} if only is not None else set()
         self.closed = False
         self._open: dict[int, Future] = {}
-        self._needed: set[int] = set()  # chunks the loader waits for (else opened ahead)
+        self.current = 0  # the chunk the loop trains (begin, finished): earlier ones are done
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="chunk-open")
 
@@ -208,6 +205,7 @@ class Chunks:
         if self.only is not None and c != self.only and step < total:
             raise DrafterError(f"train: asked to train chunk {self.only}, but it resumes at "
                                f"step {step}, in chunk {c}")
+        self.current = c
         if self.d.main:
             spool.write_progress(self.run, self.pid, c, step)
             spool.clean_trash(self.run)  # chunks an earlier kill left half deleted
@@ -226,6 +224,7 @@ class Chunks:
         """After the checkpoint at chunk c's last step (every rank has saved it): the next chunk
         is the one needed, chunk c goes, and in one process the next one is made."""
         c = self.ends[step]
+        self.current = c + 1
         with self._lock:
             self._open.pop(c, None)
         if self.d.main:
@@ -261,7 +260,6 @@ class Chunks:
         """(store.Reader of chunk c, {sample id: its position}), waited for and checked once;
         chunk c+1 is then opened in the background."""
         with self._lock:
-            self._needed.add(c)
             fut = self._open.get(c)
             if fut is None:
                 fut = self._open[c] = self._pool.submit(self._ready, c)
@@ -272,14 +270,15 @@ class Chunks:
         return fut.result()
 
     def _ready(self, c: int):
-        """Chunk c's reader once it is whole. The wait is logged only while the loader needs
-        the chunk (the steps before it are trained meanwhile: opened ahead, it says nothing)
-        and where another process makes it."""
+        """Chunk c's reader once it is whole. The wait is logged only where another process
+        makes the chunk and once the loop has trained every step before it: the loader opens
+        chunks ahead (a few micro-batches, and the next chunk in the background) while the loop
+        still trains, which is no wait of train's."""
         run, wait, since = self.run, spool.Wait("train"), None
         while spool.complete(run, c, self.pid) is None:
             if self.closed:
                 raise DrafterError("train: stopped while waiting for a chunk")
-            quiet = self.produce is not None or c not in self._needed
+            quiet = self.produce is not None or c > self.current
             if not quiet and since is None:
                 since = time.monotonic()
                 wait.done()  # its clock from here: the time train waits, not the time ahead
