@@ -49,8 +49,8 @@
 #                                    (evaluate.methods=[chain,block]); without the export on
 #                                    this machine, the quality run again first (~10 min)
 #   block-b1      model,data ~5 min  the same at batch 1, 10 records a set
-#   chunks-cost   model,data ~4 min  extract + train of 120 conversations stored, then within a
-#                                    4 MiB budget (extract_throughput.py --chunks 4)
+#   chunks-cost   model,data ~4 min  extract + train of 120 conversations stored, then in
+#                                    chunks of 4 MiB (extract_throughput.py --chunks 4)
 #
 # OUT_DIR receives (at most a handful of files, as a device call returns them): gpu-runs.tar.gz
 # (the state folder: every step's log, figures, manifests, reports and junit XML; a few MB),

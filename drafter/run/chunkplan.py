@@ -104,7 +104,9 @@ def figures(cfg, f: dict, st: dict, tm: list[dict] | None, mode: str) -> dict:
             "passes": round(passes, 3), "vllm": vllm, "eng": eng,
             "work": sum((t.get(k) or {}).get("seconds") or 0 for k in ("extract", "train")),
             "load_s": f["weights"] / (p.load_gbps * 1e9),
-            "wake_s": f["weights"] / eng / (WAKE_GBPS * 1e9), "measured": exact is not None}
+            "wake_s": f["weights"] / eng / (WAKE_GBPS * 1e9), "measured": exact is not None,
+            # drafter's capture on the CPU keeps the target loaded (ChunkProducer's release)
+            "reload": vllm or f.get("on_gpu", True)}
 
 
 def _measured(cfg, run: Run, gpus: int, bpt: int):
@@ -140,7 +142,7 @@ def at(fig: dict, total: int) -> dict:
     one = fig["mode"] == "one process"
     # extract's step loads the target for val and the head; then in one process every chunk
     # loads it again (vLLM's sleep mode: the first loads, the rest wake), a producer once
-    reloads = (n or 0) if one else 1
+    reloads = (n or 0) if one and fig["reload"] else 1
     reload_s = reloads * fig["load_s"]
     run_s = fig["work"] + fig["load_s"] + reload_s
     sleep_s = fig["load_s"] + max((n or 1) - 1, 0) * fig["wake_s"] if one and fig["vllm"] \

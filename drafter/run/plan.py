@@ -409,7 +409,8 @@ def make_plan(cfg) -> dict:
          "gpus": gpus, "gpu_memory": gpu_mem, "measured": measured_throughputs(run),
          # vLLM / SGLang shard the target over the GPUs (--tensor-parallel-size in extra_args);
          # transformers serve and the data engine use one device; an external server none here
-         "gen_tp": {"vllm": gpus, "sglang": gpus, "transformers": 1, "drafter": 1}.get(engine, 0)}
+         "gen_tp": {"vllm": gpus, "sglang": gpus, "transformers": 1, "drafter": 1}.get(engine, 0),
+         "on_gpu": on_gpu and cfg.target.device != "cpu"}
     # JSONL conversations (prepare + generate, ~CHARS_PER_TOKEN bytes a token each) and the
     # token file (int32 id + int8 mask)
     f["disk_data"] = int(f["data"]["tokens"] * (2 * CHARS_PER_TOKEN + 5))

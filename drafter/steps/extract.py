@@ -438,16 +438,20 @@ class ChunkProducer:
     drafter/features/spool.py): chunk c's samples extracted as a split is, longest first, into
     run.chunk(c)/, its index, then COMPLETE. A kill keeps every shard that verifies, as the
     step's own resume does. The target stays loaded from one chunk to the next unless
-    `release` (one process: train needs the GPUs between chunks): then vLLM sleeps where its
-    platform has sleep mode (weights in host memory, woken for the next chunk), and otherwise
-    the target is closed after each chunk and loaded again for the next. `stats`: loads,
-    wakes and their seconds, chunks, tokens."""
+    `release` (one process: train needs the GPUs between chunks; drafter's capture on the CPU
+    keeps it): then vLLM sleeps where its platform has sleep mode (weights in host memory,
+    woken for the next chunk), and otherwise the target is closed after each chunk and loaded
+    again for the next. `stats`: loads,
+    wakes and their seconds, chunks, tokens, seconds and CPU seconds making them."""
 
     def __init__(self, cfg, release: bool):
         import dataclasses
 
-        self.run, self.release, ec = Run.of(cfg), release, cfg.extract
+        self.run, ec = Run.of(cfg), cfg.extract
         self.d = read_env(target.pick_device(cfg.target))
+        # drafter's capture on the CPU holds no GPU that train needs: it stays loaded (a load
+        # and the first forwards after it, per chunk, saved); vLLM lets its engine go as before
+        self.release = release and (ec.engine == "vllm" or self.d.device.type != "cpu")
         init_dist(self.d)
         tconf = target.load_config(cfg.target)
         self.d2t, self.t2d, _ = tokens.load_vocab(self.run.require(self.run.vocab(), "vocab"))
@@ -465,12 +469,13 @@ class ChunkProducer:
                                                                       engine_args=args))
         self.cfg, self.cap, self.asleep, self.checked = cfg, None, False, False
         self.stats = {"loads": 0, "load_s": 0.0, "wakes": 0, "wake_s": 0.0, "sleep_mode":
-                      self.sleep, "chunks": 0, "tokens": 0, "seconds": 0.0, "shards_kept": 0}
+                      self.sleep, "chunks": 0, "tokens": 0, "seconds": 0.0, "shards_kept": 0,
+                      "cpu_s": 0.0}
 
     def make(self, chunk: dict, plan_id: str) -> None:
         """Chunk `chunk` of plan `plan_id` into its folder, whole (COMPLETE last); every rank."""
         run, d, ec, c = self.run, self.d, self.cfg.extract, chunk["index"]
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.process_time()
         missing = [sid for sid in chunk["ids"] if sid not in self.row]
         if missing:
             raise C.CaptureError(f"chunk {c} of the plan in {run.chunk_plan()} names samples "
@@ -517,6 +522,7 @@ class ChunkProducer:
         self.stats["tokens"] += sum(s.tokens for s in todo)
         self.stats["shards_kept"] += len(kept)
         self.stats["seconds"] += time.time() - t0
+        self.stats["cpu_s"] += time.process_time() - cpu0  # this process's, all its threads
         if self.release:
             self.idle()
 

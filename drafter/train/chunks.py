@@ -258,32 +258,50 @@ class Chunks:
     # ----------------------------------------------------------------------- the loader's side
     def reader(self, c: int):
         """(store.Reader of chunk c, {sample id: its position}), waited for and checked once;
-        chunk c+1 is then opened in the background."""
-        with self._lock:
-            fut = self._open.get(c)
-            if fut is None:
-                fut = self._open[c] = self._pool.submit(self._ready, c)
-            nxt = c + 1
-            if nxt < self.n and nxt not in self._open and self.only is None and \
-                    spool.complete(self.run, nxt, self.pid) is not None:  # hashed meanwhile
-                self._open[nxt] = self._pool.submit(self._ready, nxt)
-        return fut.result()
+        chunk c+1, when it is whole already, is then opened (hashed) in the background. The
+        wait for a chunk not made yet is the calling loader thread's own: the loader asks for
+        several chunks at once when chunks are shorter than it runs ahead, and a pool of
+        waiters could hold every worker on later chunks while the one train needs first waits
+        behind them (the loop then never reaches the step that makes it)."""
+        while True:
+            with self._lock:
+                fut = self._open.get(c)
+                mine = fut is None
+                if mine:
+                    fut = self._open[c] = Future()
+                nxt = c + 1
+                if nxt < self.n and nxt not in self._open and self.only is None and \
+                        spool.complete(self.run, nxt, self.pid) is not None:
+                    self._open[nxt] = self._pool.submit(self._ready, nxt, False)
+            if mine:
+                try:
+                    fut.set_result(self._ready(c))
+                except BaseException as e:  # noqa: BLE001 - every thread asking for c gets it
+                    fut.set_exception(e)
+            got = fut.result()
+            if got is not None:
+                return got
+            with self._lock:  # opened ahead, it was not whole after all: wait for it here
+                if self._open.get(c) is fut:
+                    del self._open[c]
 
-    def _ready(self, c: int):
+    def _ready(self, c: int, wait: bool = True):
         """Chunk c's reader once it is whole. The wait is logged only where another process
         makes the chunk and once the loop has trained every step before it: the loader opens
         chunks ahead (a few micro-batches, and the next chunk in the background) while the loop
         still trains, which is no wait of train's."""
-        run, wait, since = self.run, spool.Wait("train"), None
+        run, waits, since = self.run, spool.Wait("train"), None
         while spool.complete(run, c, self.pid) is None:
+            if not wait:
+                return None
             if self.closed:
                 raise DrafterError("train: stopped while waiting for a chunk")
             quiet = self.produce is not None or c > self.current
             if not quiet and since is None:
                 since = time.monotonic()
-                wait.done()  # its clock from here: the time train waits, not the time ahead
-            wait(f"chunk {c} of {self.n} is not in {run.spool()} yet (made by `drafter extract "
-                 f"CONFIG` where the target runs, with the same extract.spool)", quiet=quiet)
+                waits.done()  # its clock from here: the time train waits, not the time ahead
+            waits(f"chunk {c} of {self.n} is not in {run.spool()} yet (made by `drafter extract "
+                  f"CONFIG` where the target runs, with the same extract.spool)", quiet=quiet)
         if since is not None:
             log.info("train: chunk %d is in the spool after %.0f s of waiting: training its "
                      "steps %d-%d", c, time.monotonic() - since, self.plan["chunks"][c]["start"],
