@@ -31,12 +31,13 @@ the ratio to the reference layout 8*Ht+16 (goal <= 0.4 for fp8 + top-k), then th
 the hidden sizes of larger targets. Peak GiB: torch.cuda.max_memory_allocated over each option's
 timed loop (the weights included), per rank, the largest.
 
---chunks MIB: the cost of a disk budget (extract.max_disk_gib, docs/extract.md "Bounded disk"):
+--chunks MIB: the cost of a disk budget (max_disk_gib, docs/extract.md "Bounded disk"):
 the extract and train steps of one SmolLM2 run (prepare, tokenize, vocab made once, copied into
-both), first with every shard stored, then in chunks within MIB MiB beyond val and the head
-(`drafter run` in one process: each chunk made, trained, deleted). It prints each run's step
-seconds and wall time, the chunks and target loads, the overhead of chunks, and the largest
-weight difference between the two drafters:
+both), first with every shard stored, then in chunks of MIB MiB (a budget of val, the head,
+the rest of the run besides and MIB; `drafter run` in one process: each chunk made, trained,
+deleted). It prints each run's step seconds and wall time, the chunks and target loads, the
+overhead of chunks and where its seconds go (chunk_reasons), and the largest weight difference
+between the two drafters:
 
     python benchmarks/extract_throughput.py --chunks 4 --samples 120      # CPU, a few minutes
 
@@ -166,6 +167,7 @@ def chunks_overhead(a) -> int:
     from drafter.core import config as Cfg
     from drafter.features import spool
     from drafter.run import pipeline
+    from drafter.train.budget import held_of
 
     work = Path(a.out or tempfile.mkdtemp(prefix="drafter-chunks-"))
     cfg = {"target": {"model": a.model, "dtype": a.dtype, "device": a.device},
@@ -189,17 +191,24 @@ def chunks_overhead(a) -> int:
         if name == "chunked":
             for step in ("prepare", "generate", "tokenize", "vocab"):
                 shutil.copytree(Run(work / "stored").step_dir(step), run.step_dir(step))
-            over = spool.stored_bytes(Run(work / "stored")) + a.chunks * 2**20
+            ref = Run(work / "stored")
+            steps = json.loads(ref.manifest("train").read_text())["counts"]["steps"]
+            # chunks of MIB: the budget holds the rest of the run besides (budget.held)
+            over = spool.stored_bytes(ref) + held_of(stored, ref, steps)["total"] + 64 * 1024 \
+                + a.chunks * 2**20
             path = work / "chunked.yaml"
             path.write_text(yaml.safe_dump({**cfg, "run_dir": str(run.root),
-                                            "extract": {**cfg["extract"],
-                                                        "max_disk_gib": over / 2**30}}))
+                                            "max_disk_gib": over / 2**30}))
         c = Cfg.load(path)
-        t0 = time.time()
-        pipeline.run_all(c, steps=["extract", "train"])
+        t0, cpu = time.time(), {}
+        for step in ("extract", "train"):  # CPU seconds of this process (its threads): on a
+            cpu0 = time.process_time()     # shared machine the work done, which wall time is not
+            pipeline.run_all(c, steps=[step])
+            cpu[step] = round(time.process_time() - cpu0, 1)
         wall = time.time() - t0
         m = {s: json.loads(run.manifest(s).read_text()) for s in ("extract", "train")}
-        rows[name] = {"wall_s": round(wall, 1),
+        rows[name] = {"wall_s": round(wall, 1), "cpu_s": round(sum(cpu.values()), 1),
+                      **{f"{s}_cpu_s": v for s, v in cpu.items()},
                       **{f"{s}_s": round(m[s]["seconds"], 1) for s in m},
                       "extracted_tokens": m["extract"]["counts"].get("tokens"),
                       "chunks": (m["train"].get("chunks") or {}).get("count"),
@@ -210,26 +219,80 @@ def chunks_overhead(a) -> int:
     prod = rows["chunked"].pop("producer") or {}
     rows["chunked"].update(loads=prod.get("loads"), load_s=round(prod.get("load_s", 0), 1),
                            chunk_extract_s=round(prod.get("seconds", 0), 1),
+                           chunk_extract_cpu_s=round(prod.get("cpu_s", 0), 1),
                            chunk_tokens=prod.get("tokens"))
     gap = max((weights["stored"][k].double() - weights["chunked"][k].double()).abs().max()
               .item() for k in weights["stored"])
     s, ch = rows["stored"], rows["chunked"]
+    reasons = chunk_reasons(Cfg.load(path), Run(work / "stored"), Run(work / "chunked"), s, ch,
+                            prod)
+    rows["reasons"] = reasons
     print(json.dumps(rows, indent=2))
     print("| run | extract s | train s | wall s | chunks | loads |")
     print("|---|---:|---:|---:|---:|---:|")
     print(f"| stored | {s['extract_s']} | {s['train_s']} | {s['wall_s']} | - | 1 |")
     print(f"| chunked ({a.chunks} MiB) | {ch['extract_s']} | {ch['train_s']} | {ch['wall_s']} | "
           f"{ch['chunks']} | 1 + {ch['loads']} |")
+    print(f"CPU seconds: stored {s['cpu_s']}, chunked {ch['cpu_s']} "
+          f"({ch['cpu_s'] / s['cpu_s'] - 1:+.1%})")
     print(f"overhead of chunks: {ch['wall_s'] / s['wall_s'] - 1:+.1%} of extract + train wall "
           f"time; tokens through the target {s['extracted_tokens']:,} stored, "
           f"{ch['extracted_tokens'] + ch['chunk_tokens']:,} chunked (val, then the chunks: "
           f"{ch['chunk_extract_s']} s, of which target loads {ch['load_s']} s); largest weight "
           f"difference {gap:.3g}")
+    print("where the chunked run's extra CPU seconds go (priced at the stored run's CPU "
+          "seconds per padded token):")
+    for k, v in reasons["cpu_seconds"].items():
+        print(f"  {k:<34} {v:>8.1f} s")
+    print(f"padding: {reasons['padded_over_tokens_stored']:.3f} padded tokens per token stored, "
+          f"{reasons['padded_over_tokens_chunked']:.3f} in chunks")
     if a.json:
         Path(a.json).write_text(json.dumps({**rows, "max_weight_diff": gap}, indent=2))
     if a.out is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def chunk_reasons(cfg, stored, chunked, s: dict, ch: dict, prod: dict) -> dict:
+    """The chunked run's extra CPU seconds by reason, summing to the difference: the train
+    split through the target again (each epoch: a sample in two chunks twice), the forwards'
+    extra padding (a chunk's few samples batch with more padding than the whole split's), the
+    rest of making the chunks (target loads, shards, hashes, index), the rest of train's own
+    time (a checkpoint and a hash per chunk), and the extract step's (val and head only).
+    Extraction is priced at the stored extract step's CPU seconds per padded token (a forward's
+    rows times its longest sample)."""
+    from drafter.data import tokens
+    from drafter.features import spool
+    from drafter.steps.extract import plan_shards
+
+    ec = cfg.extract
+    ids, lengths = tokens.ids_and_lengths(stored.tokens("train"))
+    by_id = dict(zip(ids, lengths))
+    _, vlens = tokens.ids_and_lengths(stored.tokens("val"))
+
+    def padded(lens: list[int]) -> int:
+        return sum(len(b) * max(sh.lengths[i] for i in b)
+                   for sh in plan_shards("train", lens, ec.shard_tokens, ec.batch_tokens, False)
+                   for b in sh.batches)
+
+    plan = spool.read_plan(chunked)
+    train_pad, val_pad = padded(list(lengths)), padded(list(vlens))
+    parts = sum(padded([by_id[i] for i in c["ids"]]) for c in plan["chunks"])
+    tokens_again = sum(c["tokens"] for c in plan["chunks"])
+    per = s["extract_cpu_s"] / (train_pad + val_pad)  # CPU s per padded token, stored
+    per_token = train_pad / sum(lengths) * per  # per train token at the whole split's padding
+    made = prod.get("cpu_s", 0.0)
+    out = {"train split extracted again": (tokens_again - sum(lengths)) * per_token,
+           "padding of the chunks' forwards": parts * per - tokens_again * per_token,
+           "making chunks, the rest (loads, writes)": made - parts * per,
+           "train's own time, the rest": ch["train_cpu_s"] - made - s["train_cpu_s"],
+           "extract step (val and head only)": ch["extract_cpu_s"] - s["extract_cpu_s"]
+           + train_pad * per}
+    return {"cpu_seconds": {k: round(v, 1) for k, v in out.items()},
+            "padded_over_tokens_stored": round(train_pad / sum(lengths), 3),
+            "padded_over_tokens_chunked": round(parts / max(tokens_again, 1), 3),
+            "chunk_tokens": tokens_again, "stored_train_tokens": sum(lengths),
+            "checkpoints_written": len(plan["chunks"])}
 
 
 def main() -> int:

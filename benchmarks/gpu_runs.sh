@@ -49,8 +49,8 @@
 #                                    (evaluate.methods=[chain,block]); without the export on
 #                                    this machine, the quality run again first (~10 min)
 #   block-b1      model,data ~5 min  the same at batch 1, 10 records a set
-#   chunks-cost   model,data ~4 min  extract + train of 120 conversations stored, then within a
-#                                    4 MiB budget (extract_throughput.py --chunks 4)
+#   chunks-cost   model,data ~4 min  extract + train of 120 conversations stored, then in
+#                                    chunks of 4 MiB (extract_throughput.py --chunks 4)
 #   dspark-train  -          ~5 min  the block drafters' train step at the Kimi shape, DSpark
 #                                    then DFlash, two backbone layers (five: 3.6B trainable
 #                                    parameters, 58 GB of AdamW state, FSDP over a node, as

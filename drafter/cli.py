@@ -129,7 +129,7 @@ def cmd_status(args) -> int:
         whole = f" ({len(ch['complete'])} whole)" if "complete" in ch else ""
         budget = f" of {_mib(ch['budget'])}" if ch.get("budget") else ""
         print(f"  chunks    {done}in the spool {ch['present'] or 'none'}{whole}; "
-              f"{_mib(ch['bytes'] + ch['stored_bytes']) or '0'}{budget} used (spool "
+              f"{_mib(ch['used']) or '0'}{budget} used by the run (spool "
               f"{ch['spool']} {_mib(ch['bytes']) or '0'} + val and head "
               f"{_mib(ch['stored_bytes']) or '0'})")
     return 0

@@ -223,10 +223,6 @@ class ExtractConfig:
     tp: bool = doc(False, "tensor-parallel target (transformers tp_plan) under torchrun")
     preflight: Literal["refuse", "warn", "off"] = doc(
         "refuse", "when GPU memory is held by other processes: refuse, warn, or skip the check")
-    max_disk_gib: float | None = doc(
-        None, "disk budget for stored features (GiB): the train split is then extracted in "
-        "chunks of train's own steps, each trained and deleted before the next (val and the "
-        "head once, counted in it); null stores every shard at once (docs/extract.md)")
     spool: str | None = doc(
         None, "with max_disk_gib: the folder the chunks go through, one both machines reach "
         "when `drafter extract` fills it and `drafter train` elsewhere empties it; null: "
@@ -437,6 +433,11 @@ class PlanConfig:
 @dataclass
 class Config:
     run_dir: str = doc("runs/quickstart", "the run directory: one folder per step", user=True)
+    max_disk_gib: float | None = doc(
+        None, "the run's disk budget (GiB): its data, extract's val and head, train's "
+        "checkpoints, the export and the train split's features, which then pass a chunk of "
+        "train's own steps at a time, each trained and deleted before the next; null stores "
+        "every shard at once (docs/extract.md, Bounded disk)")
     target: TargetConfig = doc(TargetConfig(), "the target model")
     prepare: PrepareConfig = doc(PrepareConfig(), "prepare step")
     generate: GenerateConfig = doc(GenerateConfig(), "generate step")
@@ -466,6 +467,13 @@ REMOVED: dict[str, str] = {
                        "otherwise (what auto did)",
     "evaluate.cuda_graphs": "evaluate always replays its decoding steps from CUDA graphs on a GPU "
                             "(evaluate.prefill_graph_tokens=0 keeps prefills eager)",
+}
+
+# Keys that moved to another place (a config that sets the old one fails naming the new; a run
+# dir's snapshot an older drafter wrote is read with the value moved): {old: (new, why)}.
+MOVED: dict[str, tuple[str, str]] = {
+    "extract.max_disk_gib": ("max_disk_gib", "the budget is the run's: data, val and head, "
+                             "checkpoints, export and chunks within it"),
 }
 
 # One word for drafter's own code in this process, in every engine key (generate.server.engine:
@@ -511,14 +519,14 @@ def load(path: str | Path | None = None, overrides: list[str] = (),
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         where = Where(str(path), node)
-    cfg = build(Config, retire(data, REMOVED, RENAMED, where, validate), "", where)
+    cfg = build(Config, retire(data, REMOVED, RENAMED, where, validate, MOVED), "", where)
     for text in overrides:
         keys, value = parse_override(text)
         merged = apply_override(to_dict(cfg), keys, value, text)
         at = Where(f"override '{text}'", None)
         # Validate against the file's line table first, then name the override itself.
         try:
-            cfg = build(Config, retire(merged, REMOVED, RENAMED, at, validate), "", at)
+            cfg = build(Config, retire(merged, REMOVED, RENAMED, at, validate, MOVED), "", at)
         except ConfigError as e:
             raise ConfigError(str(e)) from None
         where.overrides[".".join(keys)] = text

@@ -152,11 +152,12 @@ def build(cls, data: dict, prefix: str, where: Where):
 
 
 def retire(data: dict, removed: dict[str, str], renamed: dict[tuple[str, str], tuple[str, str]],
-           where: Where, strict: bool) -> dict:
-    """`data` (a config's plain values) without the `removed` keys ({dotted key: why}) and the
-    `renamed` values ({(dotted key, old value): (new value, what it names)}): an error naming
-    the first one and where it is set when `strict`, else (a run dir's snapshot an older
-    drafter wrote) the key dropped, the value read as the new one."""
+           where: Where, strict: bool, moved: dict[str, tuple[str, str]] | None = None) -> dict:
+    """`data` (a config's plain values) without the `removed` keys ({dotted key: why}), the
+    `renamed` values ({(dotted key, old value): (new value, what it names)}) and the `moved`
+    keys ({old dotted key: (new dotted key, why)}): an error naming the first one and where it
+    is set when `strict`, else (a run dir's snapshot an older drafter wrote) the key dropped,
+    the value read as the new one, the moved key's value set at its new place."""
     def section(dotted):
         *path, name = dotted.split(".")
         d = data
@@ -171,6 +172,16 @@ def retire(data: dict, removed: dict[str, str], renamed: dict[tuple[str, str], t
                 raise ConfigError(f"{where(dotted)}: {dotted}: no longer a key, leave it out: "
                                   f"{why}")
             del d[name]
+    for dotted, (new, why) in (moved or {}).items():
+        d, name = section(dotted)
+        if d is not None and name in d:
+            if strict:
+                raise ConfigError(f"{where(dotted)}: {dotted}: moved to {new}: set {new} "
+                                  f"instead ({why})")
+            value = d.pop(name)
+            dest, new_name = section(new)
+            if dest is not None and new_name not in dest:
+                dest[new_name] = value
     for (dotted, old), (new, what) in renamed.items():
         d, name = section(dotted)
         if d is not None and d.get(name) == old:
@@ -362,16 +373,15 @@ def check_values(cfg, where: Where | None = None) -> None:
         bad("train.online", cfg.train.online, "must be false with extract.engine=vllm (online "
             "training runs the target in transformers beside the drafter; vLLM's states are "
             "stored as shards)")
-    gt("extract.max_disk_gib", e.max_disk_gib, 0)
-    if e.max_disk_gib is not None and cfg.train.online:
-        bad("train.online", cfg.train.online, "must be false with extract.max_disk_gib (chunks "
-            "store the features a chunk at a time; online training stores none: drop "
-            "max_disk_gib)")
+    gt("max_disk_gib", cfg.max_disk_gib, 0)
+    if cfg.max_disk_gib is not None and cfg.train.online:
+        bad("train.online", cfg.train.online, "must be false with max_disk_gib (chunks store "
+            "the features a chunk at a time; online training stores none: drop max_disk_gib)")
     if e.spool is not None and not e.spool.strip():
         bad("extract.spool", e.spool, "must name a folder, or be null for RUN_DIR/chunks")
-    if e.spool is not None and e.max_disk_gib is None:
-        bad("extract.spool", e.spool, "needs extract.max_disk_gib: the spool carries chunks, "
-            "and their size follows from the budget")
+    if e.spool is not None and cfg.max_disk_gib is None:
+        bad("extract.spool", e.spool, "needs max_disk_gib: the spool carries chunks, and their "
+            "size follows from the budget")
     owned = {"model", "speculative_config", "kv_transfer_config"} & set(t.engine_args)
     if owned:
         bad(f"target.engine_args.{sorted(owned)[0]}", t.engine_args[sorted(owned)[0]],

@@ -10,7 +10,7 @@
       extract/head.safetensors    lm_head rows of the draft vocab [Vd, Ht] (store.py)
       train/                      step_NNNNNN/ checkpoints, metrics.jsonl, tb/; online,
                                   precompile.log (train's graphs compiled ahead of it)
-      chunks/                     with extract.max_disk_gib (the spool, unless extract.spool
+      chunks/                     with max_disk_gib (the spool, unless extract.spool
                                   names another folder): chunk_NNNNN/ (shard_NNNNN.safetensors,
                                   index.json, COMPLETE written last), plan.json (train's chunk
                                   plan), progress.json (the next chunk train needs),
@@ -82,7 +82,6 @@ NEUTRAL: dict[str, object] = {
     "generate.extra_temperatures": [],
     "train.loss_chunk": 0,
     "extract.precompile": True,
-    "extract.max_disk_gib": None,
     # auto gives the Llama layer that runs had, except for MLA targets: set train.draft_layer
     # to mla to retrain those (docs/train.md)
     "train.draft_layer": "auto",
@@ -312,7 +311,7 @@ class Run:
     def extract_head(self) -> Path:
         return self.step_dir("extract") / "head.safetensors"
 
-    # -- chunks (extract.max_disk_gib): the spool between extract and train
+    # -- chunks (max_disk_gib): the spool between extract and train
     def spool(self) -> Path:
         """extract.spool, else RUN_DIR/chunks."""
         return self._spool if self._spool is not None else self.root / "chunks"

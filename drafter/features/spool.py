@@ -1,5 +1,5 @@
 """The spool: where stored features pass a chunk at a time from extract to train, when the disk
-cannot hold them all (extract.max_disk_gib). Its files, what each side may do with them, and the
+cannot hold them all (max_disk_gib). Its files, what each side may do with them, and the
 waits of both sides.
 
     SPOOL/  (rundir.Run.spool(): extract.spool, else RUN_DIR/chunks)
@@ -14,8 +14,10 @@ Train (the consumer) writes plan.json and progress.json, and deletes a chunk onc
 at the chunk's last step is COMPLETE. The producer writes chunk folders: `drafter extract` with
 extract.spool set (`serve`, usually on another machine), or train itself in one process
 (`drafter run`). The producer starts a chunk only when the spool, plus extract's val shards and
-head, plus the chunk's bound (`chunk_bytes`) stays within the budget, and removes chunks of
-another plan or beyond the ones train can use next (they are made again when needed). Every
+head, plus what train's plan holds back for the rest of the run (data, checkpoints, export,
+logs: drafter/train/budget.py), plus the chunk's bound (`chunk_bytes`) stays within the budget,
+and removes chunks of another plan or beyond the ones train can use next (made again when
+needed). Every
 shard is written atomically (store.write_shard), so a kill on either side loses at most the
 shards being written; a restarted producer keeps every shard that verifies.
 """
@@ -238,7 +240,7 @@ def _next_job(run, budget: int, out: dict) -> tuple:
     if plan["budget"] != budget:
         raise SpoolError(f"{run.chunk_plan()}: train planned its chunks for a budget of "
                          f"{size(plan['budget'])}, this extract has {size(budget)} "
-                         f"(extract.max_disk_gib): give both the same config")
+                         f"(max_disk_gib): give both the same config")
     pid, chunks = plan["id"], plan["chunks"]
     nxt = read_progress(run, pid)
     if nxt >= len(chunks):
@@ -260,12 +262,13 @@ def _next_job(run, budget: int, out: dict) -> tuple:
         return ("wait", f"{made} of {len(chunks)} made; train is at chunk {nxt} (step "
                         f"{_step_of(run)})")
     chunk = chunks[todo]
-    used, stored = used_bytes(run), stored_bytes(run)
+    # the rest of the run (data, checkpoints, export, logs) as train's plan bounds it
+    used, stored, held = used_bytes(run), stored_bytes(run), plan.get("held", {}).get("total", 0)
     need = max(0, chunk["bytes"] - dir_bytes(run.chunk(todo)))  # a partial one is kept
-    if used + stored + need > budget:
+    if used + stored + held + need > budget:
         return ("wait", f"chunk {todo} needs {size(need)}, the spool holds {size(used)} + "
-                        f"val and head {size(stored)} of {size(budget)}: train frees a chunk "
-                        f"once its checkpoint covers it")
+                        f"val and head {size(stored)} + the rest of the run {size(held)} of "
+                        f"{size(budget)}: train frees a chunk once its checkpoint covers it")
     return ("make", chunk, pid)
 
 
@@ -275,13 +278,16 @@ def _step_of(run) -> str:
 
 
 def status(run, budget_gib: float | None) -> dict | None:
-    """The spool for `drafter status`: chunks made, trained and present, bytes used."""
+    """The spool for `drafter status`: chunks made, trained and present, bytes used (`used`:
+    the run dir and the spool, what the budget holds)."""
     plan = read_plan(run)
     if plan is None and not run.spool().exists():
         return None
+    inside = run.root.resolve() in run.spool().resolve().parents
     out = {"spool": str(run.spool()), "bytes": used_bytes(run) if run.spool().exists() else 0,
            "stored_bytes": stored_bytes(run), "budget": int(budget_gib * GiB)
            if budget_gib else None, "present": present(run)}
+    out["used"] = dir_bytes(run.root) + (0 if inside else out["bytes"])  # what the budget holds
     if plan is not None:
         out.update(chunks=len(plan["chunks"]), next=read_progress(run, plan["id"]),
                    complete=[c for c in out["present"] if complete(run, c, plan["id"])],

@@ -478,7 +478,7 @@ class Reader:
     MAX_OPEN = 32
 
     def __init__(self, run, split: str, verify: bool = False, chunk: int | None = None):
-        """chunk: the shards of one chunk of the train split (extract.max_disk_gib), in
+        """chunk: the shards of one chunk of the train split (max_disk_gib), in
         run.chunk(chunk)/ instead of extract/{split}/."""
         self.run, self.split = run, split
         if chunk is None:

@@ -1,4 +1,4 @@
-"""Features stored in chunks (extract.max_disk_gib), as each command runs them
+"""Features stored in chunks (max_disk_gib), as each command runs them
 (docs/extract.md, "Bounded disk: chunks and the spool"):
 
 - `drafter run CONFIG` with train among its steps: one process. Extract's step stores val and
@@ -25,7 +25,7 @@ log = logging.getLogger("drafter")
 
 
 def chunked(cfg) -> bool:
-    return cfg.extract.max_disk_gib is not None and not cfg.train.online
+    return cfg.max_disk_gib is not None and not cfg.train.online
 
 
 @contextlib.contextmanager
@@ -62,6 +62,9 @@ def train_here(cfg, step: str, here: bool):
     if step != "train" or not here or not chunked(cfg):
         yield {}
         return
+    from drafter.run.preflight import preflight
+
+    preflight(cfg, Run.of(cfg), step)  # before the lock makes the spool (run_step's own: after)
     with in_process(cfg) as produce:
         yield {"produce": produce}
 
@@ -83,8 +86,8 @@ def produce(cfg) -> dict:
     try:
         with spool.producer_lock(run) if prod.d.main else contextlib.nullcontext():
             log.info("extract: filling %s for train (budget %s)", run.spool(),
-                     spool.size(cfg.extract.max_disk_gib * spool.GiB))
-            out = spool.serve(run, prod.make, int(cfg.extract.max_disk_gib * spool.GiB), prod.d)
+                     spool.size(cfg.max_disk_gib * spool.GiB))
+            out = spool.serve(run, prod.make, int(cfg.max_disk_gib * spool.GiB), prod.d)
     finally:
         prod.close()
     out.update(prod.stats, seconds_total=round(time.time() - t0, 1))

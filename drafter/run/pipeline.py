@@ -102,8 +102,10 @@ def config_hash(cfg, step: str) -> str:
         parts.get(section, {}).pop(key, None)
     if step == "extract" and cfg.train.method != "eagle3":  # the block drafters' own layers
         parts["train.dspark.target_layers"] = cfg.train.dspark.target_layers
-    if parts.get("extract", {}).get("max_disk_gib") is not None:  # chunks of any size store
-        parts["extract"]["max_disk_gib"] = True  # the same features: whether there are chunks
+    # chunks of any size store the same features: whether there are chunks, hashed where the
+    # budget was before it became the run's (extract.max_disk_gib), so finished steps stay done
+    if "extract" in parts and cfg.max_disk_gib is not None:
+        parts["extract"]["max_disk_gib"] = True
     for dotted, value in NEUTRAL.items():  # new fields at their neutral value: as if absent
         for d, key in holders(parts, dotted):
             if key in d and d[key] == value:
@@ -589,5 +591,5 @@ def status(run_dir) -> dict:
         rows.append(row)
     return {"run_dir": str(run.root), "running_pid": pid, "bytes": sum(r["bytes"] for r in rows),
             "seconds": round(sum(r["seconds"] or 0 for r in rows), 3), "steps": rows,
-            **({"chunks": chunked.spool.status(run, cfg.extract.max_disk_gib)}
+            **({"chunks": chunked.spool.status(run, cfg.max_disk_gib)}
                if chunked.chunked(cfg) else {})}

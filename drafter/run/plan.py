@@ -44,6 +44,9 @@ from drafter.core import target
 from drafter.core.rundir import Run, cache_dir
 from drafter.core.weights import weight_bytes
 from drafter.features import capture, store
+from drafter.run import chunkplan
+from drafter.run.chunkplan import chunk_mode, train_tokens, vllm_gpus
+from drafter.run.chunkplan import dur as _dur
 from drafter.run.counts import (
     CHARS_PER_TOKEN,
     data_counts,
@@ -53,6 +56,7 @@ from drafter.run.counts import (
     param_counts,
     target_config,
 )
+from drafter.train import budget
 from drafter.train.memory import drafter_shape, passes, train_gpu_bytes
 
 log = logging.getLogger("drafter")
@@ -65,11 +69,6 @@ TOKENIZE_TOKENS_PER_S_PER_WORKER = 50_000
 DISK_MARGIN = 0.05
 # Usable share of a GPU's memory (the CUDA context, NCCL buffers and the allocator take the rest).
 GPU_USABLE = 0.95
-# GB/s per GPU at which a sleeping vLLM's weights come back from host memory: half a PCIe Gen5
-# x16 link's pinned-copy rate, assumed, not measured (BENCHMARKS.md, Chunks within a disk budget)
-WAKE_GBPS = 20.0
-# The share of extract + train that engine loads between chunks may take before the plan warns.
-RELOAD_SHARE = 0.05
 
 
 # ---------------------------------------------------------------------------------- estimates
@@ -136,24 +135,27 @@ def storage(cfg, f: dict) -> dict:
             "online": cfg.train.online, "online_ok": online_ok(cfg)}
 
 
-def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
-    """Bytes each step leaves in the run dir, and the target's weights in a cache; warns when
-    the file systems have less free space."""
+def disk(cfg, f: dict, st: dict, ch: dict | None, warnings: list[str]) -> dict:
+    """Bytes each step leaves in the run dir (in chunks, what the budget holds at most:
+    chunkplan.at's need), and the target's weights in a cache; warns when the file systems
+    have less free space, naming ways that fit it: a budget (max_disk_gib) of the free space
+    when the budget or chunks would, storage options that alone fit, online training."""
     run, ds = Run.of(cfg), f["drafter"]
-    ckpt = ds["total"] * 4 + ds["trainable"] * 8  # fp32 weights + AdamW moments
-    stored = next((o["bytes"] for o in st["options"] if o["chosen"]), 0)
-    budget = cfg.extract.max_disk_gib
     out = {
-        # JSONL conversations (prepare + generate, ~CHARS_PER_TOKEN bytes a token each) and the
-        # token file (int32 id + int8 mask)
-        "data": int(st["tokens"] * (2 * CHARS_PER_TOKEN + 5)),
-        # in chunks (extract.max_disk_gib), at most the budget at any time
-        "extract": stored if budget is None or cfg.train.online else min(stored,
-                                                                          int(budget * GiB)),
+        "data": f["disk_data"],
+        "extract": next((o["bytes"] for o in st["options"] if o["chosen"]), 0),
         # kept checkpoints + the best one + the one being written
-        "train": ckpt * (cfg.train.keep_checkpoints + 2),
-        "export": 2 * ds["total"] * 2,  # native + speculators, bf16
+        "train": budget.checkpoint_bytes(ds) * (cfg.train.keep_checkpoints + 2),
+        "export": budget.export_bytes(cfg, ds),
     }
+    spooled = 0  # in chunks, what the spool holds: on its own file system where it has one
+    if ch is not None:
+        h = ch["held"]
+        spooled = ch["reserve_bytes"] + ch["window"] * min(ch["chunk_bytes"],
+                                                           ch["extracted_bytes"])
+        out = {"data": h["data"], "extract": ch["val_bytes"] + ch["head_bytes"] + spooled
+               + h["engine_states"], "train": h["checkpoints"] + h["logs"],
+               "export": h["export"]}
     out["total"] = sum(out.values())
     run_fs, run_free = _free_bytes(run.root)
     spec, cache_path, cache_need = cfg.target.model, None, 0
@@ -166,64 +168,87 @@ def disk(cfg, f: dict, st: dict, warnings: list[str]) -> dict:
         cache_need = weight_bytes(f["config"], 4 if "32" in stored else 2,
                                          f["meta"])["bytes"]
     cache_fs, cache_free = _free_bytes(cache_path) if cache_path else (None, None)
-    same_fs = cache_fs is not None and os.stat(cache_fs).st_dev == os.stat(run_fs).st_dev
-    need = out["total"] + (cache_need if same_fs else 0)
+    same_fs = cache_fs is not None and _same_fs(cache_fs, run_fs)
+    spool_fs, spool_free = _free_bytes(run.spool())
+    apart = ch is not None and not _same_fs(spool_fs, run_fs)
+    need = out["total"] - (spooled if apart else 0) + (cache_need if same_fs else 0)
+    # the bytes the run may take on run_dir's file system
+    room = run_free * (1 - DISK_MARGIN) - (cache_need if same_fs else 0)
     if need > run_free * (1 - DISK_MARGIN):
         big = max(("extract", "train", "data"), key=lambda k: out[k])
-        hint = storage_hint(cfg, run_free * (1 - DISK_MARGIN) - (need - out["extract"])) \
-            if big == "extract" else ""
+        if ch is not None:
+            hint = budget_hint(ch, room) if not apart else \
+                " Free space, or move run_dir to a larger file system."
+        else:
+            hint = storage_hint(cfg, f, st, room - (out["total"] - out["extract"]), room)
         warnings.append(f"disk: {run.root} needs ~{_size(need)} ({big} {_size(out[big])}), "
                         f"{_size(run_free)} free on {run_fs}.{hint}")
+    if apart and spooled > spool_free * (1 - DISK_MARGIN):
+        hint = budget_hint(ch, ch["fixed_bytes"] - ch["reserve_bytes"] + spool_free
+                           * (1 - DISK_MARGIN), "extract.spool")
+        warnings.append(f"disk: the spool {run.spool()} holds up to ~{_size(spooled)}, "
+                        f"{_size(spool_free)} free on {spool_fs}.{hint}")
     if cache_need and not same_fs and cache_need > cache_free * (1 - DISK_MARGIN):
         warnings.append(f"disk: the target's weights need ~{_size(cache_need)} in {cache_path}, "
                         f"{_size(cache_free)} free on {cache_fs}")
     return {**out, "run_dir_free": run_free, "run_dir_fs": str(run_fs),
             "cache_path": str(cache_path) if cache_path else None, "cache_need": cache_need,
-            "cache_free": cache_free}
+            "cache_free": cache_free, "spool_fs": str(spool_fs) if apart else None,
+            "spool_free": spool_free if apart else None}
+
+
+def _same_fs(a: Path, b: Path) -> bool:
+    return os.stat(a).st_dev == os.stat(b).st_dev
+
+
+def budget_hint(ch: dict, room: float, where: str = "run_dir") -> str:
+    """A budget (max_disk_gib) within `room` bytes, when one holds an optimizer step (what
+    `at` then needs is at most the budget); else the smallest budget that trains."""
+    fit = budget.gib_at_most(room)
+    if fit is not None and float(fit.replace(",", "")) * GiB >= ch["least_budget"]:
+        return f" max_disk_gib={fit} fits the free space."
+    return (f" The smallest budget that trains (max_disk_gib "
+            f"{budget.gib_at_least(ch['least_budget'])}) is more than the free space: free "
+            f"space, or move {where} to a larger file system.")
 
 
 def online_ok(cfg) -> bool:
     """Whether the config takes train.online=true (configload refuses it with a vLLM extract
     or a disk budget)."""
-    return cfg.extract.engine == "drafter" and cfg.extract.max_disk_gib is None
+    return cfg.extract.engine == "drafter" and cfg.max_disk_gib is None
 
 
-def storage_hint(cfg, room: float) -> str:
-    """What would store less, among what the config accepts: the smaller options not chosen
-    yet, chunks within the room left (extract.max_disk_gib), online training where the target
-    runs in transformers (the config refuses it with extract.engine vllm or chunks)."""
+def storage_hint(cfg, f: dict, st: dict, extract_room: float, room: float) -> str:
+    """Ways that fit, among what the config accepts (`extract_room`: the bytes left for
+    extract's features, `room`: for the whole run): each smaller storage option that alone
+    fits (or the two together), chunks within the room (max_disk_gib, when one optimizer step
+    fits it), online training where the target runs in transformers (the config refuses it with
+    extract.engine vllm or chunks). None: free space, or a larger file system."""
     ec, ways = cfg.extract, []
-    if ec.aux_dtype != "fp8":
-        ways.append("extract.aux_dtype=fp8")
-    if ec.teacher != "topk":
-        ways.append("extract.teacher=topk")
-    if ec.max_disk_gib is None and room > 0:
-        ways.append(f"chunks within the room left, extract.max_disk_gib={room / GiB:,.0f} "
-                    f"(docs/extract.md)")
-    if online_ok(cfg):
-        ways.append("none at all with train.online=true")
-    if not ways:
-        return " Free space, or move run_dir" + (" (or extract.spool)" if ec.max_disk_gib else
-                                                 "") + " to a larger file system."
-    return f" Smaller storage: {', '.join(ways[:-1])}{' or ' if len(ways) > 1 else ''}" \
-        f"{ways[-1]}."
-
-
-def vllm_gpus(cfg) -> int:
-    """GPUs vLLM spreads the target over where a step runs it (extract.engine /
-    evaluate.engine: vllm): tensor x pipeline parallel sizes of target.engine_args."""
-    a = cfg.target.engine_args
-    return max(1, int(a.get("tensor_parallel_size", 1))) * \
-        max(1, int(a.get("pipeline_parallel_size", 1)))
-
-
-def chunk_mode(cfg) -> str | None:
-    """How the train split is stored: None (every shard at once), "one process" (extract a
-    chunk, train it, delete it: `drafter run`), "spool" (a producer elsewhere fills
-    extract.spool while `drafter train` empties it)."""
-    if cfg.extract.max_disk_gib is None or cfg.train.online:
-        return None
-    return "spool" if cfg.extract.spool else "one process"
+    now = next(o["bytes"] for o in st["options"]
+               if (o["aux_dtype"], o["teacher"]) == (ec.aux_dtype, ec.teacher))
+    for o in st["options"]:  # each smaller one that fits; both only where neither alone does
+        change = [f"extract.{k}={o[k]}" for k in ("aux_dtype", "teacher")
+                  if o[k] != getattr(ec, k)]
+        if change and o["bytes"] < now and o["bytes"] <= extract_room:
+            ways.append(change)
+    ways = [w for w in ways if not any(set(x) < set(w) for x in ways)]
+    texts = [" + ".join(w) for w in sorted(ways, key=len)]
+    least = None
+    if cfg.max_disk_gib is None and not cfg.train.online:
+        least = chunkplan.least(chunkplan.figures(cfg, f, st, None, "one process"))
+        fit = budget.gib_at_most(room)
+        if fit is not None and float(fit.replace(",", "")) * GiB >= least:
+            texts.append(f"chunks within the room, max_disk_gib={fit} (docs/extract.md)")
+            least = None
+    if online_ok(cfg) and extract_room >= 0:
+        texts.append("none at all with train.online=true")
+    if not texts:
+        return " Free space, or move run_dir to a larger file system" + (
+            f" (chunks within a budget, max_disk_gib, need {_size(least)} at the least)"
+            if least else "") + "."
+    return f" Ways that fit: {', '.join(texts[:-1])}{' or ' if len(texts) > 1 else ''}" \
+        f"{texts[-1]}."
 
 
 def where_steps_run(cfg, draft_layer: str = "llama draft layer") -> dict:
@@ -335,8 +360,7 @@ def times(cfg, f: dict) -> list[dict]:
     }
     per_gpu = {"extract", "train"}  # the others: one server / one process
     # train.max_steps wins over epochs (train then runs as many epochs as it takes)
-    n_train = data["train"]["tokens"] * tc.epochs if tc.max_steps is None else \
-        tc.max_steps * tc.batch_tokens * tc.grad_accum * gpus
+    n_train = train_tokens(cfg, data, gpus)
     # in chunks, a sample is extracted again in every pass over the data (drafter/train/chunks.py)
     n_extract = data["val"]["tokens"] + n_train if chunk_mode(cfg) else data["tokens"]
     prompts = sum(d.max_prompts or 80 for d in cfg.evaluate.datasets)
@@ -364,72 +388,6 @@ def times(cfg, f: dict) -> list[dict]:
     return out
 
 
-def chunks(cfg, f: dict, st: dict, tm: list[dict], warnings: list[str]) -> dict | None:
-    """Features in chunks (extract.max_disk_gib; drafter/train/chunks.py): the budget, what it
-    holds up front (val, the head), the chunk size and count over every pass of the data, the
-    engine loads between chunks and their share of extract + train, and where each process
-    runs. Warns when the budget holds no chunk, or when reloads take over RELOAD_SHARE."""
-    mode = chunk_mode(cfg)
-    if mode is None:
-        return None
-    ec, p, data = cfg.extract, cfg.plan, f["data"]
-    bpt = next(o["bytes_per_token"] for o in st["options"] if o["chosen"])
-    budget = int(ec.max_disk_gib * GiB)
-    val, head = data["val"]["tokens"] * bpt, f["vd"] * f["ht"] * f["nbytes"]
-    window = 2 if mode == "spool" else 1
-    chunk = max(0, budget - val - head) // window
-    t = {r["step"]: r for r in tm}
-    extracted = (t["extract"]["tokens"] - data["val"]["tokens"]) * bpt
-    n = math.ceil(extracted / chunk) if chunk else None
-    vllm = ec.engine == "vllm"
-    eng = vllm_gpus(cfg) if vllm else 1
-    load_s = f["weights"] / (p.load_gbps * 1e9)
-    wake_s = f["weights"] / eng / (WAKE_GBPS * 1e9)
-    # extract's step loads the target for val and the head; then in one process every chunk
-    # loads it again (vLLM's sleep mode: the first loads, the rest wake), a producer once
-    reloads = (n or 0) if mode == "one process" else 1
-    reload_s = reloads * load_s
-    sleep_s = load_s + max((n or 1) - 1, 0) * wake_s if mode == "one process" and vllm \
-        else None
-    work = sum(t[k]["seconds"] or 0 for k in ("extract", "train"))
-    run_s = work + load_s + reload_s
-    out = {"mode": mode, "budget": budget, "bytes_per_token": bpt, "val_bytes": val,
-           "head_bytes": head, "window": window, "chunk_bytes": chunk,
-           "chunk_tokens": chunk // bpt, "extracted_bytes": extracted, "chunks": n,
-           "passes": round(t["train"]["tokens"] / max(data["train"]["tokens"], 1), 3),
-           "load_seconds": load_s, "reloads": reloads, "reload_seconds": reload_s,
-           "reload_share": reload_s / run_s if run_s else None,
-           "with_sleep_mode_seconds": sleep_s, "wake_seconds": wake_s if sleep_s else None,
-           "spool": ec.spool, "train_gpus": f["gpus"]}
-    where = "vLLM over %d GPU(s)" % eng if vllm else "drafter's capture (transformers)"
-    if mode == "one process":
-        how = (f"train it in a child on {f['gpus']} GPU(s) (torchrun)" if vllm else
-               "train it in the same process(es)")
-        out["processes"] = (f"one process (`drafter run CONFIG`): extract a chunk ({where}), "
-                            f"let the GPUs go, {how}, delete it, next; chunks in RUN_DIR/chunks")
-    else:
-        out["processes"] = (f"producer `drafter run CONFIG --until extract` where the target "
-                            f"runs ({where}) fills {ec.spool}; consumer `torchrun "
-                            f"--nproc-per-node {f['gpus']} -m drafter.cli train CONFIG` where "
-                            f"the drafter trains empties it; the run dir on storage both reach")
-    # reloads n <= share * (work + n * load) / load: chunks of extracted / n_max at least
-    n_max = max(1, int(RELOAD_SHARE * (work + 2 * load_s) / ((1 - RELOAD_SHARE) * load_s)))
-    need = math.ceil(extracted / n_max) * window + val + head
-    if not chunk:
-        warnings.append(f"chunks: extract.max_disk_gib ({_size(budget)}) holds val "
-                        f"({_size(val)}) and the head ({_size(head)}) but no chunk: "
-                        f"extract.max_disk_gib={math.ceil(need / GiB):,} holds chunks of "
-                        f"{_size(math.ceil(extracted / n_max))}")
-    elif mode == "one process" and out["reload_share"] > RELOAD_SHARE:
-        warnings.append(
-            f"chunks: {reloads} engine loads of {_dur(load_s)} take "
-            f"{100 * out['reload_share']:.1f}% of extract + train (over "
-            f"{100 * RELOAD_SHARE:.0f}%): extract.max_disk_gib={math.ceil(need / GiB):,} "
-            f"keeps them under it" + (f"; with vLLM's sleep mode (its CUDA builds) they are "
-                                      f"wakes of ~{_dur(wake_s)}" if sleep_s else ""))
-    return out
-
-
 def make_plan(cfg) -> dict:
     """The whole plan as a JSON-able dict (what `--json` prints)."""
     run = Run.of(cfg)
@@ -451,14 +409,18 @@ def make_plan(cfg) -> dict:
          "gpus": gpus, "gpu_memory": gpu_mem, "measured": measured_throughputs(run),
          # vLLM / SGLang shard the target over the GPUs (--tensor-parallel-size in extra_args);
          # transformers serve and the data engine use one device; an external server none here
-         "gen_tp": {"vllm": gpus, "sglang": gpus, "transformers": 1, "drafter": 1}.get(engine, 0)}
+         "gen_tp": {"vllm": gpus, "sglang": gpus, "transformers": 1, "drafter": 1}.get(engine, 0),
+         "on_gpu": on_gpu and cfg.target.device != "cpu"}
+    # JSONL conversations (prepare + generate, ~CHARS_PER_TOKEN bytes a token each) and the
+    # token file (int32 id + int8 mask)
+    f["disk_data"] = int(f["data"]["tokens"] * (2 * CHARS_PER_TOKEN + 5))
     warnings: list[str] = []
     refused: list[str] = []
     st = storage(cfg, f)
-    dk = disk(cfg, f, st, warnings)
     mem = gpu_memory(cfg, f, warnings, refused)
     tm = times(cfg, f)
-    ch = chunks(cfg, f, st, tm, warnings)
+    ch = chunkplan.chunks(cfg, f, st, tm, warnings, refused)
+    dk = disk(cfg, f, st, ch, warnings)
     for r in tm if ch else ():  # extract loads the target again between chunks
         if r["step"] == "extract" and r["total_seconds"] is not None:
             r["load_seconds"] += ch["reload_seconds"]
@@ -494,18 +456,6 @@ def _count(n: int) -> str:
     return f"{n / 1e9:,.1f} B" if n >= 1e9 else f"{n / 1e6:,.1f} M"
 
 
-def _dur(s: float | None) -> str:
-    if s is None:
-        return "?"
-    if s < 90:
-        return f"{s:.0f}s"
-    if s < 5400:
-        return f"{s / 60:.0f} min"
-    if s < 3 * 86400:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} days"
-
-
 def render(plan: dict) -> str:
     t, d, s = plan["target"], plan["data"], plan["storage"]
     moe = (f", MoE {t['experts']} experts ({t['experts_per_token']} per token)"
@@ -536,28 +486,37 @@ def render(plan: dict) -> str:
     lines.append(f"       {'*' if s['online'] else ' '} train.online=true     "
                  f"{0:>9,} B/token {_size(0):>10}  " + (
                      "(the target runs beside the drafter)" if s["online_ok"] else
-                     "(not with extract.engine vllm or extract.max_disk_gib: the target "
+                     "(not with extract.engine vllm or max_disk_gib: the target "
                      "must run in transformers beside the drafter)"))
     c = plan["chunks"]
     if c:
-        n = f"{c['chunks']:,}" if c["chunks"] else "no"
+        h = c["held"]
         lines += [
-            f"chunks   budget {_size(c['budget'])} (extract.max_disk_gib): val "
-            f"{_size(c['val_bytes'])} + head {_size(c['head_bytes'])} up front, then chunks of "
-            f"<= {_size(c['chunk_bytes'])} ({c['chunk_tokens']:,} tokens at "
-            f"{c['bytes_per_token']:,} B/token)" + (", two at a time (one trains while the "
-                                                    "next is written)" if c["window"] > 1
-                                                    else ""),
-            f"         {c['passes']:g} pass(es) over "
-            f"{_size(c['extracted_bytes'] / max(c['passes'], 1e-9))} of train features: "
-            f"{_size(c['extracted_bytes'])} extracted in {n} chunk(s), each sample once per pass",
-            f"         engine: {_dur(c['load_seconds'])} a load; {c['reloads']} reload(s) = "
-            f"{_dur(c['reload_seconds'])}, {100 * (c['reload_share'] or 0):.1f}% of extract + "
-            f"train" + (f"; with vLLM's sleep mode 1 load + {max((c['chunks'] or 1) - 1, 0)} "
-                        f"wake(s) of ~{_dur(c['wake_seconds'])} = "
-                        f"{_dur(c['with_sleep_mode_seconds'])}"
-                        if c["with_sleep_mode_seconds"] is not None else ""),
-            f"         runs as: {c['processes']}"]
+            f"chunks   budget {_size(c['budget'])} (max_disk_gib) for the whole run: data "
+            f"{_size(h['data'])}, val {_size(c['val_bytes'])} + head {_size(c['head_bytes'])}, "
+            f"{h['checkpoint_count']} checkpoints of {_size(h['checkpoint_bytes'])}, export "
+            f"{_size(h['export'])}, logs {_size(h['logs'])}"
+            + (f", vLLM's states {_size(h['engine_states'])}" if h["engine_states"] else ""),
+            (f"         then chunks of <= {_size(c['chunk_bytes'])} ({c['chunk_tokens']:,} "
+             f"tokens at {c['bytes_per_token']:,} B/token)" + (
+                 ", two at a time (one trains while the next is written)" if c["window"] > 1
+                 else "") if c["fits"] else
+             f"         no chunk fits: one optimizer step needs ~{_size(c['step_bytes'])}, "
+             f"the smallest budget that trains is {_size(c['least_budget'])} (refused below)")]
+        if c["fits"]:
+            lines += [
+                f"         {c['passes']:g} pass(es) over "
+                f"{_size(c['extracted_bytes'] / max(c['passes'], 1e-9))} of train features: "
+                f"{_size(c['extracted_bytes'])} extracted in {c['chunks']:,} chunk(s), each "
+                f"sample once per pass",
+                f"         engine: {_dur(c['load_seconds'])} a load; {c['reloads']} reload(s) "
+                f"= {_dur(c['reload_seconds'])}, {100 * (c['reload_share'] or 0):.1f}% of "
+                f"extract + train" + (
+                    f"; with vLLM's sleep mode 1 load + {max((c['chunks'] or 1) - 1, 0)} "
+                    f"wake(s) of ~{_dur(c['wake_seconds'])} = "
+                    f"{_dur(c['with_sleep_mode_seconds'])}"
+                    if c["with_sleep_mode_seconds"] is not None else "")]
+        lines.append(f"         runs as: {c['processes']}")
     k = plan["disk"]
     lines.append(f"disk     run dir {_size(k['total'])}: data {_size(k['data'])}, extract "
                  f"{_size(k['extract'])}, train checkpoints {_size(k['train'])}, export "

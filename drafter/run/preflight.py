@@ -11,6 +11,7 @@ every step before the first one runs (docs/operations.md, "Bad input and damaged
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from drafter.core.config import ConfigError, where
@@ -77,6 +78,9 @@ def preflight(cfg, run: Run, step: str, upfront: bool = False) -> None:
         if out:
             bad("extract.layer_ids", f"{out} outside 0..{n - 1} for this {n}-layer target (id "
                 f"k = HS[k], the input of layer k)")
+    if step in ("extract", "train") and cfg.max_disk_gib is not None and not cfg.train.online:
+        for key, msg in chunk_refusals(cfg, run, step, upfront):
+            bad(key, msg)
     if step == "train":
         tc = cfg.train
         if tc.attention == "flex":
@@ -110,3 +114,101 @@ def preflight(cfg, run: Run, step: str, upfront: bool = False) -> None:
                     and not later(Path(spec).expanduser()):
                 bad(f"evaluate.{key}", f"{spec} not found (export, a checkpoint, a train dir, "
                     f"or a native/speculators dir)")
+
+
+# ----------------------------------------------------------------------- chunks (max_disk_gib)
+def chunk_refusals(cfg, run: Run, step: str, upfront: bool = False) -> list[tuple[str, str]]:
+    """[(key, why)] that a run in chunks refuses before anything loads or is removed: a spool
+    that is a file or cannot be written or made, and a budget that cannot hold val, the head,
+    the checkpoints, the export and one optimizer step's chunk (chunks.make_plan, with bounds
+    for what extract has not written yet). Before tokenize ran (`upfront`, or no token file)
+    only what the config alone fixes is checked: the head, checkpoints, export and logs.
+    `drafter plan` lists them too."""
+    out = []
+    why = spool_problem(run.spool())
+    if why is not None:
+        out.append(("extract.spool", why + ("" if cfg.extract.spool else
+                                            " (extract.spool null: the run dir's chunks/)")))
+    why = budget_problem(cfg, run, step, upfront)
+    if why is not None:
+        out.append(("max_disk_gib", why))
+    return out
+
+
+def spool_problem(path: Path) -> str | None:
+    """Why the spool cannot be used, or None: it must be a folder this process can write, or
+    one it can make (its first existing ancestor a writable folder)."""
+    path = Path(path).absolute()
+    if path.exists() and not path.is_dir():
+        return f"{path} is a file, not a folder: name a folder (made when missing)"
+    if path.is_dir():
+        return None if os.access(path, os.W_OK | os.X_OK) else (
+            f"{path} is a folder this process cannot write (its permissions or a read-only "
+            f"file system): name one it can")
+    up = path.parent
+    while not up.exists() and up != up.parent:
+        up = up.parent
+    if not up.is_dir():
+        return f"{path} cannot be made: {up} is a file, not a folder"
+    if not os.access(up, os.W_OK | os.X_OK):
+        return (f"{path} cannot be made: {up} is not writable by this process (its permissions "
+                f"or a read-only file system): name a folder it can write")
+    return None
+
+
+def train_world(cfg, step: str) -> tuple[int, int]:
+    """(ranks, window) of the train that plans the chunks: this process's torchrun world (its
+    GPUs when vLLM runs here and a child trains each chunk); for a spool's producer, the
+    consumer's elsewhere, plan.gpus (else 1). Window 2 through a spool, else 1."""
+    from drafter.core.dist import rank_world
+    from drafter.train.chunks import trains_apart
+
+    spooled = cfg.extract.spool is not None
+    if spooled and step == "extract":
+        return cfg.plan.gpus or 1, 2
+    if not spooled and trains_apart(cfg):
+        import torch
+
+        return (torch.cuda.device_count() if torch.cuda.is_available() else 1) or 1, 1
+    return rank_world()[1], 2 if spooled else 1
+
+
+def budget_problem(cfg, run: Run, step: str, upfront: bool = False) -> str | None:
+    """Why max_disk_gib cannot hold the run (chunk_refusals), or None."""
+    from drafter.core import target
+    from drafter.data import tokens
+    from drafter.features import capture, spool, store
+    from drafter.train import budget
+    from drafter.train.chunks import plan_run
+    from drafter.train.memory import drafter_shape
+
+    tconf = target.load_config(cfg.target)
+    dshape = drafter_shape(cfg, tconf)
+    ht, vd = target.hidden_size(tconf), dshape["draft_vocab_size"]
+    head = budget.head_bound(vd, ht)
+    total = int(cfg.max_disk_gib * budget.GiB)
+    if upfront or not run.tokens("train").exists():
+        h = budget.held(cfg, dshape, budget.data_bytes(run), 0, ht)
+        if total >= head + h["total"]:
+            return None
+        return (f"{budget.describe(total, head, h, 0)}, before any data, val or chunk: set "
+                f"max_disk_gib={budget.gib_at_least(head + h['total'])} or more (val and one "
+                f"optimizer step's chunk come on top), or lower train.keep_checkpoints")
+    ids = capture.resolve_layer_ids(cfg.extract.layer_ids, target.num_layers(tconf))
+    ec = cfg.extract
+    info = {"hidden_size": ht, "layer_ids": ids, "aux_dtype": ec.aux_dtype,
+            "teacher": ec.teacher, "topk": min(ec.topk, vd) if ec.teacher == "topk" else None,
+            "draft_vocab_size": vd}
+    bpt = store.bytes_per_token(ht, len(ids), ec.aux_dtype, ec.teacher, info["topk"] or 0, vd)
+    val = 0
+    if run.tokens("val").exists():
+        vids, vlens = tokens.ids_and_lengths(run.tokens("val"))
+        vlens = [n for n in vlens if n > 0]
+        val = spool.chunk_bytes(sum(vlens), len(vlens), sum(map(len, vids)), bpt,
+                                ec.shard_tokens) if vlens else 0
+    world, window = train_world(cfg, step)
+    try:
+        plan_run(cfg, run, info, world, window, stored=val + head)
+    except budget.BudgetError as e:
+        return str(e).removeprefix("max_disk_gib: ")
+    return None

@@ -29,7 +29,7 @@ Resume: a shard that exists and verifies (its sha256 in the index, else its own 
 and the planned sample ids and options) is kept; a missing or corrupt one is (re)done; temp files
 of a killed write are removed. The index is written last. train.online=true: nothing is stored.
 
-extract.max_disk_gib (docs/extract.md, "Bounded disk"): the step stores val and the head only;
+max_disk_gib (docs/extract.md, "Bounded disk"): the step stores val and the head only;
 the train split goes a chunk of train's own steps at a time (drafter/train/chunks.py plans them,
 drafter/features/spool.py is where they pass): ChunkProducer makes a chunk, in train's process
 (`drafter run`) or, with extract.spool, after the step, for a train elsewhere
@@ -140,12 +140,12 @@ def _clean_temp(folders: list[Path], shards: list[Shard], rank: int) -> None:
 
 
 def main(cfg) -> dict:
-    """Extract every split; with extract.max_disk_gib, val and the head only: the train split
+    """Extract every split; with max_disk_gib, val and the head only: the train split
     is extracted a chunk at a time (ChunkProducer, `produce`)."""
     t_main = time.perf_counter()
     run = Run.of(cfg)
     ec = cfg.extract
-    splits = ("val",) if ec.max_disk_gib is not None else SPLITS
+    splits = ("val",) if cfg.max_disk_gib is not None else SPLITS
     if cfg.train.online:
         log.info("extract: train.online=true, the target runs beside the drafter: nothing stored")
         return {"counts": {"online": 1, "samples": 0, "tokens": 0, "shards": 0, "bytes": 0},
@@ -239,7 +239,7 @@ def main(cfg) -> dict:
     out = _result(info, indexes, stats, d, ec, check)
     if compiled is not None:
         out["precompile"] = compiled
-    if ec.max_disk_gib is not None:  # the train split: a chunk at a time (ChunkProducer)
+    if cfg.max_disk_gib is not None:  # the train split: a chunk at a time (ChunkProducer)
         out["mode"] = "chunked"
     return out
 
@@ -425,7 +425,7 @@ def _result(info, indexes, stats, d: Dist, ec, check) -> dict:
     return out
 
 
-# ------------------------------------------------------------------ chunks (extract.max_disk_gib)
+# ------------------------------------------------------------------ chunks (max_disk_gib)
 def vllm_sleep_mode() -> bool:
     """vLLM keeps its weights in host memory while it sleeps (LLM(enable_sleep_mode=True),
     sleep(level=1), wake_up()) on the platforms that have it: its CUDA, ROCm and XPU builds;
@@ -442,16 +442,20 @@ class ChunkProducer:
     drafter/features/spool.py): chunk c's samples extracted as a split is, longest first, into
     run.chunk(c)/, its index, then COMPLETE. A kill keeps every shard that verifies, as the
     step's own resume does. The target stays loaded from one chunk to the next unless
-    `release` (one process: train needs the GPUs between chunks): then vLLM sleeps where its
-    platform has sleep mode (weights in host memory, woken for the next chunk), and otherwise
-    the target is closed after each chunk and loaded again for the next. `stats`: loads,
-    wakes and their seconds, chunks, tokens."""
+    `release` (one process: train needs the GPUs between chunks; drafter's capture on the CPU
+    keeps it): then vLLM sleeps where its platform has sleep mode (weights in host memory,
+    woken for the next chunk), and otherwise the target is closed after each chunk and loaded
+    again for the next. `stats`: loads,
+    wakes and their seconds, chunks, tokens, seconds and CPU seconds making them."""
 
     def __init__(self, cfg, release: bool):
         import dataclasses
 
-        self.run, self.release, ec = Run.of(cfg), release, cfg.extract
+        self.run, ec = Run.of(cfg), cfg.extract
         self.d = read_env(target.pick_device(cfg.target))
+        # drafter's capture on the CPU holds no GPU that train needs: it stays loaded (a load
+        # and the first forwards after it, per chunk, saved); vLLM lets its engine go as before
+        self.release = release and (ec.engine == "vllm" or self.d.device.type != "cpu")
         init_dist(self.d)
         tconf = target.load_config(cfg.target)
         self.d2t, self.t2d, _ = tokens.load_vocab(self.run.require(self.run.vocab(), "vocab"))
@@ -469,12 +473,13 @@ class ChunkProducer:
                                                                       engine_args=args))
         self.cfg, self.cap, self.asleep, self.checked = cfg, None, False, False
         self.stats = {"loads": 0, "load_s": 0.0, "wakes": 0, "wake_s": 0.0, "sleep_mode":
-                      self.sleep, "chunks": 0, "tokens": 0, "seconds": 0.0, "shards_kept": 0}
+                      self.sleep, "chunks": 0, "tokens": 0, "seconds": 0.0, "shards_kept": 0,
+                      "cpu_s": 0.0}
 
     def make(self, chunk: dict, plan_id: str) -> None:
         """Chunk `chunk` of plan `plan_id` into its folder, whole (COMPLETE last); every rank."""
         run, d, ec, c = self.run, self.d, self.cfg.extract, chunk["index"]
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.process_time()
         missing = [sid for sid in chunk["ids"] if sid not in self.row]
         if missing:
             raise C.CaptureError(f"chunk {c} of the plan in {run.chunk_plan()} names samples "
@@ -521,6 +526,7 @@ class ChunkProducer:
         self.stats["tokens"] += sum(s.tokens for s in todo)
         self.stats["shards_kept"] += len(kept)
         self.stats["seconds"] += time.time() - t0
+        self.stats["cpu_s"] += time.process_time() - cpu0  # this process's, all its threads
         if self.release:
             self.idle()
 

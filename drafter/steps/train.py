@@ -3,7 +3,7 @@
 Reads   vocab/vocab.safetensors (d2t, t2d), the target's config and input embeddings, and
         offline: extract/{train,val}/ shards and extract/head.safetensors (store.Reader);
         online (train.online): tokenize/{train,val}.parquet and the target itself (capture);
-        in chunks (extract.max_disk_gib): SPOOL/chunk_NNNNN/, a chunk of its steps at a time,
+        in chunks (max_disk_gib): SPOOL/chunk_NNNNN/, a chunk of its steps at a time,
         with extract/val/ and the head (drafter/train/chunks.py; docs/extract.md)
 Writes  train/step_NNNNNN/  model.safetensors + drafter_config.json (model.save_drafter),
                             optimizer.pt, rng.safetensors, state.json, COMPLETE (written last)
@@ -142,7 +142,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     """The training loop: plain PyTorch, top to bottom. Returns the manifest extras. t0: when
     train started setting up (perf_counter; default: now): setup_s, its seconds to the loop;
     setup: the caller's clock of the setup's parts (setup_parts_s), continued here. chunks
-    (extract.max_disk_gib): train_src is chunks.source, the steps' samples come from the chunk
+    (max_disk_gib): train_src is chunks.source, the steps' samples come from the chunk
     each step belongs to, and each chunk's last step is checkpointed, then the chunk deleted."""
     t0 = time.perf_counter() if t0 is None else t0
     tc = cfg.train
@@ -201,10 +201,15 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         if ckpt is not None:
             state0 = load_checkpoint(ckpt, dist, ttt, opt, sched, fsdp)  # its step: `step`
             log.info("train: resumed from %s (step %d)", ckpt, step)
+        # chunk ends saved only for a resume: pruned once a newer checkpoint is written
+        transient = {e for e in chunks.ends if e % tc.save_every and e != total} \
+            if chunks is not None else set()
+        history = list(state0.get("invocations") or [])  # the earlier ones, to the checkpoint
         if dist.main:
             for pattern in (".tmp-step_*", ".old-step_*"):  # a kill in a save or prune left it
                 for junk in run.step_dir("train").glob(pattern):
                     shutil.rmtree(junk, ignore_errors=True)
+            prune_checkpoints(run, tc.keep_checkpoints, transient, also=ckpt)  # a kill's extra
             kept = [r for r in read_jsonl(metrics_path, repair=True) if r.get("step", 0) <= step]
             seen0 = tokens_seen(state0, kept) if ckpt is not None else 0  # before this run
             atomic_json_lines(metrics_path, kept)
@@ -305,11 +310,13 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                     if tb:
                         tb_write(tb, "train", step, m)
                 last_train = m
-            # a chunk's last step is saved too: its shards go once a checkpoint covers them
+            # a chunk's last step is saved too (its shards go once a checkpoint covers them),
+            # for a resume only: validation keeps the configured cadence
             boundary = chunks is not None and step in chunks.ends
-            save = step % tc.save_every == 0 or step == total or boundary
+            regular = step % tc.save_every == 0 or step == total
+            save = regular or boundary
             evaluating = val_src is not None and ((tc.eval_every and step % tc.eval_every == 0)
-                                                  or save)
+                                                  or regular)
             if evaluating or save:  # the steps queued so far count as training time
                 sync_device(dev)
             t_aside = time.perf_counter()
@@ -333,9 +340,12 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
                          "objective": trained_with(tc, obj),  # + tokens not logged yet:
                          "tokens_seen": seen0 + tokens_total + int(all_sum(
                              meter.sums[5, 0].clone(), dist))}
+                state["invocations"] = history + [invocation(
+                    first, step, t0, time.perf_counter() - t_start - aside,
+                    state["tokens_seen"] - seen0, chunks)]
                 save_checkpoint(run, dist, step, drafter, ttt, opt, fsdp, state)
                 if dist.main:
-                    prune_checkpoints(run, tc.keep_checkpoints)
+                    prune_checkpoints(run, tc.keep_checkpoints, transient)
             if boundary:  # every rank is past the chunk: delete it, make or await the next
                 sync_device(dev)
                 chunks.finished(step)
@@ -352,7 +362,10 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
             tb.close()
     elapsed = time.perf_counter() - t_start
     best = best_checkpoint(run)
+    runs = history + [invocation(first, step, t0, train_s_log, tokens_total, chunks)]
     return {
+        "invocations": runs, "totals": {k: round(sum(r.get(k) or 0 for r in runs), 1) for k in
+                                        ("seconds", "train_s", "tokens", "chunks_made", "loads")},
         "counts": {"steps": step, "epochs": round(step / steps_per_epoch, 3),
                    "train_samples": len(train_src), "train_tokens": sum(train_src.lengths),
                    "val_samples": len(val_src) if val_src is not None else 0,
@@ -374,6 +387,17 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
         "last_checkpoint": str(run.checkpoints()[-1]) if run.checkpoints() else None,
         "best_checkpoint": str(best) if best else None,
     }
+
+
+def invocation(first: int, step: int, t0: float, train_s: float, tokens: int, chunks) -> dict:
+    """One invocation of train in the manifest's "invocations" (kept in each checkpoint, so a
+    resumed train reports every one up to its checkpoint): its steps, seconds since it started
+    (set-up included), seconds of train steps, tokens, and the chunks it made and target loads
+    it took (in one process)."""
+    made = getattr(getattr(chunks, "produce", None), "stats", None) or {}
+    return {"from_step": first, "to_step": step, "seconds": round(time.perf_counter() - t0, 1),
+            "train_s": round(train_s, 1), "tokens": int(tokens),
+            "chunks_made": made.get("chunks", 0), "loads": made.get("loads", 0)}
 
 
 def log_warmup(seconds: float, steps: list[float], c: dict | None, first: dict,
@@ -426,7 +450,7 @@ def evaluate(model, src: Source, dist: Dist, drafter, head, tc, B, T, fused, aut
 
 # -------------------------------------------------------------------------------------- main
 def main(cfg, produce=None, chunk: int | None = None) -> dict:
-    """Features in chunks (extract.max_disk_gib; drafter/train/chunks.py): `produce` makes a
+    """Features in chunks (max_disk_gib; drafter/train/chunks.py): `produce` makes a
     chunk in this process (drafter/run/chunked.py hands it over), and with the target in vLLM
     here each chunk trains in a child process on every GPU (chunks.conduct); without, a
     producer elsewhere fills the spool. `chunk`: such a child, which trains up to the end of
@@ -480,7 +504,7 @@ def _main(cfg, dist: Dist, produce=None, chunk: int | None = None) -> dict:
         val_path = run.tokens("val")
         val_src = Source.online(val_path, cap) if val_path.exists() and \
             tokens.num_rows(val_path) else None
-    elif cfg.extract.max_disk_gib is not None:
+    elif cfg.max_disk_gib is not None:
         layer_ids, head, train_src, val_src, chunks = _chunked(cfg, run, dist, produce, chunk)
     else:
         reader = store.Reader(run, "train")

@@ -188,15 +188,22 @@ def resume_from(run: Run, tc) -> Path | None:
     return p
 
 
-def prune_checkpoints(run: Run, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints and the best by validation sim_tau (a
-    damaged one counts as neither, so an intact one is never pruned in its favour)."""
+def prune_checkpoints(run: Run, keep: int, transient=frozenset(), also: Path | None = None) -> None:
+    """Keep the newest `keep` complete checkpoints but those at `transient` steps (saved at a
+    chunk's end only for a resume), the best by validation sim_tau, the newest of all (what a
+    resume starts from) and `also` (the one this train resumed from); a damaged one counts as
+    none of them, so an intact one is never pruned in its favour."""
     done = [p for p in run.checkpoints() if verify_checkpoint(p, full=False) is None]
+    if not done:
+        return
     scored = [_score(p) for p in done]
     best = max((s, i) for i, s in enumerate(scored) if s is not None)[1] \
         if any(s is not None for s in scored) else None
-    for i, p in enumerate(done[:-keep] if keep > 0 else done):
-        if i != best:
+    regular = [p for p in done if int(p.name.split("_")[1]) not in transient]
+    kept = set(regular[-keep:] if keep > 0 else []) | {done[-1]} | \
+        ({done[best]} if best is not None else set())
+    for p in done:
+        if p not in kept and (also is None or p.resolve() != Path(also).resolve()):
             remove_dir(p)  # never a "complete" checkpoint with files missing after a kill
 
 

@@ -1,4 +1,4 @@
-"""Train's side of features stored in chunks (extract.max_disk_gib): the chunk plan, and every
+"""Train's side of features stored in chunks (max_disk_gib): the chunk plan, and every
 step's samples read from the chunk that step belongs to.
 
 The plan (`make_plan`). Train's data order is a pure function of the token files, the config and
@@ -7,11 +7,13 @@ consecutive optimizer steps; its samples are those its steps train on, each stor
 chunk. A sample that two epochs train on inside one chunk is extracted once, in two chunks
 twice: with E epochs the train split is extracted about E times (the disk could not keep it
 between epochs: that is why there are chunks). Chunks are cut greedily, step by step, as large as
-the budget allows: extract.max_disk_gib less extract's val shards and head (spool.stored_bytes),
-all of it when train makes each chunk itself (`window` 1: one process, a chunk at a time), half
+the budget allows: max_disk_gib less extract's val shards and head (spool.stored_bytes) and
+the rest the run keeps (data, checkpoints, export, logs: budget.held), all of it when train
+makes each chunk itself (`window` 1: one process, a chunk at a time), half
 of it when another process fills the spool (`window` 2: the next chunk is written while this one
-trains). The learning-rate schedule and the step count come from the whole plan: a chunked run
-trains the same batches in the same order as one with every shard stored.
+trains); a budget whose room holds no single optimizer step is a BudgetError naming the
+value that does. The learning-rate schedule and the step count come from the whole plan: a
+chunked run trains the same batches in the same order as one with every shard stored.
 
 Reading (`Chunks`). The loop's jobs name sample i of chunk c as c·N + i (`tag`), so the loader
 reads each step's samples from that step's chunk: a sample in two chunks is read from the right
@@ -36,19 +38,21 @@ from drafter import DrafterError
 from drafter.core.dist import Dist, all_gather, barrier
 from drafter.features import spool, store
 from drafter.train.batches import DataPlan
+from drafter.train.budget import BudgetError, describe, gib_at_least, held_of
 
 log = logging.getLogger("drafter")
 
 
 def make_plan(ids: list[str], lengths: list[int], dp: DataPlan, budget: int, stored: int,
-              bytes_per_token: int, shard_tokens: int, window: int) -> dict:
+              bytes_per_token: int, shard_tokens: int, window: int, held: dict) -> dict:
     """The chunks of the run (`ids`, `lengths`: the train samples in id order, as train's
-    Source has them): {"id", "budget", "stored", "reserve" (the spool's own files), "window",
-    "limit" (bytes a chunk may take), "bytes_per_token", "total", "world", "grad_accum",
-    "chunks": [{"index", "start", "end", "ids" (first use first), "tokens", "bytes"
-    (spool.chunk_bytes, a bound)}]}."""
+    Source has them): {"id", "budget", "stored" (extract's val and head), "held" (the rest the
+    run keeps: budget.held), "reserve" (the spool's own files), "window", "limit" (bytes a
+    chunk may take), "bytes_per_token", "total", "world", "grad_accum", "chunks": [{"index",
+    "start", "end", "ids" (first use first), "tokens", "bytes" (spool.chunk_bytes, a bound)}]}.
+    BudgetError when one optimizer step's samples do not fit a chunk."""
     reserve = spool.plan_bytes(ids, dp.total, -(-dp.total // dp.steps_per_epoch))
-    limit = (budget - stored - reserve) // window
+    limit = (budget - stored - held["total"] - reserve) // window
     chunks: list[dict] = []
     cur: dict[int, None] = {}
     tok = chars = 0
@@ -73,18 +77,21 @@ def make_plan(ids: list[str], lengths: list[int], dp: DataPlan, budget: int, sto
             new = step
             t, ch = sum(lengths[i] for i in new), sum(len(ids[i]) for i in new)
         if bound(t, len(new), ch) > limit and not cur:
-            half = " halved (a chunk trains while the next is made)" if window > 1 else ""
-            raise DrafterError(
-                f"extract.max_disk_gib: {spool.size(budget)} less extract's val shards and "
-                f"head ({spool.size(stored)}) and the spool's own files "
-                f"({spool.size(reserve)}){half} leaves {spool.size(max(limit, 0))} for a "
-                f"chunk; optimizer step {s} alone needs {spool.size(bound(t, len(new), ch))}: "
-                f"raise the budget, or lower train.batch_tokens or prepare.val_fraction")
+            least = stored + held["total"] + reserve + window * largest_step(
+                ids, lengths, dp, bytes_per_token, shard_tokens)
+            half = ", halved (a chunk trains while the next is made)" if window > 1 else ""
+            raise BudgetError(
+                f"max_disk_gib: {describe(budget, stored, held, reserve)}{half}, leaving "
+                f"{spool.size(max(limit, 0))} for a chunk; optimizer step {s} alone needs "
+                f"{spool.size(bound(t, len(new), ch))}: set max_disk_gib="
+                f"{gib_at_least(least)} or more (its largest step fits then), or lower "
+                f"train.batch_tokens or train.keep_checkpoints")
         cur.update(dict.fromkeys(new))
         tok, chars = t, ch
     if dp.total:
         close(dp.total)
-    plan = {"budget": budget, "stored": stored, "reserve": reserve, "window": window,
+    plan = {"budget": budget, "stored": stored, "held": held, "reserve": reserve,
+            "window": window,
             "limit": limit,
             "bytes_per_token": bytes_per_token, "total": dp.total, "world": dp.world,
             "grad_accum": dp.grad_accum, "chunks": chunks}
@@ -92,10 +99,24 @@ def make_plan(ids: list[str], lengths: list[int], dp: DataPlan, budget: int, sto
     return plan
 
 
-def plan_run(cfg, run, info: dict, world: int, window: int) -> tuple[dict, list, list]:
+def largest_step(ids: list[str], lengths: list[int], dp: DataPlan, bytes_per_token: int,
+                 shard_tokens: int) -> int:
+    """The bound (spool.chunk_bytes) of the largest chunk of one optimizer step alone."""
+    def one(s: int) -> int:
+        new = list(dict.fromkeys(dp.step_samples(s)))
+        return spool.chunk_bytes(sum(lengths[i] for i in new), len(new),
+                                 sum(len(ids[i]) for i in new), bytes_per_token, shard_tokens)
+    return max((one(s) for s in range(dp.total)), default=0)
+
+
+def plan_run(cfg, run, info: dict, world: int, window: int,
+             stored: int | None = None) -> tuple[dict, list, list]:
     """(the plan, sample ids, lengths) of this run: the train samples in id order as train's
     Source takes them (extract skips empty ones), its DataPlan for `world` ranks, the budget
-    less what extract stores up front, and bytes per token from extract's own info."""
+    less what extract stores up front (`stored`, else measured: spool.stored_bytes) and what
+    the run keeps besides (budget.held), and bytes per token from extract's info (or the
+    same keys from the config: layer_ids, hidden_size, aux_dtype, teacher, topk,
+    draft_vocab_size)."""
     from drafter.data import tokens
     from drafter.train.batches import data_plan
 
@@ -104,9 +125,11 @@ def plan_run(cfg, run, info: dict, world: int, window: int) -> tuple[dict, list,
     ids, lengths = [i for i, _ in pairs], [n for _, n in pairs]
     bpt = store.bytes_per_token(info["hidden_size"], len(info["layer_ids"]), info["aux_dtype"],
                                 info["teacher"], info["topk"] or 0, info["draft_vocab_size"])
-    plan = make_plan(ids, lengths, data_plan(lengths, cfg.train, world),
-                     int(cfg.extract.max_disk_gib * spool.GiB), spool.stored_bytes(run), bpt,
-                     cfg.extract.shard_tokens, window)
+    dp = data_plan(lengths, cfg.train, world)
+    h = held_of(cfg, run, dp.total)
+    plan = make_plan(ids, lengths, dp, int(cfg.max_disk_gib * spool.GiB),
+                     spool.stored_bytes(run) if stored is None else stored, bpt,
+                     cfg.extract.shard_tokens, window, h)
     return plan, ids, lengths
 
 
@@ -156,6 +179,7 @@ class Chunks:
         self.made: set[int] = {only} if only is not None else set()
         self.closed = False
         self._open: dict[int, Future] = {}
+        self.current = 0  # the chunk the loop trains (begin, finished): earlier ones are done
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="chunk-open")
 
@@ -181,6 +205,7 @@ class Chunks:
         if self.only is not None and c != self.only and step < total:
             raise DrafterError(f"train: asked to train chunk {self.only}, but it resumes at "
                                f"step {step}, in chunk {c}")
+        self.current = c
         if self.d.main:
             spool.write_progress(self.run, self.pid, c, step)
             spool.clean_trash(self.run)  # chunks an earlier kill left half deleted
@@ -199,6 +224,7 @@ class Chunks:
         """After the checkpoint at chunk c's last step (every rank has saved it): the next chunk
         is the one needed, chunk c goes, and in one process the next one is made."""
         c = self.ends[step]
+        self.current = c + 1
         with self._lock:
             self._open.pop(c, None)
         if self.d.main:
@@ -206,6 +232,11 @@ class Chunks:
             spool.remove_chunk(self.run, c)
             log.info("train: chunk %d of %d trained (steps %d-%d) and deleted", c, self.n,
                      self.plan["chunks"][c]["start"], step - 1)
+            if c + 1 < self.n and self.produce is None:  # the spool's: said while it waits
+                nxt = self.plan["chunks"][c + 1]
+                log.info("train: training chunk %d of %d (steps %d-%d)%s", c + 1, self.n,
+                         nxt["start"], nxt["end"] - 1, "" if spool.complete(
+                             self.run, c + 1, self.pid) else " as soon as the producer makes it")
         if c + 1 < self.n:
             self._make(c + 1)
 
@@ -227,25 +258,54 @@ class Chunks:
     # ----------------------------------------------------------------------- the loader's side
     def reader(self, c: int):
         """(store.Reader of chunk c, {sample id: its position}), waited for and checked once;
-        chunk c+1 is then opened in the background."""
-        with self._lock:
-            fut = self._open.get(c)
-            if fut is None:
-                fut = self._open[c] = self._pool.submit(self._ready, c)
-            nxt = c + 1
-            if nxt < self.n and nxt not in self._open and self.only is None and \
-                    spool.complete(self.run, nxt, self.pid) is not None:  # hashed meanwhile
-                self._open[nxt] = self._pool.submit(self._ready, nxt)
-        return fut.result()
+        chunk c+1, when it is whole already, is then opened (hashed) in the background. The
+        wait for a chunk not made yet is the calling loader thread's own: the loader asks for
+        several chunks at once when chunks are shorter than it runs ahead, and a pool of
+        waiters could hold every worker on later chunks while the one train needs first waits
+        behind them (the loop then never reaches the step that makes it)."""
+        while True:
+            with self._lock:
+                fut = self._open.get(c)
+                mine = fut is None
+                if mine:
+                    fut = self._open[c] = Future()
+                nxt = c + 1
+                if nxt < self.n and nxt not in self._open and self.only is None and \
+                        spool.complete(self.run, nxt, self.pid) is not None:
+                    self._open[nxt] = self._pool.submit(self._ready, nxt, False)
+            if mine:
+                try:
+                    fut.set_result(self._ready(c))
+                except BaseException as e:  # noqa: BLE001 - every thread asking for c gets it
+                    fut.set_exception(e)
+            got = fut.result()
+            if got is not None:
+                return got
+            with self._lock:  # opened ahead, it was not whole after all: wait for it here
+                if self._open.get(c) is fut:
+                    del self._open[c]
 
-    def _ready(self, c: int):
-        run, wait = self.run, spool.Wait("train")
+    def _ready(self, c: int, wait: bool = True):
+        """Chunk c's reader once it is whole. The wait is logged only where another process
+        makes the chunk and once the loop has trained every step before it: the loader opens
+        chunks ahead (a few micro-batches, and the next chunk in the background) while the loop
+        still trains, which is no wait of train's."""
+        run, waits, since = self.run, spool.Wait("train"), None
         while spool.complete(run, c, self.pid) is None:
+            if not wait:
+                return None
             if self.closed:
                 raise DrafterError("train: stopped while waiting for a chunk")
-            wait(f"chunk {c} of {self.n} is not in {run.spool()} yet (made by `drafter extract "
-                 f"CONFIG` where the target runs, with the same extract.spool)",
-                 quiet=self.produce is not None)
+            quiet = self.produce is not None or c > self.current
+            if not quiet and since is None:
+                since = time.monotonic()
+                waits.done()  # its clock from here: the time train waits, not the time ahead
+            waits(f"chunk {c} of {self.n} is not in {run.spool()} yet (made by `drafter extract "
+                  f"CONFIG` where the target runs, with the same extract.spool)", quiet=quiet)
+        if since is not None:
+            log.info("train: chunk %d is in the spool after %.0f s of waiting: training its "
+                     "steps %d-%d", c, time.monotonic() - since, self.plan["chunks"][c]["start"],
+                     self.plan["chunks"][c]["end"] - 1)
         reader = store.Reader(run, "train", chunk=c)
         keep = ("layer_ids", "hidden_size", "teacher", "topk", "aux_dtype", "draft_vocab_size")
         if {k: reader.info.get(k) for k in keep} != {k: self.info.get(k) for k in keep}:
