@@ -589,7 +589,8 @@ def few_steps_drafter(smollm2_dir: Path, out: Path, steps: int) -> Path:
                       out_dtype=torch.float32)
         src = Source.memory(cap(samples))
         hb = host_batch(src, [[i] for i in range(len(src))], len(src), max(src.lengths),
-                        SimpleNamespace(method="eagle3", ttt_steps=1, ttt_decay=1.0), m.embed_tokens.weight)
+                        SimpleNamespace(method="eagle3", ttt_steps=1, ttt_decay=1.0),
+                        m.embed_tokens.weight)
         d = device_batch(hb, torch.device("cpu"), cap.head, fused=False)
         ttt = TTT(m, attention="sdpa")
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=3e-3)
