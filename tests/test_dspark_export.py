@@ -431,44 +431,41 @@ def test_the_cpu_builds_grouped_k_norm_is_repaired(vllm_world, bworld, tmp_path_
 
 
 # --------------------------------------------------------------------- served end to end
-def test_vllm_refuses_dspark_where_its_v1_runner_runs(bworld, tmp_path_factory):
-    """The CPU build has no Triton, so its V1 model runner runs, which refuses DSpark
-    (config/vllm.py, `_get_v1_model_runner_unsupported_features`): served only by vLLM's V2 GPU
-    runner. When a vLLM serves it here, this fails and the docs (docs/export.md) must change."""
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
+def test_the_readmes_configs_are_vllms_and_the_cpu_build_refuses_dspark(bworld, tmp_path_factory,
+                                                                        method):
+    """Every `--speculative-config` of the export README, built by vLLM's own SpeculativeConfig
+    against the target (its validators, the method and block size read from the dir). The CPU
+    build has no Triton, so its V1 model runner runs, which refuses DSpark (config/vllm.py,
+    `_get_v1_model_runner_unsupported_features`): DSpark is served by vLLM's V2 GPU runner
+    only, DFlash here too. When a vLLM serves DSpark on the CPU, this fails and docs/export.md
+    must change."""
     pytest.importorskip("vllm")
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
 
-    t = trained(bworld, tmp_path_factory, "dspark")
+    from drafter.export.readme_check import _VLLM
+
+    t = trained(bworld, tmp_path_factory, method)
+    text = (t.dir / "README.md").read_text()
+    configs = [json.loads(m.group(1)) for m in _VLLM.finditer(text)]
+    assert len(configs) == (3 if method == "dspark" else 2)
+    assert any(c.get("draft_sample_method") == "probabilistic" for c in configs)
+    assert any(c.get("enable_adaptive_verification") for c in configs) == (method == "dspark")
     mc = ModelConfig(model=str(bworld.tdir), dtype="float32", max_model_len=512,
                      enforce_eager=True)
-    sc = SpeculativeConfig(method="dspark", model=str(t.dir), target_model_config=mc,
-                           target_parallel_config=ParallelConfig())
+    for c in configs:
+        sc = SpeculativeConfig(**c, target_model_config=mc,
+                               target_parallel_config=ParallelConfig())
+        assert (sc.method, sc.num_speculative_tokens) == (method, K)
+    sc = SpeculativeConfig(method=method, model=str(t.dir), target_model_config=mc,
+                           target_parallel_config=ParallelConfig(),
+                           **({} if method == "dspark" else {"num_speculative_tokens": K}))
     assert sc.num_speculative_tokens == K          # DSpark's default: the block size
-    with pytest.raises(Exception, match="dspark speculative decoding"):
+    if method == "dspark":
+        with pytest.raises(Exception, match="dspark speculative decoding"):
+            VllmConfig(model_config=mc, speculative_config=sc)
+    else:
         VllmConfig(model_config=mc, speculative_config=sc)
-
-
-def _our_histograms(bworld, m: DSpark, prompts: list[list[int]], max_new: int) -> list:
-    """Each prompt's histogram of accepted drafts per step when our drafter drafts blocks of K
-    for the target's greedy decoding (a reference loop: the context is the target's states of
-    every token so far, the anchor its next token; steps run while fewer than max_new tokens
-    are out, as vLLM's)."""
-    hists = []
-    for p in prompts:
-        full = _greedy(bworld.model, p, max_new + K + 1)
-        n, hist = len(p), [0] * (K + 1)
-        while n - len(p) + 1 < max_new:
-            with torch.no_grad():
-                hs = bworld.model(torch.tensor([full[:n]]), output_hidden_states=True)
-                aux = torch.stack([hs.hidden_states[k][0] for k in m.cfg.target_layer_ids], 1)
-                ctx = m.context(m.fuse(aux[None]), torch.arange(n)[None])
-                d = m.draft(ctx, torch.tensor([n]), torch.tensor([full[n]]),
-                            torch.tensor([n]))["ids"][0].tolist()
-            a = next((j for j, t in enumerate(d) if t != full[n + 1 + j]), K)
-            hist[a] += 1
-            n += 1 + a
-        hists.append(hist)
-    return hists
 
 
 @pytest.mark.slow
@@ -477,8 +474,11 @@ def test_vllm_serves_the_dflash_export_losslessly(bworld, tmp_path_factory):
     CPU attention backend's non-causal path): the export through evaluate's vLLM measurement
     (drafter/measure/vllm_eval.py, in a subprocess: vLLM spawns its engine), greedy output
     equal to plain greedy decoding token for token, τ from vLLM's counters, and each prompt's
-    accepted drafts per step equal, count for count, to our drafter's drafting the same
-    greedy text."""
+    accepted drafts per step equal, count for count, to drafter's own decoder's block step
+    (drafter/decoding/dspark.py) on the same prompts."""
+    from drafter.decoding.decode import Decoder, TreeSpec
+    from drafter.decoding.dspark import proposer_for
+
     pytest.importorskip("vllm")
     t = trained(bworld, tmp_path_factory, "dflash")
     out = t.run.root / "vllm_tau.json"
@@ -503,8 +503,9 @@ json.dump(res, open("{out}", "w"))
     assert o["same_as_plain"] == o["prompts"] == len(bworld.prompts), o
     assert o["draft_tokens"] == K * o["steps"] and o["steps"] > 0
     assert o["tau"] >= 1.0 and len(o["accepted_per_pos"]) == K
-    ours = _our_histograms(bworld, t.model, bworld.prompts, 24)
-    assert res["datasets"]["trained"]["prompt_hists"] == ours
+    ours = Decoder(bworld.model, max_batch=len(bworld.prompts)).generate(
+        bworld.prompts, 24, proposer=proposer_for(t.model), tree=TreeSpec.chain(K))
+    assert res["datasets"]["trained"]["prompt_hists"] == [list(o.hist) for o in ours]
     assert o["accepted"] > 0                       # the trained drafter is accepted in vLLM
     print(f"vLLM's tau for the DFlash export (K={K}): {o['tau']} "
           f"({o['accepted']} of {o['draft_tokens']} drafts accepted)")

@@ -281,15 +281,15 @@ def _figures(c: dict, k: int) -> dict:
 
 # ------------------------------------------------------------------------ beside drafter's runs
 def compare(res: dict, runs: list[dict]) -> dict:
-    """Drafter's run of the same drafting at res's K and each row's temperature beside the row
-    (a chain for EAGLE-3; for a block drafter the run whose `method` is its kind, 'dflash' or
-    'dspark'), as `drafter`: its τ per dataset, steps, accepted, acceptance; at temperature 0
+    """Drafter's chain run of the same drafter kind (EAGLE-3, or a block drafter's block with no
+    confidence cut: the runs' `kind` and `cut`) at res's K and each row's temperature beside the
+    row, as `drafter`: its τ per dataset, steps, accepted, acceptance; at temperature 0
     `same_counts` (steps and accepted equal on every dataset), above it `agreement`
     (agreement.agree over the prompts' histograms, all datasets together). Returns res."""
     kind = res.get("spec_method", "eagle3")
-    want = "chain" if kind == "eagle3" else kind
     for row in res["rows"]:
-        ours = next((r for r in runs if r["drafter"] == "drafter" and r["method"] == want
+        ours = next((r for r in runs if r["drafter"] == "drafter" and r["method"] == "chain"
+                     and r.get("kind", "eagle3") == kind and r.get("cut") is None
                      and r.get("k") == res["k"] and r["temperature"] == row["temperature"]),
                     None)
         if ours is None:
