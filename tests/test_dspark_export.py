@@ -243,6 +243,34 @@ def test_each_broken_field_fails_its_rule(bworld, tmp_path_factory, tmp_path, me
     assert words in why, why
 
 
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
+def test_evaluates_tuned_section_serves_the_whole_block(bworld, tmp_path_factory, tmp_path,
+                                                        method):
+    """Evaluate's tuned serving settings in a block drafter's README (drafter/measure/tuned.py):
+    per temperature one vLLM command of the drafter's own method at its trained block, no
+    batch-size schedule (a shorter block is another computation), the drafts sampled above
+    temperature 0, no SGLang lines; the dir still passes every rule."""
+    from drafter.export.readme_check import _VLLM, c_sampled_drafts
+    from drafter.measure.tuned import BEGIN, END, add_tuned_settings
+    from tests.test_tuned_readme import metrics_for
+
+    t = trained(bworld, tmp_path_factory, method)
+    root = tmp_path / "run"
+    shutil.copytree(t.run.root, root)
+    d = Run(root).export(E.NATIVE)
+    assert add_tuned_settings(Run(root), metrics_for(str(d))) == [d / "README.md"]
+    text = (d / "README.md").read_text()
+    tuned = text[text.index(BEGIN):text.index(END)]
+    configs = [json.loads(m.group(1)) for m in _VLLM.finditer(tuned)]
+    assert len(configs) == 2 and "sglang.launch_server" not in tuned and "whole block" in tuned
+    for c in configs:
+        assert (c["method"], c["model"], c["num_speculative_tokens"]) == (method, str(d), K)
+        assert "num_speculative_tokens_per_batch_size" not in c
+    assert [c.get("draft_sample_method") for c in configs] == [None, "probabilistic"]
+    assert c_sampled_drafts(d)[0].status == PASS
+    assert run_checks(d, str(bworld.tdir), engines=False).ok
+
+
 def test_a_block_dir_without_drafter_json_is_read_as_vllm_reads_it(bworld, tmp_path_factory,
                                                                     tmp_path):
     t = trained(bworld, tmp_path_factory, "dspark")
