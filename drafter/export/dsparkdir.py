@@ -48,8 +48,7 @@ from drafter.export.engines import (
     WEIGHTS_FILE,
     EngineDirError,
     TargetInfo,
-    _dtype_name,
-    _rope_keys,
+    llama_layer_config,
     rope_of,
 )
 from drafter.train.dspark import DSpark, DSparkConfig
@@ -87,23 +86,13 @@ def engine_config(c: DSparkConfig, dtype: torch.dtype, max_position_embeddings: 
               "use_aux_hidden_state": True}
     out = {
         "architectures": [ARCHS[c.method]],
+        # the layer config an EAGLE-3 export writes (sizes, RoPE as trained, the target's vocab,
+        # tie_word_embeddings false, torch_dtype), as a Qwen3 config of the draft layers
+        **llama_layer_config(c, dtype, max_position_embeddings),
         "model_type": MODEL_TYPE,
         "num_hidden_layers": c.num_hidden_layers,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": c.hidden_act,
-        "rms_norm_eps": c.rms_norm_eps,
-        **_rope_keys(c),
-        "max_position_embeddings": int(max_position_embeddings),
-        "vocab_size": c.vocab_size,
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "torch_dtype": _dtype_name(dtype),
         "block_size": c.block_size,
         "dflash_config": dflash,
         "target_layer_ids": ids,

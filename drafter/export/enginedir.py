@@ -303,13 +303,18 @@ def load_drafter_dir(path, device="cpu", dtype: torch.dtype | None = None,
         ours["t2d"] = t2d
     ours["d2t"] = ours["d2t"].long()
     ours["t2d"] = ours["t2d"].bool()
-    model = Drafter(cfg)
+    return _load_strict(Drafter(cfg), ours, ed, sd, device, dtype)
+
+
+def _load_strict(model, ours: dict, ed: EngineDir, sd: dict, device, dtype):
+    """`model` with every tensor of `ours` by name and shape (EngineDirError otherwise), in
+    `dtype` (None: config.json's torch_dtype, else the file's), in eval mode."""
     try:
         missing, unexpected = model.load_state_dict(ours, strict=False)
     except RuntimeError as e:  # shape mismatches
-        raise EngineDirError(f"{path}: tensors do not match config.json: {e}") from None
+        raise EngineDirError(f"{ed.path}: tensors do not match config.json: {e}") from None
     if missing or unexpected:
-        raise EngineDirError(f"{path}: tensors do not match the config: missing {missing}, "
+        raise EngineDirError(f"{ed.path}: tensors do not match the config: missing {missing}, "
                              f"unknown {unexpected}")
     if dtype is None:
         name = ed.flat.get("torch_dtype") or ed.flat.get("dtype")
@@ -325,16 +330,5 @@ def load_block_dir(ed: EngineDir, device="cpu", dtype: torch.dtype | None = None
     sd = ed.load()
     embed = None if "embed_tokens.weight" in sd else \
         _target_embeddings(target, cfg.vocab_size, cfg.hidden_size)
-    model = DSpark(cfg)
-    try:
-        missing, unexpected = model.load_state_dict(dsparkdir.engine_to_model(sd, cfg, embed),
-                                                    strict=False)
-    except RuntimeError as e:  # shape mismatches
-        raise EngineDirError(f"{ed.path}: tensors do not match config.json: {e}") from None
-    if missing or unexpected:
-        raise EngineDirError(f"{ed.path}: tensors do not match the config: missing {missing}, "
-                             f"unknown {unexpected}")
-    if dtype is None:
-        name = ed.config.get("torch_dtype") or ed.config.get("dtype")
-        dtype = DTYPES.get(str(name), next(v.dtype for v in sd.values() if v.is_floating_point()))
-    return model.to(device=device, dtype=dtype).eval()
+    return _load_strict(DSpark(cfg), dsparkdir.engine_to_model(sd, cfg, embed), ed, sd, device,
+                        dtype)
