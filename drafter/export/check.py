@@ -1,10 +1,11 @@
 """`drafter check DIR [--target MODEL_OR_CONFIG] [--trust-remote-code] [--strict] [--json]`: lint
 any EAGLE-3 directory (ours or a published one, native or speculators layout) for the known
-acceptance killers (ENGINES.md, "Why drafters accept less in an engine than offline"). Each check
-is named and ends pass, warn or fail with a one-line reason; the exit code is 1 when any check
-fails, and with --strict (a CI gate, as yamllint's and mkdocs's --strict) when any warns too.
-The static checks are in drafter/export/rules.py; this module runs them, runs the acceptance
-smoke test and reports.
+acceptance killers (ENGINES.md, "Why drafters accept less in an engine than offline"), or a block
+drafter's (DSpark, DFlash) native dir against what vLLM's classes read. Each check is named and
+ends pass, warn or fail with a one-line reason; the exit code is 1 when any check fails, and with
+--strict (a CI gate, as yamllint's and mkdocs's --strict) when any warns too. The static checks
+are in drafter/export/rules.py (block dirs: drafter/export/dspark_rules.py); this module runs
+them, runs the acceptance smoke test (EAGLE-3 dirs) and reports.
 
     drafter check runs/x/export/native --target meta-llama/Llama-3.1-8B-Instruct
     drafter check some/published-eagle3 --target path/to/target/config.json --json
@@ -41,6 +42,7 @@ from pathlib import Path
 import torch
 
 from drafter.export import engines as E
+from drafter.export.dspark_rules import BLOCK_CHECKS
 from drafter.export.enginedir import EngineDir, read_dir
 from drafter.export.readme_check import c_sampled_drafts
 from drafter.export.rules import CHECKS, FAIL, PASS, WARN, Check, Ctx, c_target
@@ -226,7 +228,7 @@ def run_checks(path, target: E.TargetInfo | str | None = None,
         target, source = _hinted_target(ed)
     x = Ctx(ed, target, serving_context)
     checks = c_target(x, source)
-    for fn in CHECKS:
+    for fn in BLOCK_CHECKS if ed.block else CHECKS:
         try:
             checks += fn(x)
         except Exception as e:  # noqa: BLE001 - one broken field must not hide the other checks
@@ -240,6 +242,9 @@ def run_checks(path, target: E.TargetInfo | str | None = None,
         if Path(spec).expanduser().suffix == ".json":
             checks.append(Check("acceptance", WARN, f"{spec} is a config.json: no weights to "
                                 "run (give the model to measure acceptance)"))
+        elif ed.block:
+            checks.append(Check("acceptance", SKIP, "the acceptance smoke test runs EAGLE-3 "
+                                "drafters only: a block drafter's is not run here"))
         else:
             try:
                 checks += c_acceptance(path, spec, ed.fmt, ed.config, trust_remote_code)

@@ -1,9 +1,12 @@
-"""Read any EAGLE-3 drafter dir back: our training checkpoint, or a native or speculators dir, ours
-or published (sharded safetensors, or pytorch_model.bin read with torch.load(weights_only=True)).
+"""Read any drafter dir back: our training checkpoint (either kind), an EAGLE-3 native or
+speculators dir, ours or published (sharded safetensors, or pytorch_model.bin read with
+torch.load(weights_only=True)), or a block drafter's native dir (DSpark, DFlash:
+drafter/export/dsparkdir.py).
 
     ed = read_dir(path)           # EngineDir: format, config.json, tensor names/shapes/dtypes,
                                   # drafter.json; no weights loaded (what `drafter check` lints)
-    model = load_drafter_dir(path, target=engines.target_info(spec))   # a Drafter, in eval mode
+    model = load_drafter_dir(path, target=engines.target_info(spec))   # a Drafter or DSpark,
+                                                                        # in eval mode
 
 Fields are read the way the engines read them: the layouts, flag defaults and layer-id meanings
 are drafter.export.engines' (its docstring cites the engines' source). Unlike the engines, unknown
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from drafter.export import dsparkdir
 from drafter.export.engines import (
     CONFIG_FILE,
     DTYPES,
@@ -36,7 +40,8 @@ from drafter.export.engines import (
     rope_of,
     to_hs,
 )
-from drafter.train.model import Drafter, DrafterConfig, load_drafter
+from drafter.train.dspark import DSpark, load_model
+from drafter.train.model import Drafter, DrafterConfig
 
 
 @dataclass
@@ -50,6 +55,15 @@ class EngineDir:
     tensors: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     weight_files: list[Path] = field(default_factory=list)
     meta: dict | None = None          # drafter.json, when present
+
+    @property
+    def method(self) -> str:
+        """The drafter kind: 'eagle3', or a block drafter's 'dflash' / 'dspark'."""
+        return dsparkdir.method_of(self.config) or "eagle3"
+
+    @property
+    def block(self) -> bool:
+        return self.method in dsparkdir.ARCHS
 
     @property
     def mla(self) -> bool:
@@ -100,7 +114,7 @@ def detect_format(config: dict) -> str | None:
     if arch in SPECULATORS_ARCHS or "speculators_config" in config \
             or "transformer_layer_config" in config:
         return SPECULATORS
-    if arch in NATIVE_ARCHS or arch in MLA_ARCHS:
+    if arch in NATIVE_ARCHS or arch in MLA_ARCHS or dsparkdir.method_of(config):
         return NATIVE
     return None
 
@@ -128,9 +142,9 @@ def read_dir(path) -> EngineDir:
                              f"object of config fields")
     fmt = detect_format(config)
     if fmt is None:
-        raise EngineDirError(f"{cfg_path}: architectures {config.get('architectures')} is not an "
-                             "EAGLE-3 draft ("
-                             f"{', '.join(NATIVE_ARCHS + MLA_ARCHS + SPECULATORS_ARCHS)})")
+        known = NATIVE_ARCHS + MLA_ARCHS + SPECULATORS_ARCHS + tuple(dsparkdir.ARCHS.values())
+        raise EngineDirError(f"{cfg_path}: architectures {config.get('architectures')} is not a "
+                             f"draft model drafter knows ({', '.join(known)})")
     flat = dict(config)
     if fmt == SPECULATORS:
         # What vLLM's update_eagle3 builds: the layer config, then the eagle fields on top
@@ -252,15 +266,18 @@ def _target_embeddings(target: TargetInfo | None, V: int, H: int) -> torch.Tenso
 
 
 def load_drafter_dir(path, device="cpu", dtype: torch.dtype | None = None,
-                     target: TargetInfo | None = None) -> Drafter:
-    """A drafter from our checkpoint dir (drafter_config.json), a native dir or a speculators
-    dir, ours or published, as drafter.train.model.Drafter. Unlike the engines it refuses unknown
-    tensor names. dtype None keeps the file's (config torch_dtype). A missing d2t loads as the
-    identity (what vLLM does); a missing embed_tokens is taken from `target`."""
+                     target: TargetInfo | None = None) -> Drafter | DSpark:
+    """A drafter from our checkpoint dir (drafter_config.json, either kind), a native dir or a
+    speculators dir, ours or published, as drafter.train.model.Drafter, or a block drafter's
+    native dir as drafter.train.dspark.DSpark. Unlike the engines it refuses unknown tensor
+    names. dtype None keeps the file's (config torch_dtype). A missing d2t loads as the identity
+    (what vLLM does); a missing embed_tokens is taken from `target`."""
     path = Path(path)
     if (path / "drafter_config.json").exists():
-        return load_drafter(path, device=device, dtype=dtype or torch.float32).eval()
+        return load_model(path, device=device, dtype=dtype or torch.float32).eval()
     ed = read_dir(path)
+    if ed.block:
+        return load_block_dir(ed, device, dtype, target)
     cfg = drafter_config_from_dir(ed, target.num_hidden_layers if target else None)
     sd = ed.load()
     ours: dict[str, torch.Tensor] = {}
@@ -286,15 +303,32 @@ def load_drafter_dir(path, device="cpu", dtype: torch.dtype | None = None,
         ours["t2d"] = t2d
     ours["d2t"] = ours["d2t"].long()
     ours["t2d"] = ours["t2d"].bool()
-    model = Drafter(cfg)
+    return _load_strict(Drafter(cfg), ours, ed, sd, device, dtype)
+
+
+def _load_strict(model, ours: dict, ed: EngineDir, sd: dict, device, dtype):
+    """`model` with every tensor of `ours` by name and shape (EngineDirError otherwise), in
+    `dtype` (None: config.json's torch_dtype, else the file's), in eval mode."""
     try:
         missing, unexpected = model.load_state_dict(ours, strict=False)
     except RuntimeError as e:  # shape mismatches
-        raise EngineDirError(f"{path}: tensors do not match config.json: {e}") from None
+        raise EngineDirError(f"{ed.path}: tensors do not match config.json: {e}") from None
     if missing or unexpected:
-        raise EngineDirError(f"{path}: tensors do not match the config: missing {missing}, "
+        raise EngineDirError(f"{ed.path}: tensors do not match the config: missing {missing}, "
                              f"unknown {unexpected}")
     if dtype is None:
         name = ed.flat.get("torch_dtype") or ed.flat.get("dtype")
         dtype = DTYPES.get(str(name), next(v.dtype for v in sd.values() if v.is_floating_point()))
     return model.to(device=device, dtype=dtype).eval()
+
+
+def load_block_dir(ed: EngineDir, device="cpu", dtype: torch.dtype | None = None,
+                   target: TargetInfo | None = None) -> DSpark:
+    """A block drafter's native dir (read_dir's) as DSpark: its config as vLLM reads it
+    (dsparkdir.config_from_engine), every tensor by name and shape, strict."""
+    cfg = dsparkdir.config_from_engine(ed.config, ed.meta)
+    sd = ed.load()
+    embed = None if "embed_tokens.weight" in sd else \
+        _target_embeddings(target, cfg.vocab_size, cfg.hidden_size)
+    return _load_strict(DSpark(cfg), dsparkdir.engine_to_model(sd, cfg, embed), ed, sd, device,
+                        dtype)

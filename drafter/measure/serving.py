@@ -78,15 +78,21 @@ def uses_block(rec: dict) -> bool:
     return False
 
 
-def vllm_config(drafter_dir: str, rec: dict, temperature: float) -> dict | None:
+def vllm_config(drafter_dir: str, rec: dict, temperature: float,
+                block: tuple[str, int] | None = None) -> dict | None:
     """The `--speculative-config` that serves what evaluate measured at `temperature` (rec:
-    tuning.recommend's per-batch result), or None when no batch size speculates."""
+    tuning.recommend's per-batch result), or None when no batch size speculates. `block`: a
+    block drafter's (method, trained block size): vLLM drafts its whole block, one K for every
+    batch size (a shorter block attends over other queries than in training)."""
     sch = schedule(rec)
     kmax = max(k for _, _, k in sch)
     if kmax == 0:
         return None
-    cfg = {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": kmax}
-    if len({k for _, _, k in sch}) > 1:
+    if block:
+        cfg = {"method": block[0], "model": drafter_dir, "num_speculative_tokens": block[1]}
+    else:
+        cfg = {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": kmax}
+    if len({k for _, _, k in sch}) > 1 and not block:
         cfg["num_speculative_tokens_per_batch_size"] = sch
     if temperature > 0:
         cfg["draft_sample_method"] = "probabilistic"
@@ -95,15 +101,17 @@ def vllm_config(drafter_dir: str, rec: dict, temperature: float) -> dict | None:
     return cfg
 
 
-def fallback_config(drafter_dir: str, rec: dict, temperature: float) -> tuple[dict, dict] | None:
+def fallback_config(drafter_dir: str, rec: dict, temperature: float,
+                    block: tuple[str, int] | None = None) -> tuple[dict, dict] | None:
     """Where no batch size speculates (vllm_config is None): the config of the best chain vLLM
     can serve at any batch size measured, and that row, for a user who serves the drafter
-    anyway (sampled as evaluate sampled it); None without a chain."""
+    anyway (sampled as evaluate sampled it); None without a chain. `block`: vllm_config's."""
     rows = [x for r in rec.values() for x in _vllm_rows(r)]
     if not rows:
         return None
     best = max(rows, key=lambda x: x["speedup"])
-    cfg = {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": best["k"]}
+    method, k = block or ("eagle3", best["k"])
+    cfg = {"method": method, "model": drafter_dir, "num_speculative_tokens": k}
     if temperature > 0:
         cfg["draft_sample_method"] = "probabilistic"
         if best.get("block"):

@@ -123,7 +123,11 @@ def section(metrics: dict, out_dir: Path, run: Run, meta_dir: Path | None = None
     is_native = Path(out_dir).name == NATIVE
     tgt = (meta.get("target") or {}).get("name_or_path") or s.get("target") or "TARGET"
     tmpl = f" --chat-template {meta['chat_template']}" if meta.get("chat_template") else ""
-    nbr = bool((meta.get("drafter_config") or {}).get("norm_before_residual"))
+    dc = meta.get("drafter_config") or {}
+    nbr = bool(dc.get("norm_before_residual"))
+    # a block drafter's dir (DSpark, DFlash: drafter/export/dsparkdir.py): its method and block
+    block = (meta["method"], int(dc["block_size"])) \
+        if meta.get("method") in ("dflash", "dspark") and dc.get("block_size") else None
     by_t = rec.get("by_temperature") or ({"0.0": rec} if rec.get("by_batch") else {})
     checks = s.get("speed_check") or {}
     report = run.eval_report().resolve()
@@ -143,9 +147,9 @@ def section(metrics: dict, out_dir: Path, run: Run, meta_dir: Path | None = None
     for t in sorted(set(by_t) | set(checks), key=float):
         L += [f"### Temperature {float(t):g}" + (" (greedy)" if float(t) == 0 else ""), ""]
         if t in by_t:
-            L += _temperature(by_t[t], float(t), tgt, tmpl, d, native, is_native, nbr)
+            L += _temperature(by_t[t], float(t), tgt, tmpl, d, native, is_native, nbr, block)
         else:
-            L += _unreliable(checks[t], float(t), s, tgt, tmpl, d, native, nbr)
+            L += _unreliable(checks[t], float(t), s, tgt, tmpl, d, native, nbr, block)
     L += ["### Measured", "",
           f"Batch {s.get('batch_size', '?')}, {s.get('max_new_tokens', '?')} new tokens per "
           "prompt, " + ", ".join(f"{n}: {x.get('prompts')} prompts"
@@ -182,12 +186,14 @@ def section(metrics: dict, out_dir: Path, run: Run, meta_dir: Path | None = None
 
 
 def _temperature(rec: dict, T: float, tgt: str, tmpl: str, d: str, native: str,
-                 is_native: bool, nbr: bool) -> list[str]:
+                 is_native: bool, nbr: bool, block: tuple[str, int] | None = None) -> list[str]:
     """One temperature's part: the best setting per batch size, then one vLLM command (K by
-    batch range) and SGLang's lines (measure.serving)."""
+    batch range; a block drafter's whole block) and SGLang's lines (measure.serving)."""
     by = sorted(rec["by_batch"].items(), key=lambda kv: int(kv[0]))
     sch = schedule(rec["by_batch"])
     k_at = {b: next(k for a, e, k in sch if a <= int(b) <= e) for b, _ in by}
+    if block:  # vLLM drafts the whole trained block wherever it speculates
+        k_at = {b: block[1] if k else 0 for b, k in k_at.items()}
     L = ["| batch | best setting | expected speedup | expected τ | vLLM's K there |",
          "|---|---|---|---|---|"]
     for b, r in by:
@@ -199,11 +205,17 @@ def _temperature(rec: dict, T: float, tgt: str, tmpl: str, d: str, native: str,
                  f"{_f(best['expected_tau'])} | "
                  + (f"{k_at[b]}" if k_at[b] else "0: plain decoding is faster") + " |")
     L.append("")
-    cfg = vllm_config(d, rec["by_batch"], T)
+    cfg = vllm_config(d, rec["by_batch"], T, block)
+    if block and cfg is not None:
+        L += [f"vLLM drafts this {block[0]} drafter's whole block, K = {block[1]}, at every "
+              "batch size (a shorter block attends over other queries than in training); a "
+              "best setting of fewer drafts above is drafter's decoder verifying the first "
+              "drafts of that block, which vLLM has no flag for. Where plain decoding is "
+              "faster, serve those batch sizes without the drafter.", ""]
     if cfg is None:
         L += ["No setting is expected to beat plain decoding at any batch size measured at "
               "this temperature: serve without the drafter.", ""]
-        fb = fallback_config(d, rec["by_batch"], T)
+        fb = fallback_config(d, rec["by_batch"], T, block)
         if fb is not None:
             L += [f"Should you serve it anyway, vLLM with its best chain here, "
                   f"{fb[1]['setting']} (expected speedup {_f(fb[1]['speedup'])}x)"
@@ -225,6 +237,9 @@ def _temperature(rec: dict, T: float, tgt: str, tmpl: str, d: str, native: str,
                         "vLLM's CPU build, ignores it and drafts greedily)")
         L += ["; ".join(what) + ":", "", "```bash", f"vllm serve {tgt}{tmpl} {vllm_flag(cfg)}",
               "```", ""]
+    if block:
+        return L + ["SGLang does not serve this export as trained (docs/export.md, \"Block "
+                    "drafters\"): no SGLang lines.", ""]
     L += ["SGLang" + ("" if is_native else f" (it reads the native layout, {native})")
           + (" (norm_before_residual is true: SGLang implements only false and will accept "
              "less; serve with vLLM)" if nbr else "") + ", per batch size:", ""]
@@ -250,14 +265,21 @@ def _temperature(rec: dict, T: float, tgt: str, tmpl: str, d: str, native: str,
 
 
 def _unreliable(check: dict, T: float, s: dict, tgt: str, tmpl: str, d: str, native: str,
-                nbr: bool) -> list[str]:
+                nbr: bool, block: tuple[str, int] | None = None) -> list[str]:
     """A temperature whose speed figures did not hold up: no setting recommended and no speedup,
     only the command that serves what evaluate measured (its acceptance stands)."""
     k = (s.get("primary") or {}).get("k")          # the chain evaluate ran first
     L = ["Not tuned: evaluate's step times at this temperature were unreliable "
          "(drafter/measure/speedcheck.py), so no setting is recommended and no speedup is "
          "given:", ""] + [f"- {x}" for x in check.get("reasons") or []] + [""]
-    if k:
+    if k and block:
+        cfg = {"method": block[0], "model": d, "num_speculative_tokens": block[1]}
+        if T > 0:
+            cfg["draft_sample_method"] = "probabilistic"
+        L += ["The command that serves the drafter's block until `drafter evaluate` runs again "
+              "on a quiet machine:", "", "```bash", f"vllm serve {tgt}{tmpl} {vllm_flag(cfg)}",
+              "```", ""]
+    elif k:
         cfg = {"method": "eagle3", "model": d, "num_speculative_tokens": k}
         if T > 0:
             cfg["draft_sample_method"] = "probabilistic"

@@ -21,6 +21,12 @@ and quantisation (target.engine_args):
    drafter's argmax proposed and its q taken as one-hot: the second row, what serving without
    the flag gives (vllm/config/speculative.py).
 
+A block drafter's export (DSpark, DFlash: config.json's architectures) is served with its own
+method (`"method": "dflash"`), K its trained block size whatever K the caller passes (a block of
+another length attends over other queries than in training); `engine_method(dir)` reads both.
+vLLM's CPU build serves DFlash through its V1 runner's DFlashProposer; DSpark only through the
+V2 runner, which needs Triton (docs/export.md), so its LLM refuses to start there.
+
 τ per dataset = 1 + accepted / steps, steps = draft tokens / K
 (`vllm:spec_decode_num_accepted_tokens` and `vllm:spec_decode_num_draft_tokens`: drafter's own
 definition, the bonus token counted; vLLM's `num_drafts` also counts a last scheduling with
@@ -103,22 +109,46 @@ def _generate(llm, batch: list[tuple[int, list[int]]], params) -> tuple[list, li
 def _params(T: float, max_new: int, stop: list[int]):
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=T, max_tokens=max_new, stop_token_ids=list(stop))
+    # token ids only: drafter decodes what it needs itself (a target served without its
+    # tokenizer, `skip_tokenizer_init`, has nothing to detokenize with)
+    return SamplingParams(temperature=T, max_tokens=max_new, stop_token_ids=list(stop),
+                          detokenize=False)
+
+
+def engine_method(drafter_dir) -> tuple[str, int | None]:
+    """(vLLM's speculative method, the trained block size or None) of an export dir: 'eagle3',
+    or a block drafter's 'dflash' / 'dspark' (drafter/export/dsparkdir.py)."""
+    import json
+    from pathlib import Path
+
+    from drafter.export.dsparkdir import method_of
+
+    try:
+        config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "eagle3", None
+    m = method_of(config) if isinstance(config, dict) else None
+    return (m, int(config.get("block_size") or 0) or None) if m else ("eagle3", None)
 
 
 def vllm_acceptance(cfg, drafter_dir, k: int, sets, stop: list[int], max_new: int,
                     tokenizer=None, temperatures=(0.0,)) -> dict:
-    """vLLM's τ per temperature and dataset for the export at `drafter_dir` at chain K
-    (module doc). `sets`: {temperature: [(name, rounds or build)]} (a list: the same sets at
-    every temperature). Returns {"engine", "version", "k", "rows": [{"temperature",
-    "draft_sample_method", "datasets": {name: {...}}, "overall": {...}}], "datasets" and
-    "overall" (the temperature-0 row's), "seconds"}."""
+    """vLLM's τ per temperature and dataset for the export at `drafter_dir` at chain K, or a
+    block drafter's at its block size (module doc). `sets`: {temperature: [(name, rounds or
+    build)]} (a list: the same sets at every temperature). Returns {"engine", "version", "k",
+    "spec_method", "rows": [{"temperature", "draft_sample_method", "datasets": {name: {...}},
+    "overall": {...}}], "datasets" and "overall" (the temperature-0 row's), "seconds"}."""
     from drafter import DrafterError
     from drafter.core.vllm import quiet_cpu_triton, shutdown_llm
 
     quiet_cpu_triton()
     import vllm
 
+    spec_method, block = engine_method(drafter_dir)
+    if block and k != block:
+        log.info("evaluate: vLLM serves the %s drafter at its trained block size %d (not K=%d)",
+                 spec_method, block, k)
+        k = block
     if k < 1:
         raise DrafterError(f"evaluate.engine=vllm: K must be >= 1, got {k}")
     temps = [float(t) for t in temperatures]
@@ -151,8 +181,9 @@ def vllm_acceptance(cfg, drafter_dir, k: int, sets, stop: list[int], max_new: in
                        for _, ids in b] or [1])
         # K more: vLLM caps a step's tokens at max_model_len, so a request within K tokens of
         # it gets fewer drafts (a short step drafter's own evaluator never takes, and
-        # draft_tokens / K no longer counts the steps)
-        max_len = longest + max_new + k + 1
+        # draft_tokens / K no longer counts the steps); a block drafter's queries take K + 1
+        # slots more (config/speculative.py, max_num_new_slots_for_drafting)
+        max_len = longest + max_new + k + 1 + (k + 1 if block else 0)
         if 0.0 in temps and any(name not in plain[0.0] for name in rounds[0.0]):
             if llm is None:
                 llm = _llm(cfg, max_len, None)
@@ -171,7 +202,7 @@ def vllm_acceptance(cfg, drafter_dir, k: int, sets, stop: list[int], max_new: in
         at = temps if method == PROBABILISTIC else [T for T in temps if T > 0]
         if not at:
             continue
-        spec = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": k}
+        spec = {"method": spec_method, "model": str(drafter_dir), "num_speculative_tokens": k}
         if method == PROBABILISTIC:
             spec["draft_sample_method"] = PROBABILISTIC
         llm = _llm(cfg, max_len, spec)
@@ -182,8 +213,10 @@ def vllm_acceptance(cfg, drafter_dir, k: int, sets, stop: list[int], max_new: in
             shutdown_llm(llm)
     rows.sort(key=lambda r: (r["temperature"], r["draft_sample_method"] != PROBABILISTIC))
     first = rows[0] if rows and rows[0]["temperature"] == 0 else None
-    return {"engine": "vllm", "version": vllm.__version__, "k": k, "method": f"chain K={k}",
-            "drafter": str(drafter_dir), "temperatures": temps, "rows": rows,
+    label = f"chain K={k}" if spec_method == "eagle3" else f"{spec_method} block of {k}"
+    return {"engine": "vllm", "version": vllm.__version__, "k": k, "method": label,
+            "spec_method": spec_method, "drafter": str(drafter_dir), "temperatures": temps,
+            "rows": rows,
             "datasets": first["datasets"] if first else {},
             "overall": first["overall"] if first else {},
             "seconds": round(time.perf_counter() - t0, 1)}
@@ -210,7 +243,7 @@ def _row(llm, T: float, method: str, k: int, rounds: dict, plain: dict, max_new:
                                                     if x != y), min(len(a), len(b)))}
                           for j, (a, b) in enumerate(zip(toks, plain[name])) if a != b), None)
             per[name] |= {"same_as_plain": same, "first_difference": first}
-        log.info("evaluate: vLLM chain K=%d T=%g %s drafting %s: tau %.4f (%d accepted of %d "
+        log.info("evaluate: vLLM K=%d T=%g %s drafting %s: tau %.4f (%d accepted of %d "
                  "drafted)", k, T, method, name, per[name]["tau"] or 0, c["accepted"],
                  c["draft_tokens"])
     total = {"drafts": sum(d["drafts"] for d in per.values()),
@@ -248,12 +281,15 @@ def _figures(c: dict, k: int) -> dict:
 
 # ------------------------------------------------------------------------ beside drafter's runs
 def compare(res: dict, runs: list[dict]) -> dict:
-    """Drafter's chain run at res's K and each row's temperature beside the row (`drafter`: its
-    τ per dataset, steps, accepted, acceptance): at temperature 0 `same_counts` (steps and
-    accepted equal on every dataset), above it `agreement` (agreement.agree over the prompts'
-    histograms, all datasets together). Returns res."""
+    """Drafter's chain run of the same drafter kind (EAGLE-3, or a block drafter's block with no
+    confidence cut: the runs' `kind` and `cut`) at res's K and each row's temperature beside the
+    row, as `drafter`: its τ per dataset, steps, accepted, acceptance; at temperature 0
+    `same_counts` (steps and accepted equal on every dataset), above it `agreement`
+    (agreement.agree over the prompts' histograms, all datasets together). Returns res."""
+    kind = res.get("spec_method", "eagle3")
     for row in res["rows"]:
         ours = next((r for r in runs if r["drafter"] == "drafter" and r["method"] == "chain"
+                     and r.get("kind", "eagle3") == kind and r.get("cut") is None
                      and r.get("k") == res["k"] and r["temperature"] == row["temperature"]),
                     None)
         if ours is None:
@@ -281,7 +317,7 @@ def render_vllm(res: dict) -> str:
     """The report's section: per temperature, vLLM's τ and per-position acceptance with each
     drafting method beside drafter's own evaluator's, and the verdict."""
     L = [f"\n## Acceptance inside vLLM {res['version']}\n",
-         f"The export ({res['drafter']}) served by vLLM at chain K={res['k']}; τ = 1 + accepted "
+         f"The export ({res['drafter']}) served by vLLM, {res['method']}; τ = 1 + accepted "
          "/ steps from vLLM's own spec-decode counters. `probabilistic`: "
          "`\"draft_sample_method\": \"probabilistic\"` (drafts sampled, the drafter's whole "
          "distribution in the rejection test: what drafter's evaluator measures); `greedy`: "

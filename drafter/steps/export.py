@@ -4,6 +4,8 @@ Reads   train/step_NNNNNN/ (model.safetensors + drafter_config.json, state.json,
         the target's config.json (layer count, hidden and vocab size, context, architectures)
 Writes  export/native/       LlamaForCausalLMEagle3, midlayer.*  (SGLang, vLLM, llama.cpp)
         export/speculators/  Eagle3Speculator, layers.0.*        (`vllm serve DIR`)
+        a block drafter (train.method dflash / dspark): export/native/ only, DFlashDraftModel or
+        Qwen3DSparkModel as vLLM loads it (drafter/export/dsparkdir.py)
         each with config.json, model.safetensors, README.md (serving commands, layer ids in
         each engine's meaning) and drafter.json; each dir is built under a temp name and
         renamed into place, then linted with `drafter check` (a failed check fails the step).
@@ -22,13 +24,15 @@ from pathlib import Path
 
 from drafter import DrafterError
 from drafter.core.rundir import MissingInput, Run, atomic_dir, dir_bytes, read_json
+from drafter.export import dsparkdir
 from drafter.export import engines as E
 from drafter.export.check import format_report, run_checks
 from drafter.export.support import c_engine_support
 from drafter.export.trained import readme_section, record
 from drafter.measure import tuned
 from drafter.train.checkpoint import intact, verify_checkpoint
-from drafter.train.model import load_drafter, param_count
+from drafter.train.dspark import DSpark, load_model
+from drafter.train.model import param_count
 
 log = logging.getLogger("drafter")
 
@@ -75,9 +79,12 @@ def _check_fits(c, t: E.TargetInfo) -> None:
         problems.append(f"target_hidden_size {c.target_hidden_size} != {t.hidden_size}")
     if c.vocab_size != t.vocab_size:
         problems.append(f"vocab_size {c.vocab_size} != {t.vocab_size}")
-    bad = [k for k in c.aux_layer_ids if not 0 <= k < t.num_hidden_layers]
+    # a block drafter's layers are written as layer outputs (HS - 1): HS[0] has no such id
+    ids, low = (c.target_layer_ids, 1) if hasattr(c, "target_layer_ids") else \
+        (c.aux_layer_ids, 0)
+    bad = [k for k in ids if not low <= k < t.num_hidden_layers]
     if bad:
-        problems.append(f"aux layer ids {bad} outside [0, {t.num_hidden_layers})")
+        problems.append(f"aux layer ids {bad} outside [{low}, {t.num_hidden_layers})")
     if problems:
         raise ExportError(f"the checkpoint does not fit target {t.name_or_path}: "
                           + "; ".join(problems))
@@ -87,7 +94,8 @@ def main(cfg) -> dict:
     run = Run.of(cfg)
     ec = cfg.export
     ckpt, state = choose_checkpoint(run, ec.checkpoint)
-    model = load_drafter(ckpt)
+    model = load_model(ckpt)
+    block = isinstance(model, DSpark)
     target = E.target_info(cfg.target.model, cfg.target)
     _check_fits(model.cfg, target)
     mpe = ec.max_position_embeddings or target.max_position_embeddings \
@@ -103,16 +111,24 @@ def main(cfg) -> dict:
     log.info("export: %s (step %s, val sim_tau %s) for %s", ckpt.name, state.get("step"),
              (state.get("val") or {}).get("sim_tau"), target.name_or_path)
     counts, checks = {}, {}
+    formats = dsparkdir.FORMATS if block else E.formats_for(model.cfg)
     for fmt in E.FORMATS:
-        if fmt not in E.formats_for(model.cfg):  # an MLA layer: native only (engines.py)
+        if fmt not in formats:      # an MLA layer or a block drafter: native only
             if run.export(fmt).exists():        # a layout of an earlier drafter: not this one
                 shutil.rmtree(run.export(fmt))
             continue
         final = run.export(fmt)
         with atomic_dir(final) as tmp:
-            E.write_dir(model, tmp, fmt, target=target, dtype=dtype, max_position_embeddings=mpe,
-                        speculative_tokens=ec.speculative_tokens, embed_tokens=ec.embed_tokens,
-                        chat_template=template, final_dir=final, meta=meta, trained=trained)
+            if block:
+                dsparkdir.write_dir(model, tmp, target=target, dtype=dtype,
+                                    max_position_embeddings=mpe, embed_tokens=ec.embed_tokens,
+                                    chat_template=template, final_dir=final, meta=meta,
+                                    trained=trained)
+            else:
+                E.write_dir(model, tmp, fmt, target=target, dtype=dtype,
+                            max_position_embeddings=mpe, speculative_tokens=ec.speculative_tokens,
+                            embed_tokens=ec.embed_tokens, chat_template=template,
+                            final_dir=final, meta=meta, trained=trained)
             # the engine rule judges the machine's engines, not the dir: said below, never
             # a reason to withhold the export (SGLang may serve what vLLM cannot)
             report = run_checks(tmp, target, serving_context=mpe, engines=False)
@@ -134,14 +150,17 @@ def main(cfg) -> dict:
         checks[fmt] = report.counts
         log.info("export: wrote %s (%.1f MiB)", final, counts[f"{fmt}_bytes"] / 2**20)
     c = model.cfg
+    ids = {"hs": list(c.target_layer_ids), "vllm": dsparkdir.to_vllm(c.target_layer_ids)} \
+        if block else {"hs": E.from_hs(c.aux_layer_ids, "hs"),
+                       "layer_output": E.from_hs(c.aux_layer_ids, "layer_output")}
     return {
         "counts": {"params": param_count(model, trainable_only=False),
                    "trainable_params": param_count(model), **counts},
         "checkpoint": str(ckpt), "step": state.get("step"),
         "sim_tau": (state.get("val") or {}).get("sim_tau"),
         "target": target.name_or_path, "dtype": ec.dtype, "max_position_embeddings": mpe,
-        "aux_layer_ids": {"hs": E.from_hs(c.aux_layer_ids, "hs"),
-                          "layer_output": E.from_hs(c.aux_layer_ids, "layer_output")},
+        "aux_layer_ids": ids, **({"method": c.method, "block_size": c.block_size}
+                                 if block else {}),
         "checks": checks,
     }
 
