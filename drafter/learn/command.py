@@ -40,6 +40,7 @@ log = logging.getLogger("drafter")
 
 WINDOW_SECONDS = 30.0
 PRUNE_SECONDS = 30.0
+LEARNER_NICE = 10   # the scheduler favours the engine's threads over the learner's
 
 
 class LearnError(DrafterError):
@@ -114,11 +115,17 @@ class Learner:
     def start(self) -> None:
         from drafter.serve.supervisor import _die_with
 
+        die = _die_with(os.getpid())
+
+        def preexec():   # dies with drafter learn; its CPU work yields to serving's
+            die()
+            os.nice(LEARNER_NICE)
+
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "drafter.cli", "learn", str(self.cfg_path), "--learner"],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                preexec_fn=_die_with(os.getpid()), env=os.environ.copy())
+                preexec_fn=preexec, env=os.environ.copy())
         log.info("learn: learner started (pid %d, log %s)", self.proc.pid, self.log_path)
 
     def alive(self) -> bool:

@@ -36,6 +36,7 @@ from drafter.learn import judge, traffic, versions
 log = logging.getLogger("drafter")
 
 IDLE_SECONDS = 2.0
+PROPOSAL_WAIT_S = 300.0
 
 
 class Models:
@@ -195,5 +196,10 @@ def main(cfg, once: bool = False) -> int:
         if not (run.learn_round(rec["round"]) / "judged.json").exists():
             run_round(cfg, run, models, rec)
         finish_round(run, rec)
+        versions.prune(run)
         if once:
             return 0
+        # the next round starts from the drafter served once the server took the proposal
+        t0 = time.time()
+        while versions.proposal(run) is not None and time.time() - t0 < PROPOSAL_WAIT_S:
+            time.sleep(0.5)

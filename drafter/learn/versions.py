@@ -146,5 +146,19 @@ def rollback_request(run: Run) -> dict | None:
         return None
 
 
+def prune(run: Run, keep: int = 2) -> list[str]:
+    """Delete candidates that were never served, but the newest `keep` of them and the one a
+    proposal names: every drafter ever served stays (the rollback chain). Returns the gone."""
+    from drafter.core.rundir import remove_dir
+
+    served = {h.get("to") for h in history(run)} | {(serving(run) or {}).get("version")}
+    pending = (proposal(run) or {}).get("version")
+    aside = [v for v in versions(run) if v not in served and v != pending]
+    gone = aside[:max(0, len(aside) - keep)]
+    for v in gone:
+        remove_dir(path_of(run, v))
+    return gone
+
+
 def path_of(run: Run, version: str) -> Path:
     return Path(run.learn_version(number(version)))
