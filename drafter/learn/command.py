@@ -34,7 +34,8 @@ from drafter.core.configload import is_local_host
 from drafter.core.rundir import JsonlAppender, Run, atomic_write, pid_lock, pid_unlock
 from drafter.learn import front as F
 from drafter.learn import traffic, versions
-from drafter.learn.engine import Engine
+from drafter.learn.engine import Engine, EngineError
+from drafter.serve.supervisor import ServerError
 
 log = logging.getLogger("drafter")
 
@@ -157,11 +158,23 @@ class Served:
     def version(self) -> str:
         return versions.serving(self.run)["version"]
 
-    def swap_to(self, version: str, kind: str, figures: dict | None = None) -> dict:
+    def swap_to(self, version: str, kind: str, figures: dict | None = None) -> dict | None:
+        """Serve `version`; None when vLLM cannot serve it (then it serves the one it served,
+        restarted if need be, and swaps.jsonl says why)."""
         cur = self.version()
-        meta = versions.version_meta(self.run, version)
         self._window_close()   # the window so far belongs to the drafter served so far
-        how = self.engine.swap(versions.path_of(self.run, version), version, meta.get("sha256"))
+        try:
+            meta = versions.version_meta(self.run, version)
+            how = self.engine.swap(versions.path_of(self.run, version), version,
+                                   meta.get("sha256"))
+        except (ServerError, EngineError, versions.VersionError) as e:
+            log.warning("learn: cannot serve %s (%s); serving %s on", version, e, cur)
+            if not (self.engine.ready and self.engine.alive()):
+                self.engine.restart(versions.path_of(self.run, cur))
+            with JsonlAppender(self.run.learn("swaps.jsonl")) as f:
+                f.write({"time": time.time(), "kind": "failed", "to": cur, "tried": version,
+                         "error": str(e)[:2000]})
+            return None
         rec = {"kind": kind, "from": cur, **how, "figures": figures}
         versions.set_serving(self.run, version, rec)
         log.info("learn: serving %s (was %s; %s %s, %.3f s)%s", version, cur, kind, how["how"],

@@ -123,6 +123,7 @@ def run_round(cfg, run: Run, models: Models, rec: dict) -> dict:
     from drafter.steps.train import fit
     from drafter.train.batches import Source
     from drafter.train.checkpoint import resume_from
+    from drafter.train.trainer import compiles_hold
 
     n, base = rec["round"], rec["base"]
     rdir = run.learn_round(n)
@@ -137,8 +138,9 @@ def run_round(cfg, run: Run, models: Models, rec: dict) -> dict:
         log.info("learn: round %d: training from %s on %d kept requests", n, base,
                  rec["samples"])
         t0 = time.perf_counter()
-        out = fit(rc, rrun, read_env(str(models.device)), drafter,
-                  Source.online(rdir / "train.parquet", cap), None, cap.head)
+        with compiles_hold(cap.lock):   # as train's online mode: no capture while compiling
+            out = fit(rc, rrun, read_env(str(models.device)), drafter,
+                      Source.online(rdir / "train.parquet", cap), None, cap.head)
         ck = resume_from(rrun, rc.train)
         versions.write_version(run, n, drafter, models.target, _export_dtype(cfg), {
             "round": n, "base": base, "samples": rec["samples"], "steps": out["final_step"],
