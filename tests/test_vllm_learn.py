@@ -83,11 +83,11 @@ def setup(tmp_path_factory, smollm2_dir):
 class Learn:
     """`drafter learn CFG` in a process group of its own, its output in a file."""
 
-    def __init__(self, setup, name: str):
+    def __init__(self, setup, name: str, *overrides: str):
         self.s = setup
         self.out = setup["dir"] / f"{name}.out"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "drafter.cli", "learn", str(setup["cfg"])],
+            [sys.executable, "-m", "drafter.cli", "learn", str(setup["cfg"]), *overrides],
             env=setup["env"], stdout=open(self.out, "wb"), stderr=subprocess.STDOUT,
             start_new_session=True)
 
@@ -221,6 +221,7 @@ def test_learn_keeps_trains_swaps_in_place_and_survives_a_vllm_kill(setup, share
         _until(lambda: _healthy(url), 900)
         assert _probe(url) == swapped
         assert read_json(run / "learn/serving.json")["version"] == "v0001"
+        setup["v0001"] = swapped
     finally:
         learn.proc.send_signal(signal.SIGTERM)
         code = learn.proc.wait(120)
@@ -274,3 +275,28 @@ def test_killing_the_learner_or_the_command_leaves_a_served_drafter(setup, share
     finally:
         again.proc.send_signal(signal.SIGTERM)
         assert again.proc.wait(120) == 128 + signal.SIGTERM
+
+
+@pytest.mark.slow
+def test_where_vllm_cannot_swap_in_place_it_restarts_on_the_new_drafter(setup):
+    """vLLM with its own NCCL weight transfer backend (what it offers without drafter's): on
+    the CPU build it cannot swap a drafter (docs/learn.md), so a rollback restarts vLLM on the
+    drafter asked for, which then serves what the swap in place served."""
+    run, url = setup["run"], setup["url"]
+    nccl = 'generate.server.extra_args=["--weight-transfer-config", "{\\"backend\\": \\"nccl\\"}"]'
+    learn = Learn(setup, "nccl", nccl)
+    try:
+        learn.wait_serving()
+        assert "by restarting vLLM" in learn.text()
+        cur = read_json(run / "learn/serving.json")["version"]
+        other = "v0000" if cur != "v0000" else "v0001"
+        assert f"serving {other}" in _rollback(setup, other)
+        last = read_jsonl(run / "learn/swaps.jsonl")[-1]
+        assert last["kind"] == "rollback" and last["how"] == "restart" and last["seconds"] > 1
+        _until(lambda: _healthy(url), 900)
+        assert "serving v0001" in _rollback(setup, "v0001")
+        if "v0001" in setup:
+            assert _probe(url) == setup["v0001"]
+    finally:
+        learn.proc.send_signal(signal.SIGTERM)
+        assert learn.proc.wait(120) == 128 + signal.SIGTERM
