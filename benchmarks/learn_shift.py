@@ -2,7 +2,7 @@
 
     drafter run benchmarks/learn-shift-smollm2.yaml --until export      # the chat drafter
     python benchmarks/learn_shift.py benchmarks/learn-shift-smollm2.yaml \
-        --out benchmarks/results/learn-shift-smollm2.json               # under the vLLM lock
+        --out benchmarks/results/learn-shift-smollm2.json --lock /tmp/vllm.lock
 
 For each temperature and mode, a fresh `drafter learn` (RUN_DIR-<mode>-t<T>/, vLLM serving the
 run's export first) gets the same stream of chat requests: MT-bench's first turns outside its
@@ -11,7 +11,9 @@ math and coding categories, then code (HumanEval), then math (GSM8K test), each 
 trained on chat serves throughout; `learn` keeps every request and swaps candidates in as the
 learner finds them better. Every `--window` requests the script reads vLLM's spec-decode
 counters through the front (GET /metrics): τ = 1 + accepted / (draft tokens / K) of the window,
-the drafter served, the served tokens/s, and whether a round was training meanwhile.
+the drafter served, the served tokens/s, and whether a round was training meanwhile. Before
+the stream, `--overhead` requests timed through the front and straight to vLLM in turns give
+the front's own cost (in the static runs, which keep nothing).
 
 Afterwards each swap is checked once more apart from the loop's own judgement: the drafter
 swapped out and the one swapped in, decoded by drafter's evaluator on `--check` shifted prompts
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import gzip
 import json
 import os
@@ -97,6 +100,9 @@ def serve_run(args, cfg_path: Path, run_dir: Path, drafter: Path, mode: str, T: 
                 raise SystemExit(out.read_text()[-3000:])
             time.sleep(1)
         model = _get(url, "/v1/models").json()["data"][0]["id"]
+        # in static runs only: a learning run would keep the timed requests
+        overhead = front_overhead(run_dir, url, model, stream, args) \
+            if args.overhead and mode == "static" else None
         before = counters(url)
         for w0 in range(0, len(stream), args.window):
             part = stream[w0:w0 + args.window]
@@ -128,9 +134,28 @@ def serve_run(args, cfg_path: Path, run_dir: Path, drafter: Path, mode: str, T: 
     swaps = read_jsonl(learn / "swaps.jsonl") if (learn / "swaps.jsonl").exists() else []
     rounds = [read_json(p / "judged.json") for p in sorted((learn / "rounds").glob("r*"))
               if (p / "judged.json").exists()] if (learn / "rounds").exists() else []
-    return {"mode": mode, "temperature": T, "run_dir": str(run_dir), "windows": windows,
+    return {"mode": mode, "temperature": T, "run_dir": str(run_dir), "overhead": overhead,
+            "windows": windows,
             "swaps": swaps, "rounds": rounds, "phases": pooled(windows, args.k),
             "seconds": round(time.time() - t_start, 1)}
+
+
+def front_overhead(run_dir: Path, url: str, model: str, stream, args) -> dict:
+    """The front's cost: `--overhead` requests, one at a time, each sent to the front and
+    straight to vLLM in turns (greedy, 16 tokens; the same prompts), their mean latency."""
+    lines = [x for x in (run_dir / "learn/server.log").read_text().splitlines()
+             if x.startswith("==== drafter: pid=")]
+    direct = lines[-1].split("url=")[1].strip()
+    t = {"front": [], "direct": []}
+    for i in range(args.overhead):
+        for name, base in (("front", url), ("direct", direct))[::1 if i % 2 else -1]:
+            t0 = time.perf_counter()
+            chat(base, model, stream[i % len(stream)][1], 0.0, 16)
+            t[name].append(time.perf_counter() - t0)
+    mean = {k: sum(v) / len(v) for k, v in t.items()}
+    return {"requests": args.overhead, "front_s": round(mean["front"], 4),
+            "direct_s": round(mean["direct"], 4),
+            "added_ms": round(1000 * (mean["front"] - mean["direct"]), 1)}
 
 
 def pooled(windows: list[dict], k: int) -> dict:
@@ -190,6 +215,22 @@ def check_swaps(cfg, res: dict, check_prompts: list[str], max_new: int) -> list[
     return out
 
 
+@contextlib.contextmanager
+def locked(path: str | None):
+    """Hold the machine's vLLM lock (flock) for one run, so that other vLLM jobs go between."""
+    if not path:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
@@ -201,6 +242,10 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--check", type=int, default=16, help="never-served prompts per swap check")
+    ap.add_argument("--lock", help="a file to flock around each run (one vLLM at a time on a "
+                    "shared machine: /tmp/vllm.lock)")
+    ap.add_argument("--overhead", type=int, default=16, help="requests timed through the front "
+                    "and straight to vLLM, in turns, before the stream (0: none)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from drafter.core import config as C
@@ -224,7 +269,8 @@ def main() -> int:
             if run_dir.exists():
                 raise SystemExit(f"{run_dir} exists: each run starts fresh (move it away)")
             print(f"{mode} at T={T:g}: {run_dir}", flush=True)
-            res = serve_run(args, Path(args.config), run_dir, drafter, mode, T, stream)
+            with locked(args.lock):
+                res = serve_run(args, Path(args.config), run_dir, drafter, mode, T, stream)
             if mode == "learn":
                 res["checks"] = check_swaps(cfg, res, check, cfg.evaluate.max_new_tokens)
             results["runs"].append(res)
