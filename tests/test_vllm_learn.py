@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -248,18 +249,28 @@ def test_killing_the_learner_or_the_command_leaves_a_served_drafter(setup, share
         state = read_json(run / "learn/learner.json")
         n = state["round"] + 1
         convs = json.loads((shared_data / "train/sharegpt_dummy_conversation.json").read_text())
-        for c in convs[20:36]:
-            assert _chat(url, c["conversations"][0]["value"][:400]).status_code == 200
-        ckpt = run / f"learn/rounds/r{n:04d}/train"
-        _until(lambda: ckpt.exists() and any(p.name.startswith("step_") and
-                                             (p / "COMPLETE").exists()
-                                             for p in ckpt.iterdir()), 900, 0.5)
+        codes = []
+        sender = threading.Thread(target=lambda: codes.extend(
+            _chat(url, c["conversations"][0]["value"][:400]).status_code for c in convs[20:36]))
+        sender.start()   # round n starts while these are served: watched from here
+        rdir = run / f"learn/rounds/r{n:04d}"
+
+        def mid_round():   # a checkpoint of round n, and the round not judged yet
+            if (rdir / "judged.json").exists():
+                pytest.fail(f"round {n} ended before the test could kill its learner")
+            return any((p / "COMPLETE").exists() for p in (rdir / "train").glob("step_*"))
+
+        _until(mid_round, 900, 0.2)
         pid = learn.learner_pid()
         os.kill(pid, signal.SIGKILL)
         assert _chat(url, PROBES[0]).status_code == 200        # serving goes on
         _until(lambda: learn.learner_pid() != pid, 60)
-        _until(lambda: (run / f"learn/rounds/r{n:04d}/judged.json").exists(), 1200, 2)
-        assert "train: resumed from" in (run / "learn/learner.log").read_text()
+        _until(lambda: (rdir / "judged.json").exists(), 1200, 2)
+        resumed = [x for x in (run / "learn/learner.log").read_text().splitlines()
+                   if "train: resumed from" in x]
+        assert resumed and f"rounds/r{n:04d}/train/step_" in resumed[-1]
+        sender.join()
+        assert codes == [200] * 16
         served = read_json(run / "learn/serving.json")["version"]
         pgid, lpid = _engine_group(run), learn.learner_pid()
         learn.proc.kill()                                      # SIGKILL: no unwinding
