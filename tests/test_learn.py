@@ -13,6 +13,7 @@ import stat
 import time
 
 import pytest
+from test_agreement import prompts as _hists  # per-prompt histograms of a chain
 
 from drafter.core import config as C
 from drafter.core.rundir import Run, read_json
@@ -61,26 +62,10 @@ def test_token_file_trains_on_the_answer_only(tmp_path):
 
 
 # --------------------------------------------------------------------------------------- judge
-def _hists(rng, p: float, prompts: int, steps: int, k: int = 3) -> list[list[int]]:
-    """Per-prompt histograms of a chain of k whose drafts are accepted with probability p each,
-    the prompt's own p drawn around it (prompts differ)."""
-    out = []
-    for _ in range(prompts):
-        q = min(max(rng.gauss(p, 0.1), 0.0), 1.0)
-        h = [0] * (k + 1)
-        for _ in range(steps):
-            a = 0
-            while a < k and rng.random() < q:
-                a += 1
-            h[a] += 1
-        out.append(h)
-    return out
-
-
 def test_a_better_candidate_is_swapped_and_an_equal_one_is_not():
     rng = random.Random(0)
-    base = _hists(rng, 0.3, 32, 20)
-    v = judge.compare(base, _hists(rng, 0.6, 32, 20))
+    base = _hists(rng, 32, 20, 0.3, 0.15)
+    v = judge.compare(base, _hists(rng, 32, 20, 0.6, 0.15))
     assert v["better"] and v["lower"] > 0 and v["tau_cand"] > v["tau_base"]
     assert not judge.compare(base, base)["better"]
     assert not judge.compare(base[:1], base[:1])["better"]        # one prompt: no test
@@ -90,8 +75,8 @@ def test_false_swaps_stay_at_the_tests_rate():
     """Candidates exactly as good as the served drafter, each judged on its own draw of 16
     prompts: the share judged better stays near ALPHA (0.01), well below 5%."""
     rng = random.Random(1)
-    swaps = sum(judge.compare(_hists(rng, 0.4, 16, 12), _hists(rng, 0.4, 16, 12))["better"]
-                for _ in range(400))
+    swaps = sum(judge.compare(_hists(rng, 16, 12, 0.4, 0.15),
+                              _hists(rng, 16, 12, 0.4, 0.15))["better"] for _ in range(400))
     assert swaps / 400 < 0.05
 
 

@@ -16,7 +16,6 @@ change: {"time", "kind": "start" | "swap" | "rollback", "from", "to", "how", "se
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
@@ -40,20 +39,13 @@ def number(version: str) -> int:
     return int(version[1:])
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_version(run: Run, n: int, drafter, target, dtype, meta: dict) -> Path:
     """vNNNN/ from a drafter.train.model.Drafter: the native layout vLLM loads, without
     embed_tokens (vLLM gives the draft the target's own table, which the drafter trains frozen;
     shipping it would let a weight update write the target's: drafter/core/vllm_weights.py),
     and learn.json (what made it, the weights' sha256). Built under a temp name."""
     from drafter.export import engines as E
+    from drafter.features.store import file_sha256
 
     path = run.learn_version(n)
     embed = drafter.cfg.hidden_size != drafter.cfg.target_hidden_size  # engines need it then
@@ -61,7 +53,7 @@ def write_version(run: Run, n: int, drafter, target, dtype, meta: dict) -> Path:
         E.write_dir(drafter, tmp, E.NATIVE, target=target, dtype=dtype, embed_tokens=embed,
                     meta={"learn_version": name(n)})
         atomic_json(tmp / META, {**meta, "version": name(n),
-                                 "sha256": sha256(tmp / "model.safetensors")})
+                                 "sha256": file_sha256(tmp / "model.safetensors")})
     return path
 
 
