@@ -84,7 +84,8 @@ def serve_run(args, cfg_path: Path, run_dir: Path, drafter: Path, mode: str, T: 
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    over = [f"run_dir={run_dir}", f"learn.drafter={drafter}", f"generate.server.port={port}"]
+    over = [f"run_dir={run_dir}", f"learn.drafter={drafter}", f"generate.server.port={port}",
+            *args.set]
     if mode == "static":
         over.append("learn.sample_rate=0")
     out = run_dir.with_suffix(".out")
@@ -242,6 +243,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--check", type=int, default=16, help="never-served prompts per swap check")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for `drafter learn` (both modes), e.g. "
+                    "train.max_steps=12 to bound a round")
     ap.add_argument("--lock", help="a file to flock around each run (one vLLM at a time on a "
                     "shared machine: /tmp/vllm.lock)")
     ap.add_argument("--overhead", type=int, default=16, help="requests timed through the front "
@@ -259,8 +263,9 @@ def main() -> int:
         raise SystemExit(f"{drafter}: run `drafter run {args.config} --until export` first")
     phases = {p.split("=")[0]: int(p.split("=")[1]) for p in args.phases.split(",")}
     stream, check = prompts(phases, args.check)
-    results = {"config": args.config, "phases": phases, "window": args.window,
-               "concurrency": args.concurrency, "max_tokens": args.max_tokens, "k": args.k,
+    results = {"config": args.config, "overrides": args.set, "phases": phases,
+               "window": args.window, "concurrency": args.concurrency,
+               "max_tokens": args.max_tokens, "k": args.k,
                "drafter": str(drafter), "runs": []}
     outp = Path(args.out)
     for T in [float(x) for x in args.temperatures.split(",")]:
