@@ -185,8 +185,14 @@ def test_learn_keeps_trains_swaps_in_place_and_survives_a_vllm_kill(setup, share
         assert all(e.get("prompt_token_ids") is None and
                    all(c.get("token_ids") is None for c in e["choices"]) for e in events)
         assert _until(lambda: len(list((run / "learn/traffic").glob("*.json"))) == 1, 30)
+        # the completions route: the prompt's ids come with the choice
+        r = httpx.post(url + "/v1/completions", timeout=600, json={
+            "model": httpx.get(url + "/v1/models").json()["data"][0]["id"],
+            "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0].get("token_ids") is None
+        assert _until(lambda: len(list((run / "learn/traffic").glob("*.json"))) == 2, 30)
         convs = json.loads((shared_data / "train/sharegpt_dummy_conversation.json").read_text())
-        for c in convs[:14]:
+        for c in convs[:13]:
             assert _chat(url, c["conversations"][0]["value"][:400]).status_code == 200
         # (a request is kept once its answer went out)
         _until(lambda: len(list((run / "learn/traffic").glob("*.json"))) == 15, 30)

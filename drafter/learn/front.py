@@ -72,16 +72,16 @@ class Front:
             return self.lc.sample_rate > 0 and self.rng.random() < self.lc.sample_rate
 
     def keep(self, body: dict, prompt: list[int] | None, answers: dict[int, dict]) -> None:
-        """The kept request's choices into the traffic folder (one record per choice)."""
-        if not prompt:
-            return
+        """The kept request's choices into the traffic folder (one record per choice; the
+        prompt's ids come with the response, or with each choice: /v1/completions)."""
         T = body.get("temperature")
         T = self.default_temperature if T is None else float(T)
         top_p = float(body.get("top_p") if body.get("top_p") is not None else 1.0)
         for a in answers.values():
-            if a.get("ids"):
-                traffic.keep(self.run, a.get("prompt") or prompt, a["ids"], T, top_p,
-                             a.get("finish"), self.lc.holdout)
+            ids = a.get("prompt") or prompt
+            if a.get("ids") and ids:
+                traffic.keep(self.run, ids, a["ids"], T, top_p, a.get("finish"),
+                             self.lc.holdout)
                 self.count("kept")
 
 
