@@ -10,10 +10,11 @@ math and coding categories, then code (HumanEval), then math (GSM8K test), each 
 `--concurrency` at a time. Mode `static` keeps nothing (learn.sample_rate=0): the drafter
 trained on chat serves throughout; `learn` keeps every request and swaps candidates in as the
 learner finds them better. Every `--window` requests the script reads vLLM's spec-decode
-counters through the front (GET /metrics): τ = 1 + accepted / (draft tokens / K) of the window,
-the drafter served, the served tokens/s, and whether a round was training meanwhile. Before
+counters through the front (GET /metrics): τ = 1 + accepted / (draft tokens / K) of the
+window, the drafter served, the served tokens/s, and whether a round was training meanwhile. Before
 the stream, `--overhead` requests timed through the front and straight to vLLM in turns give
-the front's own cost (in the static runs, which keep nothing).
+the front's own cost (in the static runs, which keep nothing). With `--pace`, a window starts
+at least that many seconds after the one before: traffic at a rate, not as fast as vLLM serves.
 
 Afterwards each swap is checked once more apart from the loop's own judgement: the drafter
 swapped out and the one swapped in, decoded by drafter's evaluator on `--check` shifted prompts
@@ -105,8 +106,11 @@ def serve_run(args, cfg_path: Path, run_dir: Path, drafter: Path, mode: str, T: 
         overhead = front_overhead(run_dir, url, model, stream, args) \
             if args.overhead and mode == "static" else None
         before = counters(url)
+        t0 = time.time()
         for w0 in range(0, len(stream), args.window):
             part = stream[w0:w0 + args.window]
+            if windows:   # traffic at a rate: a window starts --pace seconds after the last
+                time.sleep(max(0.0, args.pace - (time.time() - t0)))
             t0 = time.time()
             with cf.ThreadPoolExecutor(args.concurrency) as ex:
                 toks = list(ex.map(lambda x: chat(url, model, x[1], T, args.max_tokens), part))
@@ -225,7 +229,12 @@ def locked(path: str | None):
     import fcntl
 
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        while True:   # polled: a blocking flock would not give way to Ctrl-C
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                time.sleep(2)
         try:
             yield
         finally:
@@ -241,6 +250,8 @@ def main() -> int:
     ap.add_argument("--phases", default="chat=32,code=96,math=96")
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--pace", type=float, default=0.0, help="seconds from one window's start "
+                    "to the next's at least: traffic at a rate, not as fast as vLLM serves")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--check", type=int, default=16, help="never-served prompts per swap check")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -263,7 +274,8 @@ def main() -> int:
         raise SystemExit(f"{drafter}: run `drafter run {args.config} --until export` first")
     phases = {p.split("=")[0]: int(p.split("=")[1]) for p in args.phases.split(",")}
     stream, check = prompts(phases, args.check)
-    results = {"config": args.config, "overrides": args.set, "phases": phases,
+    results = {"config": args.config, "overrides": args.set, "pace_s": args.pace,
+               "phases": phases,
                "window": args.window, "concurrency": args.concurrency,
                "max_tokens": args.max_tokens, "k": args.k,
                "drafter": str(drafter), "runs": []}
