@@ -6,6 +6,8 @@
     drafter status RUN_DIR [--json]                 each step's state
     drafter config CONFIG [key=value ...]           the resolved config
     drafter serve CONFIG                            the generation server on its own
+    drafter learn CONFIG [--rollback [VERSION]]     serve in vLLM and keep learning from the
+                                                    traffic (docs/learn.md)
     drafter plan CONFIG [--json]                    tokens, disk, memory, time, before any load
     drafter precompile CONFIG [--device D]          compile train's graphs into Inductor's cache
     drafter doctor [CONFIG] [--json]                the machine: versions, GPUs, disk, engines
@@ -148,6 +150,14 @@ def cmd_serve(args) -> int:
     return _dispatch("drafter.serve.servers", "main", _load(args))
 
 
+def cmd_learn(args) -> int:
+    from drafter.run.lifecycle import install_signal_handlers
+
+    install_signal_handlers()
+    return _dispatch("drafter.learn.command", "main", _load(args), args.learner,
+                     args.rollback or None, args.rollback is not None)
+
+
 def cmd_plan(args) -> int:
     return _dispatch("drafter.run.plan", "main", _load(args), args.json)
 
@@ -224,6 +234,17 @@ def build_parser(advanced: bool = False) -> argparse.ArgumentParser:
     sp = sub.add_parser("serve", help="run the generation server on its own")
     with_config(sp)
     sp.set_defaults(fn=cmd_serve)
+
+    sp = sub.add_parser("learn", help="serve the target with a drafter in vLLM and keep learning "
+                        "from the traffic: candidates trained beside serving, swapped in only "
+                        "when measurably better (docs/learn.md)",
+                        epilog=_config_epilog("learn", advanced), formatter_class=fmt)
+    with_config(sp)
+    sp.add_argument("--rollback", nargs="?", const="", metavar="VERSION",
+                    help="serve the drafter served before the current one (or VERSION, e.g. "
+                    "v0002): swapped into the running drafter learn, else at its next start")
+    sp.add_argument("--learner", action="store_true", help=argparse.SUPPRESS)  # the child
+    sp.set_defaults(fn=cmd_learn)
 
     sp = sub.add_parser("plan", help="estimate tokens, disk, memory and time before any load",
                         epilog=_config_epilog("plan", advanced), formatter_class=fmt)

@@ -393,6 +393,25 @@ class EvaluateConfig:
         "expected")
 
 
+# -------------------------------------------------------------------------------------------- learn
+@dataclass
+class LearnConfig:
+    """`drafter learn`: the target served in vLLM with a drafter that keeps learning from the
+    requests it serves (docs/learn.md). Where clients connect: generate.server.host / port."""
+    drafter: str = doc("export", "the drafter served at the first start: export (this run's "
+                       "native/), or a native dir or checkpoint dir")
+    sample_rate: float = doc(0.25, "share of served requests kept (prompt and answer tokens, "
+                             "under RUN_DIR/learn/traffic) to train and judge drafters on")
+    holdout: float = doc(0.25, "share of the kept requests held out to judge candidates, "
+                         "never trained on")
+    max_samples: int = doc(4096, "kept requests on disk at most; the oldest go first")
+    max_age_hours: float = doc(168.0, "kept requests older than this are deleted")
+    round_samples: int = doc(64, "new kept requests (training share) that start a round: a "
+                             "candidate trained from the serving drafter on every kept one")
+    eval_prompts: int = doc(32, "held-out requests (the newest) a candidate and the serving "
+                            "drafter are both decoded on, at each request's temperature")
+
+
 # --------------------------------------------------------------------------------------------- plan
 @dataclass
 class PlanConfig:
@@ -447,6 +466,7 @@ class Config:
     train: TrainConfig = doc(TrainConfig(), "train step")
     export: ExportConfig = doc(ExportConfig(), "export step")
     evaluate: EvaluateConfig = doc(EvaluateConfig(), "evaluate step")
+    learn: LearnConfig = doc(LearnConfig(), "drafter learn: serve and keep learning")
     plan: PlanConfig = doc(PlanConfig(), "drafter plan: estimates used before any data exists")
 
 

@@ -451,6 +451,15 @@ def check_values(cfg, where: Where | None = None) -> None:
     if not v.drafter.strip():
         bad("evaluate.drafter", v.drafter, "must be export or a drafter folder")
 
+    lc = cfg.learn
+    if not lc.drafter.strip():
+        bad("learn.drafter", lc.drafter, "must be export or a drafter folder")
+    within("learn.sample_rate", lc.sample_rate, 0, 1)
+    within("learn.holdout", lc.holdout, 0, 1, lo_open=True, hi_open=True)
+    for f in ("max_samples", "round_samples", "eval_prompts"):
+        ge(f"learn.{f}", getattr(lc, f), 2 if f == "eval_prompts" else 1)
+    gt("learn.max_age_hours", lc.max_age_hours, 0)
+
     pl = cfg.plan
     for f in ("samples", "tokens_per_sample", "answer_tokens_per_sample", "gpus"):
         ge(f"plan.{f}", getattr(pl, f), 1)

@@ -379,6 +379,22 @@ class Run:
         """What the tuned section of the export READMEs was written from (drafter.measure.tuned)."""
         return self.step_dir("evaluate") / "tuned.json"
 
+    # -- learn (`drafter learn`, docs/learn.md): not a step; no manifest
+    def learn(self, name: str = "") -> Path:
+        """RUN_DIR/learn/NAME: traffic/ (the kept requests), serving.json, swaps.jsonl,
+        proposal.json, rollback.json, learner.json, server.log, learner.log, .lock."""
+        return self.root / "learn" / name if name else self.root / "learn"
+
+    def learn_version(self, n: int) -> Path:
+        """A drafter served or judged: native layout, without embed_tokens (vLLM shares the
+        target's)."""
+        return self.learn("versions") / f"v{n:04d}"
+
+    def learn_round(self, n: int) -> Path:
+        """A training round, a run dir of its own: train/ (checkpoints, metrics), train.parquet,
+        round.json, judged.json."""
+        return self.learn("rounds") / f"r{n:04d}"
+
 
 def cache_dir() -> Path:
     """Where materialised targets live: $DRAFTER_CACHE, default ~/.cache/drafter."""
