@@ -210,11 +210,8 @@ def fsync_dir(d: Path) -> None:
 
 
 def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def check_shard(path: Path, ids: list[str] | None = None, entry: dict | None = None,
