@@ -56,8 +56,9 @@
 #                                    parameters, 58 GB of AdamW state, FSDP over a node, as
 #                                    configs/kimi-k2.5-dspark.yaml trains them)
 #                                    (train_throughput.py --shape kimi --method dspark|dflash
-#                                    --draft-layers 2: FlexAttention over the block mask, the
-#                                    fused loss, its check against the exact path)
+#                                    --draft-layers 2 --attention flex,sdpa: FlexAttention over
+#                                    the block mask with the fused loss, checked against the
+#                                    exact path, then SDPA over the dense mask, the default)
 #
 # OUT_DIR receives (at most a handful of files, as a device call returns them): gpu-runs.tar.gz
 # (the state folder: every step's log, figures, manifests, reports and junit XML; a few MB),
@@ -302,8 +303,8 @@ dspark_train() {  # the block drafters at the Kimi drafter's shape, one after th
   [ "$TINY" = 1 ] && size=(--tiny --steps 2 --warmup 1)
   for method in dspark dflash; do
     run dspark-train "$PY" benchmarks/train_throughput.py "${size[@]}" --teacher topk \
-      --no-anchor --memory-peak --method "$method" --json "$STATE/dspark-train-$method.json" \
-      || return
+      --attention flex,sdpa --no-anchor --memory-peak --method "$method" \
+      --json "$STATE/dspark-train-$method.json" || return
   done
 }
 

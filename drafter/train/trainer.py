@@ -204,8 +204,9 @@ def device_setup(tc, device):
 
 
 def pick_attention(tc, device) -> str:
-    if tc.attention == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
+    if tc.attention == "auto":  # block drafters: SDPA over the dense block mask, until their
+        # FlexAttention path matches it on a GPU (docs/train.md, "The drafter kind")
+        return "flex" if device.type == "cuda" and tc.method == "eagle3" else "sdpa"
     if tc.attention == "flex" and device.type != "cuda":
         raise ConfigError("train.attention=flex needs a CUDA GPU (FlexAttention has no "
                           "backward on the CPU): use sdpa or auto")
