@@ -250,7 +250,7 @@ def test_evaluates_tuned_section_serves_the_whole_block(bworld, tmp_path_factory
     per temperature one vLLM command of the drafter's own method at its trained block, no
     batch-size schedule (a shorter block is another computation), the drafts sampled above
     temperature 0, no SGLang lines; the dir still passes every rule."""
-    from drafter.export.readme_check import _VLLM, c_sampled_drafts
+    from drafter.export.readme_check import c_sampled_drafts, commands
     from drafter.measure.tuned import BEGIN, END, add_tuned_settings
     from tests.test_tuned_readme import metrics_for
 
@@ -261,7 +261,7 @@ def test_evaluates_tuned_section_serves_the_whole_block(bworld, tmp_path_factory
     assert add_tuned_settings(Run(root), metrics_for(str(d))) == [d / "README.md"]
     text = (d / "README.md").read_text()
     tuned = text[text.index(BEGIN):text.index(END)]
-    configs = [json.loads(m.group(1)) for m in _VLLM.finditer(tuned)]
+    configs = [c["config"] for c in commands(tuned) if c["engine"] == "vLLM"]
     assert len(configs) == 2 and "sglang.launch_server" not in tuned and "whole block" in tuned
     for c in configs:
         assert (c["method"], c["model"], c["num_speculative_tokens"]) == (method, str(d), K)
@@ -471,11 +471,11 @@ def test_the_readmes_configs_are_vllms_and_the_cpu_build_refuses_dspark(bworld, 
     pytest.importorskip("vllm")
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
 
-    from drafter.export.readme_check import _VLLM
+    from drafter.export.readme_check import commands
 
     t = trained(bworld, tmp_path_factory, method)
     text = (t.dir / "README.md").read_text()
-    configs = [json.loads(m.group(1)) for m in _VLLM.finditer(text)]
+    configs = [c["config"] for c in commands(text) if c["engine"] == "vLLM"]
     assert len(configs) == (3 if method == "dspark" else 2)
     assert any(c.get("draft_sample_method") == "probabilistic" for c in configs)
     assert any(c.get("enable_adaptive_verification") for c in configs) == (method == "dspark")
