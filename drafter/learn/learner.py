@@ -54,7 +54,7 @@ class Models:
         t = cfg.target
         self.run = run
         self.device = pick_device(t)
-        if self.device.type == "cpu":
+        if str(self.device) == "cpu":
             import torch
 
             torch.set_num_threads(CPU_THREADS)
