@@ -188,11 +188,12 @@ def check_swaps(cfg, res: dict, check_prompts: list[str], max_new: int) -> list[
     from drafter.decoding.decode import Decoder, stop_ids_of
     from drafter.export.enginedir import load_drafter_dir
     from drafter.export.engines import target_info
-    from drafter.learn import judge, versions
+    from drafter.learn import judge, learner, versions
 
     swaps = [s for s in res["swaps"] if s.get("kind") == "swap"]
     if not swaps:
         return []
+    torch.set_num_threads(learner.CPU_THREADS)   # the machine shared: as the learner decodes
     tok = load_tokenizer(cfg.target)
     model = load_model(cfg.target, "cpu", torch.float32)
     dec, stop = Decoder(model, max_batch=1), stop_ids_of(tok, model)

@@ -245,3 +245,20 @@ def test_one_round_trains_a_candidate_from_the_served_drafter_and_judges_it(
     # the round's copies of traffic and its checkpoints are gone; the state moved on
     assert sorted(p.name for p in run.learn_round(1).iterdir()) == ["judged.json", "round.json"]
     assert read_json(run.learn("learner.json"))["round"] == 1
+
+
+def test_the_learner_on_a_cpu_decodes_with_one_thread(tmp_path, smollm2_dir):
+    """On a CPU vLLM's threads hold the cores: the learner's torch threads, waiting for each
+    other at every op, stalled the judge's decoding for minutes a round (docs/learn.md, "On a
+    CPU"). Whatever count the process started with, the learner's models leave it one."""
+    import torch
+
+    cfg = _cfg(tmp_path, f"target.model={smollm2_dir}", "target.dtype=float32")
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        models = learner.Models(cfg, Run.of(cfg))
+        assert str(models.device) == "cpu"
+        assert torch.get_num_threads() == learner.CPU_THREADS == 1
+    finally:
+        torch.set_num_threads(n)

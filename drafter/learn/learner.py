@@ -37,6 +37,10 @@ log = logging.getLogger("drafter")
 
 IDLE_SECONDS = 2.0
 PROPOSAL_WAIT_S = 300.0
+# intra-op threads on a CPU, where vLLM's own threads hold the cores: torch's threads wait for
+# each other at every op, and one of them descheduled stalls the rest, so the judge's many small
+# ops ran tens of times slower with two threads than with one (docs/learn.md, "On a CPU")
+CPU_THREADS = 1
 
 
 class Models:
@@ -50,6 +54,10 @@ class Models:
         t = cfg.target
         self.run = run
         self.device = pick_device(t)
+        if str(self.device) == "cpu":
+            import torch
+
+            torch.set_num_threads(CPU_THREADS)
         self.dtype = pick_dtype(t, self.device)
         self.capture_model = load_model(t, self.device, self.dtype)
         decode_model = load_model(t, self.device, self.dtype)
