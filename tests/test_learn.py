@@ -80,6 +80,26 @@ def test_false_swaps_stay_at_the_tests_rate():
     assert swaps / 400 < 0.05
 
 
+def test_few_held_out_prompts_keep_the_false_swap_rate():
+    """Early rounds judge on a handful of held-out prompts, where the variance is itself a
+    rough estimate: judged on 3 prompts, equal candidates still pass at about ALPHA (Student's
+    t with 2 degrees of freedom), not the 6-7% a normal quantile lets through."""
+    rng = random.Random(2)
+    swaps = sum(judge.compare(_hists(rng, 3, 12, 0.4, 0.15),
+                              _hists(rng, 3, 12, 0.4, 0.15))["better"] for _ in range(2000))
+    assert swaps / 2000 < 0.025
+
+
+def test_student_t_quantiles():
+    from drafter.measure.agreement import t_critical, z_critical
+
+    # two-sided 0.02 = one-sided 0.01: the printed table's values
+    for df, t in [(1, 31.821), (2, 6.965), (3, 4.541), (10, 2.764), (30, 2.457)]:
+        assert abs(t_critical(0.02, df) - t) < 1e-3
+    assert abs(t_critical(0.05, 2) - 4.303) < 1e-3
+    assert t_critical(0.02, 5000) == z_critical(0.02)
+
+
 # ------------------------------------------------------------------------------------ versions
 def test_rollback_goes_to_the_drafter_served_before_and_pruning_keeps_every_served(tmp_path):
     run = Run.of(_cfg(tmp_path))

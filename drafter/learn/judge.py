@@ -11,9 +11,12 @@ x_d = Σ_c y_c^d / Σ_c n_c^d is τ_d - 1. The gain g = x_cand - x_base is estim
 paired cluster-robust variance of the two ratio estimators (prompts the clusters, as
 drafter/measure/agreement.py's `ratio` treats one evaluator's): V = C / (C - 1) Σ_c u_c²,
 u_c = (y_c^cand - x_cand n_c^cand) / N_cand - (y_c^base - x_base n_c^base) / N_base. The
-candidate is better only when the lower confidence bound g - z_(1-ALPHA) sqrt(V) is above 0:
-a gain larger than the measurement's noise, at a false-swap rate of at most ALPHA when the
-candidate is no better. At temperature 0 both decode the target's greedy text, so the noise is
+candidate is better only when the lower confidence bound g - t_(1-ALPHA, C-1) sqrt(V) is above
+0: a gain larger than the measurement's noise, at a false-swap rate of at most ALPHA when the
+candidate is no better. Student's t with C - 1 degrees of freedom, not the normal quantile: with
+the few held-out prompts of early rounds the variance is itself a rough estimate (at 3 prompts
+the normal bound let a worse drafter in; t's does not: tests/test_learn.py). At temperature 0
+both decode the target's greedy text, so the noise is
 only which prompts traffic brought; above it, also the texts each sampled (the same seed for
 both, so that they read the same text until their drafts first differ).
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from drafter.measure.agreement import z_critical
+from drafter.measure.agreement import t_critical
 
 ALPHA = 0.01     # one-sided: the share of swaps to a drafter that is no better
 
@@ -58,13 +61,13 @@ def _sums(h: list[int]) -> tuple[int, int]:
 def compare(base: list[list[int]], cand: list[list[int]], alpha: float = ALPHA) -> dict:
     """The paired test (module doc) between per-request histograms of the same requests.
     Returns {"better", "tau_base", "tau_cand", "gain" (in τ), "se", "lower" (the gain's
-    one-sided lower bound), "z", "prompts", "steps": [base, cand], "alpha", "test"}."""
+    one-sided lower bound), "t", "prompts", "steps": [base, cand], "alpha", "test"}."""
     pairs = [(_sums(b), _sums(c)) for b, c in zip(base, cand) if sum(b) and sum(c)]
     out = {"alpha": alpha, "prompts": len(pairs),
-           "test": "one-sided paired z on tau, prompts as clusters (drafter/learn/judge.py)"}
+           "test": "one-sided paired t on tau, prompts as clusters (drafter/learn/judge.py)"}
     if len(pairs) < 2:
         return {**out, "better": False, "tau_base": None, "tau_cand": None, "gain": None,
-                "se": None, "lower": None, "z": None, "steps": [0, 0],
+                "se": None, "lower": None, "t": None, "steps": [0, 0],
                 "why": "fewer than 2 prompts decoded"}
     Nb = sum(b[0] for b, _ in pairs)
     Nc = sum(c[0] for _, c in pairs)
@@ -74,10 +77,10 @@ def compare(base: list[list[int]], cand: list[list[int]], alpha: float = ALPHA) 
     u = [(c[1] - xc * c[0]) / Nc - (b[1] - xb * b[0]) / Nb for b, c in pairs]
     var = C / (C - 1) * sum(x * x for x in u)
     se = math.sqrt(var)
-    zc = z_critical(2 * alpha)   # agreement's quantile is two-sided
+    tc = t_critical(2 * alpha, C - 1)   # agreement's quantiles are two-sided
     gain = xc - xb
-    lower = gain - zc * se
+    lower = gain - tc * se
     return {**out, "better": lower > 0, "tau_base": round(1 + xb, 5),
             "tau_cand": round(1 + xc, 5), "gain": round(gain, 5), "se": round(se, 5),
-            "lower": round(lower, 5), "z": round(gain / se, 3) if se > 0 else None,
-            "z_critical": round(zc, 3), "steps": [Nb, Nc]}
+            "lower": round(lower, 5), "t": round(gain / se, 3) if se > 0 else None,
+            "t_critical": round(tc, 3), "steps": [Nb, Nc]}

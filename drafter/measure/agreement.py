@@ -41,6 +41,39 @@ def z_critical(alpha: float) -> float:
     return (lo + hi) / 2
 
 
+def t_critical(alpha: float, df: int) -> float:
+    """The two-sided Student t quantile with `df` (integer) degrees of freedom: P[|T| > t] =
+    alpha (bisection on the exact CDF of integer df; the normal quantile past 1000)."""
+    if df > 1000:
+        return z_critical(alpha)
+
+    def tail2(t: float) -> float:  # P[|T| > t]: the finite series in cos(theta)
+        th = math.atan(t / math.sqrt(df))
+        c2, s = math.cos(th) ** 2, math.sin(th)
+        if df % 2:  # odd: 2/pi (theta + sin cos (1 + 2/3 c2 + 2.4/3.5 c2^2 + ...))
+            term, acc = 1.0, 1.0 if df > 1 else 0.0
+            for j in range(1, (df - 1) // 2):
+                term *= c2 * (2 * j) / (2 * j + 1)
+                acc += term
+            p = 2 / math.pi * (th + s * math.cos(th) * acc)
+        else:       # even: sin (1 + 1/2 c2 + 1.3/2.4 c2^2 + ...)
+            term, acc = 1.0, 1.0
+            for j in range(1, df // 2):
+                term *= c2 * (2 * j - 1) / (2 * j)
+                acc += term
+            p = s * acc
+        return 1 - p
+
+    lo, hi = 0.0, 1e6
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if tail2(mid) > alpha:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 def ratio(ys: list[float], ns: list[int], sq: float | None = None) -> tuple[float, float]:
     """The ratio estimate sum(y) / sum(n) over clusters and its variance: cluster-robust, never
     below the independent steps' (sq: sum over steps of y^2, for a count; None: a proportion)."""
