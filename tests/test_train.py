@@ -257,8 +257,9 @@ def test_loss_falls_when_overfitting(world, tmp_path):
     assert min(parts.values()) >= 0 and sum(parts.values()) <= out["setup_s"] + 0.005
     steps = out["warmup_steps_s"]                               # each warm-up step, apart
     assert len(steps) == 10 and min(steps) > 0
-    # (steps rounded to 1 ms, warmup_s to 10 ms: the sum may pass it by 10 x 0.5 + 5 ms)
-    assert 0.5 * out["warmup_s"] < sum(steps) <= out["warmup_s"] + 0.01
+    # (steps rounded to 1 ms, warmup_s to 10 ms: the sum may pass it by 10 x 0.5 + 5 ms; a
+    # busy machine may spend the rest of the warm-up between the steps)
+    assert 0 < sum(steps) <= out["warmup_s"] + 0.01
     first = out["warmup_first_step_s"]                          # the first step, in parts
     assert list(first) == ["batch", "forward", "backward", "optimizer"]
     # the batch part is rounded to 1 ms and is under 0.5 ms when the loader is ahead
