@@ -39,6 +39,7 @@ VARIANTS = {
     "eagle3": [],
     "dflash": ["train.method=dflash"],
     "dspark": ["train.method=dspark"],
+    "dspark-kl": ["train.method=dspark", "train.loss=[{kind: kl}]"],   # the loss, not the kind
 }
 
 

@@ -45,6 +45,7 @@ from drafter.export.engines import (
     META_FILE,
     NATIVE,
     README_FILE,
+    README_HEAD,
     WEIGHTS_FILE,
     EngineDirError,
     TargetInfo,
@@ -245,11 +246,7 @@ def readme(out_dir: Path, c: DSparkConfig, target: TargetInfo,
     lines = [
         f"# {kind} drafter for {tgt}",
         "",
-        "Written by `drafter export`. Weights: model.safetensors; drafter.json records how it was",
-        "trained. Check any copy of this folder with `drafter check DIR --target TARGET`.",
-        "",
-        "## Serve it",
-        "",
+        *README_HEAD,
         f"vLLM (0.32 and later; `num_speculative_tokens` is the block size the drafter was "
         f"trained with, {K}: a block of another length attends over other queries than in "
         "training). For requests at temperature 0:",

@@ -447,6 +447,12 @@ def speculators_config(c: DrafterConfig, dtype: torch.dtype, max_position_embedd
 
 
 # ------------------------------------------------------------------------------------ README
+# the lines under a README's title, shared by every export kind's README
+README_HEAD = ["Written by `drafter export`. Weights: model.safetensors; drafter.json records how "
+               "it was", "trained. Check any copy of this folder with `drafter check DIR --target "
+               "TARGET`.", "", "## Serve it", ""]
+
+
 def readme(fmt: str, out_dir: Path, c: DrafterConfig, target: TargetInfo, k: int,
            chat_template: str | None = None, trained: list[str] = ()) -> str:
     """The exact serving commands, `trained` (lines: how it was trained, export/trained.py) and
@@ -471,11 +477,7 @@ def readme(fmt: str, out_dir: Path, c: DrafterConfig, target: TargetInfo, k: int
     lines = [
         f"# EAGLE-3 drafter for {tgt} ({fmt} layout)",
         "",
-        "Written by `drafter export`. Weights: model.safetensors; drafter.json records how it was",
-        "trained. Check any copy of this folder with `drafter check DIR --target TARGET`.",
-        "",
-        "## Serve it",
-        "",
+        *README_HEAD,
     ]
     if fmt == SPECULATORS:
         lines += ["vLLM (the target is read from speculators_config.verifier):", "", "```bash",
