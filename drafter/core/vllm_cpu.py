@@ -4,31 +4,7 @@ drafters (DFlash, DSpark) normalise every layer's context keys with the first la
 
     LLM(..., worker_extension_cls="drafter.core.vllm_cpu.Repairs")   # core.vllm.llm_kwargs on CPU
 
-Without Triton, vLLM's CPU platform replaces the rejection sampler's Triton kernels with C++
-ones (vllm/platforms/cpu.py, `register_triton_kernel_overrides`). The one for `expand_kernel`
-(vllm/utils/cpu_triton_utils.py, `_expand_kernel_impl`) hands the kernel `output.to(int64)`:
-for the float32 temperatures (and top-p values) that `expand_batch_to_tokens` spreads over a
-request's draft tokens, that is a copy, so the kernel fills the copy and the real output keeps
-the `new_empty` memory it was allocated with. The target's logits are then divided by whatever
-that memory held: at temperature 0.01 a drafter that vLLM accepted 26 times of 160 at
-temperature 0 was accepted 0 times of 186, and a draft the target gives probability 1 is
-rejected (tests/test_vllm.py shows both). Greedy requests never expand the temperature and are
-not affected.
-
-vLLM imports a worker extension class (`worker_extension_cls`, vllm/v1/worker/worker_base.py)
-in every worker after it registers the platform's kernel overrides; importing this module there
-points the expand override at `expand`, a PyTorch form of the Triton kernel, when the registered
-override drops float values (`repair`). Elsewhere (Triton present, no override, a fixed vLLM)
-it changes nothing.
-
-The block drafters' context keys (vllm/model_executor/models/qwen3_dflash.py,
-`DFlashQwen3Model._normalize_context_k`) are normalised by one `ops.rms_norm` call over all
-layers, [L, P, nkv, hd] with the stacked per-layer weights [L, hd], "the weight selected per
-layer by the outermost index". The CPU build's rms_norm reads the weight as one row [hd]: every
-layer's keys get layer 0's k_norm weight, so from the second draft layer on the drafter attends
-to other keys than it was trained with (a trained drafter's logits off by 1e-2 and more:
-tests/test_dspark_export.py). `repair_dflash` replaces the method, where that kernel drops the
-grouped weight, by the same kernel called once per layer with the layer's own weight.
+The reasoning: docs/internals.md, "Module notes", vllm_cpu.py.
 """
 from __future__ import annotations
 

@@ -9,25 +9,13 @@ update, from a safetensors file: imported by vLLM's workers only.
     POST /update_weights {"update_info": {"path": "/abs/weights.safetensors", "sha256": "..."}}
     POST /finish_weight_update {"weight_version": "v3"}
 
-vLLM 0.32 swaps a draft model's weights only through a weight transfer engine
-(vllm/v1/worker/gpu_worker.py, `start_draft_weight_update` -> `_set_draft_weight_update_target`),
-and its built-in engines move tensors between GPUs (NCCL, CUDA IPC:
-vllm/distributed/weight_transfer/factory.py); the base class's `update_weights` also
-synchronises `torch.accelerator`, which raises on a machine without one
-(vllm/distributed/weight_transfer/base.py:502). The engine here reads the drafter's tensors from
-a file the trainer wrote, on every machine, and loads them with the draft model's own
-`load_weights` in place (the parameters keep their storage, so CUDA graphs stay valid), in one
-`update_weights` call: the engine core runs it between two steps, so no step sees half a
-drafter. vLLM imports the worker extension class before it builds the worker
-(vllm/v1/worker/worker_base.py, `init_worker`), so importing this module there registers the
-backend before `load_model` creates the engine (gpu_worker.py:599). The extension class also
-carries drafter.core.vllm_cpu's repair (a no-op where nothing is broken).
-
 What the file may hold: the draft layer's tensors in the native export's names (fc, midlayer,
 norm, lm_head, d2t). Never `embed_tokens`: vLLM gives an EAGLE draft the target's own table
 when the export's is identical (vllm/v1/spec_decode/llm_base_proposer.py,
 `_maybe_share_embeddings`), so writing it would write the target's weights; nor an `lm_head`
 vLLM shares with the target (`_maybe_share_lm_head`).
+
+The reasoning: docs/internals.md, "Module notes", vllm_weights.py.
 """
 from __future__ import annotations
 

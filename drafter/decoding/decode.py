@@ -11,35 +11,13 @@ vocab, Vd draft vocab, A aux layers, Ht target hidden, H drafter hidden, D tree 
 k children per node (chain: 1), N draft nodes verified per step, E expanded nodes (1 + (D-1)·k).
 Sampling temperature is `temperature` everywhere (never T, which counts tokens).
 
-The cache and its graphs are drafter.decoding.static's (`StaticTarget`, `Graphs`): prompts
-left-padded, row b's slot s holds position s - start_b, every forward writes at per-row slots and
-attends under a per-row visibility mask, so rows advance independently with every shape fixed.
-Batched generation for the generate step (paged cache, continuous batching) is
-drafter.generation.generator's.
-
-One speculative step (greedy or sampling; the chain is the tree with k = 1):
-  1. draft: from the drafter's distribution after the last committed token (`root`), EAGLE-2's
-     dynamic tree: the root's top-k children; at each depth the k best frontier nodes (cumulative
-     log-prob) are scored by the drafter in one forward, each proposing k children; the N best of
-     all candidates form the tree (ancestor-closed since log-probs only fall along a path).
-  2. verify: one target forward over [pending token, N nodes] with the tree's ancestor mask.
-     Greedy: a node is accepted when its parent is and it equals the target's argmax at its parent.
-     Sampling: recursive rejection sampling (each child in turn accepted with min(1, p/q), else
-     p <- norm(max(p - q, 0)) and the child's q mass removed), which reduces to the standard
-     rejection sampling of Leviathan et al. for the chain; the bonus token comes from the last p
-     (drafter.decoding.rejection: on the draft vocab's support, one kernel a step on CUDA).
-  3. commit: the accepted path's KV entries move to contiguous slots; the drafter re-reads the
-     accepted tokens with the target's true aux hidden states (`observe`), giving the next root.
-
-Sampling stays lossless with the tree because a child is sampled without replacement from q
-(Gumbel top-k) and ranked by the r-th largest log-prob of its parent (`build_tree`), not by its own:
-which nodes enter the tree then never depends on the identity of a node still to be verified.
-
 The drafter is an interface (`DraftModel`: observe/score), so that tests plug in oracle and always-
 wrong drafters; `EagleDraft` wraps drafter.train.model.Drafter with its own static cache. The
 drafting half (tree building, verification, `DraftModel`, `EagleDraft`) lives in
 drafter.decoding.tree. A proposer with a `step` of its own, a block drafter (DSpark, DFlash:
 drafter.decoding.dspark), runs the whole speculative step of a chain over this state.
+
+The reasoning: docs/internals.md, "Module notes", decode.py.
 """
 from __future__ import annotations
 

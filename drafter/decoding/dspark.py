@@ -10,35 +10,7 @@ Shapes: B rows, S attention span (cache slots read), Q block queries (DSpark K, 
 K the drafter's block size, k drafts verified (k <= K), H drafter hidden, Vd draft vocab,
 A target layers read, Ht target hidden, C the thresholds of CUTS.
 
-The cache. One K/V buffer per draft layer [layers, Bmax, nkv, Smax, hd], slots as the target's
-(slot s holds position s - start of its row): the context K/V that `DSpark.context` makes from
-the fused target states, one entry per committed position. The prefill's `observe` writes the
-prompt's; each step writes those of the positions it verified (one `context` call on the new
-positions only), so the drafter's cache grows as the target's does. The block's own keys and
-values go to the slots right after the committed ones (scratch: the next context write, or the
-next block, overwrites them before any query reads them as context).
-
-One step (Decoder._spec_step hands a proposer with a `step` the whole step):
-  1. draft: the block [anchor = the pending token, mask, ...] at the anchor's position and the
-     next ones attends the committed context and itself, no causal mask: one forward, the K
-     base logits; then left to right, each draft's Markov bias from the token before it (the
-     anchor for the first), greedy at temperature 0, else drawn from softmax(z / T) (Gumbel-max),
-     z kept as the draft distribution q the rejection test reads; each draft's confidence.
-     DFlash: the same without the bias. As `DSpark.draft` (tests/test_dspark_decode.py).
-  2. verify: one target forward over [pending, d1..dk], as a chain: greedy, rejection sampling
-     (tree.verify_chain_sample), or the decoder's `chain_verify` (block verification).
-  3. cut (`cut`): a row verifies only its first drafts whose running product of confidences
-     stays at or above `cut` (vLLM's adaptive verification ranks drafts by the same product):
-     greedy, the accepted count capped there; sampled, the walk stops there and the last token
-     comes from the target's distribution (rejection.walk with a per-row chain).
-  4. context: the verified positions' aux states become context K/V at their slots; commit.
-
-With a confidence head, each step also records per row (`stats_shape`, summed over the steps
-into Output.stats): per position the confidence where the position was tested, the tests, the
-acceptances and the running product (predicted against measured acceptance: `calibration`);
-and without a cut, for each threshold of CUTS and each k' <= k what a cut there would have
-accepted and verified on the same steps (exact per step for the standard verifications, whose
-acceptance of the first drafts does not depend on the later ones: `cut_counts`).
+The reasoning: docs/internals.md, "Module notes", dspark.py.
 """
 from __future__ import annotations
 

@@ -15,22 +15,7 @@ size, vocab size, RoPE and context that several checks compare against. Without 
 dir's own hints are used: drafter.json (written by `drafter export`), or a speculators verifier
 that is a local folder.
 
-Not checkable from a dir (say so in docs/export.md): whether the teacher used the final norm, the
-chat template at serving, and the algorithm flag of the serving command (EAGLE vs EAGLE3). The
-README's serving commands are read for one thing: whether those for sampled requests sample
-their drafts (drafter/export/readme_check.py, a warning). drafter.json's training record is read
-for one thing: whether a drafter trained on greedy answers only is served at T > 0
-(drafter/export/trained.py, a warning).
-
-With --target naming a model (not a config.json), the `acceptance` rule also runs the drafter:
-the target writes a few greedy answers to builtin prompts, and the drafter, teacher-forced on
-them, must predict the target's next tokens. It fails a drafter that predicts nothing, whatever
-its files say: one whose hits are what guessing at random over its draft vocab gets (random
-weights, wrong aux layer ids or norms, another target). One that predicts some tokens, but
-fewer than SMOKE_WARN of them, is weak: a warning, beside what always guessing the answers' most
-frequent token would score. `--no-smoke` skips it (it loads the target's weights). A target
-that ships its own model code (config.json `auto_map`, e.g. Kimi-K2.5) loads only with
-`--trust-remote-code`, as `target.trust_remote_code` does for the steps.
+The reasoning: docs/internals.md, "Module notes", check.py.
 """
 from __future__ import annotations
 
