@@ -49,6 +49,7 @@ from drafter.train.model import (
     MLP,
     WEIGHTS_FILE,
     DrafterConfig,
+    DraftVocab,
     RMSNorm,
     Rotary,
     apply_rope,
@@ -220,7 +221,7 @@ class ConfidenceHead(nn.Module):
 
 
 # --------------------------------------------------------------------------------------- model
-class DSpark(nn.Module):
+class DSpark(DraftVocab):
     def __init__(self, cfg: DSparkConfig):
         super().__init__()
         self.cfg = cfg
@@ -257,18 +258,7 @@ class DSpark(nn.Module):
             self.markov_head.markov_w2.weight.zero_()
         if self.confidence_head is not None:
             self.confidence_head.proj.weight.zero_()
-        self.d2t.zero_()
-        self.t2d.zero_()
-        self.t2d[: self.cfg.draft_vocab_size] = True
-
-    @torch.no_grad()
-    def set_embeddings(self, weight: torch.Tensor) -> None:
-        self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
-
-    @torch.no_grad()
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
+        self.reset_vocab()
 
     @torch.no_grad()
     def set_head(self, weight: torch.Tensor) -> None:

@@ -409,7 +409,29 @@ def fuse(fc_norm: RMSNorm | None, fc: nn.Linear, aux: torch.Tensor) -> torch.Ten
     return fc(aux.reshape(B, T, -1).to(dt))                                  # [B, T, H]
 
 
-class Drafter(nn.Module):
+class DraftVocab(nn.Module):
+    """What every drafter kind shares about the target's table and the draft vocab: embed_tokens
+    [V, H] (frozen, the target's), d2t [Vd], t2d [V] (buffers)."""
+
+    @torch.no_grad()
+    def reset_vocab(self) -> None:
+        """The identity map: the draft vocab is the first Vd target tokens."""
+        self.d2t.zero_()
+        self.t2d.zero_()
+        self.t2d[: self.cfg.draft_vocab_size] = True
+
+    @torch.no_grad()
+    def set_embeddings(self, weight: torch.Tensor) -> None:
+        """Copy the target's input embeddings [V, H] (frozen)."""
+        self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
+
+    @torch.no_grad()
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+
+class Drafter(DraftVocab):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
@@ -439,19 +461,7 @@ class Drafter(nn.Module):
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
         nn.init.normal_(self.embed_tokens.weight, std=std)
-        self.d2t.zero_()
-        self.t2d.zero_()
-        self.t2d[: self.cfg.draft_vocab_size] = True
-
-    @torch.no_grad()
-    def set_embeddings(self, weight: torch.Tensor) -> None:
-        """Copy the target's input embeddings [V, H] (frozen)."""
-        self.embed_tokens.weight.copy_(weight.to(self.embed_tokens.weight.dtype))
-
-    @torch.no_grad()
-    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
+        self.reset_vocab()
 
     # ---------------------------------------------------------------------------------- forward
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
