@@ -295,7 +295,8 @@ class TrainConfig:
         {}, "mla draft layer sizes over the target's: q_lora_rank, kv_lora_rank, "
         "qk_nope_head_dim, qk_rope_head_dim, v_head_dim")
     attention: Literal["auto", "sdpa", "flex"] = doc(
-        "auto", "TTT attention: sdpa (exact, CPU/GPU) or flex (fast GPU); auto picks")
+        "auto", "train attention: sdpa (exact, CPU/GPU) or flex (fast GPU); auto: flex "
+        "on a GPU for eagle3, else sdpa")
     compile: bool = doc(True, "torch.compile the fast path's layer and loss pieces (GPU only)")
     loss_chunk: int = doc(0, "fast path: rows of each chunk that lm_head and the loss run on "
                           "at a time; 0 sizes them so that a chunk's float32 logits take 256 "
