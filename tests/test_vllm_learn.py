@@ -107,14 +107,38 @@ class Learn:
         return int(lines[-1].split("pid ")[1].split(",")[0])
 
 
-def _until(what, timeout=900.0, every=1.0):
+def _until(what, timeout=900.0, every=1.0, learn: Learn | None = None):
     t0 = time.time()
     while time.time() - t0 < timeout:
         v = what()
         if v:
             return v
         time.sleep(every)
-    raise AssertionError(f"not within {timeout:.0f} s: {what}")
+    logs = ""
+    if learn is not None:   # what `drafter learn` and its learner said: the why of a timeout
+        learner = learn.s["run"] / "learn/learner.log"
+        logs = "\n--- drafter learn:\n" + learn.text()[-3000:] + "\n--- learner.log:\n" + \
+            (learner.read_text(errors="replace")[-5000:] if learner.exists() else "(none)")
+    raise AssertionError(f"not within {timeout:.0f} s: {what}{logs}")
+
+
+def _send_until_a_round_can_start(url, run: Path, convs: list) -> None:
+    """Requests until the kept ones hold a round's new training share (learn.round_samples: 6)
+    and two held-out ones: the split is by a random id's hash, so a fixed count falls short at
+    times."""
+    def counts():
+        recs = [read_json(p) for p in (run / "learn/traffic").glob("*.json")]
+        return (sum(r["split"] == "train" for r in recs),
+                sum(r["split"] == "holdout" for r in recs))
+
+    for c in convs:
+        train, hold = counts()
+        if train >= 6 and hold >= 2:
+            return
+        n = sum(counts())
+        assert _chat(url, c["conversations"][0]["value"][:400]).status_code == 200
+        _until(lambda: sum(counts()) > n, 30)   # a request is kept once its answer went out
+    raise AssertionError(f"{len(convs)} requests left a round short: {counts()}")
 
 
 def _chat(url, text: str, T=0.0, max_tokens=32, stream=False, timeout=600.0):
@@ -192,16 +216,14 @@ def test_learn_keeps_trains_swaps_in_place_and_survives_a_vllm_kill(setup, share
         assert r.status_code == 200 and r.json()["choices"][0].get("token_ids") is None
         assert _until(lambda: len(list((run / "learn/traffic").glob("*.json"))) == 2, 30)
         convs = json.loads((shared_data / "train/sharegpt_dummy_conversation.json").read_text())
-        for c in convs[:13]:
-            assert _chat(url, c["conversations"][0]["value"][:400]).status_code == 200
-        # (a request is kept once its answer went out)
-        _until(lambda: len(list((run / "learn/traffic").glob("*.json"))) == 15, 30)
+        _send_until_a_round_can_start(url, run, convs[:20])
         kept = [read_json(p) for p in (run / "learn/traffic").glob("*.json")]
         assert all(k["output_ids"] and k["prompt_ids"] for k in kept)
         assert all(p.stat().st_mode & 0o777 == 0o600
                    for p in (run / "learn/traffic").glob("*.json"))
 
-        judged = _until(lambda: (run / "learn/rounds/r0001/judged.json").exists(), 1200, 2)
+        _until(lambda: (run / "learn/rounds/r0001/round.json").exists(), 300, 1, learn)
+        judged = _until(lambda: (run / "learn/rounds/r0001/judged.json").exists(), 900, 2, learn)
         res = read_json(run / "learn/rounds/r0001/judged.json")
         assert judged and res["tau_base"] == 1.0 and res["base"] == "v0000"
         if res["better"]:   # the served drafter changes only with a figure behind it
