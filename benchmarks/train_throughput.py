@@ -120,6 +120,7 @@ from drafter.train import (
 )
 from drafter.train import merge as merge_mod  # noqa: E402
 from drafter.train.dspark import DSpark, DSparkConfig  # noqa: E402
+from drafter.train.losses import objective  # noqa: E402
 from drafter.train.metrics import throughput  # noqa: E402
 from drafter.train.model import Drafter, DrafterConfig, param_count  # noqa: E402
 
@@ -265,11 +266,11 @@ def setup(c: DrafterConfig, B: int, T: int, K: int, args, dist, attention: str) 
     drafter.embed_tokens.to(torch.bfloat16)
     head = Head((torch.randn(c.draft_vocab_size, c.target_hidden_size) * 0.05)
                 .to(torch.bfloat16)).to(dist.device)
-    ttt, model, opt = trainer.setup_model(drafter, tc, dist, attention)
+    ttt, model, opt = trainer.setup_model(drafter, tc, dist, attention, objective(cfg))
     amp = torch.autocast(dist.device.type, dtype=torch.bfloat16) if cuda else \
         torch.autocast("cpu", enabled=False)
     return dict(cfg=cfg, tc=tc, attention=attention, drafter=drafter, head=head, model=model,
-                opt=opt,
+                opt=opt, obj=ttt.obj,
                 params=[p for p in ttt.parameters() if p.requires_grad], amp=amp, cuda=cuda,
                 fused=attention == "flex")
 
@@ -361,12 +362,13 @@ def bench(name: str, args, dist, attention: str, teacher: str) -> dict:
         return hb["tokens"]  # real tokens (padding excluded)
 
     check = None
-    if fused and not args.no_check:  # the fast path against the exact one, same batch, no grad
+    if fused and not args.no_check:  # the fast path against the exact one: same batch and
+        # loss (the method's, as train's), no grad
         from drafter.train.dspark_objective import BlockTrain
         from drafter.train.ttt import TTT
         hb = next_host()
-        exact = TTT(drafter, attention="sdpa") if args.method == "eagle3" else \
-            BlockTrain(drafter)
+        exact = TTT(drafter, attention="sdpa", obj=S["obj"]) if args.method == "eagle3" else \
+            BlockTrain(drafter, obj=S["obj"])
         with torch.no_grad(), S["amp"]:
             fast = S["model"](**batches.model_inputs(batches.device_batch(hb, dist.device, head,
                                                                           True)))

@@ -28,6 +28,7 @@ from drafter.core.weights import target_embeddings
 from drafter.features.capture import Capture
 from drafter.steps import train
 from drafter.train import batches
+from drafter.train.losses import objective
 from tests.tiny import make_tiny
 
 VOCAB, VD = 512, 256
@@ -316,7 +317,8 @@ def test_loss_chunk_reaches_the_ttt(world, tmp_path):
     from drafter.train import trainer
 
     cfg = cfg_for(world, tmp_path / "a", "train.loss_chunk=4096")
-    ttt, _, _ = trainer.setup_model(drafter_for(world, cfg), cfg.train, Dist(), "sdpa")
+    ttt, _, _ = trainer.setup_model(drafter_for(world, cfg), cfg.train, Dist(), "sdpa",
+                                   objective(cfg))
     assert ttt.loss_chunk == 4096
     with pytest.raises(C.ConfigError, match=r"train\.loss_chunk: invalid value -1"):
         fit(world, cfg_for(world, tmp_path / "b", "train.loss_chunk=-1"))
@@ -404,7 +406,8 @@ def test_muon_takes_the_matrices_and_adamw_the_rest(world, tmp_path):
     from drafter.train import trainer
 
     cfg = cfg_for(world, tmp_path, "train.optimizer=muon", "train.muon_lr=0.02")
-    ttt, _, opt = trainer.setup_model(drafter_for(world, cfg), cfg.train, Dist(), "sdpa")
+    ttt, _, opt = trainer.setup_model(drafter_for(world, cfg), cfg.train, Dist(), "sdpa",
+                                   objective(cfg))
     names = {id(p): n for n, p in ttt.named_parameters()}
     muon = {names[id(p)] for g in opt.muon.param_groups for p in g["params"]}
     adamw = {names[id(p)] for g in opt.adamw.param_groups for p in g["params"]}
@@ -422,7 +425,8 @@ def test_muon_takes_the_matrices_and_adamw_the_rest(world, tmp_path):
     sd = opt.state_dict()
     assert sum("momentum_buffer" in v for v in sd["state"].values()) == len(muon)
     assert sum("exp_avg" in v for v in sd["state"].values()) == len(adamw)
-    _, _, opt2 = trainer.setup_model(drafter_for(world, cfg), cfg.train, Dist(), "sdpa")
+    _, _, opt2 = trainer.setup_model(drafter_for(world, cfg), cfg.train, Dist(), "sdpa",
+                                   objective(cfg))
     opt2.load_state_dict(sd)
     assert opt2.muon.state is opt2.state and opt2.muon.param_groups[0] is opt2.param_groups[0]
     assert sched.get_last_lr()[0] == 0.01
@@ -441,7 +445,8 @@ def test_noise_reaches_training_only(world, tmp_path):
     out = {}
     for level in (0.0, 0.5):
         cfg = cfg_for(world, tmp_path / str(level), f"train.noise={level}")
-        ttt, _, _ = trainer.setup_model(drafter_for(world, cfg), cfg.train, Dist(), "sdpa")
+        ttt, _, _ = trainer.setup_model(drafter_for(world, cfg), cfg.train, Dist(), "sdpa",
+                                   objective(cfg))
         d = batches.device_batch(batches.host_batch(
             batches.Source.memory(world.captured["train"]), [[0], [1]], 2, 64, cfg.train,
             world.model.get_input_embeddings().weight.detach()), torch.device("cpu"),

@@ -191,7 +191,7 @@ def fit(cfg, run: Run, dist: Dist, drafter: Drafter, train_src: Source,
     metrics, tb, gc_clock, compiled = None, None, None, None
     try:
         obj = objective(cfg)  # the loss and the temperatures its metrics show (losses.py)
-        ttt, model, opt = setup_model(drafter, tc, dist, attention, obj=obj)
+        ttt, model, opt = setup_model(drafter, tc, dist, attention, obj)
         params = [p for p in ttt.parameters() if p.requires_grad]
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc, total))
         setup.tick("model")

@@ -22,7 +22,7 @@ from drafter.train import optim
 from drafter.train.batches import model_inputs
 from drafter.train.dspark import DSpark, DSparkConfig
 from drafter.train.dspark_objective import BlockTrain
-from drafter.train.losses import DEFAULT, Objective
+from drafter.train.losses import Objective
 from drafter.train.model import Drafter, DrafterConfig, draft_layer_for
 from drafter.train.ttt import TTT
 
@@ -205,7 +205,7 @@ def device_setup(tc, device):
 
 def pick_attention(tc, device) -> str:
     if tc.attention == "auto":  # block drafters: SDPA over the dense block mask, until their
-        # FlexAttention path matches it on a GPU (docs/train.md, "The drafter kind")
+        # FlexAttention path is checked against it on a GPU (docs/train.md, "The drafter kind")
         return "flex" if device.type == "cuda" and tc.method == "eagle3" else "sdpa"
     if tc.attention == "flex" and device.type != "cuda":
         raise ConfigError("train.attention=flex needs a CUDA GPU (FlexAttention has no "
@@ -213,11 +213,12 @@ def pick_attention(tc, device) -> str:
     return tc.attention
 
 
-def setup_model(drafter: Drafter, tc, dist: Dist, attention: str, saved: str = "load",
-                obj: Objective = DEFAULT):
+def setup_model(drafter: Drafter, tc, dist: Dist, attention: str, obj: Objective,
+                saved: str = "load"):
     """The trainable modules on the device (the embeddings stay on the CPU), wrapped for the
     ranks (DDP, or FSDP2 with train.fsdp), and train.optimizer over them (drafter/train/optim.py).
-    obj: the loss (drafter/train/losses.objective); train.noise on the aux states while
+    obj: the loss (drafter/train/losses.objective(cfg): no default, as the kinds' differ);
+    train.noise on the aux states while
     training. -> (ttt, model, optimizer).
     saved: what the compiled pieces do with the saved whole graphs (drafter/train/aot.py): "load"
     (train), "save" (precompile); "off" under train.fsdp (sharded parameters are not what a
