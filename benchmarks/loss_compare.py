@@ -33,6 +33,8 @@ VARIANTS = {
     "lk": ["train.loss=[{kind: lk}]"],
     "ce-tv": ["train.loss=[{kind: ce, weight: 0.1}, {kind: tv, weight: 0.9}]"],
     "dpace": ["train.position_weight=dpace"],
+    "ce-tv-dpace": ["train.loss=[{kind: ce, weight: 0.1}, {kind: tv, weight: 0.9}]",
+                    "train.position_weight=dpace"],   # the two best changes together
     "noise": ["train.noise=0.05"],
     "muon": ["train.optimizer=muon"],
     # the drafter kinds (benchmarks/kinds-cpu.yaml): eagle3 is "kl" under its own name

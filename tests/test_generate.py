@@ -706,8 +706,8 @@ def test_a_prompt_over_the_context_is_rejected_per_record(fake, tmp_path):
 def test_the_quality_recipe_is_one_config(shared_data):
     """configs/quality-smollm2.yaml: every pool of the shared train data, 40,000 synthetic
     prompts written on the data engine, each answered greedily and again at T=0.8, one online
-    pass at lr 1.2e-3, evaluated at T 0, 0.7 and 1 with a chain and a tree at batch 64. It is
-    loaded (validated) here, not run."""
+    pass at lr 1.2e-3 on 0.1 CE + 0.9 TV with D-PACE's weights, evaluated at T 0, 0.7 and 1
+    with a chain and a tree at batch 64. It is loaded (validated) here, not run."""
     cfg = C.load(REPO / "configs" / "quality-smollm2.yaml")
     pools = [s for s in cfg.prepare.sources if s.synthetic is None]
     assert sorted(Path(s.path).name for s in pools) == \
@@ -722,6 +722,8 @@ def test_the_quality_recipe_is_one_config(shared_data):
     assert [v for _, v in generate.copies(g)] == [None, 0.8]
     t = cfg.train
     assert (t.online, t.epochs, t.lr, t.max_steps) == (True, 1, 1.2e-3, None)
+    assert [(x.kind, x.weight) for x in t.loss] == [("ce", 0.1), ("tv", 0.9)]
+    assert t.position_weight == "dpace"     # the measured best (BENCHMARKS.md, the losses)
     ev = cfg.evaluate
     assert (ev.temperatures, ev.methods, ev.batch_size) == ([0.0, 0.7, 1.0], ["chain", "tree"], 64)
     assert all((REPO / d.path).is_file() for d in ev.datasets)
