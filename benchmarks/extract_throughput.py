@@ -397,6 +397,8 @@ def main() -> int:
     rows.append(("decoder only", total / dec_s, None, None, None))
 
     run = Run(work / "run")
+    for p in plans:   # where the step writes them
+        p.path = run.shard("train", p.index)
     if R.rank == 0:
         write_tokens(run, samples)
     R.barrier()
@@ -433,7 +435,7 @@ def main() -> int:
         def work_fn():
             writer = store.ShardWriter(info)
             for p in mine:
-                extract._extract_shard(cap, table, p, ecfg, writer, run, Bar())
+                extract._extract_shard(cap, table, p, ecfg, writer, Bar())
             entries.update(writer.close())  # the last shard is on disk
 
         secs = timed(work_fn)

@@ -402,3 +402,20 @@ def test_torchrun_tensor_parallel_matches(base, tmp_path):
         err = (x["aux"].float() - y["aux"].float()).abs().max()
         assert err <= 2 ** -7 * y["aux"].float().abs().max()                 # bf16 ulps
         assert (x["in_vocab"] == y["in_vocab"]).float().mean() > 0.95
+
+
+def test_the_throughput_benchmark_runs_the_steps_own_loop(tmp_path):
+    """benchmarks/extract_throughput.py --tiny (the GPU chain's kimi-extract at a tiny size):
+    the extract step's own shard loop, each option's files at the bytes per token the store's
+    formula gives, and the fp8 error of every layer."""
+    out = tmp_path / "et.json"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks/extract_throughput.py"), "--tiny",
+                        "--options", "fp8/topk,bf16/hidden", "--fp8-error", "--fp8-error-tokens",
+                        "256", "--tokens", "1024", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for name, o in res["options"].items():
+        assert abs(o["bytes_per_token"] / o["formula_bytes_per_token"] - 1) < 0.01, name
+    assert len(res["fp8_error"]["layers"]) == res["N"]
+    assert all(0 < e["rel_l2"] < 0.05 for e in res["fp8_error"]["layers"].values())

@@ -68,6 +68,7 @@ def test_a_step_longer_than_the_time_left_does_not_start(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3300)   # the driver's own limit is 3000 s; pytest's default 600 is not
 def test_the_whole_chain_at_tiny_sizes(tmp_path):
     """Every step in its tiny CPU form (tiny Kimi slices, the quality recipe at a few samples,
     the GPU tests skipping themselves), from an empty state: all ten finish."""
