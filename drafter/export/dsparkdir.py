@@ -7,31 +7,9 @@ tensor names and shapes, README, the writer, and the reading of such a dir back 
 
 One layout, `native/`: model_type qwen3, architectures DFlashDraftModel (vLLM's registry maps it
 to qwen3_dflash.py's DFlashQwen3ForCausalLM) or Qwen3DSparkModel (qwen3_dspark.py's
-Qwen3DSparkForCausalLM). The contract is ../shared/docs/ENGINES.md and docs/export.md; the facts
-below are from the installed vLLM 0.32.0's source.
-
-- Tensors: our parameter names are vLLM's checkpoint names (both load_weights prefix `model.` to
-  everything but lm_head and d2t, stack q/k/v and gate/up): fc, hidden_norm, layers.{i}.*, norm,
-  lm_head, d2t (-> draft_id_to_target_id when draft_vocab_size < the target's vocab), t2d
-  (skipped), embed_tokens (optional: without it the target's is shared, which needs H = Ht),
-  markov_head.markov_w1 [V, r] / markov_w2 [Vd, r] and confidence_head.proj [1, H (+ r)] + bias
-  (DSpark). An unknown name fails vLLM's loader.
-- Target layers: `dflash_config.target_layer_ids` are layer outputs, our HS ids - 1: vLLM's
-  runners add 1 (gpu_model_runner.py `_get_eagle3_aux_layers_from_config`,
-  gpu/spec_decode/eagle/eagle3_utils.py `get_eagle3_aux_layers_from_config`) and capture the
-  stream entering that layer (llama.py/qwen2.py `_maybe_add_hidden_state(idx + 1, ...)`).
-  fc's input is len(ids) * target_hidden_size (qwen3_dflash.py `_get_dflash_fc_input_size`).
-- mask_token_id in dflash_config (the proposers' parallel_drafting_token_id,
-  llm_base_proposer.py `_init_parallel_drafting_params`); use_aux_hidden_state true (else no fc).
-- DSpark: markov_rank, enable_confidence_head, confidence_head_with_markov (vLLM's default is
-  false, so it is always written), sample_from_anchor true at the top level (the anchor predicts
-  the first draft: DSparkSpeculator reads it there; in dflash_config the DFlash speculator
-  refuses it), dspark_bonus_anchor false. num_speculative_tokens defaults to block_size for
-  DSpark only (config/speculative.py); both kinds must be served at the trained block size.
-- No causal flag: DFlash layers are non-causal unless is_causal, dflash_config.causal or sliding
-  layer_types say otherwise (qwen3_dflash.py `_resolve_layer_attention`); training is non-causal.
-- SGLang's Qwen3DSparkModel (python/sglang/srt/models/qwen3_dspark.py) reads the top-level
-  target_layer_ids, block_size and mask_token_id: written too, equal to dflash_config's.
+Qwen3DSparkForCausalLM). The contract is ../shared/docs/ENGINES.md and docs/export.md; the
+installed vLLM 0.32.0's source behind each field (tensor names, target layer ids, the mask token,
+DSpark's flags, what SGLang reads) is in docs/internals.md, "Module notes".
 """
 from __future__ import annotations
 

@@ -19,33 +19,8 @@ A native config.json carries both: the top-level `eagle_aux_hidden_state_layer_i
 it first, as HS) and `eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang reads only this one,
 adding 1), so each engine reads the layers the drafter was trained on.
 
-Facts checked in the engines' source (2026 versions), cited where used:
-- vLLM model_executor/models/llama_eagle3.py: renames `midlayer.` to `layers.0.`, maps `d2t`
-  to draft_id_to_target_id, skips `t2d`, uses embed_tokens only when shipped (else the
-  target's), reads norm_before_residual with default False; fc input is 3 * target_hidden_size.
-- vLLM transformers_utils/configs/speculators/algos.py (update_eagle3): the draft config is
-  transformer_layer_config plus draft_vocab_size, target_hidden_size, norm_before_residual
-  (default **True**), norm_before_fc, fc_norm, norm_output, eagle_aux_hidden_state_layer_ids.
-  A config.json without model_type but with speculators_config is read as "speculators".
-- SGLang srt/models/llama_eagle3.py: ties lm_head to embed_tokens when tie_word_embeddings is
-  true; `hot_token_id = d2t + arange`; skips t2d; silently ignores unknown tensor names; has no
-  norm_before_residual branch (residual is h: False). model_runner / set_eagle3_layers_to_capture:
-  explicit ids get `val + 1`, no ids give [2, N//2, N-3].
-- EAGLE-3.1 engines (vLLM, SGLang forks, TensorRT-LLM PR 14988, speculators PR 610): `fc_norm`
-  is a list of per-aux RMSNorms, tensors `fc_norm.{i}.weight` [Ht]; `norm_before_fc` is one
-  RMSNorm over the concatenation, tensor `input_norm.weight` [3*Ht] (speculators eagle3/core.py).
-- RoPE of the draft layer: vLLM's llama.py attention calls rotary_embedding get_rope with the
-  draft config's rope_parameters; its `yarn` (yarn_scaling_rope.py) scales cos/sin by
-  attention_factor, else the mscale/mscale_all_dim ratio, else 0.1·ln(factor)+1. vLLM's
-  single-file rotary_embedding.py and SGLang's yarn before PR 22711 ignore mscale keys. Which
-  scalings every engine computes as training does: drafter.train.model.rope_problem.
-- Aux states reach fc in layer order, each layer once (vLLM deepseek_v2.py / llama.py: `if idx
-  in aux_hidden_state_layers`; SGLang: `if i in self.layers_to_capture`), whatever the order of
-  the ids in the config: `drafter check` fails unsorted or repeated ids.
-- llama.cpp conversion/llama.py: registers LlamaForCausalLMEagle3, Eagle3Speculator and
-  Eagle3DraftModel; detects a draft by draft_vocab_size + num_hidden_layers == 1; needs
-  --target-model-dir; writes extract_layers = [2, N//2, N-3] from the target's config; converts
-  d2t to absolute ids and refuses duplicates or out-of-range ids; reads norm_before_residual.
+The engines' source behind each field (vLLM, SGLang, EAGLE-3.1 forks, llama.cpp; 2026
+versions) is in docs/internals.md, "Module notes".
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The train step: the EAGLE-3 drafter with training-time test (TTT), offline or online.
+"""The train step: an EAGLE-3 drafter with training-time test (TTT), or a block drafter
+(train.method: dspark, dflash; drafter/train/dspark_objective.py), offline or online.
 
 Reads   vocab/vocab.safetensors (d2t, t2d), the target's config and input embeddings, and
         offline: extract/{train,val}/ shards and extract/head.safetensors (store.Reader);
@@ -13,31 +14,13 @@ Writes  train/step_NNNNNN/  model.safetensors + drafter_config.json (model.save_
     drafter train CONFIG [train.lr=3e-4 ...]
     torchrun --nproc-per-node 8 -m drafter.cli train CONFIG [train.fsdp=true]
 
-Online in a `drafter run`, train's graphs compile in a process the pipeline started ahead of it
-(before generate, tokenize or vocab: drafter/run/pipeline.py, AHEAD_OF_TRAIN): the loop waits for
-it after its set-up, before its first step, and its figures are the manifest's "precompile" (its
-log train/precompile.log).
-
 This file is the loop, top to bottom. What it calls: drafter/train/batches.py (the data pipeline),
 trainer.py (the model set up for the ranks, one optimizer step), ttt.py (the K-step unroll and
 its loss; merge.py its later steps' attention), checkpoint.py, metrics.py, and dist.py
 (torchrun's environment).
 
-Data. Samples are taken in id order (so offline shards and online capture agree), shuffled with
-train.seed, and packed first-fit into rows of train.max_length tokens (a longer sample keeps its
-first max_length tokens); attention never crosses samples and positions restart in each. Each
-epoch shuffles the rows again and groups them into micro-batches of batch_tokens // max_length
-rows. Optimizer step s, accumulation a, rank r takes micro-batch (s·grad_accum + a)·world + r,
-so 2 ranks × 1 equals 1 rank × accumulation 2 (tests/test_train.py).
-
-Loss. Σ over TTT steps i of ttt_decay^i · (soft cross-entropy summed over the positions of
-step i in the loss), divided by the positions of step 0 in the loss over the whole optimizer step
-(all micro-batches, all ranks). Gradients are scaled after backward, so accumulation and ranks
-need no count in advance. Metrics per TTT step, over the positions whose predicted token is in
-the loss mask: acc (drafter argmax = teacher argmax; a teacher argmax outside the draft vocab is a
-miss), accept (Σ min(p, q)), and sim_tau = 1 + Σ_i Π_{j<=i} acc_j: the acceptance length of a
-greedy chain of ttt_steps drafts when acc_j is the acceptance of draft j given the earlier ones
-(which TTT step j measures: its inputs are the true tokens); sim_tau_p uses accept (sampling).
+How samples become rows and micro-batches, the loss and metrics it logs, and the precompile
+process it waits for: docs/internals.md, "Module notes".
 """
 from __future__ import annotations
 

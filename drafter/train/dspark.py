@@ -21,17 +21,7 @@ Shapes:
               one (the anchor, then each draft): sampled left to right; conf = sigmoid(
               confidence_head.proj(cat(hn, markov_w1[prev]))) the draft's chance of acceptance
 
-Layouts of a block (`anchor_predicts`, vLLM's `sample_from_anchor`): DSpark's queries are the
-anchor and K-1 masks, query j predicting the token after its own position (K queries, K drafts);
-DFlash's are the anchor and K masks, mask j predicting the token at its own position (K+1
-queries, vLLM's DFlashProposer). Either way draft m (1..K) after anchor a predicts token a+m
-from the target's states at positions < a: the teacher of row a+m-1 (DESIGN.md alignment).
-markov_rank 0 and no confidence head is DFlash (DESIGN.md, "Block drafters").
-
-Parameter names are vLLM's checkpoint names (its loader adds `model.` and stacks q/k/v into
-qkv_proj, gate/up into gate_up_proj): `fc`, `hidden_norm`, `layers.{i}.*`, `norm`, `lm_head`,
-`embed_tokens`, `markov_head.markov_w1/markov_w2`, `confidence_head.proj`, `d2t`, `t2d`.
-Target layer ids are kept in the drafter's HS[k] meaning (DESIGN.md); export writes vLLM's.
+The two kinds' block layouts, and the parameter names (vLLM's): docs/internals.md, "Module notes".
 """
 from __future__ import annotations
 

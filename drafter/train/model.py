@@ -18,24 +18,11 @@ Shapes:
 Parameter and buffer names are the engines' own (ENGINES.md): `fc`, `midlayer.*`, `norm`,
 `lm_head`, `d2t`, `t2d`, `embed_tokens`, so export copies instead of translating.
 
-Alignment (DESIGN.md): at position t the drafter sees aux features of token t and the embedding of
-token t+1, and learns the target distribution at t+1 (the teacher of position t+1). The shift is
-written once, in `drafter.train.batches.align`.
+Alignment (DESIGN.md): at position t, aux of token t and the embedding of token t+1 learn the
+teacher of t+1; the shift is written once, in `drafter.train.batches.align`.
 
-Shape from the target (`DrafterConfig.from_target`): H, I, heads and eps are the target's. hd is
-the target's `head_dim`, except for MLA targets (DeepSeek-V2/V3, Kimi-K2/K2.5: `kv_lora_rank`
-set), where transformers sets `head_dim` to the rope part of a query (qk_rope_head_dim, 64 for
-Kimi) and a Llama layer needs a full head: there hd = v_head_dim (128 for Kimi, the
-qk_nope_head_dim too; what the published Kimi-K2.5 drafters use). The RoPE is the target's theta
-and scaling, unless an engine's Llama layer would compute that scaling differently from the
-transformers Llama code the drafter trains with (`rope_problem`: DeepSeek's YaRN keys, rope types
-a Llama layer lacks): then plain RoPE at the target's theta, which every engine computes alike.
-
-The draft layer's attention (`draft_layer`): "llama", the q/k/v/o projections above, or "mla",
-DeepSeek's multi-head latent attention with the target's latent sizes and its RoPE as the
-target applies it (DeepSeek's YaRN included): drafter/train/mla.py, its own module because it
-is a second attention with its own RoPE and score-scale rules (docs/internals.md). Both take
-x [B, T, 2H] and give [B, T, H]; everything else in the layer is the same.
+Its shape and RoPE from the target, and the two draft-layer attentions (llama, mla):
+docs/internals.md, "Module notes".
 """
 from __future__ import annotations
 
