@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drafter.core.rundir import read_json, read_jsonl
+from drafter.core.rundir import Run, read_json, read_jsonl
+from drafter.learn import traffic
 from drafter.serve.supervisor import free_port, group_alive
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,7 +128,7 @@ def _send_until_a_round_can_start(url, run: Path, convs: list) -> None:
     and two held-out ones: the split is by a random id's hash, so a fixed count falls short at
     times."""
     def counts():
-        recs = [read_json(p) for p in (run / "learn/traffic").glob("*.json")]
+        recs = traffic.kept(Run(run))
         return (sum(r["split"] == "train" for r in recs),
                 sum(r["split"] == "holdout" for r in recs))
 
